@@ -1,0 +1,83 @@
+"""BERT and RoBERTa (XLM-RoBERTa shares the layout): post-LN encoders."""
+
+from __future__ import annotations
+
+from raot_hf.adapters.base import Adapter, HeadTemplate, LayerTemplate
+
+BERT_LAYER = LayerTemplate(
+    q="attention.self.query",
+    k="attention.self.key",
+    v="attention.self.value",
+    o="attention.output.dense",
+    fc1="intermediate.dense",
+    fc2="output.dense",
+    norm_attn="attention.output.LayerNorm",
+    norm_mlp="output.LayerNorm",
+)
+
+EMBEDDINGS = (
+    ("embeddings.word_embeddings.weight", 1),
+    ("embeddings.position_embeddings.weight", 1),
+    ("embeddings.token_type_embeddings.weight", 1),
+)
+
+
+def _check_bert_config(config) -> None:
+    from raot_hf.errors import RaotError
+
+    if getattr(config, "position_embedding_type", "absolute") not in (None, "absolute"):
+        raise RaotError(
+            f"position_embedding_type={config.position_embedding_type!r} is not supported "
+            "(relative_key distance embeddings live in head space); use an 'absolute' checkpoint."
+        )
+    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
+        raise RaotError(
+            "decoder / cross-attention BERT checkpoints are not supported; use an encoder checkpoint."
+        )
+
+
+BERT = Adapter(
+    name="bert",
+    model_types=("bert",),
+    norm="post",
+    base_prefix="bert",
+    layers="encoder.layer",
+    layer=BERT_LAYER,
+    embedding_writers=EMBEDDINGS,
+    stream_norms=("embeddings.LayerNorm",),
+    heads={
+        "Model": HeadTemplate(stream_readers=("pooler.dense",)),
+        "ForSequenceClassification": HeadTemplate(stream_readers=("bert.pooler.dense",)),
+        "ForTokenClassification": HeadTemplate(stream_readers=("classifier",)),
+        "ForQuestionAnswering": HeadTemplate(stream_readers=("qa_outputs",)),
+        "ForMaskedLM": HeadTemplate(
+            tied=(
+                "cls.predictions.transform.dense",
+                "cls.predictions.transform.LayerNorm",
+                "cls.predictions.decoder",
+            )
+        ),
+    },
+    check_config=_check_bert_config,
+)
+
+ROBERTA = Adapter(
+    name="roberta",
+    model_types=("roberta", "xlm-roberta", "camembert"),
+    norm="post",
+    base_prefix="roberta",
+    layers="encoder.layer",
+    layer=BERT_LAYER,
+    embedding_writers=EMBEDDINGS,
+    stream_norms=("embeddings.LayerNorm",),
+    heads={
+        "Model": HeadTemplate(stream_readers=("pooler.dense",)),
+        "ForSequenceClassification": HeadTemplate(stream_readers=("classifier.dense",)),
+        "ForTokenClassification": HeadTemplate(stream_readers=("classifier",)),
+        "ForQuestionAnswering": HeadTemplate(stream_readers=("qa_outputs",)),
+        "ForMaskedLM": HeadTemplate(tied=("lm_head.dense", "lm_head.layer_norm", "lm_head.decoder")),
+    },
+    check_config=_check_bert_config,
+)
+
+ADAPTERS = (BERT, ROBERTA)

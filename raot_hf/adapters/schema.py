@@ -1,0 +1,147 @@
+"""The common schema every architecture adapter produces (DESIGN.md §2).
+
+A model is described by *spaces*: vector spaces inside the network on which a symmetry acts
+(the residual stream, each layer's MLP units, each layer's query-key and value-output head
+spaces). A space lists its *members*: the parameter tensors with an axis indexing that space.
+Every symmetry in §3 is then one operation — contract each member's axis with a matrix M
+(covariant members) or with M⁻ᵀ (contravariant members) — see
+:func:`raot_hf.symmetry.apply.apply_transform`.
+
+Covariant members produce vectors of the space (writers: ``W ← Mᵀ·W`` on the output axis,
+embedding rows, biases, LayerNorm γ/β that live in the space, the "query side" of a
+bilinear form); contravariant members consume them (readers: ``W ← W·M⁻ᵀ``). For orthogonal
+M both are the same contraction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+NormPlacement = Literal["pre", "post"]
+
+
+@dataclass(frozen=True)
+class Member:
+    """One parameter axis (or a slice of it) that indexes a space.
+
+    ``index`` selects the positions of the axis that belong to the space, in the space's
+    order (``None``: the whole axis). DeBERTa v1's fused ``in_proj`` is three members of one
+    parameter with interleaved indices.
+    """
+
+    name: str
+    axis: int
+    covariant: bool
+    role: str
+    index: tuple[int, ...] | None = None
+
+    def index_tensor(self) -> torch.Tensor | None:
+        return None if self.index is None else torch.tensor(self.index, dtype=torch.long)
+
+
+@dataclass
+class Space:
+    """A vector space inside the model on which one symmetry factor acts.
+
+    ``kind`` is ``"residual"``, ``"mlp"``, ``"qk"`` or ``"vo"``. ``exact`` names the largest
+    group that acts exactly: ``"orthogonal"`` (head spaces), ``"permutation"`` (MLP units with
+    an elementwise activation; the post-LN residual stream, where LayerNorm γ sits in the
+    stream) or ``"mean_fixing"`` (the pre-LN residual stream after folding LayerNorms).
+    """
+
+    name: str
+    kind: str
+    size: int
+    members: list[Member] = field(default_factory=list)
+    exact: str = "orthogonal"
+    layer: int | None = None
+
+
+@dataclass(frozen=True)
+class Fold:
+    """A pre-LN LayerNorm whose affine part folds into the readers that follow it (§3.3)."""
+
+    norm_weight: str
+    norm_bias: str
+    readers: tuple[tuple[str, str | None], ...]  # (weight, bias) of each Linear reading the norm
+
+
+@dataclass(frozen=True)
+class HeadReadout:
+    """Where a layer's per-head queries and keys are observed during calibration.
+
+    ``module`` is hooked on its output; ``q_index`` / ``k_index`` are the (H·h,) feature
+    positions of the heads in head order; ``q_bias`` / ``k_bias`` are parameters added after
+    the module (DeBERTa v1's ``q_bias``), indexed in standard head layout.
+    """
+
+    module: str
+    q_module: str
+    k_module: str
+    q_index: tuple[int, ...] | None = None
+    k_index: tuple[int, ...] | None = None
+    q_bias: str | None = None
+    k_bias: str | None = None
+
+
+@dataclass(frozen=True)
+class LayerSchema:
+    """Module names of one encoder layer, for hooks (calibration) and Gram matrices (RegMean)."""
+
+    index: int
+    heads: HeadReadout
+    context: str  # module whose *input* is the per-head context entering o
+    mlp_hidden: str  # module whose *input* is the post-activation MLP units (fc2)
+    linears: tuple[str, ...]  # every Linear module of the layer (RegMean)
+
+
+@dataclass
+class ModelSchema:
+    """Everything the symmetry algebra, the estimators and the merge need to know."""
+
+    model_type: str
+    architecture: str
+    norm: NormPlacement
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    head_size: int
+    intermediate_size: int
+    spaces: dict[str, Space]
+    layers: list[LayerSchema]
+    stream_modules: list[str]  # modules whose output is the residual stream (§4)
+    folds: list[Fold] = field(default_factory=list)
+    head_params: list[str] = field(default_factory=list)  # task-head parameters (head policy)
+    output_in_stream: bool = False  # the model's primary output is the stream (base models)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def residual(self) -> Space:
+        return self.spaces["residual"]
+
+    def space(self, name: str) -> Space:
+        if name not in self.spaces:
+            raise KeyError(f"no space {name!r} in the {self.model_type} schema")
+        return self.spaces[name]
+
+    def mlp_space(self, layer: int) -> Space:
+        return self.spaces[f"layers.{layer}.mlp"]
+
+    def qk_space(self, layer: int) -> Space:
+        return self.spaces[f"layers.{layer}.qk"]
+
+    def vo_space(self, layer: int) -> Space:
+        return self.spaces[f"layers.{layer}.vo"]
+
+    def parameter_names(self) -> set[str]:
+        return {m.name for s in self.spaces.values() for m in s.members}
+
+
+def head_index(num_heads: int, head_size: int, stride: int | None = None, offset: int = 0) -> tuple[int, ...]:
+    """Feature positions of every head in head order: head i occupies
+    ``[i·stride + offset, i·stride + offset + head_size)`` (``stride`` defaults to head_size)."""
+    stride = head_size if stride is None else stride
+    return tuple(i * stride + offset + j for i in range(num_heads) for j in range(head_size))

@@ -1,0 +1,53 @@
+"""The exact symmetry group of a Transformer encoder and its action on weights (DESIGN.md §3)."""
+
+from raot_hf.symmetry.apply import (
+    apply_transform,
+    fold_layernorms,
+    fold_model,
+    is_folded,
+    load_state,
+    model_state,
+    transform_model,
+)
+from raot_hf.symmetry.group import (
+    mean_axis_basis,
+    mean_fixing,
+    random_group_element,
+    random_orthogonal,
+    scramble,
+)
+from raot_hf.symmetry.transforms import (
+    HeadAlignment,
+    HeadRescale,
+    MLPPermutation,
+    ResidualPermutation,
+    ResidualRotation,
+    SpaceAction,
+    Transform,
+    TransformSequence,
+    is_exact,
+)
+
+__all__ = [
+    "HeadAlignment",
+    "HeadRescale",
+    "MLPPermutation",
+    "ResidualPermutation",
+    "ResidualRotation",
+    "SpaceAction",
+    "Transform",
+    "TransformSequence",
+    "apply_transform",
+    "fold_layernorms",
+    "fold_model",
+    "is_exact",
+    "is_folded",
+    "load_state",
+    "mean_axis_basis",
+    "mean_fixing",
+    "model_state",
+    "random_group_element",
+    "random_orthogonal",
+    "scramble",
+    "transform_model",
+]

@@ -1,0 +1,174 @@
+"""Acting with a transform on weights: contraction of every member of a space (DESIGN.md §3).
+
+State dicts here map parameter names to tensors; the arithmetic runs in float64 and each
+tensor is cast back to its own dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+
+from raot_hf.adapters.schema import Member, ModelSchema
+from raot_hf.errors import RaotError
+from raot_hf.symmetry.transforms import SpaceAction, Transform
+
+logger = logging.getLogger("raot_hf.symmetry")
+_F64 = torch.float64
+
+
+def _contract(t: torch.Tensor, member: Member, action: SpaceAction) -> torch.Tensor:
+    x = t.to(_F64).movedim(member.axis, -1)
+    idx = member.index_tensor()
+    if action.perm is not None:
+        src = action.perm if idx is None else idx[action.perm]
+        moved = x[..., src]
+    else:
+        sub = x if idx is None else x[..., idx]
+        moved = sub @ action.matrix.to(_F64)
+    if idx is None:
+        y = moved
+    else:
+        y = x.clone()
+        y[..., idx] = moved
+    return y.movedim(-1, member.axis).to(t.dtype)
+
+
+def _norm_weight(
+    gamma: torch.Tensor, action: SpaceAction, second_moment: torch.Tensor | None
+) -> torch.Tensor:
+    """γ′ for a LayerNorm that sits in a space mapped by O (§3.3).
+
+    Exact for permutations. For a rotation the elementwise γ cannot follow O; the best
+    per-coordinate γ′ in least squares over normalized inputs z′ = z·O with second moment S′
+    is ``γ′_j = (S′·A)_jj / S′_jj`` with ``A = Oᵀ·diag(γ)·O`` — with S′ = I this is
+    ``Σᵢ O_ij²·γ_i``.
+    """
+    if action.perm is not None:
+        return gamma[action.perm]
+    o = action.matrix.to(_F64)
+    g = gamma.to(_F64)
+    if second_moment is None:
+        return ((o**2).T @ g).to(gamma.dtype)
+    s = o.T @ second_moment.to(_F64) @ o
+    a = o.T @ torch.diag(g) @ o
+    return (torch.diagonal(s @ a) / torch.diagonal(s).clamp_min(1e-12)).to(gamma.dtype)
+
+
+def apply_transform(
+    state: dict[str, torch.Tensor],
+    schema: ModelSchema,
+    transform: Transform,
+    *,
+    norm_second_moments: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Apply ``transform`` to the parameters in ``state`` (updated in place and returned).
+
+    Members absent from ``state`` are skipped, so a partial state (one shard) can be
+    transformed. A residual rotation of a pre-LN schema needs folded LayerNorms
+    (:func:`fold_layernorms`); ``norm_second_moments`` (LayerNorm weight name → second
+    moment of its normalized input) refines γ′ of post-LN norms under a rotation.
+    """
+    actions = transform.actions(schema)
+    if "residual" in actions and actions["residual"].perm is None and schema.norm == "pre":
+        _require_folded(state, schema)
+    for space_name, action in actions.items():
+        inverse_t = action.inverse_transpose()
+        for member in schema.space(space_name).members:
+            if member.name not in state:
+                continue
+            if member.role == "norm":
+                sm = None if norm_second_moments is None else norm_second_moments.get(member.name)
+                state[member.name] = _norm_weight(state[member.name], action, sm)
+            else:
+                state[member.name] = _contract(
+                    state[member.name], member, action if member.covariant else inverse_t
+                )
+    return state
+
+
+def _require_folded(state: Mapping[str, torch.Tensor], schema: ModelSchema) -> None:
+    for fold in schema.folds:
+        if fold.norm_weight in state and not (
+            torch.all(state[fold.norm_weight] == 1) and torch.all(state[fold.norm_bias] == 0)
+        ):
+            raise RaotError(
+                "a residual rotation of a pre-LN model needs its LayerNorms folded first; "
+                "call raot_hf.symmetry.fold_layernorms (RaotMerger does this for you)."
+            )
+
+
+def fold_layernorms(state: dict[str, torch.Tensor], schema: ModelSchema) -> dict[str, torch.Tensor]:
+    """Fold each pre-LN LayerNorm's γ, β into the readers after it (§3.3): ``W ← W·diag(γ)``,
+    ``b ← b + W·β``, then γ = 1, β = 0. Exact; a no-op for post-LN schemas."""
+    for fold in schema.folds:
+        g = state[fold.norm_weight].to(_F64)
+        beta = state[fold.norm_bias].to(_F64)
+        for w_name, b_name in fold.readers:
+            w = state[w_name].to(_F64)
+            if b_name is None:
+                if torch.any(beta != 0):
+                    raise RaotError(
+                        f"cannot fold LayerNorm {fold.norm_bias} into {w_name}: the reader has no bias; "
+                        "use a residual permutation instead of a rotation."
+                    )
+            else:
+                state[b_name] = (state[b_name].to(_F64) + w @ beta).to(state[b_name].dtype)
+            state[w_name] = (w * g).to(state[w_name].dtype)
+        state[fold.norm_weight] = torch.ones_like(state[fold.norm_weight])
+        state[fold.norm_bias] = torch.zeros_like(state[fold.norm_bias])
+    return state
+
+
+def is_folded(state: Mapping[str, torch.Tensor], schema: ModelSchema) -> bool:
+    """Whether every foldable LayerNorm in ``state`` already has γ = 1, β = 0."""
+    return all(
+        torch.all(state[f.norm_weight] == 1) and torch.all(state[f.norm_bias] == 0) for f in schema.folds
+    )
+
+
+def model_state(model: torch.nn.Module, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """The model's (deduplicated, tied-once) parameters as detached tensors."""
+    return {n: p.detach() for n, p in model.named_parameters() if names is None or n in names}
+
+
+@torch.no_grad()
+def load_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``state`` into the model's parameters in place (casting to each parameter's dtype)."""
+    params = dict(model.named_parameters())
+    for name, value in state.items():
+        if name not in params:
+            raise KeyError(f"{name} is not a parameter of {type(model).__name__}")
+        params[name].copy_(value.to(params[name].dtype))
+
+
+@torch.no_grad()
+def transform_model(
+    model: torch.nn.Module, schema: ModelSchema, transform: Transform, **kw
+) -> torch.nn.Module:
+    """Apply ``transform`` to ``model`` in place; pre-LN LayerNorms are folded first if a
+    residual rotation needs it. Returns the model."""
+    names = schema.parameter_names() | {n for f in schema.folds for n in (f.norm_weight, f.norm_bias)}
+    names |= {n for f in schema.folds for r in f.readers for n in r if n}
+    state = {n: t.clone() for n, t in model_state(model, names).items()}
+    actions = transform.actions(schema)
+    rotates = "residual" in actions and actions["residual"].perm is None
+    if rotates and schema.norm == "pre" and not is_folded(state, schema):
+        logger.debug("folding pre-LN LayerNorms before a residual rotation")
+            fold_layernorms(state, schema)
+    apply_transform(state, schema, transform, **kw)
+    load_state(model, state)
+    return model
+
+
+@torch.no_grad()
+def fold_model(model: torch.nn.Module, schema: ModelSchema) -> torch.nn.Module:
+    """Fold a pre-LN model's LayerNorms into their readers in place (exact)."""
+    names = {n for f in schema.folds for n in (f.norm_weight, f.norm_bias)}
+    names |= {n for f in schema.folds for r in f.readers for n in r if n}
+    state = {n: t.clone() for n, t in model_state(model, names).items()}
+    fold_layernorms(state, schema)
+    load_state(model, state)
+    return model

@@ -1,0 +1,113 @@
+"""Random and structured group elements: Haar-orthogonal matrices, the mean-axis complement
+basis (DESIGN.md §4, mean-preserving Procrustes), and :func:`scramble`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from raot_hf.adapters import schema_for
+from raot_hf.adapters.schema import ModelSchema
+from raot_hf.errors import RaotError
+from raot_hf.symmetry.apply import transform_model
+from raot_hf.symmetry.transforms import (
+    HeadAlignment,
+    HeadRescale,
+    MLPPermutation,
+    ResidualPermutation,
+    ResidualRotation,
+    Transform,
+    TransformSequence,
+)
+
+_F64 = torch.float64
+SCRAMBLE_KINDS = ("mlp", "heads", "residual", "rescale")
+
+
+def random_orthogonal(n: int, generator: torch.Generator) -> torch.Tensor:
+    """A Haar-distributed element of O(n) (reflections included)."""
+    a = torch.randn(n, n, generator=generator, dtype=_F64)
+    q, r = torch.linalg.qr(a)
+    return q * torch.sign(torch.diagonal(r))
+
+
+def mean_axis_basis(d: int) -> torch.Tensor:
+    """A fixed orthonormal basis (d × d−1) of the complement of the mean axis 1/√d (Helmert)."""
+    b = torch.zeros(d, d - 1, dtype=_F64)
+    for k in range(1, d):
+        b[:k, k - 1] = 1.0
+        b[k, k - 1] = -float(k)
+        b[:, k - 1] /= (k * (k + 1)) ** 0.5
+    return b
+
+
+def mean_fixing(rotation: torch.Tensor) -> torch.Tensor:
+    """Embed R ∈ O(d−1) as O = u·uᵀ + Bᵤ·R·Bᵤᵀ ∈ O(d) with O·1 = 1."""
+    d = rotation.shape[0] + 1
+    u = torch.full((d, 1), d**-0.5, dtype=_F64)
+    b = mean_axis_basis(d)
+    return u @ u.T + b @ rotation.to(_F64) @ b.T
+
+
+def random_group_element(
+    schema: ModelSchema,
+    seed: int = 0,
+    kinds: Iterable[str] = ("mlp", "heads", "residual"),
+    residual: str = "auto",
+) -> TransformSequence:
+    """A random exact symmetry of a model with ``schema``.
+
+    ``residual``: ``"rotation"`` (a mean-fixing rotation; exact only for pre-LN), ``"permutation"``
+    or ``"auto"`` (rotation where it is exact, permutation otherwise).
+    """
+    kinds = tuple(kinds)
+    unknown = set(kinds) - set(SCRAMBLE_KINDS)
+    if unknown:
+        raise RaotError(f"unknown scramble kinds {sorted(unknown)}; choose from {', '.join(SCRAMBLE_KINDS)}")
+    g = torch.Generator().manual_seed(int(seed))
+    H, h = schema.num_heads, schema.head_size
+    parts: list[Transform] = []
+    if "residual" in kinds:
+        mode = residual
+        if mode == "auto":
+            mode = "rotation" if schema.residual.exact == "mean_fixing" else "permutation"
+        if mode == "rotation":
+            parts.append(ResidualRotation(mean_fixing(random_orthogonal(schema.hidden_size - 1, g))))
+        elif mode == "permutation":
+            parts.append(ResidualPermutation(torch.randperm(schema.hidden_size, generator=g)))
+        else:
+            raise RaotError(f"residual must be 'auto', 'rotation' or 'permutation', got {residual!r}")
+    for layer in range(schema.num_layers):
+        if "mlp" in kinds:
+            parts.append(MLPPermutation(layer, torch.randperm(schema.intermediate_size, generator=g)))
+        if "heads" in kinds:
+            qk = torch.stack([random_orthogonal(h, g) for _ in range(H)])
+            vo = torch.stack([random_orthogonal(h, g) for _ in range(H)])
+            parts.append(HeadAlignment(layer, torch.randperm(H, generator=g), qk, vo))
+        if "rescale" in kinds:
+            a = torch.exp(0.5 * torch.randn(H, generator=g, dtype=_F64))
+            c = torch.exp(0.5 * torch.randn(H, generator=g, dtype=_F64))
+            parts.append(HeadRescale(layer, a, c))
+    return TransformSequence(parts)
+
+
+def scramble(
+    model: torch.nn.Module,
+    seed: int = 0,
+    *,
+    kinds: Iterable[str] = ("mlp", "heads", "residual"),
+    residual: str = "auto",
+) -> TransformSequence:
+    """Apply a random exact symmetry to ``model`` in place and return it as a transform.
+
+    The scrambled model computes the same function (for pre-LN models, LayerNorms are folded
+    into their readers first when a residual rotation is drawn). Use it to check a pipeline:
+    merging a model with its own scramble must give the model back.
+
+    >>> t = scramble(model, seed=0)  # doctest: +SKIP
+    """
+    schema = schema_for(model)
+    transform = random_group_element(schema, seed, kinds, residual)
+    transform_model(model, schema, transform)
+    return transform

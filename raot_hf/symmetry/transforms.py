@@ -1,0 +1,332 @@
+"""The symmetry group as a small algebra (DESIGN.md §3).
+
+A transform maps space names to :class:`SpaceAction` s — a permutation, or a matrix M — and
+:func:`raot_hf.symmetry.apply.apply_transform` contracts every member of each space with M
+(covariant) or M⁻ᵀ (contravariant). Transforms compose (:class:`TransformSequence`) and
+round-trip through JSON (floats are written with ``repr`` precision, so exactly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from raot_hf.adapters.schema import ModelSchema
+from raot_hf.errors import RaotError
+
+_F64 = torch.float64
+
+
+@dataclass
+class SpaceAction:
+    """How a transform acts on one space.
+
+    ``perm``: new position j takes old position ``perm[j]`` (a permutation matrix P with
+    ``P[perm[j], j] = 1``). ``matrix``: contraction ``new[..., j] = Σᵢ old[..., i]·M[i, j]``.
+    ``orthogonal`` marks M⁻ᵀ = M (no inverse needed).
+    """
+
+    perm: torch.Tensor | None = None
+    matrix: torch.Tensor | None = None
+    orthogonal: bool = True
+
+    def dense(self, n: int) -> torch.Tensor:
+        if self.matrix is not None:
+            return self.matrix.to(_F64)
+        m = torch.zeros(n, n, dtype=_F64)
+        m[self.perm, torch.arange(n)] = 1.0
+        return m
+
+    def inverse_transpose(self) -> SpaceAction:
+        if self.perm is not None or self.orthogonal:
+            return self
+        return SpaceAction(matrix=torch.linalg.inv(self.matrix.to(_F64)).T, orthogonal=False)
+
+    def then(self, other: SpaceAction, n: int) -> SpaceAction:
+        """Apply ``self`` then ``other`` (contractions compose as M₁·M₂)."""
+        if self.perm is not None and other.perm is not None:
+            return SpaceAction(perm=self.perm[other.perm])
+        return SpaceAction(
+            matrix=self.dense(n) @ other.dense(n), orthogonal=self.orthogonal and other.orthogonal
+        )
+
+
+def _tensor(x: Any, dtype=_F64) -> torch.Tensor:
+    return x.detach().to(dtype).clone() if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=dtype)
+
+
+def _check_perm(perm: torch.Tensor, n: int, what: str) -> None:
+    if perm.shape != (n,) or not torch.equal(torch.sort(perm).values, torch.arange(n)):
+        raise RaotError(f"{what}: expected a permutation of {n} items, got shape {tuple(perm.shape)}")
+
+
+def block_matrix(perm: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The (H·h)² matrix G with block (perm[i], i) = blocks[i]: head i of the result takes head
+    perm[i] rotated by blocks[i] (DESIGN.md §3.2)."""
+    H, h, _ = blocks.shape
+    g = torch.zeros(H * h, H * h, dtype=_F64)
+    for i in range(H):
+        j = int(perm[i])
+        g[j * h : (j + 1) * h, i * h : (i + 1) * h] = blocks[i]
+    return g
+
+
+class Transform:
+    """Base class: a group element acting on some spaces of a schema."""
+
+    kind: ClassVar[str] = ""
+    _types: ClassVar[dict[str, type[Transform]]] = {}
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if cls.kind:
+            Transform._types[cls.kind] = cls
+
+    exact: ClassVar[bool] = True
+
+    def actions(self, schema: ModelSchema) -> dict[str, SpaceAction]:
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def then(self, other: Transform) -> TransformSequence:
+        """This transform followed by ``other``."""
+        return TransformSequence([*_flatten(self), *_flatten(other)])
+
+    def describe(self) -> str:
+        return self.kind
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> Transform:
+        """Rebuild any transform from :meth:`to_dict` output."""
+        kind = data.get("type")
+        if kind not in Transform._types:
+            raise RaotError(f"unknown transform type {kind!r}; known: {', '.join(sorted(Transform._types))}")
+        return Transform._types[kind]._from_dict(data)
+
+
+def _flatten(t: Transform) -> list[Transform]:
+    return list(t.transforms) if isinstance(t, TransformSequence) else [t]
+
+
+@dataclass
+class MLPPermutation(Transform):
+    """Permute the MLP units of one layer (§3.1): ``fc1`` rows and ``fc2`` columns."""
+
+    layer: int
+    perm: torch.Tensor
+    kind: ClassVar[str] = "mlp_permutation"
+
+    def __post_init__(self):
+        self.perm = _tensor(self.perm, torch.long)
+
+    def actions(self, schema):
+        space = schema.mlp_space(self.layer)
+        _check_perm(self.perm, space.size, f"MLP permutation of layer {self.layer}")
+        return {space.name: SpaceAction(perm=self.perm)}
+
+    def to_dict(self):
+        return {"type": self.kind, "layer": self.layer, "perm": self.perm.tolist()}
+
+    @classmethod
+    def _from_dict(cls, d):
+        return cls(d["layer"], d["perm"])
+
+    def describe(self):
+        moved = int((self.perm != torch.arange(len(self.perm))).sum())
+        return f"layer {self.layer} MLP: permutation moving {moved}/{len(self.perm)} units"
+
+
+@dataclass
+class HeadAlignment(Transform):
+    """One layer's head permutation with per-head Q/K and V/O orthogonal maps (§3.2).
+
+    Head i of B′ is head ``perm[i]`` of B with ``q, k ← R_qkⁱᵀ·(block)``, ``v ← R_voⁱᵀ·(block)``
+    and ``o``'s columns ``← (block)·R_voⁱ``. Reflections are allowed: any orthogonal R is exact.
+    """
+
+    layer: int
+    perm: torch.Tensor
+    qk: torch.Tensor  # (H, h, h)
+    vo: torch.Tensor  # (H, h, h)
+    kind: ClassVar[str] = "head_alignment"
+
+    def __post_init__(self):
+        self.perm = _tensor(self.perm, torch.long)
+        self.qk = _tensor(self.qk)
+        self.vo = _tensor(self.vo)
+
+    def actions(self, schema):
+        H, h = schema.num_heads, schema.head_size
+        _check_perm(self.perm, H, f"head permutation of layer {self.layer}")
+        for name, r in (("qk", self.qk), ("vo", self.vo)):
+            if r.shape != (H, h, h):
+                raise RaotError(
+                    f"layer {self.layer} {name} maps: expected shape {(H, h, h)}, got {tuple(r.shape)}"
+                )
+        return {
+            schema.qk_space(self.layer).name: SpaceAction(matrix=block_matrix(self.perm, self.qk)),
+            schema.vo_space(self.layer).name: SpaceAction(matrix=block_matrix(self.perm, self.vo)),
+        }
+
+    def to_dict(self):
+        return {
+            "type": self.kind,
+            "layer": self.layer,
+            "perm": self.perm.tolist(),
+            "qk": self.qk.tolist(),
+            "vo": self.vo.tolist(),
+        }
+
+    @classmethod
+    def _from_dict(cls, d):
+        return cls(d["layer"], d["perm"], d["qk"], d["vo"])
+
+    def describe(self):
+        moved = int((self.perm != torch.arange(len(self.perm))).sum())
+        eye = torch.eye(self.qk.shape[-1], dtype=_F64)
+        dev = max(float((self.qk - eye).abs().max()), float((self.vo - eye).abs().max()))
+        return f"layer {self.layer} heads: {moved}/{len(self.perm)} heads moved, max |R − I| = {dev:.3g}"
+
+
+@dataclass
+class HeadRescale(Transform):
+    """Optional per-head rescaling (§3.4): q ← a·q, k ← k/a; v ← c·v, o ← o/c (exact)."""
+
+    layer: int
+    qk_scale: torch.Tensor  # (H,)
+    vo_scale: torch.Tensor  # (H,)
+    kind: ClassVar[str] = "head_rescale"
+
+    def __post_init__(self):
+        self.qk_scale = _tensor(self.qk_scale)
+        self.vo_scale = _tensor(self.vo_scale)
+        if (self.qk_scale <= 0).any() or (self.vo_scale <= 0).any():
+            raise RaotError(f"layer {self.layer} head rescale: scales must be positive")
+
+    def actions(self, schema):
+        h = schema.head_size
+
+        def diag(s):
+            return SpaceAction(matrix=torch.diag(s.repeat_interleave(h)), orthogonal=False)
+
+        return {
+            schema.qk_space(self.layer).name: diag(self.qk_scale),
+            schema.vo_space(self.layer).name: diag(self.vo_scale),
+        }
+
+    def to_dict(self):
+        return {
+            "type": self.kind,
+            "layer": self.layer,
+            "qk_scale": self.qk_scale.tolist(),
+            "vo_scale": self.vo_scale.tolist(),
+        }
+
+    @classmethod
+    def _from_dict(cls, d):
+        return cls(d["layer"], d["qk_scale"], d["vo_scale"])
+
+
+@dataclass
+class ResidualPermutation(Transform):
+    """Permute the residual-stream coordinates (exact for pre- and post-LN, §3.3)."""
+
+    perm: torch.Tensor
+    kind: ClassVar[str] = "residual_permutation"
+
+    def __post_init__(self):
+        self.perm = _tensor(self.perm, torch.long)
+
+    def actions(self, schema):
+        _check_perm(self.perm, schema.hidden_size, "residual permutation")
+        return {"residual": SpaceAction(perm=self.perm)}
+
+    def to_dict(self):
+        return {"type": self.kind, "perm": self.perm.tolist()}
+
+    @classmethod
+    def _from_dict(cls, d):
+        return cls(d["perm"])
+
+    def describe(self):
+        moved = int((self.perm != torch.arange(len(self.perm))).sum())
+        return f"residual: permutation moving {moved}/{len(self.perm)} coordinates"
+
+
+@dataclass
+class ResidualRotation(Transform):
+    """An orthogonal map O of the residual stream with O·1 = 1 (§3.3).
+
+    Exact for pre-LN models once LayerNorms are folded into their readers; for post-LN models
+    LayerNorm γ sits in the stream and is refit per coordinate — an approximation that is
+    reported as such (:attr:`exact` is decided against the schema by :func:`is_exact`).
+    """
+
+    matrix: torch.Tensor
+    kind: ClassVar[str] = "residual_rotation"
+
+    def __post_init__(self):
+        self.matrix = _tensor(self.matrix)
+
+    def actions(self, schema):
+        d = schema.hidden_size
+        o = self.matrix
+        if o.shape != (d, d):
+            raise RaotError(f"residual rotation: expected a {d}×{d} matrix, got {tuple(o.shape)}")
+        ones = torch.ones(d, dtype=_F64)
+        if not torch.allclose(o @ ones, ones, atol=1e-8) or not torch.allclose(
+            o.T @ o, torch.eye(d, dtype=_F64), atol=1e-8
+        ):
+            raise RaotError("residual rotation must be orthogonal and fix the mean axis (O·1 = 1)")
+        return {"residual": SpaceAction(matrix=o)}
+
+    def to_dict(self):
+        return {"type": self.kind, "matrix": self.matrix.tolist()}
+
+    @classmethod
+    def _from_dict(cls, d):
+        return cls(d["matrix"])
+
+    def describe(self):
+        dev = float((self.matrix - torch.eye(len(self.matrix), dtype=_F64)).norm())
+        return f"residual: mean-fixing rotation, ‖O − I‖_F = {dev:.3g}"
+
+
+@dataclass
+class TransformSequence(Transform):
+    """Transforms applied left to right."""
+
+    transforms: list[Transform] = field(default_factory=list)
+    kind: ClassVar[str] = "sequence"
+
+    def actions(self, schema):
+        out: dict[str, SpaceAction] = {}
+        for t in self.transforms:
+            for name, act in t.actions(schema).items():
+                out[name] = out[name].then(act, schema.space(name).size) if name in out else act
+        return out
+
+    def to_dict(self):
+        return {"type": self.kind, "transforms": [t.to_dict() for t in self.transforms]}
+
+    @classmethod
+    def _from_dict(cls, d):
+        return cls([Transform.from_dict(t) for t in d["transforms"]])
+
+    def describe(self):
+        return "; ".join(t.describe() for t in self.transforms) or "identity"
+
+    def __len__(self):
+        return len(self.transforms)
+
+
+def is_exact(transform: Transform, schema: ModelSchema) -> bool:
+    """Whether ``transform`` leaves the function of a model with ``schema`` exactly unchanged."""
+    for t in _flatten(transform):
+        if isinstance(t, ResidualRotation) and schema.residual.exact != "mean_fixing":
+            return False
+    return True

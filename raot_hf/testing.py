@@ -1,0 +1,170 @@
+"""Tiny random models and inputs for self-checks and tests (no Hub access).
+
+>>> from raot_hf.testing import tiny_model, example_inputs, output_deviation
+>>> a = tiny_model("bert", "sequence")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import transformers
+
+from raot_hf.errors import RaotError
+
+_CONFIGS = {
+    "bert": ("BertConfig", "Bert", {}),
+    "roberta": ("RobertaConfig", "Roberta", {"pad_token_id": 1}),
+    "xlm-roberta": ("XLMRobertaConfig", "XLMRoberta", {"pad_token_id": 1}),
+    "deberta-v2": (
+        "DebertaV2Config",
+        "DebertaV2",
+        {
+            "relative_attention": True,
+            "pos_att_type": ["c2p", "p2c"],
+            "position_biased_input": False,
+            "max_relative_positions": -1,
+            "position_buckets": 8,
+            "norm_rel_ebd": "layer_norm",
+            "share_att_key": True,
+        },
+    ),
+    "deberta": (
+        "DebertaConfig",
+        "Deberta",
+        {"relative_attention": True, "pos_att_type": ["c2p", "p2c"], "max_relative_positions": -1},
+    ),
+    "vit": ("ViTConfig", "ViT", {"image_size": 8, "patch_size": 4, "num_channels": 3}),
+}
+
+HEADS = {
+    "base": "Model",
+    "sequence": "ForSequenceClassification",
+    "token": "ForTokenClassification",
+    "mlm": "ForMaskedLM",
+    "qa": "ForQuestionAnswering",
+    "image": "ForImageClassification",
+}
+
+
+def tiny_config(
+    model_type: str, *, hidden_size=16, num_heads=4, num_layers=2, intermediate_size=24, **overrides
+):
+    """A small config of ``model_type`` (one of :data:`_CONFIGS`) with the given shape."""
+    if model_type not in _CONFIGS:
+        raise RaotError(f"no tiny config for {model_type!r}; choose from {', '.join(_CONFIGS)}")
+    cfg_name, _, extra = _CONFIGS[model_type]
+    kw = dict(
+        hidden_size=hidden_size,
+        num_attention_heads=num_heads,
+        num_hidden_layers=num_layers,
+        intermediate_size=intermediate_size,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    kw["num_labels"] = overrides.pop("num_labels", 3)
+    if model_type != "vit":
+        kw.update(vocab_size=40, max_position_embeddings=32, type_vocab_size=2)
+    kw.update(extra)
+    kw.update(overrides)
+    return getattr(transformers, cfg_name)(**kw)
+
+
+def tiny_model(
+    model_type: str, head: str = "base", *, seed: int = 0, dtype=torch.float64, **config
+) -> torch.nn.Module:
+    """A randomly initialised tiny model; LayerNorm affines and biases are randomised too, so
+    no symmetry test passes by accident of γ = 1, β = 0."""
+    if head not in HEADS:
+        raise RaotError(f"unknown head {head!r}; choose from {', '.join(HEADS)}")
+    if head == "qa":
+        config.setdefault("num_labels", 2)
+    cfg = tiny_config(model_type, **config)
+    cls = getattr(transformers, _CONFIGS[model_type][1] + HEADS[head])
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    g = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 or name.endswith(("cls_token", "position_embeddings")):
+                noise = 0.2 * torch.randn(p.shape, generator=g)
+                p.copy_(
+                    1.0 + noise
+                    if name.endswith("LayerNorm.weight") or "norm" in name.lower() and name.endswith("weight")
+                    else noise
+                )
+    return model.to(dtype).eval()
+
+
+def example_inputs(
+    model: torch.nn.Module, batch: int = 3, seq: int = 9, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random inputs for ``model``: token ids with a padded tail, or pixel values."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    if cfg.model_type == "vit":
+        size = cfg.image_size
+        px = torch.randn(batch, cfg.num_channels, size, size, generator=g)
+        return {"pixel_values": px.to(next(model.parameters()).dtype)}
+    ids = torch.randint(3, cfg.vocab_size, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    if batch > 1:
+        mask[-1, seq // 2 :] = 0
+    out = {"input_ids": ids, "attention_mask": mask}
+    if getattr(cfg, "type_vocab_size", 0):
+        out["token_type_ids"] = torch.randint(0, cfg.type_vocab_size, (batch, seq), generator=g)
+    return out
+
+
+def primary_outputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The outputs that define the model's function: logits for task heads; for base models
+    ``last_hidden_state`` (in the stream basis) and ``pooler_output`` when present."""
+    with torch.no_grad():
+        out = model(**inputs)
+    res = {}
+    for key in ("logits", "start_logits", "end_logits", "pooler_output", "last_hidden_state"):
+        value = getattr(out, key, None)
+        if value is not None:
+            res[key] = value
+    if "logits" in res or "start_logits" in res:
+        res.pop("last_hidden_state", None)
+    return res
+
+
+def output_deviation(
+    reference: torch.nn.Module,
+    candidate: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    stream_map: torch.Tensor | None = None,
+    relative: bool = False,
+) -> float:
+    """Max abs (or relative) difference between the primary outputs of two models.
+
+    ``stream_map`` (d×d) maps the reference's ``last_hidden_state`` into the candidate's
+    basis for base models, whose output lives in the residual stream. Padding positions are
+    ignored.
+    """
+    ref = primary_outputs(reference, inputs)
+    cand = primary_outputs(candidate, inputs)
+    mask = inputs.get("attention_mask")
+    worst = 0.0
+    for key, r in ref.items():
+        c = cand[key]
+        if key == "last_hidden_state" and stream_map is not None:
+            r = r.to(torch.float64) @ stream_map.to(torch.float64)
+        r, c = r.to(torch.float64), c.to(torch.float64)
+        diff = (r - c).abs()
+        if mask is not None and diff.ndim >= 2 and diff.shape[:2] == mask.shape:
+            diff = diff * mask[..., None].to(diff.dtype) if diff.ndim == 3 else diff * mask
+            scale = (r.abs() * (mask[..., None] if r.ndim == 3 else mask)).max()
+        else:
+            scale = r.abs().max()
+        d = float(diff.max())
+        worst = max(worst, d / max(float(scale), 1e-30) if relative else d)
+    return worst
+
+
+def clone(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model``."""
+    return copy.deepcopy(model)

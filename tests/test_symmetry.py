@@ -1,0 +1,286 @@
+"""Every symmetry transform leaves the function unchanged (DESIGN.md §3)."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from raot_hf import RaotError, schema_for, scramble
+from raot_hf.symmetry import (
+    HeadAlignment,
+    MLPPermutation,
+    ResidualRotation,
+    Transform,
+    TransformSequence,
+    fold_model,
+    is_exact,
+    mean_fixing,
+    random_group_element,
+    random_orthogonal,
+    transform_model,
+)
+from raot_hf.testing import clone, example_inputs, output_deviation, tiny_model
+
+CASES = [
+    ("bert", "base"),
+    ("bert", "sequence"),
+    ("bert", "token"),
+    ("bert", "mlm"),
+    ("bert", "qa"),
+    ("roberta", "base"),
+    ("roberta", "sequence"),
+    ("roberta", "token"),
+    ("roberta", "mlm"),
+    ("xlm-roberta", "sequence"),
+    ("deberta-v2", "base"),
+    ("deberta-v2", "sequence"),
+    ("deberta-v2", "token"),
+    ("deberta-v2", "mlm"),
+    ("deberta", "base"),
+    ("deberta", "sequence"),
+    ("deberta", "token"),
+    ("deberta", "mlm"),
+    ("vit", "base"),
+    ("vit", "image"),
+]
+KINDS = [("mlp",), ("heads",), ("residual",), ("rescale",), ("mlp", "heads", "residual", "rescale")]
+
+
+def _stream_map(schema, transform):
+    actions = transform.actions(schema)
+    return actions["residual"].dense(schema.hidden_size) if "residual" in actions else None
+
+
+def _check(model, transform, *, relative=False):
+    schema = schema_for(model)
+    moved = transform_model(clone(model), schema, transform)
+    x = example_inputs(model)
+    return output_deviation(
+        model, moved, x, stream_map=_stream_map(schema, transform), relative=relative
+    ), moved
+
+
+@pytest.mark.usefixtures("float64_deberta_layernorm")
+@pytest.mark.parametrize("model_type,head", CASES)
+@pytest.mark.parametrize("kinds", KINDS, ids="+".join)
+def test_exact_symmetry_float64(model_type, head, kinds):
+    model = tiny_model(model_type, head)
+    transform = random_group_element(schema_for(model), seed=3, kinds=kinds)
+    dev, moved = _check(model, transform)
+    assert dev <= 1e-9, f"{model_type}/{head} {kinds}: deviation {dev:.3g}"
+    # The transform must actually move weights, or the check above proves nothing.
+    changed = any(not torch.equal(p, q) for p, q in zip(model.parameters(), moved.parameters(), strict=True))
+    assert changed
+
+
+@pytest.mark.parametrize("model_type,head", [("bert", "sequence"), ("deberta", "sequence"), ("vit", "image")])
+def test_exact_symmetry_float32(model_type, head):
+    model = tiny_model(model_type, head, dtype=torch.float32)
+    transform = random_group_element(schema_for(model), seed=5, kinds=("mlp", "heads", "residual", "rescale"))
+    dev, _ = _check(model, transform, relative=True)
+    assert dev <= 1e-4
+
+
+@pytest.mark.usefixtures("float64_deberta_layernorm")
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"share_att_key": False},
+        {"share_att_key": False, "pos_att_type": ["c2p"]},
+        {"share_att_key": True, "pos_att_type": ["p2c"]},
+        {"relative_attention": False, "position_biased_input": True},
+        {"norm_rel_ebd": "none"},
+    ],
+)
+def test_deberta_v2_relative_paths(overrides):
+    model = tiny_model("deberta-v2", "sequence", **overrides)
+    schema = schema_for(model)
+    if overrides.get("share_att_key") is False and model.config.relative_attention:
+        roles = {m.role for m in schema.qk_space(0).members}
+        assert "pos" in roles  # pos_key_proj / pos_query_proj are in head space
+    transform = random_group_element(schema, seed=7, kinds=("mlp", "heads", "residual", "rescale"))
+    dev, _ = _check(model, transform)
+    assert dev <= 1e-9
+
+
+@pytest.mark.usefixtures("float64_deberta_layernorm")
+@pytest.mark.parametrize("pos_att_type", [["c2p"], ["p2c"], ["c2p", "p2c"]])
+def test_deberta_v1_fused_in_proj(pos_att_type):
+    model = tiny_model("deberta", "sequence", pos_att_type=pos_att_type)
+    transform = random_group_element(schema_for(model), seed=11, kinds=("heads", "rescale"))
+    dev, moved = _check(model, transform)
+    assert dev <= 1e-9
+    # q/k/v rows are interleaved per head: a head alignment moves every third block of in_proj.
+    w0 = model.deberta.encoder.layer[0].attention.self.in_proj.weight
+    w1 = moved.deberta.encoder.layer[0].attention.self.in_proj.weight
+    assert not torch.equal(w0, w1)
+
+
+def test_wrong_in_proj_layout_breaks_equivalence(float64_deberta_layernorm):
+    """The interleaved layout is load-bearing: treating in_proj as [q; k; v] is not a symmetry."""
+    from raot_hf.adapters.schema import Member
+
+    model = tiny_model("deberta", "sequence")
+    schema = schema_for(model)
+    d, name = schema.hidden_size, "deberta.encoder.layer.0.attention.self.in_proj.weight"
+    for space in (schema.qk_space(0), schema.vo_space(0)):
+        for i, m in enumerate(space.members):
+            if m.name == name:
+                offset = {"q": 0, "k": d, "v": 2 * d}[m.role]
+                space.members[i] = Member(
+                    m.name, m.axis, m.covariant, m.role, tuple(range(offset, offset + d))
+                )
+    transform = random_group_element(schema, seed=1, kinds=("heads",))
+    moved = transform_model(clone(model), schema, transform)
+    assert output_deviation(model, moved, example_inputs(model)) > 1e-6
+
+
+@pytest.mark.parametrize("head", ["base", "image"])
+def test_vit_residual_rotation(head):
+    model = tiny_model("vit", head)
+    schema = schema_for(model)
+    g = torch.Generator().manual_seed(0)
+    rot = ResidualRotation(mean_fixing(random_orthogonal(schema.hidden_size - 1, g)))
+    if head == "image":
+        assert schema.residual.exact == "mean_fixing" and is_exact(rot, schema)
+        dev, _ = _check(model, rot)
+        assert dev <= 1e-9
+    else:
+        # The base model's output is the final LayerNorm's: it cannot be folded, so a
+        # rotation is approximate there and the schema says so.
+        assert schema.residual.exact == "permutation" and not is_exact(rot, schema)
+
+
+def test_post_ln_rotation_is_flagged_approximate():
+    model = tiny_model("bert", "sequence")
+    schema = schema_for(model)
+    g = torch.Generator().manual_seed(0)
+    rot = ResidualRotation(mean_fixing(random_orthogonal(schema.hidden_size - 1, g)))
+    assert not is_exact(rot, schema)
+    dev, _ = _check(model, rot)
+    assert dev > 1e-6  # the approximation is real, and measured rather than hidden
+
+
+def test_fold_is_exact_and_idempotent():
+    model = tiny_model("vit", "image")
+    schema = schema_for(model)
+    folded = fold_model(clone(model), schema)
+    x = example_inputs(model)
+    assert output_deviation(model, folded, x) <= 1e-9
+    again = fold_model(clone(folded), schema)
+    assert all(torch.equal(p, q) for p, q in zip(folded.parameters(), again.parameters(), strict=True))
+
+
+def test_transform_json_round_trip_and_composition():
+    model = tiny_model("vit", "image")
+    schema = schema_for(model)
+    t1 = random_group_element(schema, seed=1, kinds=("mlp", "heads", "residual", "rescale"))
+    t2 = random_group_element(schema, seed=2)
+    composed = t1.then(t2)
+    restored = Transform.from_dict(json.loads(json.dumps(composed.to_dict())))
+    a = transform_model(clone(model), schema, composed)
+    b = transform_model(clone(model), schema, restored)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    sequential = transform_model(transform_model(clone(model), schema, t1), schema, t2)
+    assert (
+        max((p - q).abs().max() for p, q in zip(a.parameters(), sequential.parameters(), strict=True)) < 1e-12
+    )
+    assert output_deviation(model, a, example_inputs(model)) <= 1e-9
+
+
+def test_inverse_undoes_transform():
+    model = tiny_model("bert", "sequence")
+    schema = schema_for(model)
+    perm = torch.randperm(schema.intermediate_size, generator=torch.Generator().manual_seed(0))
+    t = MLPPermutation(0, perm)
+    inv = MLPPermutation(0, torch.argsort(perm))
+    back = transform_model(transform_model(clone(model), schema, t), schema, inv)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), back.parameters(), strict=True))
+
+
+def test_scramble_in_place_and_save_round_trip(tmp_path):
+    model = tiny_model("bert", "sequence")
+    scrambled = clone(model)
+    transform = scramble(scrambled, seed=4)
+    assert isinstance(transform, TransformSequence) and len(transform) > 0
+    x = example_inputs(model)
+    assert output_deviation(model, scrambled, x) <= 1e-9
+    scrambled.save_pretrained(tmp_path / "s")
+    reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(
+        tmp_path / "s", dtype=torch.float64
+    )
+    reloaded.eval()
+    assert output_deviation(scrambled, reloaded, x) == 0.0
+
+
+def test_vit_save_round_trip_after_rotation(tmp_path):
+    model = tiny_model("vit", "image")
+    scrambled = clone(model)
+    scramble(scrambled, seed=9)
+    scrambled.save_pretrained(tmp_path / "v")
+    reloaded = transformers.AutoModelForImageClassification.from_pretrained(
+        tmp_path / "v", dtype=torch.float64
+    )
+    x = example_inputs(model)
+    assert output_deviation(scrambled, reloaded.eval(), x) == 0.0
+    assert output_deviation(model, reloaded, x) <= 1e-9
+
+
+def test_unsupported_model_type_names_it():
+    cfg = transformers.GPT2Config(n_embd=16, n_head=4, n_layer=1, vocab_size=30, n_positions=16)
+    with pytest.raises(RaotError, match=r"'gpt2'.*supported: .*bert"):
+        schema_for(transformers.GPT2Model(cfg))
+
+
+def test_unsupported_head_names_it():
+    model = transformers.BertForMultipleChoice(
+        transformers.BertConfig(
+            hidden_size=16, num_attention_heads=4, num_hidden_layers=1, intermediate_size=8
+        )
+    )
+    with pytest.raises(RaotError, match="BertForMultipleChoice is not supported"):
+        schema_for(model)
+
+
+def test_invalid_transforms_are_refused():
+    schema = schema_for(tiny_model("bert", "sequence"))
+    with pytest.raises(RaotError, match="permutation"):
+        MLPPermutation(0, [0, 0, 1]).actions(schema)
+    with pytest.raises(RaotError, match="mean axis"):
+        ResidualRotation(torch.eye(schema.hidden_size).flip(0) * -1).actions(schema)
+    with pytest.raises(RaotError, match="shape"):
+        HeadAlignment(0, torch.arange(schema.num_heads), torch.zeros(1, 2, 2), torch.zeros(1, 2, 2)).actions(
+            schema
+        )
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    model_type=st.sampled_from(["bert", "roberta", "deberta-v2", "vit"]),
+    num_heads=st.integers(1, 4),
+    head_size=st.integers(1, 5),
+    intermediate=st.integers(1, 20),
+    layers=st.integers(1, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_symmetry_property(model_type, num_heads, head_size, intermediate, layers, seed):
+    d = num_heads * head_size
+    if d < 2:
+        d, head_size = 2 * num_heads, 2
+    model = tiny_model(
+        model_type,
+        "sequence" if model_type != "vit" else "image",
+        seed=seed,
+        hidden_size=d,
+        num_heads=num_heads,
+        num_layers=layers,
+        intermediate_size=intermediate,
+    )
+    transform = random_group_element(
+        schema_for(model), seed=seed, kinds=("mlp", "heads", "residual", "rescale")
+    )
+    dev, _ = _check(model, transform)
+    assert dev <= 1e-9
