@@ -157,7 +157,7 @@ def transform_model(
     rotates = "residual" in actions and actions["residual"].perm is None
     if rotates and schema.norm == "pre" and not is_folded(state, schema):
         logger.debug("folding pre-LN LayerNorms before a residual rotation")
-            fold_layernorms(state, schema)
+        fold_layernorms(state, schema)
     apply_transform(state, schema, transform, **kw)
     load_state(model, state)
     return model
