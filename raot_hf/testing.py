@@ -48,9 +48,7 @@ HEADS = {
 }
 
 
-def tiny_config(
-    model_type: str, *, hidden_size=16, num_heads=4, num_layers=2, intermediate_size=24, **overrides
-):
+def tiny_config(model_type: str, *, hidden_size=16, num_heads=4, num_layers=2, intermediate_size=24, **overrides):
     """A small config of ``model_type`` (one of :data:`_CONFIGS`) with the given shape."""
     if model_type not in _CONFIGS:
         raise RaotError(f"no tiny config for {model_type!r}; choose from {', '.join(_CONFIGS)}")
@@ -71,9 +69,7 @@ def tiny_config(
     return getattr(transformers, cfg_name)(**kw)
 
 
-def tiny_model(
-    model_type: str, head: str = "base", *, seed: int = 0, dtype=torch.float64, **config
-) -> torch.nn.Module:
+def tiny_model(model_type: str, head: str = "base", *, seed: int = 0, dtype=torch.float64, **config) -> torch.nn.Module:
     """A randomly initialised tiny model; LayerNorm affines and biases are randomised too, so
     no symmetry test passes by accident of γ = 1, β = 0."""
     if head not in HEADS:
@@ -97,9 +93,7 @@ def tiny_model(
     return model.to(dtype).eval()
 
 
-def example_inputs(
-    model: torch.nn.Module, batch: int = 3, seq: int = 9, seed: int = 0
-) -> dict[str, torch.Tensor]:
+def example_inputs(model: torch.nn.Module, batch: int = 3, seq: int = 9, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random inputs for ``model``: token ids with a padded tail, or pixel values."""
     g = torch.Generator().manual_seed(seed)
     cfg = model.config
@@ -168,3 +162,43 @@ def output_deviation(
 def clone(model: torch.nn.Module) -> torch.nn.Module:
     """A deep copy of ``model``."""
     return copy.deepcopy(model)
+
+
+def tiny_tokenizer(vocab_size: int = 40):
+    """A WordPiece tokenizer over ``vocab_size`` tokens: [PAD] [UNK] [CLS] [SEP] [MASK] w5 w6 …"""
+    from transformers import BertTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(5, vocab_size)]
+    # transformers 5 ignores vocab_file here: pass the vocabulary itself.
+    return BertTokenizerFast(vocab={w: i for i, w in enumerate(words)}, do_lower_case=True)
+
+
+def tiny_text_dataset(n: int = 64, vocab_size: int = 40, seed: int = 0, min_len: int = 4, max_len: int = 12):
+    """An in-memory ``datasets.Dataset`` of random "sentences" over :func:`tiny_tokenizer`'s words."""
+    import datasets
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        ids = torch.randint(5, vocab_size, (length,), generator=g).tolist()
+        rows.append(" ".join(f"w{i}" for i in ids))
+    return datasets.Dataset.from_dict({"text": rows})
+
+
+def tiny_image_processor(size: int = 8):
+    """A ViT image processor for ``size``×``size`` inputs (PIL backend)."""
+    from transformers import ViTImageProcessor
+
+    return ViTImageProcessor(size={"height": size, "width": size})
+
+
+def tiny_image_dataset(n: int = 64, size: int = 8, seed: int = 0):
+    """An in-memory ``datasets.Dataset`` of random RGB images."""
+    import datasets
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    images = [Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(n)]
+    return datasets.Dataset.from_dict({"image": images}, features=datasets.Features({"image": datasets.Image()}))

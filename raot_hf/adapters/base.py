@@ -99,9 +99,7 @@ class Adapter:
         d = config.hidden_size
         H = config.num_attention_heads
         if d % H:
-            raise RaotError(
-                f"hidden_size {d} is not divisible by num_attention_heads {H}; not a supported layout."
-            )
+            raise RaotError(f"hidden_size {d} is not divisible by num_attention_heads {H}; not a supported layout.")
         h = d // H
         f = config.intermediate_size
         L = config.num_hidden_layers
@@ -157,9 +155,7 @@ class Adapter:
                 add(vo, p + t.v_bias, 0, True, "v")
                 add(residual, w, 1, False, "reader")
                 readers.append((w, None))
-                readout = HeadReadout(
-                    p + t.fused_qkv, p + t.fused_qkv, p + t.fused_qkv, q_idx, k_idx, p + t.q_bias
-                )
+                readout = HeadReadout(p + t.fused_qkv, p + t.fused_qkv, p + t.fused_qkv, q_idx, k_idx, p + t.q_bias)
             else:
                 for mod, cov, role, space in (
                     (t.q, True, "q", qk),
@@ -203,13 +199,11 @@ class Adapter:
             spaces.update({qk.name: qk, vo.name: vo, mlp.name: mlp})
             linears = tuple(
                 m
-                for m in [t.fused_qkv, t.q, t.k, t.v, t.o, t.fc1, t.fc2, *t.pos_key, *t.pos_query]
+                for m in [t.fused_qkv, t.q, t.k, t.v, t.o, t.fc1, t.fc2]
                 if m and has(f"{p}{m}.weight") and not (t.fused_qkv and m in (t.q, t.k, t.v))
             )
             layers.append(
-                LayerSchema(
-                    i, readout, context=p + t.o, mlp_hidden=p + t.fc2, linears=tuple(p + m for m in linears)
-                )
+                LayerSchema(i, readout, context=p + t.o, mlp_hidden=p + t.fc2, linears=tuple(p + m for m in linears))
             )
 
         # Task heads: readers of the final stream, and the MLM transform tied to it.
@@ -240,20 +234,14 @@ class Adapter:
             fn = base + self.final_norm
             if final_readers and head.reads_final_norm:
                 folds.append(Fold(f"{fn}.weight", f"{fn}.bias", tuple(final_readers)))
-                exact = (
-                    "mean_fixing"
-                    if all(b is not None for f_ in folds for _, b in f_.readers)
-                    else "permutation"
-                )
+                exact = "mean_fixing" if all(b is not None for f_ in folds for _, b in f_.readers) else "permutation"
             add(residual, f"{fn}.weight", 0, True, "norm")
             add(residual, f"{fn}.bias", 0, True, "norm_bias")
         residual.exact = exact
         spaces["residual"] = residual
         notes = []
         if exact == "permutation" and self.norm == "pre":
-            notes.append(
-                "the final LayerNorm cannot be folded (no reader after it, or a reader without bias)"
-            )
+            notes.append("the final LayerNorm cannot be folded (no reader after it, or a reader without bias)")
         return ModelSchema(
             model_type=config.model_type,
             architecture=type(model).__name__,

@@ -31,9 +31,7 @@ def _check_bert_config(config) -> None:
             "(relative_key distance embeddings live in head space); use an 'absolute' checkpoint."
         )
     if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
-        raise RaotError(
-            "decoder / cross-attention BERT checkpoints are not supported; use an encoder checkpoint."
-        )
+        raise RaotError("decoder / cross-attention BERT checkpoints are not supported; use an encoder checkpoint.")
 
 
 BERT = Adapter(

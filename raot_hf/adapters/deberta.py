@@ -39,9 +39,7 @@ def _check_common(config) -> None:
 def _check_v1(config) -> None:
     _check_common(config)
     if getattr(config, "talking_head", False):
-        raise RaotError(
-            "DeBERTa v1 with talking_head=True mixes heads and has no head symmetry; not supported."
-        )
+        raise RaotError("DeBERTa v1 with talking_head=True mixes heads and has no head symmetry; not supported.")
 
 
 def _check_v2(config) -> None:

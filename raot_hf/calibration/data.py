@@ -107,17 +107,14 @@ class CalibrationConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise RaotError(
-                f"unknown calibration setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}"
-            )
+            raise RaotError(f"unknown calibration setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
         return cls(**data)
 
 
 def _require_int(name: str, value: Any, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise RaotError(
-            f"calibration {name} must be an integer >= {minimum}, got {value!r}; "
-            f"set it to an integer >= {minimum}"
+            f"calibration {name} must be an integer >= {minimum}, got {value!r}; set it to an integer >= {minimum}"
         )
 
 
@@ -230,9 +227,7 @@ def _load_source(
             return loaded
         if _holds_images(path):
             logger.info("loading calibration images from folder %s", path)
-            return _guarded(
-                lambda: datasets.load_dataset("imagefolder", data_dir=path, split=config.split), source
-            )
+            return _guarded(lambda: datasets.load_dataset("imagefolder", data_dir=path, split=config.split), source)
         if _holds_data_files(path):
             logger.info("loading calibration data files from directory %s", path)
             return _guarded(lambda: datasets.load_dataset(path, split=config.split), source)
@@ -251,9 +246,7 @@ def _load_source(
         kwargs: dict[str, Any] = {"delimiter": "\t"} if extension == ".tsv" else {}
         logger.info("loading calibration data from %s file %s", builder, path)
         return _guarded(
-            lambda: datasets.load_dataset(
-                builder, data_files={split_name: path}, split=config.split, **kwargs
-            ),
+            lambda: datasets.load_dataset(builder, data_files={split_name: path}, split=config.split, **kwargs),
             source,
         )
     if _looks_like_local_path(source):
@@ -280,9 +273,7 @@ def _guarded(load, source: str, hint: str = "check the data and the split", *, a
         raise
     except Exception as exc:  # any loader failure is a user-facing data problem
         raise RaotError(f"could not load calibration data {source!r}: {_one_line(exc)}; {hint}") from exc
-    if not isinstance(loaded, datasets.Dataset) and not (
-        allow_dict and isinstance(loaded, datasets.DatasetDict)
-    ):
+    if not isinstance(loaded, datasets.Dataset) and not (allow_dict and isinstance(loaded, datasets.DatasetDict)):
         raise RaotError(
             f"calibration data {source!r} loaded as {type(loaded).__name__}, not a Dataset; "
             "pass a split such as 'train'"
@@ -487,9 +478,7 @@ def _text_encoder(tokenizer: Any, config: CalibrationConfig):
     max_length = config.max_length
     model_max = getattr(tokenizer, "model_max_length", None)
     if isinstance(model_max, int) and 0 < model_max < max_length:
-        logger.warning(
-            "max_length %d exceeds the tokenizer's limit %d; using %d", max_length, model_max, model_max
-        )
+        logger.warning("max_length %d exceeds the tokenizer's limit %d; using %d", max_length, model_max, model_max)
         max_length = model_max
     if config.batch_size > 1 and tokenizer.pad_token is None:
         raise RaotError(
@@ -528,9 +517,7 @@ def _image_encoder(image_processor: Any):
         images = []
         for value, example_id in zip(values, batch_ids):
             if value is None:
-                raise RaotError(
-                    f"row {example_id} of calibration column {column!r} has no image; drop such rows"
-                )
+                raise RaotError(f"row {example_id} of calibration column {column!r} has no image; drop such rows")
             images.append(value if value.mode == mode else value.convert(mode))
         encoded = image_processor(images=images, return_tensors="pt")
         return _model_inputs(encoded), None

@@ -36,9 +36,7 @@ def _contract(t: torch.Tensor, member: Member, action: SpaceAction) -> torch.Ten
     return y.movedim(-1, member.axis).to(t.dtype)
 
 
-def _norm_weight(
-    gamma: torch.Tensor, action: SpaceAction, second_moment: torch.Tensor | None
-) -> torch.Tensor:
+def _norm_weight(gamma: torch.Tensor, action: SpaceAction, second_moment: torch.Tensor | None) -> torch.Tensor:
     """γ′ for a LayerNorm that sits in a space mapped by O (§3.3).
 
     Exact for permutations. For a rotation the elementwise γ cannot follow O; the best
@@ -83,9 +81,7 @@ def apply_transform(
                 sm = None if norm_second_moments is None else norm_second_moments.get(member.name)
                 state[member.name] = _norm_weight(state[member.name], action, sm)
             else:
-                state[member.name] = _contract(
-                    state[member.name], member, action if member.covariant else inverse_t
-                )
+                state[member.name] = _contract(state[member.name], member, action if member.covariant else inverse_t)
     return state
 
 
@@ -124,9 +120,7 @@ def fold_layernorms(state: dict[str, torch.Tensor], schema: ModelSchema) -> dict
 
 def is_folded(state: Mapping[str, torch.Tensor], schema: ModelSchema) -> bool:
     """Whether every foldable LayerNorm in ``state`` already has γ = 1, β = 0."""
-    return all(
-        torch.all(state[f.norm_weight] == 1) and torch.all(state[f.norm_bias] == 0) for f in schema.folds
-    )
+    return all(torch.all(state[f.norm_weight] == 1) and torch.all(state[f.norm_bias] == 0) for f in schema.folds)
 
 
 def model_state(model: torch.nn.Module, names: set[str] | None = None) -> dict[str, torch.Tensor]:
@@ -145,9 +139,7 @@ def load_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> Non
 
 
 @torch.no_grad()
-def transform_model(
-    model: torch.nn.Module, schema: ModelSchema, transform: Transform, **kw
-) -> torch.nn.Module:
+def transform_model(model: torch.nn.Module, schema: ModelSchema, transform: Transform, **kw) -> torch.nn.Module:
     """Apply ``transform`` to ``model`` in place; pre-LN LayerNorms are folded first if a
     residual rotation needs it. Returns the model."""
     names = schema.parameter_names() | {n for f in schema.folds for n in (f.norm_weight, f.norm_bias)}
@@ -157,6 +149,7 @@ def transform_model(
     rotates = "residual" in actions and actions["residual"].perm is None
     if rotates and schema.norm == "pre" and not is_folded(state, schema):
         logger.debug("folding pre-LN LayerNorms before a residual rotation")
+        _remember_norms(model, state, schema)
         fold_layernorms(state, schema)
     apply_transform(state, schema, transform, **kw)
     load_state(model, state)
@@ -169,6 +162,17 @@ def fold_model(model: torch.nn.Module, schema: ModelSchema) -> torch.nn.Module:
     names = {n for f in schema.folds for n in (f.norm_weight, f.norm_bias)}
     names |= {n for f in schema.folds for r in f.readers for n in r if n}
     state = {n: t.clone() for n, t in model_state(model, names).items()}
+    if not is_folded(state, schema):
+        _remember_norms(model, state, schema)
     fold_layernorms(state, schema)
     load_state(model, state)
     return model
+
+
+def _remember_norms(model: torch.nn.Module, state: Mapping[str, torch.Tensor], schema: ModelSchema) -> None:
+    """Keep the LayerNorm affines a fold removes (RegMean re-expresses recorded Grams with them)."""
+    saved = {}
+    for f in schema.folds:
+        saved[f.norm_weight] = state[f.norm_weight].detach().clone()
+        saved[f.norm_bias] = state[f.norm_bias].detach().clone()
+    model._raot_unfolded_norms = saved

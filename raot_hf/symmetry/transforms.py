@@ -48,9 +48,7 @@ class SpaceAction:
         """Apply ``self`` then ``other`` (contractions compose as M₁·M₂)."""
         if self.perm is not None and other.perm is not None:
             return SpaceAction(perm=self.perm[other.perm])
-        return SpaceAction(
-            matrix=self.dense(n) @ other.dense(n), orthogonal=self.orthogonal and other.orthogonal
-        )
+        return SpaceAction(matrix=self.dense(n) @ other.dense(n), orthogonal=self.orthogonal and other.orthogonal)
 
 
 def _tensor(x: Any, dtype=_F64) -> torch.Tensor:
@@ -164,9 +162,7 @@ class HeadAlignment(Transform):
         _check_perm(self.perm, H, f"head permutation of layer {self.layer}")
         for name, r in (("qk", self.qk), ("vo", self.vo)):
             if r.shape != (H, h, h):
-                raise RaotError(
-                    f"layer {self.layer} {name} maps: expected shape {(H, h, h)}, got {tuple(r.shape)}"
-                )
+                raise RaotError(f"layer {self.layer} {name} maps: expected shape {(H, h, h)}, got {tuple(r.shape)}")
         return {
             schema.qk_space(self.layer).name: SpaceAction(matrix=block_matrix(self.perm, self.qk)),
             schema.vo_space(self.layer).name: SpaceAction(matrix=block_matrix(self.perm, self.vo)),

@@ -1,0 +1,138 @@
+"""One typed options object for the Python API and the CLI; round-trips through JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from raot_hf.calibration.data import CalibrationConfig
+from raot_hf.errors import RaotError
+from raot_hf.version import __version__
+
+ALIGNMENTS = ("activation", "weight", "none")
+SCOPES = ("mlp", "heads", "residual")
+RESIDUAL_MODES = ("auto", "permutation", "rotation")
+HEAD_POLICIES = ("a", "b", "average")
+DTYPES = ("float32", "float64", "bfloat16", "float16", "auto")
+
+
+def _choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise RaotError(f"{name}={value!r} is not valid; choose one of: {', '.join(valid)}")
+
+
+@dataclass
+class RaotConfig:
+    """Every option of a merge.
+
+    * ``alignment``: ``activation`` (RaOT: estimated from one calibration pass), ``weight``
+      (the rotation-symmetry paper's data-free weight matching, a baseline) or ``none``.
+    * ``scope``: which symmetry factors to align, any subset of ``mlp``, ``heads``, ``residual``.
+    * ``residual``: ``auto`` — a mean-fixing rotation where it is exact (pre-LN, ViT), a
+      permutation otherwise; ``rotation`` forces the rotation (approximate for post-LN models,
+      reported as such); ``permutation``.
+    * ``gate``: let the identity compete with every estimate on held-out statistics;
+      ``gate_z`` is the margin in standard errors of the per-unit gains (3 ⇒ a one-sided
+      false-accept rate of ~0.1% per transform) and ``gate_min_gain`` a floor on the mean gain
+      (objectives are cosines/correlations in [−1, 1]: below 0.01 the bases already agree and
+      the transform would barely move B); ``min_heldout_tokens``: below it an estimate
+      loses to the identity with a warning.
+    * ``merge_rule``: a name from :func:`raot_hf.merging.available_merge_rules`; ``alpha``:
+      weight of B′ (0 gives A); ``regmean_shrink``: RegMean off-diagonal scale.
+    * ``head``: classifier head policy — keep ``a``'s, ``b``'s, or ``average`` (needs equal label spaces).
+    * ``weight_rescale`` / ``weight_match_heads``: options of the weight-based estimator.
+    """
+
+    alignment: str = "activation"
+    scope: tuple[str, ...] = SCOPES
+    residual: str = "auto"
+    gate: bool = True
+    gate_z: float = 3.0
+    gate_min_gain: float = 0.01
+    min_heldout_tokens: int = 64
+    merge_rule: str = "linear"
+    alpha: float = 0.5
+    regmean_shrink: float = 0.9
+    head: str = "a"
+    weight_rescale: bool = False
+    weight_match_heads: bool = True
+    dtype: str = "auto"
+    seed: int = 0
+    check_batches: int = 1
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    version: str = __version__
+
+    def __post_init__(self) -> None:
+        if isinstance(self.calibration, dict):
+            self.calibration = CalibrationConfig.from_dict(self.calibration)
+        if isinstance(self.scope, str):
+            self.scope = tuple(s for s in self.scope.replace("+", ",").split(",") if s) if self.scope != "none" else ()
+        self.scope = tuple(self.scope)
+        _choice("alignment", self.alignment, ALIGNMENTS)
+        for s in self.scope:
+            _choice("scope entry", s, SCOPES)
+        if len(set(self.scope)) != len(self.scope):
+            raise RaotError(f"scope {self.scope} repeats an entry; list each of {', '.join(SCOPES)} at most once")
+        _choice("residual", self.residual, RESIDUAL_MODES)
+        _choice("head", self.head, HEAD_POLICIES)
+        _choice("dtype", self.dtype, DTYPES)
+        if not 0.0 <= float(self.alpha) <= 1.0:
+            raise RaotError(f"alpha={self.alpha} must lie in [0, 1] (the weight of B′; 0 keeps A)")
+        if not 0.0 <= float(self.regmean_shrink) <= 1.0:
+            raise RaotError(f"regmean_shrink={self.regmean_shrink} must lie in [0, 1]")
+        if not 0.0 <= float(self.gate_min_gain) <= 2.0:
+            raise RaotError(f"gate_min_gain={self.gate_min_gain} must lie in [0, 2] (a gain in cosine units)")
+        if float(self.gate_z) < 0:
+            raise RaotError(f"gate_z={self.gate_z} must be ≥ 0 (standard errors of margin)")
+        for name in ("min_heldout_tokens", "check_batches", "seed"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise RaotError(f"{name}={v!r} must be a non-negative integer")
+        from raot_hf.merging import available_merge_rules
+
+        if self.merge_rule not in available_merge_rules():
+            raise RaotError(
+                f"merge_rule={self.merge_rule!r} is not known; choose one of: {', '.join(available_merge_rules())}"
+            )
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.alignment == "activation" and bool(self.scope) or self.merge_rule in ("regmean", "fisher")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["scope"] = list(self.scope)
+        d["calibration"] = self.calibration.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RaotConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise RaotError(f"unknown option(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+        data = dict(data)
+        data.pop("version", None)
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> RaotConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise RaotError(f"options are not valid JSON ({exc.msg} at line {exc.lineno}); fix the file") from None
+        if not isinstance(data, dict):
+            raise RaotError("options JSON must be an object of option names to values")
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> RaotConfig:
+        d = self.to_dict()
+        cal = changes.pop("calibration", None)
+        d.update(changes)
+        if cal is not None:
+            d["calibration"] = cal.to_dict() if isinstance(cal, CalibrationConfig) else cal
+        return RaotConfig.from_dict(d)

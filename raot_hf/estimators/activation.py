@@ -1,0 +1,169 @@
+"""Activation-estimated alignment: pure functions over calibration statistics (DESIGN.md §4).
+
+Each estimator returns a transform of B (to apply with
+:func:`raot_hf.symmetry.apply_transform`) and a log dict for the provenance report. The
+matching ``*_gains`` functions score a transform on (held-out) statistics against the
+identity, one gain per unit / head / coordinate, for the gate (§5).
+"""
+
+from __future__ import annotations
+
+import torch
+from scipy.optimize import linear_sum_assignment
+
+from raot_hf.calibration.statistics import Moments
+from raot_hf.symmetry.group import mean_axis_basis
+from raot_hf.symmetry.transforms import HeadAlignment, MLPPermutation, ResidualPermutation, ResidualRotation
+
+_F64 = torch.float64
+
+
+def _assign(score: torch.Tensor) -> torch.Tensor:
+    """Exact maximum-weight assignment: returns perm with row i matched to column perm[i]."""
+    rows, cols = linear_sum_assignment(score.detach().cpu().numpy(), maximize=True)
+    perm = torch.empty(score.shape[0], dtype=torch.long)
+    perm[torch.as_tensor(rows)] = torch.as_tensor(cols)
+    return perm
+
+
+# -- MLP units (§4: correlation + exact assignment) -----------------------------------------------
+def estimate_mlp_permutation(stats: Moments, layer: int, *, return_log: bool = False):
+    """P maximising Σᵢ corr(a_i, b_P(i)) over units of one layer's MLP."""
+    corr = stats.correlation()
+    perm = _assign(corr)
+    if not return_log:
+        return MLPPermutation(layer, perm)
+    ar = torch.arange(len(perm))
+    log = {
+        "units": len(perm),
+        "moved": int((perm != ar).sum()),
+        "fit_mean_corr_identity": float(corr.diagonal().mean()),
+        "fit_mean_corr_estimate": float(corr[ar, perm].mean()),
+    }
+    return MLPPermutation(layer, perm), log
+
+
+def mlp_gains(stats: Moments, perm: torch.Tensor) -> torch.Tensor:
+    """Per-unit gain in correlation of the permutation over the identity, and the identity's
+    mean correlation."""
+    corr = stats.correlation()
+    ar = torch.arange(corr.shape[0])
+    return corr[ar, perm] - corr.diagonal(), float(corr.diagonal().mean())
+
+
+# -- Heads: joint assignment and rotations (§4) --------------------------------------------------
+def _blocks(m: torch.Tensor, H: int, h: int) -> torch.Tensor:
+    """(H·h)² → (H, H, h, h): block [i, j] = rows of head i (A), columns of head j (B)."""
+    return m.reshape(H, h, H, h).permute(0, 2, 1, 3)
+
+
+def _head_energy(sq: torch.Tensor, H: int, h: int) -> torch.Tensor:
+    return sq.reshape(H, h).sum(-1)
+
+
+def _pair_terms(q: Moments, k: Moments, ctx: Moments, H: int, h: int):
+    """Cross blocks N_ij = Σ(X_Aⁱ)ᵀX_Bʲ and the pairwise normalisers of QK and VO."""
+    n_qk = _blocks(q.cross + k.cross, H, h)
+    n_vo = _blocks(ctx.cross, H, h)
+    e_qk = torch.outer(_head_energy(q.sq_a + k.sq_a, H, h), _head_energy(q.sq_b + k.sq_b, H, h))
+    e_vo = torch.outer(_head_energy(ctx.sq_a, H, h), _head_energy(ctx.sq_b, H, h))
+    return n_qk, n_vo, e_qk.clamp_min(1e-300).sqrt(), e_vo.clamp_min(1e-300).sqrt()
+
+
+def _procrustes(n: torch.Tensor) -> torch.Tensor:
+    """argmax over orthogonal R of tr(N·R): with N = UΣVᵀ, R = V·Uᵀ (batched)."""
+    u, _, vh = torch.linalg.svd(n)
+    return vh.transpose(-1, -2) @ u.transpose(-1, -2)
+
+
+def estimate_head_alignment(
+    q: Moments, k: Moments, ctx: Moments, layer: int, num_heads: int, head_size: int, *, return_log: bool = False
+):
+    """Head correspondence and within-head Q/K and V/O rotations as one exact assignment.
+
+    Every pair (i of A, j of B) is scored by the cosine of its rotation-optimal fit —
+    ‖N_ij‖_* normalised by the pair's energies, for QK and for VO — and one assignment on
+    that H×H score gives π; the SVDs of the matched pairs give the rotations.
+    """
+    H, h = num_heads, head_size
+    n_qk, n_vo, z_qk, z_vo = _pair_terms(q, k, ctx, H, h)
+    nuc_qk = torch.linalg.svdvals(n_qk).sum(-1)
+    nuc_vo = torch.linalg.svdvals(n_vo).sum(-1)
+    score = 0.5 * (nuc_qk / z_qk + nuc_vo / z_vo)
+    perm = _assign(score)
+    ar = torch.arange(H)
+    r_qk = _procrustes(n_qk[ar, perm])
+    r_vo = _procrustes(n_vo[ar, perm])
+    transform = HeadAlignment(layer, perm, r_qk, r_vo)
+    if not return_log:
+        return transform
+    log = {
+        "heads": H,
+        "perm": perm.tolist(),
+        "fit_pair_score_matched": score[ar, perm].tolist(),
+        "fit_pair_score_same_index": score.diagonal().tolist(),
+    }
+    return transform, log
+
+
+def head_gains(q: Moments, k: Moments, ctx: Moments, transform: HeadAlignment, num_heads: int, head_size: int):
+    """Per-head gain in (QK + VO)/2 cosine of ``transform`` over the identity, and the
+    identity's mean cosine."""
+    H, h = num_heads, head_size
+    n_qk, n_vo, z_qk, z_vo = _pair_terms(q, k, ctx, H, h)
+    ar, perm = torch.arange(H), transform.perm
+
+    def cos(n, z, idx, r):
+        return torch.einsum("hab,hba->h", n[ar, idx], r) / z[ar, idx]
+
+    eye = torch.eye(h, dtype=_F64).expand(H, h, h)
+    est = 0.5 * (cos(n_qk, z_qk, perm, transform.qk) + cos(n_vo, z_vo, perm, transform.vo))
+    ident = 0.5 * (cos(n_qk, z_qk, ar, eye) + cos(n_vo, z_vo, ar, eye))
+    return est - ident, float(ident.mean())
+
+
+# -- Residual stream (§4: mean-preserving Procrustes; permutation variant) -----------------------
+def estimate_residual_map(stats: Moments, *, mode: str = "rotation", return_log: bool = False):
+    """The stream map O (x_B·O ≈ x_A) from the centered cross moment M = Σ x_Aᵀ x_B.
+
+    ``rotation``: SVD of the block of M on the complement of the mean axis, Bᵤᵀ·M·Bᵤ = UΣVᵀ,
+    R = V·Uᵀ and O = u·uᵀ + Bᵤ·R·Bᵤᵀ (O·1 = 1). ``permutation``: assignment on the
+    centered-stream correlation.
+    """
+    d = stats.cross.shape[0]
+    if mode == "rotation":
+        b = mean_axis_basis(d)
+        r = _procrustes(b.T @ stats.cross @ b)
+        u = torch.full((d, 1), d**-0.5, dtype=_F64)
+        o = u @ u.T + b @ r @ b.T
+        transform = ResidualRotation(o)
+    elif mode == "permutation":
+        # new coordinate j of B′ takes B's coordinate perm[j], matched to A's coordinate j
+        transform = ResidualPermutation(_assign(stats.correlation()))
+    else:
+        raise ValueError(f"mode must be 'rotation' or 'permutation', got {mode!r}")
+    if not return_log:
+        return transform
+    gains, _ = residual_gains(stats, transform)
+    return transform, {"mode": mode, "dim": d, "fit_gain": float(gains.mean())}
+
+
+def residual_gains(stats: Moments, transform) -> torch.Tensor:
+    """Per-coordinate gain of the map over the identity, and the identity's mean score.
+
+    The score of coordinate j is the cosine between A's coordinate j and B′'s coordinate j
+    (B′ = B·O) over centered stream samples: (M·O)_jj / √(S_A,jj · (Oᵀ·S_B·O)_jj).
+    """
+    d = stats.cross.shape[0]
+    ea = stats.sq_a.clamp_min(1e-300)
+    if isinstance(transform, ResidualPermutation):
+        mapped = stats.cross[torch.arange(d), transform.perm]
+        eb = stats.sq_b[transform.perm]
+    else:
+        o = transform.matrix
+        mapped = torch.einsum("ji,ij->j", stats.cross, o)
+        full_b = stats.full_b if stats.full_b is not None else torch.diag(stats.sq_b)
+        eb = torch.einsum("ij,ik,kj->j", o, full_b, o)
+    est = mapped / (ea * eb.clamp_min(1e-300)).sqrt()
+    ident = stats.cross.diagonal() / (ea * stats.sq_b.clamp_min(1e-300)).sqrt()
+    return est - ident, float(ident.mean())

