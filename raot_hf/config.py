@@ -14,6 +14,7 @@ ALIGNMENTS = ("activation", "weight", "none")
 SCOPES = ("mlp", "heads", "residual")
 RESIDUAL_MODES = ("auto", "permutation", "rotation")
 HEAD_POLICIES = ("a", "b", "average")
+MERGER_RULES = ("linear", "regmean")
 DTYPES = ("float32", "float64", "bfloat16", "float16", "auto")
 
 
@@ -38,7 +39,7 @@ class RaotConfig:
       (objectives are cosines/correlations in [−1, 1]: below 0.01 the bases already agree and
       the transform would barely move B); ``min_heldout_tokens``: below it an estimate
       loses to the identity with a warning.
-    * ``merge_rule``: a name from :func:`raot_hf.merging.available_merge_rules`; ``alpha``:
+    * ``merge_rule``: ``linear`` or ``regmean`` (Grams from the same calibration pass); ``alpha``:
       weight of B′ (0 gives A); ``regmean_shrink``: RegMean off-diagonal scale.
     * ``head``: classifier head policy — keep ``a``'s, ``b``'s, or ``average`` (needs equal label spaces).
     * ``weight_rescale`` / ``weight_match_heads``: options of the weight-based estimator.
@@ -89,11 +90,10 @@ class RaotConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise RaotError(f"{name}={v!r} must be a non-negative integer")
-        from raot_hf.merging import available_merge_rules
-
-        if self.merge_rule not in available_merge_rules():
+        if self.merge_rule not in MERGER_RULES:
             raise RaotError(
-                f"merge_rule={self.merge_rule!r} is not known; choose one of: {', '.join(available_merge_rules())}"
+                f"merge_rule={self.merge_rule!r} is not available in the merger; choose one of: "
+                f"{', '.join(MERGER_RULES)} (fisher, task_arithmetic and ties exist as functions in raot_hf.merging)"
             )
 
     @property

@@ -396,9 +396,9 @@ class RaotMerger:
         """Estimate every transform in scope, gate each against the identity, and return the
         decisions (nothing is applied to the models)."""
         stats = fingerprint = None
-        if self.config.needs_calibration or (calibration is not None or self.config.calibration.source):
-            if self.config.alignment != "none" or self.config.merge_rule in ("regmean", "fisher"):
-                stats, fingerprint = self.collect_statistics(calibration)
+        wants_data = self.config.alignment != "none" or self.config.merge_rule in ("regmean", "fisher")
+        if wants_data and (self.config.needs_calibration or calibration is not None or self.config.calibration.source):
+            stats, fingerprint = self.collect_statistics(calibration)
         if self.config.alignment == "none" or not self.config.scope:
             return Alignment([], TransformSequence([]), True), stats, fingerprint
         with self.timer.stage("solve"):

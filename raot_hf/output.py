@@ -586,3 +586,6 @@ def write_merged_repo(
         raise
     logger.info("merged model written to %s", out)
     return out
+
+
+check_destination = _check_destination

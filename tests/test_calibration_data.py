@@ -202,9 +202,7 @@ def test_image_folder_loads_and_batches(tmp_path, image_processor):
 
 def test_images_are_converted_to_the_processor_mode(tmp_path, image_processor):
     paths = write_images(tmp_path / "gray", 3, mode="L") + write_images(tmp_path / "rgba", 2, mode="RGBA")
-    dataset = datasets.Dataset.from_dict({"img": [str(p) for p in paths]}).cast_column(
-        "img", datasets.Image()
-    )
+    dataset = datasets.Dataset.from_dict({"img": [str(p) for p in paths]}).cast_column("img", datasets.Image())
     dataset = load_calibration_dataset(dataset, config=config())
     (batch,) = iter_calibration_batches(dataset, image_processor, config(batch_size=8))
     assert batch.inputs["pixel_values"].shape == (5, 3, 8, 8)
@@ -267,9 +265,7 @@ def test_column_auto_detect_and_modality_mismatch(tmp_path):
     assert check_column(mixed, None, "image") == "picture"
     assert check_column(mixed.remove_columns("content"), None, "text") == "body"
     assert check_column(mixed, "body", "text") == "body"
-    with pytest.raises(
-        RaotError, match=r"column 'picture' holds images but model A takes text; pass --column"
-    ):
+    with pytest.raises(RaotError, match=r"column 'picture' holds images but model A takes text; pass --column"):
         check_column(mixed, "picture", "text", model_label="model A")
     with pytest.raises(RaotError, match="column 'body' holds text but the model takes images"):
         check_column(mixed, "body", "image")
@@ -346,17 +342,13 @@ def test_text_fingerprint_is_stable_and_content_sensitive():
     cfg = CalibrationConfig(num_samples=6, seed=4)
     first = dataset_fingerprint(load_calibration_dataset(text_dataset(), config=cfg), "sentence")
     second = dataset_fingerprint(load_calibration_dataset(text_dataset(), config=cfg), "sentence")
-    assert (
-        first["sha256"] == second["sha256"] and first["num_examples"] == 6 and first["column"] == "sentence"
-    )
+    assert first["sha256"] == second["sha256"] and first["num_examples"] == 6 and first["column"] == "sentence"
     assert first["datasets_fingerprint"] is not None
     changed = list(SENTENCES)
     changed[load_calibration_dataset(text_dataset(), config=cfg)["label"][2]] += "!"
     third = dataset_fingerprint(load_calibration_dataset(text_dataset(changed), config=cfg), "sentence")
     assert third["sha256"] != first["sha256"]
-    reseeded = dataset_fingerprint(
-        load_calibration_dataset(text_dataset(), config=config(seed=9)), "sentence"
-    )
+    reseeded = dataset_fingerprint(load_calibration_dataset(text_dataset(), config=config(seed=9)), "sentence")
     assert reseeded["sha256"] != first["sha256"]  # same rows, different order: ids and split differ
 
 

@@ -123,9 +123,7 @@ def test_regmean_minimises_the_output_loss(alpha):
     a, b = make_state(0, torch.float64), make_state(1, torch.float64)
     grams_a, xs_a = grams_from(3)
     grams_b, xs_b = grams_from(4)
-    merged = merge_regmean(
-        a, b, grams_a=grams_a, grams_b=grams_b, linear_weights=LINEAR, alpha=alpha, shrink=1.0
-    )
+    merged = merge_regmean(a, b, grams_a=grams_a, grams_b=grams_b, linear_weights=LINEAR, alpha=alpha, shrink=1.0)
     for name, gram_key in LINEAR.items():
         w = merged[name].clone().requires_grad_(True)
         x_a, x_b = xs_a[gram_key], xs_b[gram_key]
@@ -351,7 +349,10 @@ HEAD = ["classifier.weight", "classifier.bias"]
 
 def head_state(seed, labels=3):
     g = torch.Generator().manual_seed(seed)
-    return {"classifier.weight": torch.randn(labels, 6, generator=g), "classifier.bias": torch.randn(labels, generator=g)}
+    return {
+        "classifier.weight": torch.randn(labels, 6, generator=g),
+        "classifier.bias": torch.randn(labels, generator=g),
+    }
 
 
 def test_head_policies():
@@ -370,8 +371,8 @@ def test_head_policies():
 
 def test_head_policy_errors():
     a, b = head_state(0), head_state(1)
-    with pytest.raises(RaotError, match=r"--head average needs the same label space; A has 3 labels.*B has 3 labels.*"
-                       r"use --head a or --head b"):  # fmt: skip
+    expected = r"--head average needs the same label space; A has 3 labels.*B has 3 labels.*use --head a or --head b"
+    with pytest.raises(RaotError, match=expected):
         merge_heads(a, b, HEAD, "average", 3, 3, {0: "a", 1: "b", 2: "c"}, {0: "a", 1: "c", 2: "b"})
     with pytest.raises(RaotError, match="A has 3 labels.*B has 2 labels"):
         merge_heads(a, head_state(1, 2), HEAD, "average", 3, 2, None, None)

@@ -58,9 +58,7 @@ def _check(model, transform, *, relative=False):
     schema = schema_for(model)
     moved = transform_model(clone(model), schema, transform)
     x = example_inputs(model)
-    return output_deviation(
-        model, moved, x, stream_map=_stream_map(schema, transform), relative=relative
-    ), moved
+    return output_deviation(model, moved, x, stream_map=_stream_map(schema, transform), relative=relative), moved
 
 
 @pytest.mark.usefixtures("float64_deberta_layernorm")
@@ -130,9 +128,7 @@ def test_wrong_in_proj_layout_breaks_equivalence(float64_deberta_layernorm):
         for i, m in enumerate(space.members):
             if m.name == name:
                 offset = {"q": 0, "k": d, "v": 2 * d}[m.role]
-                space.members[i] = Member(
-                    m.name, m.axis, m.covariant, m.role, tuple(range(offset, offset + d))
-                )
+                space.members[i] = Member(m.name, m.axis, m.covariant, m.role, tuple(range(offset, offset + d)))
     transform = random_group_element(schema, seed=1, kinds=("heads",))
     moved = transform_model(clone(model), schema, transform)
     assert output_deviation(model, moved, example_inputs(model)) > 1e-6
@@ -185,9 +181,7 @@ def test_transform_json_round_trip_and_composition():
     b = transform_model(clone(model), schema, restored)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     sequential = transform_model(transform_model(clone(model), schema, t1), schema, t2)
-    assert (
-        max((p - q).abs().max() for p, q in zip(a.parameters(), sequential.parameters(), strict=True)) < 1e-12
-    )
+    assert max((p - q).abs().max() for p, q in zip(a.parameters(), sequential.parameters(), strict=True)) < 1e-12
     assert output_deviation(model, a, example_inputs(model)) <= 1e-9
 
 
@@ -209,9 +203,7 @@ def test_scramble_in_place_and_save_round_trip(tmp_path):
     x = example_inputs(model)
     assert output_deviation(model, scrambled, x) <= 1e-9
     scrambled.save_pretrained(tmp_path / "s")
-    reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(
-        tmp_path / "s", dtype=torch.float64
-    )
+    reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "s", dtype=torch.float64)
     reloaded.eval()
     assert output_deviation(scrambled, reloaded, x) == 0.0
 
@@ -221,9 +213,7 @@ def test_vit_save_round_trip_after_rotation(tmp_path):
     scrambled = clone(model)
     scramble(scrambled, seed=9)
     scrambled.save_pretrained(tmp_path / "v")
-    reloaded = transformers.AutoModelForImageClassification.from_pretrained(
-        tmp_path / "v", dtype=torch.float64
-    )
+    reloaded = transformers.AutoModelForImageClassification.from_pretrained(tmp_path / "v", dtype=torch.float64)
     x = example_inputs(model)
     assert output_deviation(scrambled, reloaded.eval(), x) == 0.0
     assert output_deviation(model, reloaded, x) <= 1e-9
@@ -237,9 +227,7 @@ def test_unsupported_model_type_names_it():
 
 def test_unsupported_head_names_it():
     model = transformers.BertForMultipleChoice(
-        transformers.BertConfig(
-            hidden_size=16, num_attention_heads=4, num_hidden_layers=1, intermediate_size=8
-        )
+        transformers.BertConfig(hidden_size=16, num_attention_heads=4, num_hidden_layers=1, intermediate_size=8)
     )
     with pytest.raises(RaotError, match="BertForMultipleChoice is not supported"):
         schema_for(model)
@@ -252,9 +240,7 @@ def test_invalid_transforms_are_refused():
     with pytest.raises(RaotError, match="mean axis"):
         ResidualRotation(torch.eye(schema.hidden_size).flip(0) * -1).actions(schema)
     with pytest.raises(RaotError, match="shape"):
-        HeadAlignment(0, torch.arange(schema.num_heads), torch.zeros(1, 2, 2), torch.zeros(1, 2, 2)).actions(
-            schema
-        )
+        HeadAlignment(0, torch.arange(schema.num_heads), torch.zeros(1, 2, 2), torch.zeros(1, 2, 2)).actions(schema)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -279,8 +265,6 @@ def test_symmetry_property(model_type, num_heads, head_size, intermediate, layer
         num_layers=layers,
         intermediate_size=intermediate,
     )
-    transform = random_group_element(
-        schema_for(model), seed=seed, kinds=("mlp", "heads", "residual", "rescale")
-    )
+    transform = random_group_element(schema_for(model), seed=seed, kinds=("mlp", "heads", "residual", "rescale"))
     dev, _ = _check(model, transform)
     assert dev <= 1e-9

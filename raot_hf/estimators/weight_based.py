@@ -146,20 +146,29 @@ def align_heads(
     """Head assignment and per-head Q/K and V/O rotations for one layer.
 
     Inputs are stacked space features (rows × d). Returns ``perm`` (head i of B′ is head
-    ``perm[i]`` of B), the rotations ``qk`` and ``vo`` (H, h, h) and the (H, H) pair score
-    ‖M_qk‖_* + ‖M_vo‖_* (each pair's overlap under its best rotation).
+    ``perm[i]`` of B), the rotations ``qk`` and ``vo`` (H, h, h) and, per head i, the score
+    ‖M_qk‖_* + ‖M_vo‖_* of the pair (i, perm[i]) — its overlap under its best rotation. With
+    ``match_heads`` the assignment maximises the total score over all H×H pairs, which is the
+    joint minimiser of the weight distance over head permutations and rotations.
     """
     m_qk = head_cross_covariances(qk_a, qk_b, num_heads)
     m_vo = head_cross_covariances(vo_a, vo_b, num_heads)
-    score = torch.linalg.matrix_norm(m_qk, ord="nuc") + torch.linalg.matrix_norm(m_vo, ord="nuc")
     if match_heads:
+        # One SVD per pair gives both the score (nuclear norm) and the rotation.
+        u_qk, s_qk, vh_qk = torch.linalg.svd(m_qk)
+        u_vo, s_vo, vh_vo = torch.linalg.svd(m_vo)
+        score = s_qk.sum(-1) + s_vo.sum(-1)
         rows, cols = linear_sum_assignment(score.numpy(), maximize=True)
         perm = torch.empty(num_heads, dtype=torch.long)
         perm[torch.from_numpy(rows)] = torch.from_numpy(cols)
-    else:
-        perm = torch.arange(num_heads)
-    chosen = torch.arange(num_heads)
-    return perm, procrustes(m_qk[chosen, perm]), procrustes(m_vo[chosen, perm]), score
+        heads = torch.arange(num_heads)
+        r_qk = u_qk[heads, perm] @ vh_qk[heads, perm]
+        r_vo = u_vo[heads, perm] @ vh_vo[heads, perm]
+        return perm, r_qk, r_vo, score[heads, perm]
+    heads = torch.arange(num_heads)
+    diag_qk, diag_vo = m_qk[heads, heads], m_vo[heads, heads]
+    score = torch.linalg.matrix_norm(diag_qk, ord="nuc") + torch.linalg.matrix_norm(diag_vo, ord="nuc")
+    return heads, procrustes(diag_qk), procrustes(diag_vo), score
 
 
 def _block_transform(features: SpaceFeatures, perm: torch.Tensor, rotations: torch.Tensor) -> SpaceFeatures:
@@ -319,8 +328,7 @@ def estimate_weight_alignment(
                     {
                         "perm": perm.tolist(),
                         "heads_moved": int((perm != torch.arange(H)).sum()),
-                        "pair_score_matched": [float(score[i, perm[i]]) for i in range(H)],
-                        "pair_score_identity": [float(score[i, i]) for i in range(H)],
+                        "pair_score_matched": score.tolist(),
                         "qk_rotation_deviation": torch.linalg.matrix_norm(r_qk - eye).tolist(),
                         "vo_rotation_deviation": torch.linalg.matrix_norm(r_vo - eye).tolist(),
                         "reflections": int((torch.linalg.det(r_qk) < 0).sum() + (torch.linalg.det(r_vo) < 0).sum()),

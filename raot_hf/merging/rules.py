@@ -350,9 +350,14 @@ def merge_fisher(
     mean_b = _fisher_mean(fisher_b, state_b, "B′")
     log = _new_log(
         "fisher",
-        {"alpha": alpha, "eps": eps, "normalisation": "each Fisher divided by its mean", "mean_a": mean_a,
-         "mean_b": mean_b},
-    )  # fmt: skip
+        {
+            "alpha": alpha,
+            "eps": eps,
+            "normalisation": "each Fisher divided by its mean",
+            "mean_a": mean_a,
+            "mean_b": mean_b,
+        },
+    )
     if alpha in (0.0, 1.0):
         return _finish(_endpoint_state(state_a, state_b, alpha, log), log, return_log)
 
@@ -447,11 +452,13 @@ def merge_ties(
         task = torch.where(count > 0, summed / count.clamp_min(1.0), 0.0)
         conflicts = (trimmed_a * trimmed_b < 0).to(_F64).mean() if a.numel() else torch.tensor(0.0)
         _note(
-            log, key, "ties",
+            log,
+            key,
+            "ties",
             kept_a=float((trimmed_a != 0).to(_F64).mean()) if a.numel() else 0.0,
             kept_b=float((trimmed_b != 0).to(_F64).mean()) if a.numel() else 0.0,
             sign_conflicts=float(conflicts),
-        )  # fmt: skip
+        )
         merged[key] = (origin + scale * task).to(a.dtype)
     return _finish(merged, log, return_log)
 

