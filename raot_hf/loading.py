@@ -69,6 +69,17 @@ def _check_local_weights(source: ModelSource, label: str) -> None:
         )
     if not has_st and not has_pickle:
         raise RaotError(f"model {label} ({path}) has no weight files (*.safetensors); pass a complete checkpoint")
+    from safetensors import safe_open
+
+    for name in sorted(n for n in names if n.endswith(".safetensors")):
+        try:
+            with safe_open(str(path / name), framework="pt") as fh:
+                fh.keys()
+        except Exception as exc:  # safetensors raises its own error type for a bad header
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RaotError(
+                f"model {label}: {name} is corrupt or truncated ({reason}); re-download or re-save the checkpoint"
+            ) from None
     index = path / "model.safetensors.index.json"
     if index.is_file():
         import json
