@@ -10,11 +10,11 @@ from raot_hf.calibration.data import CalibrationConfig
 from raot_hf.errors import RaotError
 from raot_hf.version import __version__
 
-ALIGNMENTS = ("activation", "weight", "none")
+ALIGNMENTS = ("activation", "weight", "soft_ot", "none")
 SCOPES = ("mlp", "heads", "residual")
 RESIDUAL_MODES = ("auto", "permutation", "rotation")
 HEAD_POLICIES = ("a", "b", "average")
-MERGER_RULES = ("linear", "regmean")
+MERGER_RULES = ("linear", "regmean", "fisher")
 DTYPES = ("float32", "float64", "bfloat16", "float16", "auto")
 
 
@@ -33,6 +33,8 @@ class RaotConfig:
     * ``residual``: ``auto`` — a mean-fixing rotation where it is exact (pre-LN, ViT), a
       permutation otherwise; ``rotation`` forces the rotation (approximate for post-LN models,
       reported as such); ``permutation``.
+    * ``rotations``: estimate within-head Q/K and V/O rotations (False: heads are matched by
+      permutation only, R = I — with ``residual="permutation"`` the permutation-only baseline).
     * ``gate``: let the identity compete with every estimate on held-out statistics;
       ``gate_z`` is the margin in standard errors of the per-unit gains (3 ⇒ a one-sided
       false-accept rate of ~0.1% per transform) and ``gate_min_gain`` a floor on the mean gain
@@ -43,11 +45,15 @@ class RaotConfig:
       weight of B′ (0 gives A); ``regmean_shrink``: RegMean off-diagonal scale.
     * ``head``: classifier head policy — keep ``a``'s, ``b``'s, or ``average`` (needs equal label spaces).
     * ``weight_rescale`` / ``weight_match_heads``: options of the weight-based estimator.
+    * ``soft_ot_reg``: entropic regularisation of the ``soft_ot`` baseline (Sinkhorn plans on
+      MLP units and heads; not a symmetry, so B′ only approximates B and the report says so).
+    * ``fisher_samples``: examples for the label-free diagonal Fisher of ``merge_rule="fisher"``.
     """
 
     alignment: str = "activation"
     scope: tuple[str, ...] = SCOPES
     residual: str = "auto"
+    rotations: bool = True
     gate: bool = True
     gate_z: float = 3.0
     gate_min_gain: float = 0.01
@@ -58,6 +64,8 @@ class RaotConfig:
     head: str = "a"
     weight_rescale: bool = False
     weight_match_heads: bool = True
+    soft_ot_reg: float = 0.05
+    fisher_samples: int = 64
     dtype: str = "auto"
     seed: int = 0
     check_batches: int = 1
@@ -86,19 +94,23 @@ class RaotConfig:
             raise RaotError(f"gate_min_gain={self.gate_min_gain} must lie in [0, 2] (a gain in cosine units)")
         if float(self.gate_z) < 0:
             raise RaotError(f"gate_z={self.gate_z} must be ≥ 0 (standard errors of margin)")
-        for name in ("min_heldout_tokens", "check_batches", "seed"):
+        if not float(self.soft_ot_reg) > 0:
+            raise RaotError(f"soft_ot_reg={self.soft_ot_reg} must be > 0 (Sinkhorn's entropic regularisation)")
+        for name in ("min_heldout_tokens", "check_batches", "seed", "fisher_samples"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise RaotError(f"{name}={v!r} must be a non-negative integer")
         if self.merge_rule not in MERGER_RULES:
             raise RaotError(
                 f"merge_rule={self.merge_rule!r} is not available in the merger; choose one of: "
-                f"{', '.join(MERGER_RULES)} (fisher, task_arithmetic and ties exist as functions in raot_hf.merging)"
+                f"{', '.join(MERGER_RULES)} (task_arithmetic and ties exist as functions in raot_hf.merging)"
             )
 
     @property
     def needs_calibration(self) -> bool:
-        return self.alignment == "activation" and bool(self.scope) or self.merge_rule in ("regmean", "fisher")
+        return (
+            self.alignment in ("activation", "soft_ot") and bool(self.scope) or self.merge_rule in ("regmean", "fisher")
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

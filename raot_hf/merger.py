@@ -58,6 +58,7 @@ from raot_hf.symmetry import (
     MLPPermutation,
     ResidualPermutation,
     ResidualRotation,
+    SoftTransport,
     Transform,
     TransformSequence,
     fold_model,
@@ -271,6 +272,7 @@ class RaotMerger:
             column = check_column(dataset, cal_cfg.column, modality, model_label="model A")
             cal_cfg = CalibrationConfig.from_dict({**cal_cfg.to_dict(), "column": column})
             fingerprint = dataset_fingerprint(dataset, column)
+            self._calibration = (dataset, cal_cfg)
             collector = StatisticsCollector(
                 self.model_a, self.model_b, self.schema, grams=self.config.merge_rule == "regmean"
             )
@@ -318,8 +320,16 @@ class RaotMerger:
                 rescale=cfg.weight_rescale,
                 match_heads=cfg.weight_match_heads,
                 return_log=True,
+                **({} if cfg.rotations else {"rotations": False}),
             )
             logs["weight"] = log
+            return list(t.transforms), logs
+        if cfg.alignment == "soft_ot":
+            from raot_hf.estimators.soft_ot import estimate_soft_ot
+
+            scope = tuple(x for x in cfg.scope if x in ("mlp", "heads"))
+            t, log = estimate_soft_ot(stats, schema, scope=scope, reg=cfg.soft_ot_reg, return_log=True)
+            logs["soft_ot"] = log
             return list(t.transforms), logs
         H, h = schema.num_heads, schema.head_size
         fit = stats.fit
@@ -333,7 +343,9 @@ class RaotMerger:
                 parts.append(t)
                 logs[f"layers.{i}.mlp"] = log
             if "heads" in cfg.scope:
-                t, log = estimate_head_alignment(fit.q[i], fit.k[i], fit.ctx[i], i, H, h, return_log=True)
+                t, log = estimate_head_alignment(
+                    fit.q[i], fit.k[i], fit.ctx[i], i, H, h, rotations=cfg.rotations, return_log=True
+                )
                 parts.append(t)
                 logs[f"layers.{i}.heads"] = log
         return parts, logs
@@ -345,6 +357,24 @@ class RaotMerger:
         for t in parts:
             if isinstance(t, HeadRescale):
                 continue  # follows its layer's head decision
+            if isinstance(t, SoftTransport):
+                space = schema.space(t.space)
+                kind = {"mlp": "mlp", "qk": "heads", "vo": "heads", "residual": "residual"}[space.kind]
+                decisions.append(
+                    GateDecision(
+                        kind,
+                        space.layer,
+                        float("nan"),
+                        float("nan"),
+                        float("nan"),
+                        float("nan"),
+                        float("nan"),
+                        True,
+                        "soft transport baseline: not a symmetry, not gated",
+                        t.describe(),
+                    )
+                )
+                continue
             if stats is None:
                 kind = (
                     "mlp" if isinstance(t, MLPPermutation) else "heads" if isinstance(t, HeadAlignment) else "residual"
@@ -408,7 +438,9 @@ class RaotMerger:
         applied_layers = {(d.transform, d.layer) for d in decisions if d.applied}
         chosen = []
         for t in parts:
-            if isinstance(t, HeadRescale):
+            if isinstance(t, SoftTransport):
+                keep = True
+            elif isinstance(t, HeadRescale):
                 keep = ("heads", t.layer) in applied_layers
             elif isinstance(t, MLPPermutation):
                 keep = ("mlp", t.layer) in applied_layers
@@ -504,6 +536,9 @@ class RaotMerger:
                 alpha=cfg.alpha,
                 shrink=cfg.regmean_shrink,
             )
+        elif cfg.merge_rule == "fisher":
+            fisher_a, fisher_b = self._fishers(set(trunk_a))
+            merged = rule(trunk_a, trunk_b, fisher_a=fisher_a, fisher_b=fisher_b, alpha=cfg.alpha)
         else:
             merged = rule(trunk_a, trunk_b, alpha=cfg.alpha)
         if head:
@@ -522,6 +557,23 @@ class RaotMerger:
                 )
             )
         return merged
+
+    def _fishers(self, names: set[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Label-free diagonal Fishers of A and of B′ (measured after alignment, since a
+        rotation does not map a diagonal Fisher onto a diagonal one) on the calibration set."""
+        from raot_hf.fisher import diagonal_fisher
+
+        if getattr(self, "_calibration", None) is None:
+            raise RaotError("merge_rule='fisher' needs calibration data; pass calibration=... (or --calibration)")
+        dataset, cal_cfg = self._calibration
+
+        def batches():
+            for batch in iter_calibration_batches(dataset, self.preprocessor, cal_cfg):
+                yield batch.inputs
+
+        with self.timer.stage("fisher"):
+            kw = dict(names=names, max_examples=self.config.fisher_samples, seed=self.config.seed)
+            return diagonal_fisher(self.model_a, batches(), **kw), diagonal_fisher(self.model_b, batches(), **kw)
 
     def _report(self, alignment: Alignment, fingerprint, checks) -> dict[str, Any]:
         import transformers

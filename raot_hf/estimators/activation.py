@@ -77,23 +77,38 @@ def _procrustes(n: torch.Tensor) -> torch.Tensor:
 
 
 def estimate_head_alignment(
-    q: Moments, k: Moments, ctx: Moments, layer: int, num_heads: int, head_size: int, *, return_log: bool = False
+    q: Moments,
+    k: Moments,
+    ctx: Moments,
+    layer: int,
+    num_heads: int,
+    head_size: int,
+    *,
+    rotations: bool = True,
+    return_log: bool = False,
 ):
     """Head correspondence and within-head Q/K and V/O rotations as one exact assignment.
 
     Every pair (i of A, j of B) is scored by the cosine of its rotation-optimal fit —
     ‖N_ij‖_* normalised by the pair's energies, for QK and for VO — and one assignment on
-    that H×H score gives π; the SVDs of the matched pairs give the rotations.
+    that H×H score gives π; the SVDs of the matched pairs give the rotations. With
+    ``rotations=False`` pairs are scored under R = I (trace, not nuclear norm) and only π is
+    estimated — the permutation-only baseline.
     """
     H, h = num_heads, head_size
     n_qk, n_vo, z_qk, z_vo = _pair_terms(q, k, ctx, H, h)
-    nuc_qk = torch.linalg.svdvals(n_qk).sum(-1)
-    nuc_vo = torch.linalg.svdvals(n_vo).sum(-1)
-    score = 0.5 * (nuc_qk / z_qk + nuc_vo / z_vo)
-    perm = _assign(score)
     ar = torch.arange(H)
-    r_qk = _procrustes(n_qk[ar, perm])
-    r_vo = _procrustes(n_vo[ar, perm])
+    if rotations:
+        nuc_qk = torch.linalg.svdvals(n_qk).sum(-1)
+        nuc_vo = torch.linalg.svdvals(n_vo).sum(-1)
+        score = 0.5 * (nuc_qk / z_qk + nuc_vo / z_vo)
+        perm = _assign(score)
+        r_qk = _procrustes(n_qk[ar, perm])
+        r_vo = _procrustes(n_vo[ar, perm])
+    else:
+        score = 0.5 * (n_qk.diagonal(dim1=-2, dim2=-1).sum(-1) / z_qk + n_vo.diagonal(dim1=-2, dim2=-1).sum(-1) / z_vo)
+        perm = _assign(score)
+        r_qk = r_vo = torch.eye(h, dtype=_F64).expand(H, h, h).clone()
     transform = HeadAlignment(layer, perm, r_qk, r_vo)
     if not return_log:
         return transform

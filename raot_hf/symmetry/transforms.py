@@ -25,12 +25,15 @@ class SpaceAction:
 
     ``perm``: new position j takes old position ``perm[j]`` (a permutation matrix P with
     ``P[perm[j], j] = 1``). ``matrix``: contraction ``new[..., j] = Σᵢ old[..., i]·M[i, j]``.
-    ``orthogonal`` marks M⁻ᵀ = M (no inverse needed).
+    ``orthogonal`` marks M⁻ᵀ = M (no inverse needed). ``contra`` overrides the matrix that
+    contravariant members are contracted with (default M⁻ᵀ): a soft transport plan, which is
+    not a symmetry, acts with the same plan on both sides.
     """
 
     perm: torch.Tensor | None = None
     matrix: torch.Tensor | None = None
     orthogonal: bool = True
+    contra: torch.Tensor | None = None
 
     def dense(self, n: int) -> torch.Tensor:
         if self.matrix is not None:
@@ -40,6 +43,8 @@ class SpaceAction:
         return m
 
     def inverse_transpose(self) -> SpaceAction:
+        if self.contra is not None:
+            return SpaceAction(matrix=self.contra.to(_F64), orthogonal=False)
         if self.perm is not None or self.orthogonal:
             return self
         return SpaceAction(matrix=torch.linalg.inv(self.matrix.to(_F64)).T, orthogonal=False)
@@ -48,7 +53,12 @@ class SpaceAction:
         """Apply ``self`` then ``other`` (contractions compose as M₁·M₂)."""
         if self.perm is not None and other.perm is not None:
             return SpaceAction(perm=self.perm[other.perm])
-        return SpaceAction(matrix=self.dense(n) @ other.dense(n), orthogonal=self.orthogonal and other.orthogonal)
+        contra = None
+        if self.contra is not None or other.contra is not None:
+            contra = self.inverse_transpose().dense(n) @ other.inverse_transpose().dense(n)
+        return SpaceAction(
+            matrix=self.dense(n) @ other.dense(n), orthogonal=self.orthogonal and other.orthogonal, contra=contra
+        )
 
 
 def _tensor(x: Any, dtype=_F64) -> torch.Tensor:
@@ -293,6 +303,42 @@ class ResidualRotation(Transform):
 
 
 @dataclass
+class SoftTransport(Transform):
+    """A soft transport plan on one space (OT fusion's baseline; **not** a symmetry).
+
+    ``plan`` (n×n) contracts covariant and contravariant members alike: new unit j of B′ is
+    Σᵢ plan[i, j]·(unit i of B) — a barycentric projection when the columns of ``plan`` sum
+    to 1. B′ no longer computes B's function; the merger reports the measured deviation.
+    """
+
+    space: str
+    plan: torch.Tensor
+    kind: ClassVar[str] = "soft_transport"
+    exact: ClassVar[bool] = False
+
+    def __post_init__(self):
+        self.plan = _tensor(self.plan)
+
+    def actions(self, schema):
+        size = schema.space(self.space).size
+        if self.plan.shape != (size, size):
+            raise RaotError(
+                f"soft transport on {self.space}: expected a {size}×{size} plan, got {tuple(self.plan.shape)}"
+            )
+        return {self.space: SpaceAction(matrix=self.plan, orthogonal=False, contra=self.plan)}
+
+    def to_dict(self):
+        return {"type": self.kind, "space": self.space, "plan": self.plan.tolist()}
+
+    @classmethod
+    def _from_dict(cls, d):
+        return cls(d["space"], d["plan"])
+
+    def describe(self):
+        return f"{self.space}: soft transport plan (approximate)"
+
+
+@dataclass
 class TransformSequence(Transform):
     """Transforms applied left to right."""
 
@@ -324,5 +370,7 @@ def is_exact(transform: Transform, schema: ModelSchema) -> bool:
     """Whether ``transform`` leaves the function of a model with ``schema`` exactly unchanged."""
     for t in _flatten(transform):
         if isinstance(t, ResidualRotation) and schema.residual.exact != "mean_fixing":
+            return False
+        if not t.exact:
             return False
     return True
