@@ -66,17 +66,28 @@ def merge_options(fn):
         click.option("--max-length", type=int, help="Token limit per text example (default 128)."),
         click.option("--batch-size", type=int, help="Calibration batch size (default 32)."),
         click.option(
-            "--alignment", type=click.Choice(["activation", "weight", "none"]), help="Estimator (default activation)."
+            "--alignment",
+            type=click.Choice(["activation", "weight", "soft_ot", "none"]),
+            help="Estimator (default activation).",
         ),
         click.option("--scope", help="Comma list of mlp,heads,residual, or 'none' (default all)."),
         click.option("--residual", type=click.Choice(["auto", "permutation", "rotation"]), help="Residual map kind."),
+        click.option(
+            "--rotations/--no-rotations", default=None, help="Estimate within-head rotations (off: permutations only)."
+        ),
+        click.option(
+            "--soft-ot-reg", type=float, help="Entropic regularisation of --alignment soft_ot (default 0.05)."
+        ),
+        click.option("--fisher-samples", type=int, help="Examples for the Fisher of --merge-rule fisher (default 64)."),
         click.option(
             "--gate/--no-gate", default=None, help="Let the identity compete with every estimate (default on)."
         ),
         click.option("--gate-z", type=float, help="Gate margin in standard errors (default 3)."),
         click.option("--gate-min-gain", type=float, help="Gate floor on the mean gain (default 0.01)."),
         click.option("--min-heldout-tokens", type=int, help="Below this, estimates lose to the identity."),
-        click.option("--merge-rule", help="linear, regmean, fisher, ... (default linear)."),
+        click.option(
+            "--merge-rule", type=click.Choice(["linear", "regmean", "fisher"]), help="Merge rule (default linear)."
+        ),
         click.option("--alpha", type=float, help="Weight of B′ in the merge (default 0.5)."),
         click.option("--regmean-shrink", type=float, help="RegMean off-diagonal scale (default 0.9)."),
         click.option("--head", type=click.Choice(["a", "b", "average"]), help="Classifier head policy (default a)."),
@@ -109,6 +120,9 @@ _CAL_KEYS = {
     "batch_size": "batch_size",
 }
 _CFG_KEYS = (
+    "rotations",
+    "soft_ot_reg",
+    "fisher_samples",
     "alignment",
     "scope",
     "residual",
