@@ -172,3 +172,37 @@ def test_incompatible_pairs_fail_before_loading_weights(tmp_path):
     c.save_pretrained(tmp_path / "c")
     with pytest.raises(RaotError, match="vit"):
         RaotMerger.from_pretrained(tmp_path / "a", tmp_path / "c")
+
+
+def test_post_ln_rotation_is_reported_approximate_with_measured_deviation():
+    a = tiny_model("bert", "sequence", dtype=torch.float32, seed=0)
+    b = tiny_model("bert", "sequence", dtype=torch.float32, seed=7)  # independent: O is a true rotation
+    pre, data = _data("bert")
+    result = RaotMerger.from_models(a, b, preprocessor=pre, residual="rotation", scope=("residual",), gate=False).merge(
+        calibration=data
+    )
+    check = result.report["checks"][0]
+    assert result.alignment.decisions[0].applied
+    assert not result.alignment.exact and not check["exact"] and check["passed"]
+    assert check["value"] > 1e-4  # the approximation is measured and reported, not hidden
+
+
+def test_broken_exact_transform_raises(monkeypatch):
+    """Fault injection: a schema that forgets one writer makes the 'exact' transform inexact —
+    the functional check must catch it rather than warn."""
+    from raot_hf import EquivalenceError
+    from raot_hf.adapters import base
+
+    original = base.Adapter.build_schema
+
+    def forgetful(self, model):
+        schema = original(self, model)
+        res = schema.residual
+        res.members = [m for m in res.members if not m.name.endswith("layer.0.output.dense.bias")]
+        return schema
+
+    monkeypatch.setattr(base.Adapter, "build_schema", forgetful)
+    a, b = _pair("bert", "sequence")
+    pre, data = _data("bert")
+    with pytest.raises(EquivalenceError, match="exact transform changed"):
+        RaotMerger.from_models(a, b, preprocessor=pre, scope=("residual",)).merge(calibration=data)
