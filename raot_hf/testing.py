@@ -36,6 +36,7 @@ _CONFIGS = {
         {"relative_attention": True, "pos_att_type": ["c2p", "p2c"], "max_relative_positions": -1},
     ),
     "vit": ("ViTConfig", "ViT", {"image_size": 8, "patch_size": 4, "num_channels": 3}),
+    "deit": ("DeiTConfig", "DeiT", {"image_size": 8, "patch_size": 4, "num_channels": 3}),
 }
 
 HEADS = {
@@ -45,6 +46,7 @@ HEADS = {
     "mlm": "ForMaskedLM",
     "qa": "ForQuestionAnswering",
     "image": "ForImageClassification",
+    "teacher": "ForImageClassificationWithTeacher",
 }
 
 
@@ -62,7 +64,7 @@ def tiny_config(model_type: str, *, hidden_size=16, num_heads=4, num_layers=2, i
         attention_probs_dropout_prob=0.0,
     )
     kw["num_labels"] = overrides.pop("num_labels", 3)
-    if model_type != "vit":
+    if model_type not in ("vit", "deit"):
         kw.update(vocab_size=40, max_position_embeddings=32, type_vocab_size=2)
     kw.update(extra)
     kw.update(overrides)
@@ -97,7 +99,7 @@ def example_inputs(model: torch.nn.Module, batch: int = 3, seq: int = 9, seed: i
     """Random inputs for ``model``: token ids with a padded tail, or pixel values."""
     g = torch.Generator().manual_seed(seed)
     cfg = model.config
-    if cfg.model_type == "vit":
+    if cfg.model_type in ("vit", "deit"):
         size = cfg.image_size
         px = torch.randn(batch, cfg.num_channels, size, size, generator=g)
         return {"pixel_values": px.to(next(model.parameters()).dtype)}
@@ -117,7 +119,15 @@ def primary_outputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> 
     with torch.no_grad():
         out = model(**inputs)
     res = {}
-    for key in ("logits", "start_logits", "end_logits", "pooler_output", "last_hidden_state"):
+    for key in (
+        "logits",
+        "cls_logits",
+        "distillation_logits",
+        "start_logits",
+        "end_logits",
+        "pooler_output",
+        "last_hidden_state",
+    ):
         value = getattr(out, key, None)
         if value is not None:
             res[key] = value

@@ -28,14 +28,22 @@ def _pair(model_type, head, seed=0, **kw):
 
 
 def _data(model_type, n=96):
-    if model_type == "vit":
+    if model_type in ("vit", "deit"):
         return tiny_image_processor(), tiny_image_dataset(n)
     return tiny_tokenizer(), tiny_text_dataset(n)
 
 
 @pytest.mark.parametrize(
     "model_type,head",
-    [("bert", "sequence"), ("roberta", "sequence"), ("deberta-v2", "sequence"), ("vit", "image"), ("bert", "mlm")],
+    [
+        ("bert", "sequence"),
+        ("roberta", "sequence"),
+        ("deberta-v2", "sequence"),
+        ("deberta", "sequence"),
+        ("vit", "image"),
+        ("deit", "teacher"),
+        ("bert", "mlm"),
+    ],
 )
 def test_recovery_merge_of_scrambled_copy_returns_a(model_type, head):
     a, b = _pair(model_type, head)

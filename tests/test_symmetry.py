@@ -45,6 +45,9 @@ CASES = [
     ("deberta", "mlm"),
     ("vit", "base"),
     ("vit", "image"),
+    ("deit", "base"),
+    ("deit", "image"),
+    ("deit", "teacher"),
 ]
 KINDS = [("mlp",), ("heads",), ("residual",), ("rescale",), ("mlp", "heads", "residual", "rescale")]
 

@@ -1,4 +1,4 @@
-"""ViT (and DeiT, which shares the layout): a pre-LN encoder. transformers ≥ 5 names the
+"""ViT and DeiT (the same layout plus a distillation token): pre-LN encoders. transformers ≥ 5 names the
 modules ``layers.N.attention.q_proj`` / ``mlp.fc1`` in memory (legacy keys on disk)."""
 
 from __future__ import annotations
@@ -37,4 +37,26 @@ VIT = Adapter(
     },
 )
 
-ADAPTERS = (VIT,)
+DEIT = Adapter(
+    name="deit",
+    model_types=("deit",),
+    norm="pre",
+    base_prefix="deit",
+    layers="layers",
+    layer=VIT_LAYER,
+    embedding_writers=(
+        ("embeddings.cls_token", 2),
+        ("embeddings.distillation_token", 2),
+        ("embeddings.position_embeddings", 2),
+        ("embeddings.patch_embeddings.projection.weight", 0),
+        ("embeddings.patch_embeddings.projection.bias", 0),
+    ),
+    final_norm="layernorm",
+    heads={
+        "Model": HeadTemplate(stream_readers=("pooler.dense",), reads_final_norm=False),
+        "ForImageClassification": HeadTemplate(stream_readers=("classifier",)),
+        "ForImageClassificationWithTeacher": HeadTemplate(stream_readers=("cls_classifier", "distillation_classifier")),
+    },
+)
+
+ADAPTERS = (VIT, DEIT)

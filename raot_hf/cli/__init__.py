@@ -261,10 +261,10 @@ def selfcheck_command(model_type, debug):
         tiny_tokenizer,
     )
 
-    types = ["bert", "roberta", "deberta-v2", "deberta", "vit"] if model_type == "all" else [model_type]
+    types = ["bert", "roberta", "deberta-v2", "deberta", "vit", "deit"] if model_type == "all" else [model_type]
     ok = True
     for mt in types:
-        head = "image" if mt == "vit" else "sequence"
+        head = "image" if mt in ("vit", "deit") else "sequence"
         model = tiny_model(mt, head)
         schema = schema_for(model)
         t = random_group_element(schema, seed=0, kinds=("mlp", "heads", "residual", "rescale"))
@@ -276,13 +276,15 @@ def selfcheck_command(model_type, debug):
         scramble(b, seed=1)
         pre, data = (
             (tiny_image_processor(), tiny_image_dataset(96))
-            if mt == "vit"
+            if mt in ("vit", "deit")
             else (tiny_tokenizer(), tiny_text_dataset(96))
         )
         ref = clone(a)
         result = RaotMerger.from_models(a, b, preprocessor=pre).merge(calibration=data)
         rec = output_deviation(ref, result.model, example_inputs(ref), relative=True)
-        passed = dev <= 1e-9 and rec <= 1e-4
+        # transformers' DeBERTa v1 LayerNorm computes in float32 even for float64 models.
+        limit = 1e-6 if mt == "deberta" else 1e-9
+        passed = dev <= limit and rec <= 1e-4
         ok &= passed
         click.echo(
             f"{mt:11s} symmetry deviation {dev:.1e} (float64)   merge(A, scramble(A)) vs A {rec:.1e}   "
