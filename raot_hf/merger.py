@@ -337,7 +337,7 @@ class RaotMerger:
             t, log = estimate_residual_map(fit.stream, mode=residual_mode(schema, cfg.residual), return_log=True)
             parts.append(t)
             logs["residual"] = log
-        for i in range(schema.num_layers):
+        for i in tqdm(range(schema.num_layers), desc="solving", disable=not self.dist.is_main):
             if "mlp" in cfg.scope:
                 t, log = estimate_mlp_permutation(fit.mlp[i], i, return_log=True)
                 parts.append(t)
