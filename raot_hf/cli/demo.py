@@ -65,7 +65,7 @@ def demo(dataset, hidden_size, layers, heads, seeds, out, overwrite, cache_dir, 
         rows.append((f"parent {name}", evaluate_accuracy(model, test, processor), "-"))
     methods = [
         ("average (no alignment)", dict(alignment="none")),
-        ("weight matching (paper baseline)", dict(alignment="weight")),
+        ("weight matching (paper, ungated)", dict(alignment="weight", gate=False)),
         ("RaOT (activation + gate)", dict(alignment="activation")),
         ("RaOT, RegMean", dict(alignment="activation", merge_rule="regmean")),
     ]
