@@ -4,13 +4,12 @@ pre-LN folding — checked against Grams measured on B′ directly."""
 import pytest
 import torch
 
-from raot_hf import schema_for, scramble
+from raot_hf import schema_for
 from raot_hf.calibration import CalibrationConfig, iter_calibration_batches
 from raot_hf.calibration.statistics import StatisticsCollector
 from raot_hf.grams import aligned_grams
 from raot_hf.symmetry import fold_model, random_group_element, transform_model
 from raot_hf.testing import (
-    clone,
     tiny_image_dataset,
     tiny_image_processor,
     tiny_model,
