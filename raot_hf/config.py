@@ -73,11 +73,35 @@ class RaotConfig:
     version: str = __version__
 
     def __post_init__(self) -> None:
+        import math
+
         if isinstance(self.calibration, dict):
             self.calibration = CalibrationConfig.from_dict(self.calibration)
+        elif not isinstance(self.calibration, CalibrationConfig):
+            raise RaotError(f"calibration={self.calibration!r} must be a CalibrationConfig or a dict of its settings")
         if isinstance(self.scope, str):
             self.scope = tuple(s for s in self.scope.replace("+", ",").split(",") if s) if self.scope != "none" else ()
+        if not isinstance(self.scope, (tuple, list)):
+            raise RaotError(f"scope={self.scope!r} must be a list of {', '.join(SCOPES)} (or a comma-separated string)")
         self.scope = tuple(self.scope)
+        # Types follow the defaults: booleans must be booleans ("false" is truthy), integers
+        # integers, and numbers finite numbers (stored as float, so JSON round-trips exactly).
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(f.default, bool):
+                if not isinstance(value, bool):
+                    raise RaotError(f"{f.name}={value!r} must be true or false")
+            elif isinstance(f.default, int):
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise RaotError(f"{f.name}={value!r} must be an integer")
+            elif isinstance(f.default, float):
+                try:
+                    number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+                except OverflowError:
+                    number = None
+                if number is None or not math.isfinite(number):
+                    raise RaotError(f"{f.name}={value!r} must be a finite number")
+                setattr(self, f.name, number)
         _choice("alignment", self.alignment, ALIGNMENTS)
         for s in self.scope:
             _choice("scope entry", s, SCOPES)
@@ -120,8 +144,10 @@ class RaotConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RaotConfig:
+        if not isinstance(data, dict):
+            raise RaotError(f"options must be a dict of option names to values, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(str(k) for k in set(data) - known)
         if unknown:
             raise RaotError(f"unknown option(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
         data = dict(data)

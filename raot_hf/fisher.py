@@ -46,7 +46,7 @@ def diagonal_fisher(
     requires = {n: p.requires_grad for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
         p.requires_grad_(n in params)
-    seen = 0
+    seen = skipped = 0
     try:
         for inputs in batches:
             size = next(iter(inputs.values())).shape[0]
@@ -61,6 +61,9 @@ def diagonal_fisher(
                         f"{type(model).__name__} has no task head, so it has no predictive distribution; "
                         "Fisher merging needs a classification or masked-LM model — use --merge-rule linear"
                     )
+                if not bool(torch.isfinite(logits).all()):
+                    skipped += 1  # NaN/Inf outputs have no predictive distribution to sample from
+                    continue
                 model.zero_grad(set_to_none=True)
                 _log_prob_of_sample(logits, single.get("attention_mask"), generator).backward()
                 for n, p in params.items():
@@ -74,6 +77,11 @@ def diagonal_fisher(
         for n, p in model.named_parameters():
             p.requires_grad_(requires[n])
         model.train(was_training)
+    if skipped:
+        logger.warning("Fisher of %s: %d examples with NaN/Inf outputs were skipped", type(model).__name__, skipped)
     if seen == 0:
-        raise RaotError("no calibration examples reached the Fisher estimate; pass calibration data")
+        raise RaotError(
+            "no calibration examples reached the Fisher estimate (none given, or every output was NaN/Inf); "
+            "pass calibration data on which the model's outputs are finite, or use --merge-rule linear"
+        )
     return {n: f / seen for n, f in fisher.items()}

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import transformers
 
-from raot_hf.adapters import get_adapter
+from raot_hf.adapters import get_adapter, supported_model_types
 from raot_hf.errors import RaotError
 
 logger = logging.getLogger("raot_hf.loading")
@@ -45,8 +45,10 @@ def load_config(source: ModelSource, label: str):
         raise RaotError(f"model {label} ({source.name_or_path}) is a file; pass the directory that holds config.json")
     if source.is_local and not (path / "config.json").is_file():
         raise RaotError(f"model {label} ({source.name_or_path}) has no config.json; pass a save_pretrained directory")
+    if source.is_local:
+        _check_local_config(path, label)
     try:
-        return transformers.AutoConfig.from_pretrained(
+        config = transformers.AutoConfig.from_pretrained(
             source.name_or_path,
             revision=source.revision,
             token=source.token,
@@ -54,7 +56,44 @@ def load_config(source: ModelSource, label: str):
         )
     except (OSError, ValueError, KeyError) as exc:
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "custom code" in msg or "trust_remote_code" in msg:
+            raise RaotError(
+                f"model {label} ({source.name_or_path}) needs custom code, which is not run by default; "
+                f"raot_hf supports only {', '.join(supported_model_types())} — pass --trust-remote-code "
+                "(trust_remote_code=True) only if you trust that code"
+            ) from None
         raise RaotError(f"cannot read the config of model {label} ({source.name_or_path}): {msg}") from None
+    get_adapter(config.model_type)  # an unsupported architecture fails here, before any weights or tokenizers
+    if source.is_local:  # pickle-only, missing or corrupt weight files: refused before either parent loads
+        _check_local_weights(source, label)
+    return config
+
+
+def _check_local_config(path: Path, label: str) -> None:
+    """Read a local config.json as plain JSON (no code runs) and refuse what cannot be merged:
+    invalid JSON, no ``model_type``, or a model type without an adapter (e.g. custom code)."""
+    import json
+
+    try:
+        data = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else type(exc).__name__
+        raise RaotError(
+            f"model {label} ({path}): config.json is not valid JSON ({reason}); re-save or re-download the model"
+        ) from None
+    model_type = data.get("model_type") if isinstance(data, dict) else None
+    supported = ", ".join(supported_model_types())
+    if not isinstance(model_type, str) or not model_type:
+        raise RaotError(
+            f"model {label} ({path}): config.json names no model_type; re-save it with transformers "
+            f"(supported: {supported})"
+        )
+    if model_type not in supported_model_types():
+        custom = " and ships custom code (auto_map), which was not run" if data.get("auto_map") else ""
+        raise RaotError(
+            f"model {label} ({path}) has model type {model_type!r}{custom}; raot_hf has no adapter for it — "
+            f"merge checkpoints of a supported type: {supported}"
+        )
 
 
 def _check_local_weights(source: ModelSource, label: str) -> None:

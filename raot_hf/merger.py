@@ -170,6 +170,21 @@ def _is_identity(t: Transform) -> bool:
     return False
 
 
+_SKIPPED = {"skipped": "NaN/Inf in the fit statistics: the identity stands in for the estimate"}
+
+
+def _finite(*moments) -> bool:
+    """True when every sum in these statistics is finite (NaN/Inf activations poison them)."""
+    return all(bool(torch.isfinite(t).all()) for m in moments for t in m.tensors())
+
+
+def _check_calibration_early(cal: CalibrationConfig, preprocessor) -> None:
+    """Load the calibration sample and resolve its column before any weights are read, so a
+    wrong path, split, column or modality fails in seconds (``datasets`` caches the load)."""
+    dataset = load_calibration_dataset(cal)
+    check_column(dataset, cal.column, detect_modality(preprocessor), model_label="model A")
+
+
 def residual_mode(schema: ModelSchema, requested: str) -> str:
     """``auto`` → the mean-fixing rotation where it is exact, the permutation otherwise."""
     if requested == "auto":
@@ -233,6 +248,8 @@ class RaotMerger:
             check_compatible(cfg_a, cfg_b, head_policy=config.head)
             pre_a, pre_b = load_preprocessor(src_a), load_preprocessor(src_b)
             check_tokenizers(pre_a, pre_b)
+            if config.needs_calibration and config.calibration.source is not None and pre_a is not None:
+                _check_calibration_early(config.calibration, pre_a)
             model_a = load_model(src_a, "A", dtype=config.dtype, config=cfg_a)
             model_b = load_model(src_b, "B", dtype=config.dtype, config=cfg_b)
         merger = cls(model_a, model_b, config=config, preprocessor=pre_a, source_a=src_a, source_b=src_b)
@@ -273,22 +290,41 @@ class RaotMerger:
             cal_cfg = CalibrationConfig.from_dict({**cal_cfg.to_dict(), "column": column})
             fingerprint = dataset_fingerprint(dataset, column)
             self._calibration = (dataset, cal_cfg)
-            collector = StatisticsCollector(
-                self.model_a, self.model_b, self.schema, grams=self.config.merge_rule == "regmean"
+            # Σbᵀb of the stream is read only when a residual rotation is scored
+            rotation = (
+                "residual" in self.config.scope and residual_mode(self.schema, self.config.residual) == "rotation"
             )
+            # forward passes on this process's accelerator (accelerate --multi_gpu), then back
+            home = next(self.model_a.parameters()).device
+            device = self.dist.device if self.dist.is_distributed else home
+            if device != home:
+                self.model_a.to(device)
+                self.model_b.to(device)
             rank, world = self.dist.rank, self.dist.world_size
             total = count_calibration_batches(dataset, cal_cfg, rank=rank, world_size=world)
             self._check_inputs = []
-            with collector:
-                batches = iter_calibration_batches(dataset, self.preprocessor, cal_cfg, rank=rank, world_size=world)
-                for batch in tqdm(batches, total=total, desc="calibration", disable=not self.dist.is_main):
-                    collector.update(batch)
-                    if len(self._check_inputs) < self.config.check_batches and bool(batch.heldout.any()):
-                        keep = batch.heldout.to(torch.bool)
-                        self._check_inputs.append({k: v[keep] for k, v in batch.inputs.items()})
-            stats = collector.stats
-            if world > 1:
-                self.dist.all_reduce_statistics(stats)
+            try:
+                with StatisticsCollector(
+                    self.model_a,
+                    self.model_b,
+                    self.schema,
+                    grams=self.config.merge_rule == "regmean",
+                    stream_full=rotation,
+                ) as collector:
+                    batches = iter_calibration_batches(dataset, self.preprocessor, cal_cfg, rank=rank, world_size=world)
+                    for batch in tqdm(batches, total=total, desc="calibration", disable=not self.dist.is_main):
+                        collector.update(batch)
+                        if len(self._check_inputs) < self.config.check_batches and bool(batch.heldout.any()):
+                            keep = batch.heldout.to(torch.bool)
+                            self._check_inputs.append({k: v[keep] for k, v in batch.inputs.items()})
+                stats = collector.stats
+                if world > 1:  # shards never pad or repeat examples, so the sums are exact (§7)
+                    self.dist.all_reduce_statistics(stats)
+            finally:
+                if device != home:
+                    self.model_a.to(home)
+                    self.model_b.to(home)
+            stats = stats.to("cpu")
         fingerprint.update(
             {
                 "examples": stats.examples,
@@ -334,18 +370,28 @@ class RaotMerger:
         H, h = schema.num_heads, schema.head_size
         fit = stats.fit
         if "residual" in cfg.scope:
-            t, log = estimate_residual_map(fit.stream, mode=residual_mode(schema, cfg.residual), return_log=True)
+            if _finite(fit.stream):
+                t, log = estimate_residual_map(fit.stream, mode=residual_mode(schema, cfg.residual), return_log=True)
+            else:
+                t, log = ResidualPermutation(torch.arange(schema.hidden_size)), _SKIPPED
             parts.append(t)
             logs["residual"] = log
         for i in tqdm(range(schema.num_layers), desc="solving", disable=not self.dist.is_main):
             if "mlp" in cfg.scope:
-                t, log = estimate_mlp_permutation(fit.mlp[i], i, return_log=True)
+                if _finite(fit.mlp[i]):
+                    t, log = estimate_mlp_permutation(fit.mlp[i], i, return_log=True)
+                else:
+                    t, log = MLPPermutation(i, torch.arange(schema.mlp_space(i).size)), _SKIPPED
                 parts.append(t)
                 logs[f"layers.{i}.mlp"] = log
             if "heads" in cfg.scope:
-                t, log = estimate_head_alignment(
-                    fit.q[i], fit.k[i], fit.ctx[i], i, H, h, rotations=cfg.rotations, return_log=True
-                )
+                if _finite(fit.q[i], fit.k[i], fit.ctx[i]):
+                    t, log = estimate_head_alignment(
+                        fit.q[i], fit.k[i], fit.ctx[i], i, H, h, rotations=cfg.rotations, return_log=True
+                    )
+                else:
+                    eye = torch.eye(h, dtype=torch.float64).expand(H, h, h)
+                    t, log = HeadAlignment(i, torch.arange(H), eye, eye), _SKIPPED
                 parts.append(t)
                 logs[f"layers.{i}.heads"] = log
         return parts, logs
@@ -517,6 +563,9 @@ class RaotMerger:
         return worst
 
     def _merge_weights(self, alignment: Alignment, stats: CalibrationStatistics | None) -> dict[str, torch.Tensor]:
+        """The merged parameters to load into A. The linear rule (elementwise per tensor) writes
+        the trunk straight into A's parameters a few tensors at a time, so no merged copy of the
+        whole model is held; what it returns is only what is left to load (the heads)."""
         cfg, schema = self.config, self.schema
         state_a, state_b = model_state(self.model_a), model_state(self.model_b)
         head = set(schema.head_params)
@@ -532,7 +581,7 @@ class RaotMerger:
                 trunk_b,
                 grams_a=grams_a,
                 grams_b=grams_b,
-                linear_weights=stats.gram_keys,
+                linear_weights=_finite_gram_keys(stats.gram_keys, grams_a, grams_b),
                 alpha=cfg.alpha,
                 shrink=cfg.regmean_shrink,
             )
@@ -540,7 +589,28 @@ class RaotMerger:
             fisher_a, fisher_b = self._fishers(set(trunk_a))
             merged = rule(trunk_a, trunk_b, fisher_a=fisher_a, fisher_b=fisher_b, alpha=cfg.alpha)
         else:
-            merged = rule(trunk_a, trunk_b, alpha=cfg.alpha)
+            from raot_hf.symmetry import load_state
+
+            def not_a_chunk_summary(record: logging.LogRecord) -> bool:
+                return record.funcName != "_finish"
+
+            rule_logger = logging.getLogger("raot_hf.merging")
+            rule_logger.addFilter(not_a_chunk_summary)  # one summary below, not one per chunk
+            try:
+                chunk: list[str] = []
+                size, names = 0, list(trunk_a)
+                for i, name in enumerate(names):
+                    chunk.append(name)
+                    size += trunk_a[name].numel() * trunk_a[name].element_size()
+                    if size >= 16 << 20 or i == len(names) - 1:  # float64 temporaries stay ~100 MB
+                        part = rule({k: trunk_a[k] for k in chunk}, {k: trunk_b[k] for k in chunk}, alpha=cfg.alpha)
+                        load_state(self.model_a, part)
+                        chunk, size = [], 0
+                        del part
+            finally:
+                rule_logger.removeFilter(not_a_chunk_summary)
+            logger.info("linear merge (alpha=%g): %d tensors written into A in place", cfg.alpha, len(names))
+            merged = {}
         if head:
             ca, cb = self.model_a.config, self.model_b.config
             merged.update(
@@ -610,6 +680,22 @@ class RaotMerger:
                 "python": platform.python_version(),
             },
         }
+
+
+def _finite_gram_keys(gram_keys: dict[str, str], grams_a, grams_b) -> dict[str, str]:
+    """The RegMean weights whose Grams are finite; the others merge linearly (with a warning)."""
+    usable = {
+        w: key
+        for w, key in gram_keys.items()
+        if bool(torch.isfinite(grams_a[key]).all()) and bool(torch.isfinite(grams_b[key]).all())
+    }
+    if len(usable) < len(gram_keys):
+        logger.warning(
+            "NaN/Inf in the calibration activations: %d of %d RegMean weights fall back to the linear merge",
+            len(gram_keys) - len(usable),
+            len(gram_keys),
+        )
+    return usable
 
 
 def _summary(alignment: Alignment) -> str:

@@ -1,7 +1,11 @@
 import os
 
-import pytest
-import torch
+# A forked worker (tests/test_distributed.py) can spin forever in MKL's fast allocator once the
+# parent process has used it; the plain allocator avoids that. Must be set before torch loads.
+os.environ.setdefault("MKL_DISABLE_FAST_MM", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

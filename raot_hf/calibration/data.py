@@ -272,6 +272,11 @@ def _guarded(load, source: str, hint: str = "check the data and the split", *, a
     except RaotError:
         raise
     except Exception as exc:  # any loader failure is a user-facing data problem
+        if "corresponds to no data" in str(exc):  # datasets' wording for an empty file or split
+            raise RaotError(
+                f"calibration data {source!r} has no rows in the requested split; "
+                "pass a non-empty dataset or another split"
+            ) from None
         raise RaotError(f"could not load calibration data {source!r}: {_one_line(exc)}; {hint}") from exc
     if not isinstance(loaded, datasets.Dataset) and not (allow_dict and isinstance(loaded, datasets.DatasetDict)):
         raise RaotError(

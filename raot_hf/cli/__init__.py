@@ -22,9 +22,13 @@ def _configure_logging(verbose: int, quiet: bool) -> None:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("raot_hf").setLevel(level)
     if quiet:
+        import datasets
+        import transformers
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -42,6 +46,12 @@ def friendly_errors(fn):
             if debug:
                 raise
             click.echo(f"Error: {exc}", err=True)
+            sys.exit(2)
+        except OSError as exc:  # disk full, permissions, network: the environment, not a bug
+            if debug:
+                raise
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            click.echo(f"Error: {reason} (rerun with --debug for the traceback)", err=True)
             sys.exit(2)
         except KeyboardInterrupt:
             click.echo("Interrupted: no output was written.", err=True)
@@ -149,7 +159,14 @@ def build_config(options: dict):
         path = Path(options["config_file"])
         if not path.is_file():
             raise RaotError(f"--config {path} does not exist; pass a JSON file written by RaotConfig.to_json()")
-        base = RaotConfig.from_json(path.read_text())
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise RaotError(
+                f"--config {path} cannot be read ({reason}); pass a JSON file written by RaotConfig.to_json()"
+            ) from None
+        base = RaotConfig.from_json(text)
     data = base.to_dict()
     for key in _CFG_KEYS:
         if options.get(key) is not None:
@@ -195,13 +212,21 @@ def main(verbose: int, quiet: bool) -> None:
 @friendly_errors
 def merge_command(out, overwrite, max_shard_size, **options):
     """Align B to A, merge, and write a repository that from_pretrained loads."""
-    from raot_hf.output import check_destination
+    from raot_hf.output import check_destination, parse_size
 
     check_destination(out, overwrite)  # refuse before any heavy work
+    parse_size(max_shard_size)
     merger = _merger(options)
-    result = merger.merge()
-    if not merger.dist.is_main:
+    if not merger.dist.is_main:  # accelerate launch: add this shard's statistics; the main process writes
+        from raot_hf.distributed import follow_main
+
+        follow_main(merger)
+        merger.dist.close()
         return
+    try:
+        result = merger.merge()
+    finally:
+        merger.dist.close()
     result.report["command"] = "raot-hf " + " ".join(sys.argv[1:]) if sys.argv else None
     click.echo(result.alignment.table() if result.alignment.decisions else "(no alignment)")
     click.echo(result.report["summary"])
@@ -216,9 +241,16 @@ def merge_command(out, overwrite, max_shard_size, **options):
 def inspect_command(as_json, **options):
     """Gate decisions and alignment scores without writing a model: do A and B share a basis?"""
     merger = _merger(options)
-    alignment, _, fingerprint = merger.align()
-    if not merger.dist.is_main:
+    if not merger.dist.is_main:  # accelerate launch: add this shard's statistics; the main process reports
+        from raot_hf.distributed import follow_main
+
+        follow_main(merger)
+        merger.dist.close()
         return
+    try:
+        alignment, _, fingerprint = merger.align()
+    finally:
+        merger.dist.close()
     if as_json:
         click.echo(
             json.dumps(
