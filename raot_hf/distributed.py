@@ -1,64 +1,140 @@
 """Data-parallel calibration (DESIGN.md §7): each process runs its shard of the calibration
 set; statistics are sums, so one all-reduce makes every process hold the full-data totals.
 
-Under ``accelerate launch`` (or any launcher that sets ``WORLD_SIZE``) the context picks up
-the process group through :class:`accelerate.PartialState`. Shards never pad or duplicate
-examples (accelerate's ``even_batches`` padding would corrupt the sums), so the result equals a
-single-process run up to float summation order.
+Under ``accelerate launch`` (or any launcher that sets ``WORLD_SIZE``, or an already
+initialised ``torch.distributed`` process group) the context picks up the process group
+through :class:`accelerate.PartialState`. Shards never pad or duplicate examples
+(accelerate's ``even_batches`` padding would corrupt the sums: see
+:func:`raot_hf.calibration.shard_example_ids`), so the result equals a single-process run up
+to float summation order. The main process then solves, gates, merges and writes; the CLI
+lets the other processes exit after the statistics pass (:func:`follow_main`).
+
+>>> ctx = DistributedContext.detect()  # doctest: +SKIP
+>>> ctx.rank, ctx.world_size, ctx.device  # doctest: +SKIP
+(0, 2, device(type='cuda', index=0))
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 logger = logging.getLogger("raot_hf.distributed")
 
+#: Tensors up to this many elements are summed together in one flat buffer (fewer collectives).
+_BUCKET_ELEMENTS = 1 << 20
+
 
 @dataclass
 class DistributedContext:
-    """Rank, world size and the collective ops the merger needs."""
+    """Rank, world size, the device of this process's forward passes, and the collectives
+    the merger needs. ``device`` is the accelerator that ``accelerate`` assigns this process
+    (``cuda:<local rank>`` under ``--multi_gpu``) or the CPU."""
 
     rank: int = 0
     world_size: int = 1
     state: object | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    owns_group: bool = False  # whether detect() created the process group (then close() ends it)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
     @classmethod
     def detect(cls) -> DistributedContext:
-        """The current process group, or a single-process context."""
+        """The current process group, or a single-process context on the CPU."""
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not (
             torch.distributed.is_available() and torch.distributed.is_initialized()
         ):
             return cls()
         from accelerate import PartialState
 
+        existed = torch.distributed.is_available() and torch.distributed.is_initialized()
         state = PartialState()
-        return cls(state.process_index, state.num_processes, state)
+        rank, world = state.process_index, state.num_processes
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # a group initialised by the caller (e.g. accelerate's debug launcher) is authoritative
+            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        device = torch.device(state.device) if state.device is not None else torch.device("cpu")
+        if world > 1:
+            logger.info("distributed calibration: process %d of %d on %s", rank, world, device)
+        return cls(rank, world, state, device, owns_group=not existed)
 
-    def all_reduce_statistics(self, stats) -> None:
-        """Sum every statistic across processes, in float64, on CPU (gloo) or the device."""
+    def _collective_device(self) -> torch.device:
         import torch.distributed as dist
 
-        backend = dist.get_backend()
-        device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+        backend = str(dist.get_backend()).lower()
+        if "nccl" in backend and torch.cuda.is_available():
+            return self.device if self.device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
-        def reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    def all_reduce_statistics(self, stats) -> None:
+        """Sum every statistic (and the example count) across processes, in place, in float64.
+
+        Small tensors travel together in flat buckets; the large cross moments one by one.
+        Runs on the CPU under gloo and on this process's GPU under NCCL."""
+        if not self.is_distributed:
+            return
+        import torch.distributed as dist
+
+        device = self._collective_device()
+        examples = torch.tensor(float(stats.examples), dtype=torch.float64)
+        tensors = [*stats.tensors(), examples]
+        small = [t for t in tensors if t.numel() <= _BUCKET_ELEMENTS]
+        large = [t for t in tensors if t.numel() > _BUCKET_ELEMENTS]
+        for start in range(0, len(small), 4096):
+            group = small[start : start + 4096]
+            flat = torch.cat([t.reshape(-1).to(device, torch.float64) for t in group])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            offset = 0
+            for t in group:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view(t.shape))
+                offset += n
+        for t in large:
             buf = t.to(device)
             dist.all_reduce(buf, op=dist.ReduceOp.SUM)
-            return buf.to(t.device)
-
-        stats.examples = int(reduce_sum(torch.tensor(float(stats.examples), dtype=torch.float64)))
-        stats.all_reduce(reduce_sum)
+            if buf is not t:
+                t.copy_(buf)
+        stats.examples = round(float(examples))
 
     def barrier(self) -> None:
-        if self.world_size > 1:
+        """Wait for every process (no-op in a single process)."""
+        if self.is_distributed:
             import torch.distributed as dist
 
             dist.barrier()
+
+    def close(self) -> None:
+        """End the process group if :meth:`detect` created it (call once, at the end of a run);
+        a group its caller set up is left to the caller."""
+        if self.owns_group and torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+            self.owns_group = False
+
+
+def statistics_pass_needed(config, calibration: Any = None) -> bool:
+    """Whether :meth:`RaotMerger.align` runs the calibration pass for ``config`` — the one step
+    in which every process takes part (it mirrors ``align``'s rule; a test keeps them equal)."""
+    wants_data = config.alignment != "none" or config.merge_rule in ("regmean", "fisher")
+    return bool(wants_data and (config.needs_calibration or calibration is not None or config.calibration.source))
+
+
+def follow_main(merger, calibration: Any = None) -> None:
+    """On a non-main process: take part in the sharded statistics pass (this process's shard
+    and the all-reduce) that the main process's ``merge``/``align`` runs, then return — the
+    main process alone solves, gates, merges and writes."""
+    if merger.dist.is_main:
+        raise RuntimeError("follow_main is for non-main processes; the main process calls merge() or align()")
+    if statistics_pass_needed(merger.config, calibration):
+        merger.collect_statistics(calibration)
+    logger.info("process %d: statistics shard contributed; the main process finishes the merge", merger.dist.rank)

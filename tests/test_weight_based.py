@@ -183,3 +183,31 @@ def test_user_errors_are_clear():
     other = model_state(tiny_model("bert", "sequence", intermediate_size=12))
     with pytest.raises(RaotError, match="same architecture"):
         estimate_weight_alignment(state, other, schema)
+
+
+@pytest.mark.parametrize("model_type,head", [("bert", "sequence"), ("vit", "image")])
+def test_permutation_only_scramble_is_recovered_without_rotations(model_type, head):
+    """rotations=False: a scramble of MLP units and whole heads (identity rotations) is undone
+    by weight matching with heads matched by permutation only; the estimate keeps R = I."""
+    a = tiny_model(model_type, head, seed=4)
+    schema = schema_for(a)
+    g = random_group_element(schema, seed=23, kinds=("mlp", "heads"))
+    eye = torch.eye(schema.head_size, dtype=torch.float64).expand(schema.num_heads, -1, -1)
+    g = TransformSequence(
+        [HeadAlignment(t.layer, t.perm, eye, eye) if isinstance(t, HeadAlignment) else t for t in g.transforms]
+    )
+    assert any(
+        not torch.equal(t.perm, torch.arange(schema.num_heads)) for t in g.transforms if isinstance(t, HeadAlignment)
+    )
+    b = transform_model(clone(a), schema, g)
+    assert _max_weight_error(a, b) > 1e-2
+    t, log = estimate_weight_alignment(
+        model_state(a), model_state(b), schema, match_heads=True, rotations=False, return_log=True
+    )
+    heads = [x for x in t.transforms if isinstance(x, HeadAlignment)]
+    assert heads and all(torch.equal(x.qk, eye) and torch.equal(x.vo, eye) for x in heads)
+    assert _max_weight_error(a, transform_model(clone(b), schema, t)) <= 1e-8
+    assert log["rotations"] is False
+    # Without head matching and without rotations nothing can undo the head permutation.
+    fixed = estimate_weight_alignment(model_state(a), model_state(b), schema, match_heads=False, rotations=False)
+    assert _max_weight_error(a, transform_model(clone(b), schema, fixed)) > 1e-3

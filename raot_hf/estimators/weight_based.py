@@ -14,6 +14,7 @@ models' weights and returns a transform that moves B towards A *in weight space*
   of A (no head permutation); ``match_heads=True`` first assigns heads by the Procrustes-optimal
   score of every pair (the nuclear norm of its cross-covariance) — the same joint
   assignment-and-rotation solve as the activation-based estimator, on weights.
+  ``rotations=False`` keeps R = I and matches heads by permutation only (Git Re-Basin style).
 * **Rescaling** (optional, the paper's ablation, applied after rotation): per head the
   scalar a minimising ‖q_A − a·q_B‖² + ‖k_A − k_B/a‖² (and c for v/o), a positive root of a
   quartic (:func:`optimal_head_scale`).
@@ -142,6 +143,7 @@ def align_heads(
     vo_b: torch.Tensor,
     num_heads: int,
     match_heads: bool,
+    rotations: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Head assignment and per-head Q/K and V/O rotations for one layer.
 
@@ -150,9 +152,25 @@ def align_heads(
     ‖M_qk‖_* + ‖M_vo‖_* of the pair (i, perm[i]) — its overlap under its best rotation. With
     ``match_heads`` the assignment maximises the total score over all H×H pairs, which is the
     joint minimiser of the weight distance over head permutations and rotations.
+
+    ``rotations=False`` fixes R = I: a pair's score is its overlap under the identity,
+    tr(M_qk) + tr(M_vo), and only the head permutation is estimated (with ``match_heads``;
+    otherwise nothing moves) — the permutation-only (Git Re-Basin style) baseline.
     """
     m_qk = head_cross_covariances(qk_a, qk_b, num_heads)
     m_vo = head_cross_covariances(vo_a, vo_b, num_heads)
+    if not rotations:
+        h = m_qk.shape[-1]
+        score = m_qk.diagonal(dim1=-2, dim2=-1).sum(-1) + m_vo.diagonal(dim1=-2, dim2=-1).sum(-1)
+        heads = torch.arange(num_heads)
+        if match_heads:
+            rows, cols = linear_sum_assignment(score.numpy(), maximize=True)
+            perm = torch.empty(num_heads, dtype=torch.long)
+            perm[torch.from_numpy(rows)] = torch.from_numpy(cols)
+        else:
+            perm = heads
+        eye = torch.eye(h, dtype=_F64).expand(num_heads, h, h).clone()
+        return perm, eye, eye.clone(), score[heads, perm]
     if match_heads:
         # One SVD per pair gives both the score (nuclear norm) and the rotation.
         u_qk, s_qk, vh_qk = torch.linalg.svd(m_qk)
@@ -267,6 +285,7 @@ def estimate_weight_alignment(
     scope: Iterable[str] = ("mlp", "heads"),
     rescale: bool = False,
     match_heads: bool = False,
+    rotations: bool = True,
     return_log: bool = False,
 ) -> TransformSequence | tuple[TransformSequence, dict[str, Any]]:
     """Estimate, from weights alone, a symmetry of B that moves B's weights close to A's.
@@ -275,9 +294,11 @@ def estimate_weight_alignment(
     ``scope``: which factors to estimate — ``"mlp"`` (per-layer unit permutation by weight
     matching; no residual coupling, one layer at a time) and/or ``"heads"`` (per-head Q/K and
     V/O Procrustes; with ``match_heads=True`` a head permutation first, by exact assignment
-    on the Procrustes-optimal pair score). ``rescale=True`` adds the paper's per-head q/k and
-    v/o scalars after rotation (exact symmetries, :class:`HeadRescale`). The residual stream is
-    not estimated here.
+    on the Procrustes-optimal pair score). ``rotations=False`` keeps R = I (heads matched by
+    permutation only, scored by the trace of each pair's cross-covariance: with MLP weight
+    matching, the Git Re-Basin style permutation baseline). ``rescale=True`` adds the paper's
+    per-head q/k and v/o scalars after rotation (exact symmetries, :class:`HeadRescale`). The
+    residual stream is not estimated here.
 
     Returns the transform to apply to B (``TransformSequence``: per layer MLPPermutation,
     HeadAlignment, HeadRescale); with ``return_log=True`` also a dict whose ``"layers"`` list
@@ -318,7 +339,7 @@ def estimate_weight_alignment(
             }
             if "heads" in scope:
                 perm, r_qk, r_vo, score = align_heads(
-                    qk_a.stacked(), qk_b.stacked(), vo_a.stacked(), vo_b.stacked(), H, match_heads
+                    qk_a.stacked(), qk_b.stacked(), vo_a.stacked(), vo_b.stacked(), H, match_heads, rotations
                 )
                 parts.append(HeadAlignment(layer, perm, r_qk, r_vo))
                 qk_b = _block_transform(qk_b, perm, r_qk)
@@ -358,9 +379,10 @@ def estimate_weight_alignment(
 
     transform = TransformSequence(parts)
     logger.info(
-        "weight-based alignment (%s%s%s): %d transforms over %d layers",
+        "weight-based alignment (%s%s%s%s): %d transforms over %d layers",
         "+".join(scope) or "none",
         ", matched heads" if match_heads and "heads" in scope else "",
+        "" if rotations or "heads" not in scope else ", no rotations",
         ", rescaled" if rescale else "",
         len(parts),
         schema.num_layers,
@@ -371,6 +393,7 @@ def estimate_weight_alignment(
         "estimator": "weight_based",
         "scope": list(scope),
         "match_heads": bool(match_heads),
+        "rotations": bool(rotations),
         "rescale": bool(rescale),
         "layers": layers_log,
         "notes": [

@@ -20,12 +20,17 @@ _F64 = torch.float64
 
 
 def _contract(t: torch.Tensor, member: Member, action: SpaceAction) -> torch.Tensor:
-    x = t.to(_F64).movedim(member.axis, -1)
+    """``t`` with ``member``'s axis contracted with the action (a new tensor of t's dtype).
+
+    A permutation only moves entries, so it runs in t's own dtype (bit-identical to a float64
+    round trip); a matrix is applied in float64."""
     idx = member.index_tensor()
     if action.perm is not None:
+        x = t.movedim(member.axis, -1)
         src = action.perm if idx is None else idx[action.perm]
         moved = x[..., src]
     else:
+        x = t.to(_F64).movedim(member.axis, -1)
         sub = x if idx is None else x[..., idx]
         moved = sub @ action.matrix.to(_F64)
     if idx is None:
@@ -98,19 +103,21 @@ def _require_folded(state: Mapping[str, torch.Tensor], schema: ModelSchema) -> N
 
 def fold_layernorms(state: dict[str, torch.Tensor], schema: ModelSchema) -> dict[str, torch.Tensor]:
     """Fold each pre-LN LayerNorm's γ, β into the readers after it (§3.3): ``W ← W·diag(γ)``,
-    ``b ← b + W·β``, then γ = 1, β = 0. Exact; a no-op for post-LN schemas."""
+    ``b ← b + W·β``, then γ = 1, β = 0. Exact; a no-op for post-LN schemas. Every fold is
+    checked before any tensor is written."""
     for fold in schema.folds:
-        g = state[fold.norm_weight].to(_F64)
-        beta = state[fold.norm_bias].to(_F64)
+        for w_name, b_name in fold.readers:
+            if b_name is None and torch.any(state[fold.norm_bias] != 0):
+                raise RaotError(
+                    f"cannot fold LayerNorm {fold.norm_bias} into {w_name}: the reader has no bias; "
+                    "use a residual permutation instead of a rotation."
+                )
+    for fold in schema.folds:
+        g = state[fold.norm_weight].to(_F64, copy=True)
+        beta = state[fold.norm_bias].to(_F64, copy=True)
         for w_name, b_name in fold.readers:
             w = state[w_name].to(_F64)
-            if b_name is None:
-                if torch.any(beta != 0):
-                    raise RaotError(
-                        f"cannot fold LayerNorm {fold.norm_bias} into {w_name}: the reader has no bias; "
-                        "use a residual permutation instead of a rotation."
-                    )
-            else:
+            if b_name is not None:
                 state[b_name] = (state[b_name].to(_F64) + w @ beta).to(state[b_name].dtype)
             state[w_name] = (w * g).to(state[w_name].dtype)
         state[fold.norm_weight] = torch.ones_like(state[fold.norm_weight])
@@ -138,13 +145,30 @@ def load_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> Non
         params[name].copy_(value.to(params[name].dtype))
 
 
+class _WriteThrough(dict):
+    """A name → parameter map whose assignments copy into the parameter in place.
+
+    :func:`apply_transform` and :func:`fold_layernorms` replace entries of a state dict; on this
+    map each replacement is written into the model's own tensor at once, so a model is
+    transformed one parameter at a time, with no copy of the touched parameters."""
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        target = self[name]
+        if value is not target:
+            target.copy_(value)
+
+
+def _parameters_in_place(model: torch.nn.Module, names: set[str]) -> _WriteThrough:
+    return _WriteThrough(model_state(model, names))
+
+
 @torch.no_grad()
 def transform_model(model: torch.nn.Module, schema: ModelSchema, transform: Transform, **kw) -> torch.nn.Module:
-    """Apply ``transform`` to ``model`` in place; pre-LN LayerNorms are folded first if a
-    residual rotation needs it. Returns the model."""
+    """Apply ``transform`` to ``model`` in place, parameter by parameter; pre-LN LayerNorms are
+    folded first if a residual rotation needs it. Returns the model."""
     names = schema.parameter_names() | {n for f in schema.folds for n in (f.norm_weight, f.norm_bias)}
     names |= {n for f in schema.folds for r in f.readers for n in r if n}
-    state = {n: t.clone() for n, t in model_state(model, names).items()}
+    state = _parameters_in_place(model, names)
     actions = transform.actions(schema)
     rotates = "residual" in actions and actions["residual"].perm is None
     if rotates and schema.norm == "pre" and not is_folded(state, schema):
@@ -152,7 +176,6 @@ def transform_model(model: torch.nn.Module, schema: ModelSchema, transform: Tran
         _remember_norms(model, state, schema)
         fold_layernorms(state, schema)
     apply_transform(state, schema, transform, **kw)
-    load_state(model, state)
     return model
 
 
@@ -161,11 +184,10 @@ def fold_model(model: torch.nn.Module, schema: ModelSchema) -> torch.nn.Module:
     """Fold a pre-LN model's LayerNorms into their readers in place (exact)."""
     names = {n for f in schema.folds for n in (f.norm_weight, f.norm_bias)}
     names |= {n for f in schema.folds for r in f.readers for n in r if n}
-    state = {n: t.clone() for n, t in model_state(model, names).items()}
+    state = _parameters_in_place(model, names)
     if not is_folded(state, schema):
         _remember_norms(model, state, schema)
     fold_layernorms(state, schema)
-    load_state(model, state)
     return model
 
 

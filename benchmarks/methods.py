@@ -1,0 +1,114 @@
+"""Every benchmarked method, as options of the product (fields of :class:`raot_hf.RaotConfig`).
+
+Nothing here merges or aligns by itself: each method is a dict of options passed to
+``RaotMerger.from_pretrained(a, b, **options)``. Literature baselines run ungated (as
+published); RaOT's ablations keep the gate unless the ablation is the gate.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the results tables."""
+
+    name: str
+    label: str
+    options: dict[str, Any] = field(default_factory=dict)
+    group: str = "alignment"  # "alignment" (linear rule) or "rules" (RegMean / Fisher variants)
+    needs: str | None = None  # a Python package the method needs (skipped with a note if absent)
+
+    @property
+    def linear(self) -> bool:
+        """Whether the merge is the linear rule (the loss-barrier path applies)."""
+        return self.options.get("merge_rule", "linear") == "linear"
+
+    @property
+    def aligned(self) -> bool:
+        return self.options.get("alignment", "activation") != "none"
+
+
+METHODS: tuple[Method, ...] = (
+    Method("average", "plain average (no alignment)", {"alignment": "none"}),
+    Method(
+        "wm-perm",
+        "weight matching, permutations only (Git Re-Basin style, ungated)",
+        {"alignment": "weight", "rotations": False, "gate": False},
+    ),
+    Method(
+        "wm-rot",
+        "weight-based rotation matching (rotation-symmetry paper, ungated)",
+        {"alignment": "weight", "gate": False},
+    ),
+    Method(
+        "wm-rot-rescale",
+        "weight-based rotation matching + rescaling (paper, ungated)",
+        {"alignment": "weight", "weight_rescale": True, "gate": False},
+    ),
+    Method("soft-ot", "soft OT alignment (Sinkhorn plans, OT fusion)", {"alignment": "soft_ot"}, needs="ot"),
+    Method(
+        "act-perm",
+        "activation permutations only (MLP units + heads + residual permutation, gated)",
+        {"alignment": "activation", "rotations": False, "residual": "permutation"},
+    ),
+    Method("raot", "RaOT (full: MLP + heads with rotations + residual, gated)", {"alignment": "activation"}),
+    Method("raot-nogate", "RaOT without the gate", {"alignment": "activation", "gate": False}),
+    Method("raot-heads", "RaOT ablation: attention heads only", {"alignment": "activation", "scope": ("heads",)}),
+    Method("raot-mlp", "RaOT ablation: MLP units only", {"alignment": "activation", "scope": ("mlp",)}),
+    Method("raot-nores", "RaOT ablation: residual stream off", {"alignment": "activation", "scope": ("mlp", "heads")}),
+    Method("regmean", "RegMean, no alignment", {"alignment": "none", "merge_rule": "regmean"}, "rules"),
+    Method(
+        "wm-rot+regmean",
+        "RegMean after weight-based rotation matching",
+        {"alignment": "weight", "gate": False, "merge_rule": "regmean"},
+        "rules",
+    ),
+    Method("raot+regmean", "RegMean after RaOT", {"alignment": "activation", "merge_rule": "regmean"}, "rules"),
+    Method(
+        "fisher",
+        "Fisher averaging (label-free diagonal), no alignment",
+        {"alignment": "none", "merge_rule": "fisher"},
+        "rules",
+    ),
+    Method(
+        "wm-rot+fisher",
+        "Fisher averaging after weight-based rotation matching",
+        {"alignment": "weight", "gate": False, "merge_rule": "fisher"},
+        "rules",
+    ),
+    Method("raot+fisher", "Fisher averaging after RaOT", {"alignment": "activation", "merge_rule": "fisher"}, "rules"),
+)
+
+BY_NAME = {m.name: m for m in METHODS}
+
+#: Methods whose barrier curves are drawn (the full set is in results.json).
+BARRIER_PLOT_METHODS = ("average", "wm-rot", "act-perm", "raot")
+
+
+def available_methods(names: list[str] | None = None) -> tuple[list[Method], list[str]]:
+    """The methods to run (all, or those named) and notes for the ones skipped.
+
+    A method is skipped when its package is missing or when the product does not offer its
+    merge rule (``RaotConfig`` validates ``merge_rule``)."""
+    from raot_hf.config import MERGER_RULES
+
+    notes = []
+    chosen = []
+    wanted = names or list(BY_NAME)
+    for name in wanted:
+        if name not in BY_NAME:
+            raise ValueError(f"unknown method {name!r}; choose from {', '.join(BY_NAME)}")
+        method = BY_NAME[name]
+        if method.needs and importlib.util.find_spec(method.needs) is None:
+            notes.append(f"method {name} skipped: package {method.needs!r} is not installed")
+            continue
+        rule = method.options.get("merge_rule", "linear")
+        if rule not in MERGER_RULES:
+            notes.append(f"method {name} skipped: the merger has no merge_rule={rule!r}")
+            continue
+        chosen.append(method)
+    return chosen, notes

@@ -1,0 +1,199 @@
+"""Soft optimal-transport alignment: the OT-fusion baseline (Sinkhorn plans, not a symmetry).
+
+Transport-based fusion (Singh & Jaggi; Imfeld et al. for Transformers) aligns B to A with an
+entropically regularised transport plan instead of a permutation. The plan lies in the
+Birkhoff polytope; only its vertices (permutations) are symmetries of the network, so for
+any finite regularisation B′ no longer computes B's function. The product ships it as a
+baseline (``alignment="soft_ot"``): every plan is a :class:`~raot_hf.symmetry.SoftTransport`
+whose ``exact`` flag is False, and the merger measures and reports B′'s deviation from B.
+
+Plans are estimated from the **fit** calibration statistics only:
+
+* **MLP units** (per layer): similarity = the A×B Pearson correlation of post-activation
+  units (:meth:`Moments.correlation`), cost = 1 − similarity.
+* **Heads** (per layer): similarity of head i of A and head j of B = the mean of the
+  Q/K and V/O cosines under the identity rotation, tr(Σ X_Aⁱᵀ X_Bʲ) / √(‖X_Aⁱ‖²·‖X_Bʲ‖²)
+  (the score of the permutation-only head matcher); the H×H plan is expanded to a block plan
+  with the identity inside each head (plan ⊗ I_h) and applied to the layer's ``qk`` and
+  ``vo`` spaces alike.
+
+Sinkhorn (POT's ``ot.sinkhorn``; log-domain for small ``reg``) runs with uniform marginals on the cost; the
+plan T (Σ T = 1) is scaled to n·T so that every column sums to 1. Orientation, as
+:class:`SoftTransport` reads it: ``plan[i, j]`` is the mass between unit i of **B** and unit j
+of **A**, and unit j of B′ = Σᵢ plan[i, j]·(unit i of B) — the barycentric projection of B
+onto A's units. As ``reg → 0`` the plan tends to the assignment's permutation matrix
+(``plan[perm[j], j] = 1``, the :class:`MLPPermutation` convention).
+
+>>> from raot_hf.estimators.soft_ot import estimate_soft_ot  # doctest: +SKIP
+>>> transform, log = estimate_soft_ot(stats, schema, reg=0.05, return_log=True)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+from scipy.optimize import linear_sum_assignment
+
+from raot_hf.adapters.schema import ModelSchema
+from raot_hf.calibration.statistics import CalibrationStatistics, Moments
+from raot_hf.errors import RaotError
+from raot_hf.symmetry.transforms import SoftTransport, Transform, TransformSequence
+
+logger = logging.getLogger("raot_hf.estimators.soft_ot")
+_F64 = torch.float64
+SCOPES = ("mlp", "heads")
+
+
+def _require_pot():
+    try:
+        import ot
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise RaotError("alignment='soft_ot' needs POT; install it with: pip install pot") from None
+    return ot
+
+
+#: Below this regularisation exp(−cost/reg) can underflow (cost ≤ 2): Sinkhorn runs in the log domain.
+LOG_DOMAIN_BELOW = 0.005
+
+
+def sinkhorn_plan(similarity: torch.Tensor, reg: float, *, max_iter: int = 2000, tol: float = 1e-7) -> torch.Tensor:
+    """The column-stochastic transport plan between B's units (rows) and A's units (columns).
+
+    ``similarity[i, j]`` scores unit i of B against unit j of A (higher is closer). Sinkhorn
+    with uniform marginals on cost = 1 − similarity and entropic regularisation ``reg``
+    (log-domain iterations below :data:`LOG_DOMAIN_BELOW`); the plan is scaled by n so each
+    column (and, to Sinkhorn's tolerance, each row) sums to 1.
+    """
+    if similarity.ndim != 2 or similarity.shape[0] != similarity.shape[1]:
+        raise RaotError(f"soft OT needs a square similarity matrix, got shape {tuple(similarity.shape)}")
+    if not reg > 0:
+        raise RaotError(f"reg={reg} must be > 0 (Sinkhorn's entropic regularisation)")
+    ot = _require_pot()
+    n = similarity.shape[0]
+    cost = (1.0 - similarity.detach().to(_F64).cpu()).numpy()
+    cost = np.nan_to_num(cost, nan=1.0, posinf=2.0, neginf=2.0)
+    marginal = np.full(n, 1.0 / n)
+    plan = ot.sinkhorn(
+        marginal,
+        marginal,
+        cost,
+        float(reg),
+        method="sinkhorn_log" if reg < LOG_DOMAIN_BELOW else "sinkhorn",
+        numItermax=max_iter,
+        stopThr=tol,
+        warn=False,
+    )
+    plan = torch.as_tensor(np.ascontiguousarray(plan), dtype=_F64) * n
+    # Normalise columns exactly (Sinkhorn stops at a tolerance): each new unit is a barycentre.
+    return plan / plan.sum(0, keepdim=True).clamp_min(1e-300)
+
+
+def _head_similarity(q: Moments, k: Moments, ctx: Moments, num_heads: int, head_size: int) -> torch.Tensor:
+    """(H_B, H_A) similarity: mean of the QK and VO cosines of each head pair under R = I."""
+    H, h = num_heads, head_size
+
+    def trace_blocks(cross: torch.Tensor) -> torch.Tensor:  # [i_A, j_B] = tr(block)
+        return cross.reshape(H, h, H, h).diagonal(dim1=1, dim2=3).sum(-1)
+
+    def energy(sq: torch.Tensor) -> torch.Tensor:
+        return sq.reshape(H, h).sum(-1)
+
+    def cosine(cross, sq_a, sq_b):
+        z = torch.outer(energy(sq_a), energy(sq_b)).clamp_min(1e-300).sqrt()
+        return trace_blocks(cross) / z
+
+    qk = cosine(q.cross + k.cross, q.sq_a + k.sq_a, q.sq_b + k.sq_b)
+    vo = cosine(ctx.cross, ctx.sq_a, ctx.sq_b)
+    return (0.5 * (qk + vo)).T
+
+
+def _plan_log(plan: torch.Tensor, similarity: torch.Tensor) -> dict[str, Any]:
+    """How far a plan is from a permutation, and whether its mass sits on the assignment."""
+    rows, cols = linear_sum_assignment(similarity.numpy(), maximize=True)
+    perm = np.empty(len(rows), dtype=np.int64)
+    perm[cols] = rows  # column j (A unit) ← row perm[j] (B unit)
+    ar = torch.arange(plan.shape[1])
+    column_max = plan.max(0).values
+    entropy = -(plan * plan.clamp_min(1e-300).log()).sum(0)
+    return {
+        "units": int(plan.shape[0]),
+        "mean_column_max": float(column_max.mean()),
+        "mean_column_entropy": float(entropy.mean()),
+        "mass_on_assignment": float(plan[torch.from_numpy(perm), ar].mean()),
+        "argmax_agrees_with_assignment": float((plan.argmax(0) == torch.from_numpy(perm)).double().mean()),
+        "fit_similarity_identity": float(similarity.diagonal().mean()),
+        "fit_similarity_transported": float((plan * similarity).sum(0).mean()),
+    }
+
+
+def estimate_soft_ot(
+    stats: CalibrationStatistics,
+    schema: ModelSchema,
+    *,
+    scope: Iterable[str] = ("mlp", "heads"),
+    reg: float = 0.05,
+    return_log: bool = False,
+) -> TransformSequence | tuple[TransformSequence, dict[str, Any]]:
+    """Soft transport plans aligning B to A, per layer, from the fit calibration statistics.
+
+    ``scope``: ``"mlp"`` (one plan over each layer's MLP units) and/or ``"heads"`` (one plan
+    over each layer's heads, identity within heads, applied to the ``qk`` and ``vo`` spaces).
+    ``reg``: Sinkhorn's entropic regularisation, in units of the cost 1 − similarity (which
+    lies in [0, 2]); small values approach the hard assignment. The residual stream is not
+    transported (a soft plan on the LayerNorm stream is not even approximately an isometry).
+
+    Returns a :class:`TransformSequence` of :class:`SoftTransport` (approximate: ``exact`` is
+    False); with ``return_log=True`` also a dict with, per plan, how close it is to a
+    permutation (``mean_column_max``: 1 for a permutation) and the fit similarity it attains.
+    """
+    if stats is None:
+        raise RaotError("soft OT alignment needs calibration statistics; pass calibration=... to the merge")
+    scope = (scope,) if isinstance(scope, str) else tuple(scope)
+    unknown = sorted(set(scope) - set(SCOPES))
+    if unknown:
+        raise RaotError(f"unknown soft-OT scope {unknown}; choose from {', '.join(SCOPES)}")
+    fit = stats.fit
+    H, h = schema.num_heads, schema.head_size
+    parts: list[Transform] = []
+    layers_log: list[dict[str, Any]] = []
+    for layer in range(schema.num_layers):
+        entry: dict[str, Any] = {"layer": layer}
+        if "mlp" in scope:
+            similarity = fit.mlp[layer].correlation().T  # rows: B units, columns: A units
+            plan = sinkhorn_plan(similarity, reg)
+            parts.append(SoftTransport(schema.mlp_space(layer).name, plan))
+            entry["mlp"] = _plan_log(plan, similarity)
+        if "heads" in scope:
+            similarity = _head_similarity(fit.q[layer], fit.k[layer], fit.ctx[layer], H, h)
+            head_plan = sinkhorn_plan(similarity, reg)
+            block = torch.kron(head_plan.contiguous(), torch.eye(h, dtype=_F64))
+            parts.append(SoftTransport(schema.qk_space(layer).name, block))
+            parts.append(SoftTransport(schema.vo_space(layer).name, block.clone()))
+            entry["heads"] = {**_plan_log(head_plan, similarity), "head_plan": head_plan.tolist()}
+        layers_log.append(entry)
+    transform = TransformSequence(parts)
+    logger.info(
+        "soft OT (%s, reg=%g): %d plans over %d layers (approximate: B′ ≠ B)",
+        "+".join(scope) or "none",
+        reg,
+        len(parts),
+        schema.num_layers,
+    )
+    if not return_log:
+        return transform
+    log = {
+        "estimator": "soft_ot",
+        "scope": list(scope),
+        "reg": float(reg),
+        "layers": layers_log,
+        "notes": [
+            "baseline: a soft transport plan is not a symmetry, so B′ only approximates B",
+            "plans from fit statistics; uniform marginals; columns scaled to sum to 1",
+            "the residual stream is not transported",
+        ],
+    }
+    return transform, log
