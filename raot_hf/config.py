@@ -149,7 +149,7 @@ class RaotConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(str(k) for k in set(data) - known)
         if unknown:
-            raise RaotError(f"unknown option(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+            raise RaotError(f"unknown option(s) {', '.join(map(repr, unknown))}; valid: {', '.join(sorted(known))}")
         data = dict(data)
         data.pop("version", None)
         return cls(**data)

@@ -105,9 +105,11 @@ class CalibrationConfig:
     def from_dict(cls, data: dict[str, Any]) -> CalibrationConfig:
         """Build a config from :meth:`to_dict` output; unknown keys are an error."""
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(str(k) for k in set(data) - known)
         if unknown:
-            raise RaotError(f"unknown calibration setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+            raise RaotError(
+                f"unknown calibration setting(s) {', '.join(map(repr, unknown))}; valid: {', '.join(sorted(known))}"
+            )
         return cls(**data)
 
 
