@@ -117,11 +117,14 @@ class Moments:
         """Pearson correlation of every (a_i, b_j) pair; constant units correlate 0."""
         n = self.n.clamp_min(1)
         ma, mb = self.sum_a / n, self.sum_b / n
-        cov = self.cross / n - torch.outer(ma, mb)
         sa = (self.sq_a / n - ma**2).clamp_min(0).sqrt()
         sb = (self.sq_b / n - mb**2).clamp_min(0).sqrt()
+        corr = self.cross / n  # k×k work in place: three k×k buffers, not seven
+        corr.sub_(torch.outer(ma, mb))
         denom = torch.outer(sa, sb)
-        return torch.where(denom > eps, cov / denom.clamp_min(eps), torch.zeros_like(cov))
+        constant = denom <= eps
+        corr.div_(denom.clamp_min_(eps))
+        return corr.masked_fill_(constant, 0.0)
 
 
 @dataclass
