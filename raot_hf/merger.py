@@ -507,6 +507,8 @@ class RaotMerger:
         """
         cfg = self.config
         alignment, stats, fingerprint = self.align(calibration)
+        if cfg.merge_rule != "regmean":
+            stats = None  # only RegMean reads statistics after the gate: free them before apply/merge
         checks = []
         with self.timer.stage("apply"):
             inputs = getattr(self, "_check_inputs", None) or []
