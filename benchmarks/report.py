@@ -128,7 +128,7 @@ def _exact_cell(runs: list[dict], method: str) -> str:
 def pair_table(runs: list[dict], methods: list[str], labels: dict[str, str]) -> list[str]:
     """All methods of one pair: metrics mean ± std over runs, gate decisions, exactness."""
     cols = _columns(runs)
-    header = ["method"] + [t for _, t, _ in cols] + ["gate applied (per run)", "B′ vs B"]
+    header = ["method"] + [t for _, t, _ in cols] + ["transforms applied (per run)", "B′ vs B"]
     rows = []
     for m in methods:
         if not any(m in run["methods"] and "error" not in run["methods"][m] for run in runs):
@@ -192,7 +192,8 @@ def headline_rows(grouped: dict[str, list[dict]], methods: list[str]) -> list[st
                 ]
             )
     return _table(
-        ["pair", "method", "acc, A's head", "acc, B's head", "probe, task A", "barrier, task A", "gate applied"], rows
+        ["pair", "method", "acc, A's head", "acc, B's head", "probe, task A", "barrier, task A", "transforms applied"],
+        rows,
     )
 
 
@@ -226,7 +227,7 @@ def width_table(results: dict, grouped: dict[str, list[dict]], methods: list[str
         rows.append(
             [
                 str(p["width"]),
-                *(_fmt(_values(runs, m, "acc_head_a")) for m in ("average", "wm-perm", "act-perm", "raot")),
+                *(_fmt(_values(runs, m, "acc_head_a")) for m in ("average", "wm-perm", "wm-rot", "act-perm", "raot")),
                 _delta(_paired(runs, "raot", "act-perm", "acc_head_a")),
                 _delta(_paired(runs, "raot", "act-perm", "probe_a")),
                 _delta(_paired(runs, "raot", "act-perm", "barrier_a")),
@@ -237,6 +238,7 @@ def width_table(results: dict, grouped: dict[str, list[dict]], methods: list[str
             "width",
             "average",
             "wm-perm",
+            "wm-rot",
             "act-perm",
             "RaOT",
             "Δ acc RaOT − act-perm",
@@ -292,46 +294,83 @@ def timing_table(grouped: dict[str, list[dict]]) -> list[str]:
     return _table(["pair (RaOT, seconds)", *stages, "fisher (raot+fisher)", "whole merge"], rows)
 
 
+MARKS = {"helps": "✓", "hurts": "✗", "no clear effect": "·", "n/a": ""}
+
+
+def _comparison_table(grouped: dict[str, list[dict]], pairs_methods: list[tuple[str, str, str]]) -> list[str]:
+    """Rows (pair, method, baseline): paired Δ per metric with its verdict mark."""
+    keys = [m for m in METRICS if m[0] != "distance_after"]
+    present = [k for k in keys if any(_paired(grouped[p], m, b, k[0]) for p, m, b in pairs_methods)]
+    rows = []
+    for pair, method, baseline in pairs_methods:
+        cells = []
+        for key, _, hib in present:
+            diffs = _paired(grouped[pair], method, baseline, key)
+            cells.append(f"{_delta(diffs)} {MARKS[verdict(diffs, hib)]}".strip() if diffs else "–")
+        rows.append([pair, f"`{method}` − `{baseline}`"] + cells)
+    return _table(["pair", "comparison"] + [f"Δ {t}" for _, t, _ in present], rows)
+
+
 def does_not_help(grouped: dict[str, list[dict]], methods: list[str]) -> list[str]:
-    """Bullet points, from paired differences over runs, where alignment does not help."""
-    lines = []
-    aligned = [m for m in ("wm-perm", "wm-rot", "wm-rot-rescale", "soft-ot", "act-perm", "raot") if m in methods]
+    """Tables of paired differences and generated bullet points where alignment does not help."""
+    lines: list[str] = []
+    pairs = list(grouped)
+    if "raot" in methods and "average" in methods:
+        lines += ["**RaOT against plain averaging** (paired Δ over runs; barrier: lower is better):", ""]
+        lines += _comparison_table(grouped, [(p, "raot", "average") for p in pairs]) + [""]
+    if "raot" in methods and "act-perm" in methods:
+        lines += ["**What the rotations add** (RaOT against the same estimator restricted to permutations):", ""]
+        lines += _comparison_table(grouped, [(p, "raot", "act-perm") for p in pairs]) + [""]
+    baselines = [m for m in ("wm-perm", "wm-rot", "wm-rot-rescale", "soft-ot", "act-perm") if m in methods]
+    if baselines and "average" in methods:
+        lines += ["**Other alignments against plain averaging:**", ""]
+        lines += _comparison_table(grouped, [(p, m, "average") for p in pairs for m in baselines]) + [""]
+    lines += ["**Generated from these numbers:**", ""]
     for pair, runs in grouped.items():
-        cols = [c for c in _columns(runs) if c[0] != "distance_after"]
         notes = []
-        for m in aligned:
+        cols = [c for c in _columns(runs) if c[0] != "distance_after"]
+        if "raot" in methods and "average" in methods:
+            weak = []
             for key, title, hib in cols:
-                diffs = _paired(runs, m, "average", key)
+                diffs = _paired(runs, "raot", "average", key)
                 v = verdict(diffs, hib)
                 if v in ("no clear effect", "hurts"):
-                    notes.append(f"`{m}` vs `average`, {title}: {v} (Δ {_delta(diffs)})")
-        if "raot" in methods and "act-perm" in methods:
-            for key, title, hib in cols:
-                diffs = _paired(runs, "raot", "act-perm", key)
-                v = verdict(diffs, hib)
-                if v in ("no clear effect", "hurts"):
-                    notes.append(f"rotations (`raot` vs `act-perm`), {title}: {v} (Δ {_delta(diffs)})")
+                    weak.append(f"{title} ({v}, Δ {_delta(diffs)})")
+            if weak:
+                notes.append("RaOT does not beat plain averaging on " + "; ".join(weak))
+        for m in baselines:
+            if all(verdict(_paired(runs, m, "average", k), hib) != "helps" for k, _, hib in cols):
+                notes.append(f"`{m}` helps on no metric against plain averaging")
         for ab in ABLATIONS:
             if ab in methods and "raot" in methods:
                 diffs = _paired(runs, ab, "raot", "acc_head_a")
                 if verdict(diffs, True) == "helps":
-                    notes.append(f"ablation `{ab}` beats full `raot` on A's-head accuracy (Δ {_delta(diffs)})")
+                    notes.append(f"the ablation `{ab}` beats full RaOT on A's-head accuracy (Δ {_delta(diffs)})")
         for rule in ("regmean", "fisher"):
             if rule in methods and f"raot+{rule}" in methods:
                 diffs = _paired(runs, f"raot+{rule}", rule, "acc_head_a")
                 v = verdict(diffs, True)
                 if v != "helps":
-                    notes.append(f"`raot+{rule}` vs `{rule}`, A's-head accuracy: {v} (Δ {_delta(diffs)})")
-        basis = sum(int(run["methods"].get("raot", {}).get("shares_basis", False)) for run in runs)
+                    notes.append(f"RaOT before {rule} does not help A's-head accuracy ({v}, Δ {_delta(diffs)})")
+        raot_rows = [run["methods"].get("raot", {}) for run in runs]
+        basis = sum(int(r.get("shares_basis", False)) for r in raot_rows)
         if basis:
             notes.append(
-                f"the gate rejected every RaOT transform in {basis}/{len(runs)} runs: "
-                "the pair already shares a basis (detection, not repair)"
+                f"the gate rejected every RaOT transform in {basis}/{len(runs)} runs: the pair already shares a "
+                "basis (detection, not repair)"
             )
-        best = max(
-            (np.mean(_values(runs, m, "acc_head_a")) for m in methods if _values(runs, m, "acc_head_a")),
-            default=float("nan"),
-        )
+        applied = [r["gate"]["applied"] for r in raot_rows if r.get("gate")]
+        before = [run["distance_before"] for run in runs]
+        after = [r["distance_after"] for r in raot_rows if "distance_after" in r]
+        if applied and after and np.mean(after) > np.mean(before) * 1.5 and np.mean(before) < 0.1:
+            notes.append(
+                f"parents already close in weight space (‖A−B‖/‖A‖ = {np.mean(before):.3f}), yet the gate applied "
+                f"{np.mean(applied):.1f} transforms per run on average, moving B′ away from A "
+                f"({np.mean(after):.3f}): the held-out activation gains passed the margin although the parents "
+                "start from one initialization"
+            )
+        accs = [np.mean(_values(runs, m, "acc_head_a")) for m in methods if _values(runs, m, "acc_head_a")]
+        best = max(accs, default=float("nan"))
         parent = np.mean([r["parents"]["a"]["accuracy"] for r in runs])
         if best < parent - 0.05:
             notes.append(f"no merge comes near parent A on its own task (best mean {best:.3f} vs parent {parent:.3f})")
@@ -397,8 +436,9 @@ def write_report(results: dict[str, Any], out: Path) -> None:
     md += ["## Where alignment does not help", ""]
     md += (
         [
-            "Paired over runs against the same run's baseline; 'no clear effect' means the runs disagree in sign",
-            f"or the mean difference is below {NEGLIGIBLE}. Listed per pair; anything not listed helped in every run.",
+            "Differences are paired over runs (same parents, same data). ✓: better in every run and by more than",
+            f"{NEGLIGIBLE} on average; ✗: worse in every run (same threshold); ·: no clear effect (runs disagree in",
+            "sign, or the mean difference is below the threshold). Barrier and distance: lower is better.",
             "",
         ]
         + does_not_help(grouped, methods)

@@ -41,7 +41,7 @@ def _alphas(n: int) -> list[float]:
     return [round(i / (n - 1), 6) for i in range(n)]
 
 
-def _quiet_worker(threads: int = 1) -> None:
+def _quiet_worker(threads: int = 1, blas: bool = True) -> None:
     """Per-process settings: intra-op threads, no progress bars, terse libraries."""
     import warnings
 
@@ -51,12 +51,24 @@ def _quiet_worker(threads: int = 1) -> None:
     from huggingface_hub.utils import disable_progress_bars
 
     torch.set_num_threads(threads)
+    if blas:
+        _limit_blas(threads)
     disable_progress_bars()
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     transformers.logging.set_verbosity_error()
     logging.getLogger("raot_hf").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
+
+
+def _limit_blas(threads: int):
+    """Limit numpy's / scikit-learn's BLAS and OpenMP pools (POT's Sinkhorn, the probes) too:
+    two workers with two BLAS threads each would oversubscribe two cores."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - ships with scikit-learn
+        return None
+    return threadpool_limits(limits=threads)
 
 
 @contextlib.contextmanager
@@ -78,10 +90,13 @@ def _quiet_inline(threads: int = 1):
         logging.getLogger("raot_hf").level,
     )
     with warnings.catch_warnings():
-        _quiet_worker(threads)
+        limits = _limit_blas(threads)  # remembers the caller's limits
+        _quiet_worker(threads, blas=False)
         try:
             yield
         finally:
+            if limits is not None:
+                limits.restore_original_limits()
             torch.set_num_threads(previous[0])
             if not previous[1]:
                 enable_progress_bars()
@@ -278,7 +293,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", help="comma-separated substrings of pair names to keep")
     parser.add_argument("--methods", help="comma-separated method names (default: all)")
     parser.add_argument("--cache-dir", help="zoo cache (default $RAOT_HF_CACHE or ~/.cache/raot_hf/zoo)")
+    parser.add_argument("--report-only", action="store_true", help="re-render RESULTS.md and plots from results.json")
     args = parser.parse_args(argv)
+    if args.report_only:
+        from benchmarks.report import write_report
+
+        path = args.out / "results.json"
+        if not path.is_file():
+            parser.error(f"{path} does not exist; run the benchmarks first")
+        write_report(json.loads(path.read_text()), args.out)
+        print(f"wrote {args.out / 'RESULTS.md'} and plots from {path}")
+        return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     suite_name = args.suite or ("quick" if args.quick else "full")
     run_benchmarks(
