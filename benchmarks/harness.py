@@ -132,7 +132,7 @@ def evaluate_run(pair: PairSpec, run_index: int, methods: list[Method], alphas: 
     out: dict[str, Any] = {
         "pair": pair.name,
         "run": run_index,
-        "models": {"a": str(dir_a), "b": str(dir_b)},
+        "models": {"a": Path(dir_a).name, "b": Path(dir_b).name},  # folder names in the zoo cache
         "specs": {"a": spec_a.describe(), "b": spec_b.describe()},
         "schema": {
             "model_type": schema.model_type,

@@ -2,8 +2,8 @@
 
 ::
 
-    python -m benchmarks.run                 # full: 4 families, 3 runs each, 11 alphas (~30 min, 2 cores)
-    python -m benchmarks.run --quick         # 3 pairs x 1 run, 5 alphas (~3 min once the parents are cached)
+    python -m benchmarks.run                 # full: 7 pairs x 3 runs, 11 alphas (~20 min on 2 cores, cached)
+    python -m benchmarks.run --quick         # 5 pairs x 1 run, 5 alphas (~2 min; ~40 s once cached)
     python -m benchmarks.run --out DIR --workers 2 --pairs vit --methods average,raot
 
 Writes ``DIR/RESULTS.md`` (tables: mean ± std over runs), ``DIR/results.json`` (every number)
@@ -285,7 +285,7 @@ def _jsonable(options: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point (``python -m benchmarks.run``)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the quick suite (~3 min once parents are cached)")
+    parser.add_argument("--quick", action="store_true", help="the quick suite (5 pairs x 1 run, ~2 min)")
     parser.add_argument("--suite", choices=["full", "quick", "tiny"], help="overrides --quick (tiny: the smoke test's)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (each single-threaded; 1 runs inline)")

@@ -539,7 +539,10 @@ class RaotMerger:
                     "this is a bug in raot_hf — please report it with raot_report.json"
                 )
             if not alignment.exact:
-                logger.warning("approximate residual rotation: B′ deviates from B by %.3g (relative)", deviation)
+                logger.warning(
+                    "approximate alignment (post-LN rotation or soft transport): B′ deviates from B by %.3g",
+                    deviation,
+                )
         with self.timer.stage("merge"):
             merged_state = self._merge_weights(alignment, stats)
             from raot_hf.symmetry import load_state
