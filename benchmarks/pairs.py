@@ -264,16 +264,13 @@ def _resized_vit(seed, dataset, image_size, hidden_size, epochs, cache_dir=None)
 
 
 def _train_resized_vit(params: dict, out_dir: Path) -> dict:
-    import torch
     from transformers import ViTConfig, ViTForImageClassification
 
     from raot_hf.zoo import load_image_dataset, make_image_processor
     from raot_hf.zoo.training import (
         deterministic_torch,
-        encode_examples,
-        evaluate_accuracy,
+        fit_and_score,
         steps_for_epochs,
-        train_classifier,
     )
 
     splits = load_image_dataset(params["dataset"])
@@ -293,15 +290,14 @@ def _train_resized_vit(params: dict, out_dir: Path) -> dict:
         id2label=dict(enumerate(names)),
         label2id={n: i for i, n in enumerate(names)},
     )
-    inputs = encode_examples(splits["train"], processor)
-    labels = torch.tensor(splits["train"]["label"])
-    steps = steps_for_epochs(len(labels), params["batch_size"], params["epochs"])
+    steps = steps_for_epochs(len(splits["train"]), params["batch_size"], params["epochs"])
     with deterministic_torch(params["seed"]):
         model = ViTForImageClassification(config)
-        metrics = train_classifier(
+        metrics = fit_and_score(
             model,
-            inputs,
-            labels,
+            processor,
+            splits["train"],
+            splits["test"],
             seed=params["seed"],
             steps=steps,
             batch_size=params["batch_size"],
@@ -309,8 +305,6 @@ def _train_resized_vit(params: dict, out_dir: Path) -> dict:
             weight_decay=0.05,
             description=f"ViT {params['dataset']}@{params['image_size']} seed {params['seed']}",
         )
-        metrics["test_accuracy"] = evaluate_accuracy(model, splits["test"], processor)
-    metrics.update(steps=steps, train_examples=len(labels))
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
     return metrics
@@ -350,16 +344,13 @@ def _task_bert(seed, dataset, epochs, cache_dir=None):
 
 
 def _train_task_bert(params: dict, out_dir: Path) -> dict:
-    import torch
     from transformers import BertConfig, BertForSequenceClassification
 
     from raot_hf.zoo import load_text_dataset
     from raot_hf.zoo.training import (
         deterministic_torch,
-        encode_examples,
-        evaluate_accuracy,
+        fit_and_score,
         steps_for_epochs,
-        train_classifier,
     )
 
     splits = load_text_dataset(params["dataset"])
@@ -377,23 +368,21 @@ def _train_task_bert(params: dict, out_dir: Path) -> dict:
         id2label=dict(enumerate(names)),
         label2id={n: i for i, n in enumerate(names)},
     )
-    inputs = encode_examples(splits["train"], tokenizer, max_length=params["max_length"])
-    labels = torch.tensor(splits["train"]["label"])
-    steps = steps_for_epochs(len(labels), params["batch_size"], params["epochs"])
+    steps = steps_for_epochs(len(splits["train"]), params["batch_size"], params["epochs"])
     with deterministic_torch(params["seed"]):
         model = BertForSequenceClassification(config)
-        metrics = train_classifier(
+        metrics = fit_and_score(
             model,
-            inputs,
-            labels,
+            tokenizer,
+            splits["train"],
+            splits["test"],
             seed=params["seed"],
             steps=steps,
             batch_size=params["batch_size"],
             learning_rate=params["learning_rate"],
+            max_length=params["max_length"],
             description=f"BERT {params['dataset']} seed {params['seed']}",
         )
-        metrics["test_accuracy"] = evaluate_accuracy(model, splits["test"], tokenizer, max_length=params["max_length"])
-    metrics.update(steps=steps, train_examples=len(labels))
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return metrics

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from datasets import ClassLabel, Dataset, DatasetDict, Features
 from datasets import Image as ImageFeature
 from PIL import Image
@@ -32,11 +31,10 @@ from raot_hf.zoo.training import (
     check_heads,
     check_seed_pair,
     deterministic_torch,
-    encode_examples,
     evaluate_accuracy,
+    fit_and_score,
     split_three_ways,
     steps_for_epochs,
-    train_classifier,
 )
 
 logger = logging.getLogger("raot_hf.zoo.images")
@@ -225,15 +223,14 @@ def _train_vit(params: dict, out_dir: Path) -> dict:
         id2label=dict(enumerate(label_names)),
         label2id={name: index for index, name in enumerate(label_names)},
     )
-    inputs = encode_examples(train_split, processor)
-    labels = torch.tensor(train_split["label"])
-    steps = steps_for_epochs(len(labels), params["batch_size"], params["epochs"])
+    steps = steps_for_epochs(len(train_split), params["batch_size"], params["epochs"])
     with deterministic_torch(params["seed"]):
         model = ViTForImageClassification(config)
-        metrics = train_classifier(
+        metrics = fit_and_score(
             model,
-            inputs,
-            labels,
+            processor,
+            train_split,
+            splits["test"],
             seed=params["seed"],
             steps=steps,
             batch_size=params["batch_size"],
@@ -241,8 +238,6 @@ def _train_vit(params: dict, out_dir: Path) -> dict:
             weight_decay=0.05,
             description=f"ViT {params['dataset']} seed {params['seed']}",
         )
-        metrics["test_accuracy"] = evaluate_accuracy(model, splits["test"], processor)
-    metrics.update(steps=steps, train_examples=len(labels))
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
     logger.info(

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-import torch
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 
 from raot_hf.errors import RaotError
@@ -35,11 +34,10 @@ from raot_hf.zoo.training import (
     check_heads,
     check_seed_pair,
     deterministic_torch,
-    encode_examples,
     evaluate_accuracy,
+    fit_and_score,
     split_three_ways,
     steps_for_epochs,
-    train_classifier,
 )
 
 logger = logging.getLogger("raot_hf.zoo.text")
@@ -361,21 +359,19 @@ def _limit(split: Dataset, max_examples: int | None) -> Dataset:
 
 def _fit_and_score(model, tokenizer, train_split, test_split, params: dict, steps: int) -> dict:
     """Train ``model`` on ``train_split`` for ``steps`` steps, then add its test accuracy."""
-    inputs = encode_examples(train_split, tokenizer, max_length=params["max_length"])
-    labels = torch.tensor(train_split["label"])
     name = params.get("dataset") or params.get("task")
-    metrics = train_classifier(
+    metrics = fit_and_score(
         model,
-        inputs,
-        labels,
+        tokenizer,
+        train_split,
+        test_split,
         seed=params["seed"],
         steps=steps,
         batch_size=params["batch_size"],
         learning_rate=params["learning_rate"],
+        max_length=params["max_length"],
         description=f"{params['kind']} {name} seed {params['seed']}",
     )
-    metrics["test_accuracy"] = evaluate_accuracy(model, test_split, tokenizer, max_length=params["max_length"])
-    metrics.update(steps=steps, train_examples=len(labels), test_examples=len(test_split))
     logger.info(
         "%s %s seed %d: test accuracy %.3f after %d steps in %.1fs",
         params["kind"],
