@@ -32,6 +32,7 @@ from raot_hf.calibration.data import (
 from raot_hf.calibration.statistics import CalibrationStatistics, StatisticsCollector
 from raot_hf.config import RaotConfig
 from raot_hf.distributed import DistributedContext
+from raot_hf.equivalence import primary_outputs
 from raot_hf.errors import EquivalenceError, RaotError
 from raot_hf.estimators.activation import (
     estimate_head_alignment,
@@ -66,7 +67,6 @@ from raot_hf.symmetry import (
     model_state,
     transform_model,
 )
-from raot_hf.testing import primary_outputs
 from raot_hf.version import __version__
 
 logger = logging.getLogger("raot_hf.merger")

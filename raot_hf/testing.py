@@ -11,6 +11,7 @@ import copy
 import torch
 import transformers
 
+from raot_hf.equivalence import primary_outputs
 from raot_hf.errors import RaotError
 
 _CONFIGS = {
@@ -111,29 +112,6 @@ def example_inputs(model: torch.nn.Module, batch: int = 3, seq: int = 9, seed: i
     if getattr(cfg, "type_vocab_size", 0):
         out["token_type_ids"] = torch.randint(0, cfg.type_vocab_size, (batch, seq), generator=g)
     return out
-
-
-def primary_outputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The outputs that define the model's function: logits for task heads; for base models
-    ``last_hidden_state`` (in the stream basis) and ``pooler_output`` when present."""
-    with torch.no_grad():
-        out = model(**inputs)
-    res = {}
-    for key in (
-        "logits",
-        "cls_logits",
-        "distillation_logits",
-        "start_logits",
-        "end_logits",
-        "pooler_output",
-        "last_hidden_state",
-    ):
-        value = getattr(out, key, None)
-        if value is not None:
-            res[key] = value
-    if "logits" in res or "start_logits" in res:
-        res.pop("last_hidden_state", None)
-    return res
 
 
 def output_deviation(

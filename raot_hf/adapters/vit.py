@@ -3,6 +3,8 @@ modules ``layers.N.attention.q_proj`` / ``mlp.fc1`` in memory (legacy keys on di
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from raot_hf.adapters.base import Adapter, HeadTemplate, LayerTemplate
 
 VIT_LAYER = LayerTemplate(
@@ -37,24 +39,15 @@ VIT = Adapter(
     },
 )
 
-DEIT = Adapter(
+# DeiT: ViT's layout under another prefix, plus a distillation token and a teacher head.
+DEIT = replace(
+    VIT,
     name="deit",
     model_types=("deit",),
-    norm="pre",
     base_prefix="deit",
-    layers="layers",
-    layer=VIT_LAYER,
-    embedding_writers=(
-        ("embeddings.cls_token", 2),
-        ("embeddings.distillation_token", 2),
-        ("embeddings.position_embeddings", 2),
-        ("embeddings.patch_embeddings.projection.weight", 0),
-        ("embeddings.patch_embeddings.projection.bias", 0),
-    ),
-    final_norm="layernorm",
+    embedding_writers=(("embeddings.distillation_token", 2), *VIT.embedding_writers),
     heads={
-        "Model": HeadTemplate(stream_readers=("pooler.dense",), reads_final_norm=False),
-        "ForImageClassification": HeadTemplate(stream_readers=("classifier",)),
+        **VIT.heads,
         "ForImageClassificationWithTeacher": HeadTemplate(stream_readers=("cls_classifier", "distillation_classifier")),
     },
 )
