@@ -107,6 +107,16 @@ class DistributedContext:
                 t.copy_(buf)
         stats.examples = round(float(examples))
 
+    def broadcast_object(self, obj: Any) -> Any:
+        """The main process's ``obj`` on every process (pickled; no-op in a single process)."""
+        if not self.is_distributed:
+            return obj
+        import torch.distributed as dist
+
+        buf = [obj if self.is_main else None]
+        dist.broadcast_object_list(buf, src=0, device=self._collective_device())
+        return buf[0]
+
     def barrier(self) -> None:
         """Wait for every process (no-op in a single process)."""
         if self.is_distributed:
@@ -130,11 +140,17 @@ def statistics_pass_needed(config, calibration: Any = None) -> bool:
 
 
 def follow_main(merger, calibration: Any = None) -> None:
-    """On a non-main process: take part in the sharded statistics pass (this process's shard
-    and the all-reduce) that the main process's ``merge``/``align`` runs, then return — the
-    main process alone solves, gates, merges and writes."""
+    """On a non-main process: take part in the sharded statistics pass that the main process's
+    ``merge``/``align`` runs — this process's shard of the fit examples and its all-reduce, the
+    main process's candidates by broadcast, then its shard of the held-out examples and that
+    all-reduce — and return: the main process alone solves, gates, merges and writes."""
     if merger.dist.is_main:
         raise RuntimeError("follow_main is for non-main processes; the main process calls merge() or align()")
     if statistics_pass_needed(merger.config, calibration):
-        merger.collect_statistics(calibration)
+        stats, _ = merger.collect_statistics(calibration)
+        parts = []
+        if merger.config.alignment != "none" and merger.config.scope:
+            parts, _ = merger.dist.broadcast_object(None)  # the main process's candidates
+        stats.fit = None
+        merger.collect_heldout(stats, parts)
     logger.info("process %d: statistics shard contributed; the main process finishes the merge", merger.dist.rank)

@@ -31,10 +31,11 @@ from raot_hf.calibration.data import (
 )
 from raot_hf.calibration.statistics import CalibrationStatistics, StatisticsCollector
 from raot_hf.config import RaotConfig
-from raot_hf.distributed import DistributedContext
+from raot_hf.distributed import DistributedContext, statistics_pass_needed
 from raot_hf.equivalence import primary_outputs
 from raot_hf.errors import EquivalenceError, RaotError
 from raot_hf.estimators.activation import (
+    candidate_maps,
     estimate_head_alignment,
     estimate_mlp_permutation,
     estimate_residual_map,
@@ -278,8 +279,10 @@ class RaotMerger:
         return cal, calibration  # an in-memory datasets.Dataset
 
     def collect_statistics(self, calibration=None) -> tuple[CalibrationStatistics, dict[str, Any]]:
-        """One forward pass of A and B over the calibration set (sharded across processes
-        under ``accelerate launch``), returning summed statistics and the data's fingerprint."""
+        """The fit phase of the calibration pass: A and B over the fit examples (sharded across
+        processes under ``accelerate launch``), returning the summed fit moments (and Grams) and
+        the data's fingerprint. The held-out examples run later, once the candidates are known
+        (:meth:`collect_heldout`); each example goes through each model once."""
         if self.preprocessor is None:
             raise RaotError("no tokenizer or image processor for model A; pass preprocessor= to from_models")
         cal_cfg, data = self._calibration_config(calibration)
@@ -290,54 +293,82 @@ class RaotMerger:
             cal_cfg = CalibrationConfig.from_dict({**cal_cfg.to_dict(), "column": column})
             fingerprint = dataset_fingerprint(dataset, column)
             self._calibration = (dataset, cal_cfg)
-            # Σbᵀb of the stream is read only when a residual rotation is scored
+            # Σbᵀb of the stream is read only when a residual rotation is estimated
             rotation = (
                 "residual" in self.config.scope and residual_mode(self.schema, self.config.residual) == "rotation"
             )
-            # forward passes on this process's accelerator (accelerate --multi_gpu), then back
-            home = next(self.model_a.parameters()).device
-            device = self.dist.device if self.dist.is_distributed else home
-            if device != home:
-                self.model_a.to(device)
-                self.model_b.to(device)
-            rank, world = self.dist.rank, self.dist.world_size
-            total = count_calibration_batches(dataset, cal_cfg, rank=rank, world_size=world)
-            self._check_inputs = []
-            try:
-                with StatisticsCollector(
-                    self.model_a,
-                    self.model_b,
-                    self.schema,
-                    grams=self.config.merge_rule == "regmean",
-                    stream_full=rotation,
-                ) as collector:
-                    batches = iter_calibration_batches(dataset, self.preprocessor, cal_cfg, rank=rank, world_size=world)
-                    for batch in tqdm(batches, total=total, desc="calibration", disable=not self.dist.is_main):
-                        collector.update(batch)
-                        if len(self._check_inputs) < self.config.check_batches and bool(batch.heldout.any()):
-                            keep = batch.heldout.to(torch.bool)
-                            self._check_inputs.append({k: v[keep] for k, v in batch.inputs.items()})
-                stats = collector.stats
-                if world > 1:  # shards never pad or repeat examples, so the sums are exact (§7)
-                    self.dist.all_reduce_statistics(stats)
-            finally:
-                if device != home:
-                    self.model_a.to(home)
-                    self.model_b.to(home)
-            stats = stats.to("cpu")
+            stats = self._run_phase(
+                "fit",
+                stream_full=rotation,
+                moment_stride=cal_cfg.moment_stride,
+                moments=self.config.alignment in ("activation", "soft_ot"),
+            )
         fingerprint.update(
             {
-                "examples": stats.examples,
+                "fit_examples": stats.examples,
                 "fit_tokens": int(stats.fit.tokens),
-                "heldout_tokens": int(stats.heldout.tokens),
+                "moment_tokens": int(stats.fit.moment_tokens),
                 "config": cal_cfg.to_dict(),
             }
         )
-        for name in ("fit", "heldout"):
-            split = getattr(stats, name)
-            if not all(torch.isfinite(t).all() for t in split.tensors()):
-                logger.warning("NaN/Inf in %s activations: affected estimates will lose to the identity", name)
+        if not all(torch.isfinite(t).all() for t in stats.fit.tensors()):
+            logger.warning("NaN/Inf in fit activations: affected estimates will lose to the identity")
         return stats, fingerprint
+
+    def collect_heldout(self, stats: CalibrationStatistics, candidates: list[Transform]) -> None:
+        """The held-out phase: A and B over the held-out examples, scoring ``candidates`` against
+        the identity (per-coordinate sums, DESIGN.md §5), added into ``stats`` in place. Also
+        keeps the first ``check_batches`` held-out batches' inputs for the B′ ≡ B check."""
+        schema = self.schema
+        with self.timer.stage("calibration"):
+            maps = candidate_maps(candidates, schema.num_heads, schema.head_size, device=self._stats_device())
+            heldout = self._run_phase("heldout", candidates=maps)
+        stats.absorb(heldout)
+        if not all(torch.isfinite(t).all() for t in stats.heldout.tensors()):
+            logger.warning("NaN/Inf in held-out activations: affected estimates will lose to the identity")
+
+    def _stats_device(self) -> torch.device:
+        return self.dist.device if self.dist.is_distributed else next(self.model_a.parameters()).device
+
+    def _run_phase(self, phase: str, **collector_options) -> CalibrationStatistics:
+        """Forward this process's shard of one split through A and B, then sum across processes."""
+        dataset, cal_cfg = self._calibration
+        # forward passes on this process's accelerator (accelerate --multi_gpu), then back
+        home = next(self.model_a.parameters()).device
+        device = self._stats_device()
+        if device != home:
+            self.model_a.to(device)
+            self.model_b.to(device)
+        rank, world = self.dist.rank, self.dist.world_size
+        total = count_calibration_batches(dataset, cal_cfg, rank=rank, world_size=world, split=phase)
+        if phase == "heldout":
+            self._check_inputs = []
+        try:
+            with StatisticsCollector(
+                self.model_a,
+                self.model_b,
+                self.schema,
+                phase=phase,
+                grams=self.config.merge_rule == "regmean",
+                **collector_options,
+            ) as collector:
+                batches = iter_calibration_batches(
+                    dataset, self.preprocessor, cal_cfg, rank=rank, world_size=world, split=phase
+                )
+                for batch in tqdm(batches, total=total, desc=f"calibration ({phase})", disable=not self.dist.is_main):
+                    collector.update(batch)
+                    if phase == "heldout" and len(self._check_inputs) < self.config.check_batches:
+                        # as many rows as a mixed batch holds held-out rows: the check is a few forwards
+                        rows = max(1, cal_cfg.batch_size // cal_cfg.heldout_every)
+                        self._check_inputs.append({k: v[:rows] for k, v in batch.inputs.items()})
+            stats = collector.stats
+            if world > 1:  # shards never pad or repeat examples, so the sums are exact (§7)
+                self.dist.all_reduce_statistics(stats)
+        finally:
+            if device != home:
+                self.model_a.to(home)
+                self.model_b.to(home)
+        return stats.to("cpu")
 
     # -- estimation and gate --------------------------------------------------------------------
     def _candidates(self, stats: CalibrationStatistics | None) -> tuple[list[Transform], dict[str, Any]]:
@@ -444,13 +475,13 @@ class RaotMerger:
             ho = stats.heldout
             if isinstance(t, MLPPermutation):
                 kind, layer = "mlp", t.layer
-                gains, ident = mlp_gains(ho.mlp[t.layer], t.perm)
+                gains, ident = mlp_gains(ho.mlp[t.layer])
             elif isinstance(t, HeadAlignment):
                 kind, layer = "heads", t.layer
-                gains, ident = head_gains(ho.q[t.layer], ho.k[t.layer], ho.ctx[t.layer], t, H, h)
+                gains, ident = head_gains(ho.q[t.layer], ho.k[t.layer], ho.ctx[t.layer], H, h)
             else:
                 kind, layer = "residual", None
-                gains, ident = residual_gains(ho.stream, t)
+                gains, ident = residual_gains(ho.stream)
             decisions.append(
                 decide(
                     kind,
@@ -472,13 +503,23 @@ class RaotMerger:
         """Estimate every transform in scope, gate each against the identity, and return the
         decisions (nothing is applied to the models)."""
         stats = fingerprint = None
-        wants_data = self.config.alignment != "none" or self.config.merge_rule in ("regmean", "fisher")
-        if wants_data and (self.config.needs_calibration or calibration is not None or self.config.calibration.source):
+        if statistics_pass_needed(self.config, calibration):
             stats, fingerprint = self.collect_statistics(calibration)
+        parts, logs = [], {}
+        if self.config.alignment != "none" and self.config.scope:
+            with self.timer.stage("solve"):
+                # with sharded statistics the main process solves and every process scores (§7)
+                shared = stats is not None and self.dist.is_distributed
+                if self.dist.is_main or not shared:
+                    parts, logs = self._candidates(stats)
+                if shared:
+                    parts, logs = self.dist.broadcast_object((parts, logs) if self.dist.is_main else None)
+        if stats is not None:
+            stats.fit = None  # the estimators are done with the fit moments: free them before the held-out phase
+            self.collect_heldout(stats, parts)
+            fingerprint.update({"examples": stats.examples, "heldout_tokens": int(stats.heldout.tokens)})
         if self.config.alignment == "none" or not self.config.scope:
             return Alignment([], TransformSequence([]), True), stats, fingerprint
-        with self.timer.stage("solve"):
-            parts, logs = self._candidates(stats)
         with self.timer.stage("gate"):
             decisions = self._gate(parts, stats)
         applied_layers = {(d.transform, d.layer) for d in decisions if d.applied}

@@ -33,8 +33,14 @@ def _config(examples: int, batch_size: int) -> RaotConfig:
 
 
 def _statistics(merger, data) -> dict:
+    """Both phases: the fit moments, then the held-out sums under the main process's candidates."""
     stats, fingerprint = merger.collect_statistics(data)
-    return {"tensors": stats.tensors(), "examples": stats.examples, "fingerprint": fingerprint}
+    fit = [t.clone() for t in stats.tensors()]
+    parts = merger.dist.broadcast_object(merger._candidates(stats)[0] if merger.dist.is_main else None)
+    assert parts  # something to score
+    merger.collect_heldout(stats, parts)
+    fingerprint["heldout_tokens"] = int(stats.heldout.tokens)
+    return {"tensors": fit + stats.heldout.tensors(), "examples": stats.examples, "fingerprint": fingerprint}
 
 
 def _merged(result) -> dict:

@@ -151,6 +151,7 @@ VALUE_OPTIONS = {
     "--num-samples": st.integers(-3, 5000).map(str),
     "--max-length": st.integers(-3, 600).map(str),
     "--batch-size": st.integers(-3, 64).map(str) | st.just("0x10"),
+    "--moment-stride": st.integers(-2, 9).map(str),
     "--calibration": st.sampled_from(("data.csv", "org/dataset", "")) | st.text(max_size=8),
     "--calibration-config": st.text(max_size=6),
     "--split": st.sampled_from(("train", "validation[:10]", "")),

@@ -60,6 +60,22 @@ def test_recovery_merge_of_scrambled_copy_returns_a(model_type, head):
     assert result.report["checks"][0]["passed"] and result.alignment.exact
 
 
+@pytest.mark.parametrize("model_type,head", [("bert", "sequence"), ("vit", "image")])
+def test_recovery_with_token_stride(model_type, head):
+    """The spine test with the fit moments on every 3rd token only: an exact scramble is still
+    recovered (the correlations of matched units stay 1), and fewer tokens were used."""
+    a, b = _pair(model_type, head)
+    reference = clone(a)
+    pre, data = _data(model_type)
+    config = RaotConfig().replace(calibration={"moment_stride": 3, "num_samples": 96})
+    result = RaotMerger.from_models(a, b, preprocessor=pre, config=config).merge(calibration=data)
+    assert output_deviation(reference, result.model, example_inputs(reference), relative=True) <= 1e-4
+    assert all(d.applied for d in result.alignment.decisions)
+    cal = result.report["calibration"]
+    assert cal["config"]["moment_stride"] == 3
+    assert 0 < 2.5 * cal["moment_tokens"] < cal["fit_tokens"] < 3.5 * cal["moment_tokens"]
+
+
 def _train(model, seed, steps=30):
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

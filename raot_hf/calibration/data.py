@@ -72,7 +72,9 @@ class CalibrationConfig:
     a directory written by ``Dataset.save_to_disk``, or a folder of images. ``split`` accepts
     ``datasets`` slicing syntax (``"train[:2000]"``) for Hub ids and local files. ``column``
     is auto-detected when ``None``. Rows whose example id is a multiple of ``heldout_every``
-    are held out (scored by the gate, never fitted).
+    are held out (scored by the gate, never fitted). ``moment_stride`` > 1 computes the fit
+    cross moments from every s-th real token of each example only (see
+    :class:`~raot_hf.calibration.StatisticsCollector`): s times cheaper, 1/√s noisier.
     """
 
     source: str | None = None
@@ -84,6 +86,7 @@ class CalibrationConfig:
     batch_size: int = 32
     seed: int = 0
     heldout_every: int = 4
+    moment_stride: int = 1
 
     def __post_init__(self) -> None:
         for name in ("source", "config_name", "column"):
@@ -96,6 +99,7 @@ class CalibrationConfig:
             _require_int(name, getattr(self, name), minimum=1)
         _require_int("seed", self.seed, minimum=0)
         _require_int("heldout_every", self.heldout_every, minimum=2)
+        _require_int("moment_stride", self.moment_stride, minimum=1)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the settings as a JSON-safe dict (the inverse of :meth:`from_dict`)."""
@@ -422,11 +426,26 @@ def shard_example_ids(num_examples: int, *, rank: int = 0, world_size: int = 1) 
     return range(rank, num_examples, world_size)
 
 
+def _split_ids(ids: range, config: CalibrationConfig, split: str | None) -> Sequence[int]:
+    """This rank's example ids of one split (``"fit"`` / ``"heldout"``), or all for ``None``."""
+    if split is None:
+        return ids
+    if split not in ("fit", "heldout"):
+        raise RaotError(f"split must be 'fit', 'heldout' or None, got {split!r}")
+    want = split == "heldout"
+    return [i for i in ids if (i % config.heldout_every == 0) == want]
+
+
 def count_calibration_batches(
-    dataset: datasets.Dataset, config: CalibrationConfig, *, rank: int = 0, world_size: int = 1
+    dataset: datasets.Dataset,
+    config: CalibrationConfig,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    split: str | None = None,
 ) -> int:
     """Number of batches :func:`iter_calibration_batches` yields on this rank (for progress bars)."""
-    ids = shard_example_ids(len(dataset), rank=rank, world_size=world_size)
+    ids = _split_ids(shard_example_ids(len(dataset), rank=rank, world_size=world_size), config, split)
     return -(-len(ids) // config.batch_size)
 
 
@@ -437,18 +456,20 @@ def iter_calibration_batches(
     *,
     rank: int = 0,
     world_size: int = 1,
+    split: str | None = None,
 ) -> Iterator[CalibrationBatch]:
     """Yield this rank's calibration batches in a fixed order.
 
     Rank ``r`` takes examples ``r, r + world_size, ...`` of the sampled ``dataset`` (see
-    :func:`shard_example_ids`) in chunks of ``config.batch_size``. Text is tokenized with
+    :func:`shard_example_ids`) — only the fit or only the held-out ones when ``split`` is
+    ``"fit"`` / ``"heldout"`` (:func:`is_heldout`) — in chunks of ``config.batch_size``. Text is tokenized with
     ``padding=True, truncation=True, max_length=config.max_length``; images are converted to
     the colour mode the image processor expects and processed as one list per batch. Inputs
     never contain labels.
     """
     modality = detect_modality(processor)
     column = check_column(dataset, config.column, modality)
-    ids = shard_example_ids(len(dataset), rank=rank, world_size=world_size)
+    ids = _split_ids(shard_example_ids(len(dataset), rank=rank, world_size=world_size), config, split)
     if modality == "text":
         encode = _text_encoder(_component(processor, "tokenizer"), config)
     else:

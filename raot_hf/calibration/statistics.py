@@ -1,11 +1,18 @@
-"""Sufficient statistics from one calibration forward pass of A and B (DESIGN.md §4).
+"""Sufficient statistics from one calibration forward pass of A and B (DESIGN.md §4–5).
 
 Hooks on the schema's modules observe the real-token activations of A and B on the same
-inputs; each pair updates float64 sums — means, diagonal second moments and the A×B cross
-moment — kept in two copies, **fit** and **held-out**, split per example by the fixed rule of
-:func:`raot_hf.calibration.is_heldout`. No activation outlives its batch.
+inputs and fold them into sums; no activation outlives its batch. Examples are split by the
+fixed rule of :func:`raot_hf.calibration.is_heldout`, and the pass runs in two phases over
+the two disjoint sets, each example through each model once:
 
-Two choices keep the pass close to the cost of two plain forward passes:
+* **fit** — means, diagonal second moments and the A×B cross moments (:class:`Moments`),
+  which the estimators read;
+* **held-out** — after the candidates are solved, per-coordinate sums of A, B and B under
+  the candidate (:class:`PairedDiagonal`), which is all the gate reads. Keeping a second set
+  of k×k moments for the gate (the design's first form) doubled the largest statistic and
+  its cost for numbers the gate never needed.
+
+Three choices keep the pass close to the cost of two plain forward passes:
 
 * **Lockstep.** A runs in a helper thread and B in the caller's thread, strictly alternating
   at every hooked module: A stops at an activation until B has produced the same one and the
@@ -13,9 +20,11 @@ Two choices keep the pass close to the cost of two plain forward passes:
   batch of every layer), and the two forwards never compete for cores.
 * **Per-batch products in the activations' precision.** Each batch's products (``aᵀb``,
   ``Σa``, ``Σa²``) are computed in the activations' own dtype (float32 for float32, float16 and
-  bfloat16 models — upcast; float64 for float64 models) and added into float64 sums. The
-  activations carry no more precision than that, and float32 GEMMs are about twice as fast as
-  float64 ones; the sums across batches and processes stay float64.
+  bfloat16 models — upcast; float64 for float64 models). Counts, sums and diagonal moments
+  are float64; the k×k sums are float32 unless the model is float64 (:func:`quadratic_dtype`).
+* **Optional token stride** for the fit moments (``moment_stride``): the k×k products cost
+  f² multiply-adds per token for the MLP alone, more than a forward pass; a stride s divides
+  that by s, at the price of 1/√s more sampling noise (see the README's performance notes).
 """
 
 from __future__ import annotations
@@ -39,12 +48,24 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return _F64 if any(t.dtype == _F64 for t in tensors) else torch.float32
 
 
+def quadratic_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the k×k sums (cross moments) for models with parameters in ``param_dtype``.
+
+    float64 models keep float64 sums (the exactness tests run there). Otherwise the k×k sums are
+    float32 — the precision each batch's product already has — which halves the largest
+    statistic (L·f² for the MLP cross moments); counts, means and diagonal second moments stay
+    float64. Accumulating n per-batch products adds a relative error of about √n·6e-8, far
+    below the 1/√tokens sampling noise of a correlation (DESIGN.md §4, deviation noted there).
+    """
+    return _F64 if param_dtype == _F64 else torch.float32
+
+
 def _accumulate_product(total: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
-    """``total += xᵀ·y`` with the product in x's dtype and the sum in total's (float64)."""
+    """``total += xᵀ·y`` with the product in x's dtype and the sum in total's."""
     if x.dtype == total.dtype:
         total.addmm_(x.T, y)
     else:
-        total += x.T @ y
+        total += (x.T @ y).to(total.dtype)
 
 
 def _moved(obj, device):
@@ -81,16 +102,18 @@ class Moments:
     full_b: torch.Tensor | None = None
 
     @classmethod
-    def zeros(cls, k: int, *, full: bool = False, full_a: bool | None = None, device=None) -> Moments:
-        """Zero sums for k-dimensional samples; ``full`` keeps Σbᵀb (and Σaᵀa unless ``full_a=False``)."""
+    def zeros(cls, k: int, *, full: bool = False, full_a: bool | None = None, device=None, quad_dtype=_F64) -> Moments:
+        """Zero sums for k-dimensional samples; ``full`` keeps Σbᵀb (and Σaᵀa unless ``full_a=False``).
+        The k×k sums are kept in ``quad_dtype`` (see :func:`quadratic_dtype`), the rest in float64."""
         full_a = full if full_a is None else full_a
 
         def z(*shape):
             return torch.zeros(*shape, dtype=_F64, device=device)
 
-        return cls(
-            z(()), z(k), z(k), z(k), z(k), z(k, k), z(k, k) if full and full_a else None, z(k, k) if full else None
-        )
+        def zq():
+            return torch.zeros(k, k, dtype=quad_dtype, device=device)
+
+        return cls(z(()), z(k), z(k), z(k), z(k), zq(), zq() if full and full_a else None, zq() if full else None)
 
     def update(self, a: torch.Tensor, b: torch.Tensor) -> None:
         """Add paired rows ``a``, ``b`` (n × k each) to the sums."""
@@ -119,7 +142,7 @@ class Moments:
         ma, mb = self.sum_a / n, self.sum_b / n
         sa = (self.sq_a / n - ma**2).clamp_min(0).sqrt()
         sb = (self.sq_b / n - mb**2).clamp_min(0).sqrt()
-        corr = self.cross / n  # k×k work in place: three k×k buffers, not seven
+        corr = self.cross.to(_F64, copy=True).div_(n)  # k×k work in place: three k×k buffers, not seven
         corr.sub_(torch.outer(ma, mb))
         denom = torch.outer(sa, sb)
         constant = denom <= eps
@@ -159,27 +182,120 @@ class Gram:
 
 
 @dataclass
+class PairedDiagonal:
+    """Held-out sums for the gate (DESIGN.md §5), per coordinate: of A's sample a, B's sample b
+    and t, the same b under the candidate transform (B′'s sample) — count, Σa, Σa², Σb, Σb²,
+    Σa·b, Σt, Σt², Σa·t.
+
+    The gate compares the alignment objective under the estimate with that under the
+    identity; once the estimate is known both are per-coordinate sums, so the held-out split
+    needs O(k) numbers per site instead of a k×k cross moment."""
+
+    n: torch.Tensor
+    sum_a: torch.Tensor
+    sq_a: torch.Tensor
+    sum_b: torch.Tensor
+    sq_b: torch.Tensor
+    dot: torch.Tensor
+    sum_t: torch.Tensor
+    sq_t: torch.Tensor
+    dot_t: torch.Tensor
+
+    @classmethod
+    def zeros(cls, k: int, *, device=None) -> PairedDiagonal:
+        """Zero sums for k-dimensional samples."""
+        return cls(
+            torch.zeros((), dtype=_F64, device=device), *(torch.zeros(k, dtype=_F64, device=device) for _ in range(8))
+        )
+
+    def update(self, a: torch.Tensor, b: torch.Tensor, t: torch.Tensor) -> None:
+        """Add paired rows ``a`` (A), ``b`` (B) and ``t`` (B under the candidate), n × k each."""
+        if a.shape[0] == 0:
+            return
+        dt = compute_dtype(a, b, t)
+        a, b, t = a.to(dt), b.to(dt), t.to(dt)
+        self.n += a.shape[0]
+        for total, value in (
+            (self.sum_a, a),
+            (self.sq_a, a * a),
+            (self.sum_b, b),
+            (self.sq_b, b * b),
+            (self.dot, a * b),
+            (self.sum_t, t),
+            (self.sq_t, t * t),
+            (self.dot_t, a * t),
+        ):
+            total += value.sum(0)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    def correlation(self, *, transformed: bool, eps: float = 1e-12) -> torch.Tensor:
+        """Per-coordinate Pearson correlation of (a, t) (``transformed``) or of (a, b)."""
+        n = self.n.clamp_min(1)
+        s, sq, dot = (self.sum_t, self.sq_t, self.dot_t) if transformed else (self.sum_b, self.sq_b, self.dot)
+        ma, mb = self.sum_a / n, s / n
+        cov = dot / n - ma * mb
+        denom = ((self.sq_a / n - ma**2).clamp_min(0) * (sq / n - mb**2).clamp_min(0)).sqrt()
+        return torch.where(denom > eps, cov / denom.clamp_min(eps), torch.zeros_like(cov))
+
+
+@dataclass
 class SplitStatistics:
-    """All moments of one split (fit or held-out)."""
+    """The fit split's moments (the estimators' input)."""
 
     mlp: list[Moments]
     q: list[Moments]
     k: list[Moments]
     ctx: list[Moments]
     stream: Moments
+    tokens: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=_F64))  # real fit tokens
+    moment_tokens: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=_F64))  # of them, in moments
+
+    @classmethod
+    def zeros(cls, schema: ModelSchema, *, device=None, stream_full: bool = True, quad_dtype=_F64) -> SplitStatistics:
+        """Zero sums for ``schema``; ``stream_full=False`` drops the stream's Σbᵀb (needed only to
+        score a residual rotation); k×k sums in ``quad_dtype``."""
+        L, d, f = schema.num_layers, schema.hidden_size, schema.intermediate_size
+        kw = dict(device=device, quad_dtype=quad_dtype)
+        return cls(
+            mlp=[Moments.zeros(f, **kw) for _ in range(L)],
+            q=[Moments.zeros(d, **kw) for _ in range(L)],
+            k=[Moments.zeros(d, **kw) for _ in range(L)],
+            ctx=[Moments.zeros(d, **kw) for _ in range(L)],
+            stream=Moments.zeros(d, full=stream_full, full_a=False, **kw),
+            tokens=torch.zeros((), dtype=_F64, device=device),
+            moment_tokens=torch.zeros((), dtype=_F64, device=device),
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [self.tokens, self.moment_tokens, *self.stream.tensors()]
+        for group in (self.mlp, self.q, self.k, self.ctx):
+            for m in group:
+                out += m.tensors()
+        return out
+
+
+@dataclass
+class HeldoutStatistics:
+    """The held-out split's sums, taken with the candidate transforms known (DESIGN.md §5)."""
+
+    mlp: list[PairedDiagonal]
+    q: list[PairedDiagonal]
+    k: list[PairedDiagonal]
+    ctx: list[PairedDiagonal]
+    stream: PairedDiagonal
     tokens: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=_F64))
 
     @classmethod
-    def zeros(cls, schema: ModelSchema, *, device=None, stream_full: bool = True) -> SplitStatistics:
-        """Zero sums for ``schema``; ``stream_full=False`` drops the stream's Σbᵀb (needed only to
-        score a residual rotation)."""
+    def zeros(cls, schema: ModelSchema, *, device=None) -> HeldoutStatistics:
         L, d, f = schema.num_layers, schema.hidden_size, schema.intermediate_size
         return cls(
-            mlp=[Moments.zeros(f, device=device) for _ in range(L)],
-            q=[Moments.zeros(d, device=device) for _ in range(L)],
-            k=[Moments.zeros(d, device=device) for _ in range(L)],
-            ctx=[Moments.zeros(d, device=device) for _ in range(L)],
-            stream=Moments.zeros(d, full=stream_full, full_a=False, device=device),
+            mlp=[PairedDiagonal.zeros(f, device=device) for _ in range(L)],
+            q=[PairedDiagonal.zeros(d, device=device) for _ in range(L)],
+            k=[PairedDiagonal.zeros(d, device=device) for _ in range(L)],
+            ctx=[PairedDiagonal.zeros(d, device=device) for _ in range(L)],
+            stream=PairedDiagonal.zeros(d, device=device),
             tokens=torch.zeros((), dtype=_F64, device=device),
         )
 
@@ -193,19 +309,44 @@ class SplitStatistics:
 
 @dataclass
 class CalibrationStatistics:
-    """Fit and held-out statistics, plus optional RegMean Grams (over all tokens)."""
+    """Statistics of one calibration pass: the fit moments (estimators), the held-out sums
+    (gate), and optional RegMean Grams (over the tokens of both splits).
 
-    fit: SplitStatistics
-    heldout: SplitStatistics
+    The pass runs in two phases over disjoint examples: fit examples first, then — once the
+    candidates are solved — held-out examples (:class:`StatisticsCollector`). Each example
+    goes through each model once."""
+
+    fit: SplitStatistics | None = None
+    heldout: HeldoutStatistics | None = None
     grams: dict[str, Gram] = field(default_factory=dict)
     gram_keys: dict[str, str] = field(default_factory=dict)  # Linear weight name → gram key
     examples: int = 0
 
     def tensors(self) -> list[torch.Tensor]:
-        out = self.fit.tensors() + self.heldout.tensors()
+        out = []
+        for split in (self.fit, self.heldout):
+            if split is not None:
+                out += split.tensors()
         for key in sorted(self.grams):
             out += self.grams[key].tensors()
         return out
+
+    def absorb(self, other: CalibrationStatistics) -> None:
+        """Add the other phase's statistics: its held-out sums (or fit moments), Grams and examples."""
+        for name in ("fit", "heldout"):
+            if getattr(other, name) is not None:
+                if getattr(self, name) is not None:
+                    raise ValueError(f"both phases hold {name} statistics")
+                setattr(self, name, getattr(other, name))
+        for key, gram in other.grams.items():
+            mine = self.grams.get(key)
+            if mine is None:
+                self.grams[key] = gram
+            else:
+                for total, value in zip(mine.tensors(), gram.tensors(), strict=True):
+                    total += value
+        self.gram_keys.update(other.gram_keys)
+        self.examples += other.examples
 
     def all_reduce(self, reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Sum every statistic across processes in place (statistics are sums, §7)."""
@@ -393,12 +534,21 @@ class _Lockstep:
 
 
 class StatisticsCollector:
-    """Runs A and B on the same batches and accumulates :class:`CalibrationStatistics`.
+    """Runs A and B on the same batches and accumulates one phase's :class:`CalibrationStatistics`.
 
-    ``grams``: collect RegMean Gram matrices for every Linear of the layers (and the heads'
-    stream readers). ``device``: where the sums live (default: model A's device); batches are
-    moved to each model's device. ``stream_full``: keep the stream's Σbᵀb (set it when a
-    residual rotation will be scored).
+    ``phase="fit"``: the fit rows of each batch feed the moments (:class:`SplitStatistics`) —
+    of every ``moment_stride``-th real token of an example (positions p with
+    (p + example id) mod stride = 0), all tokens by default — and held-out rows are skipped.
+    ``phase="heldout"``: the held-out rows feed :class:`HeldoutStatistics`, with B's sample at
+    each site also mapped by ``candidates`` (a dict from a site key — ``("mlp", layer)``,
+    ``("q", layer)``, ``("k", layer)``, ``("ctx", layer)``, ``("stream", None)`` — to a function of
+    B's rows; see :func:`raot_hf.estimators.activation.candidate_maps`); sites without an
+    entry are scored under the identity.
+
+    ``grams``: collect RegMean Gram matrices (all rows of the phase) for every Linear of the
+    layers. ``device``: where the sums live (default: model A's device); batches are moved to
+    each model's device. ``stream_full``: keep the stream's Σbᵀb in the fit moments.
+    ``moments=False`` collects Grams only (weight-based alignment reads no fit moments).
     """
 
     def __init__(
@@ -407,11 +557,22 @@ class StatisticsCollector:
         model_b: torch.nn.Module,
         schema: ModelSchema,
         *,
+        phase: str = "fit",
+        candidates: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] | None = None,
         grams: bool = False,
         device=None,
         stream_full: bool = True,
+        moment_stride: int = 1,
+        moments: bool = True,
     ):
+        if phase not in ("fit", "heldout"):
+            raise ValueError(f"phase must be 'fit' or 'heldout', got {phase!r}")
+        if isinstance(moment_stride, bool) or not isinstance(moment_stride, int) or moment_stride < 1:
+            raise ValueError(f"moment_stride must be an integer >= 1, got {moment_stride!r}")
         self.model_a, self.model_b, self.schema = model_a, model_b, schema
+        self.phase, self.candidates = phase, dict(candidates or {})
+        self.moment_stride = moment_stride if phase == "fit" else 1
+        self.moments = moments
         gram_modules: list[str] = []
         gram_keys: dict[str, str] = {}
         if grams:
@@ -422,15 +583,18 @@ class StatisticsCollector:
         if device is None:
             device = next(model_a.parameters()).device
         self.device = torch.device(device)
-        self.stats = CalibrationStatistics(
-            SplitStatistics.zeros(schema, device=self.device, stream_full=stream_full),
-            SplitStatistics.zeros(schema, device=self.device, stream_full=stream_full),
-            gram_keys=gram_keys,
-        )
+        quad = quadratic_dtype(next(model_a.parameters()).dtype)
+        self.stats = CalibrationStatistics(gram_keys=gram_keys)
+        if phase == "fit" and not moments:
+            self.stats.fit = SplitStatistics([], [], [], [], Moments.zeros(0, device=self.device))
+        elif phase == "fit":
+            self.stats.fit = SplitStatistics.zeros(schema, device=self.device, stream_full=stream_full, quad_dtype=quad)
+        else:
+            self.stats.heldout = HeldoutStatistics.zeros(schema, device=self.device)
         self._obs_a = _Observer(model_a, schema, gram_modules)
         self._obs_b = _Observer(model_b, schema, gram_modules)
         self._rows_index: torch.Tensor | None = None
-        self._n_fit = 0
+        self._moment_index: torch.Tensor | None = None
         self._shape: tuple[int, int] | None = None
 
     def close(self) -> None:
@@ -443,9 +607,16 @@ class StatisticsCollector:
     def __exit__(self, *exc):
         self.close()
 
+    def _in_phase(self, batch: CalibrationBatch) -> torch.Tensor:
+        return batch.heldout.to(torch.bool) == (self.phase == "heldout")
+
     @torch.no_grad()
     def update(self, batch: CalibrationBatch) -> None:
-        """Forward A and B on ``batch`` and fold their activations into the sums."""
+        """Forward A and B on ``batch`` and fold the activations of this phase's rows into the sums
+        (a batch without such rows is skipped without a forward)."""
+        in_phase = self._in_phase(batch)
+        if not bool(in_phase.any()):
+            return
         self._batch = batch
         self._shape = None
         dev_a = next(self.model_a.parameters()).device
@@ -473,15 +644,15 @@ class StatisticsCollector:
         lockstep.run(forward_a, forward_b)
         if self._shape is None:
             raise RuntimeError("no activation was observed: the schema's modules did not run")
-        bsz = self._shape[0]
-        self.stats.examples += bsz
-        n_ho = int(self._rows_index.numel()) - self._n_fit
-        self.stats.fit.tokens += self._n_fit
-        self.stats.heldout.tokens += n_ho
-        self._rows_index = None
+        self.stats.examples += int(in_phase.sum())
+        if self.phase == "fit":
+            self.stats.fit.moment_tokens += int(self._moment_index.numel())
+        split = self.stats.fit if self.phase == "fit" else self.stats.heldout
+        split.tokens += int(self._rows_index.numel())
+        self._rows_index = self._moment_index = None
 
     def _index_rows(self, x: torch.Tensor) -> None:
-        """Per batch: the flat positions of real tokens, fit rows first, then held-out rows."""
+        """Per batch: the flat positions of this phase's real tokens, and the subset the moments use."""
         bsz, seq = x.shape[0], x.shape[1]
         mask = self._batch.token_mask
         if mask is None:
@@ -489,36 +660,46 @@ class StatisticsCollector:
         mask = mask.to(torch.bool)
         if tuple(mask.shape) != (bsz, seq):
             raise RuntimeError(f"activation of shape {tuple(x.shape)} does not match the mask {tuple(mask.shape)}")
-        heldout = self._batch.heldout.to(torch.bool)[:, None].expand(bsz, seq)
-        fit_pos = (mask & ~heldout).reshape(-1).nonzero().squeeze(1)
-        ho_pos = (mask & heldout).reshape(-1).nonzero().squeeze(1)
-        self._n_fit = int(fit_pos.numel())
-        self._rows_index = torch.cat([fit_pos, ho_pos]).to(x.device)
+        rows = mask & self._in_phase(self._batch)[:, None]
+        self._rows_index = rows.reshape(-1).nonzero().squeeze(1).to(x.device)
+        if self.moment_stride > 1:
+            position = torch.arange(seq)[None, :] + self._batch.example_ids.to(torch.long)[:, None]
+            sub = rows & (position % self.moment_stride == 0)
+            self._moment_index = sub.reshape(-1).nonzero().squeeze(1).to(x.device)
+        else:
+            self._moment_index = self._rows_index
         self._shape = (bsz, seq)
 
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        if self._shape is None:
-            self._index_rows(x)
+    def _rows(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         if tuple(x.shape[:2]) != self._shape:  # sequence dims must agree across modules
             raise RuntimeError(f"activation with leading shape {tuple(x.shape[:2])} != {self._shape}")
         flat = x.reshape(-1, x.shape[-1])
-        return flat.index_select(0, self._rows_index).to(compute_dtype(x))
+        if index.numel() != flat.shape[0]:  # every position is a row of this phase: no gather
+            flat = flat.index_select(0, index)
+        return flat.to(compute_dtype(x))
 
     def _consume(self, key: tuple, x_a: torch.Tensor, x_b: torch.Tensor) -> None:
         kind, which = key
-        a, b = self._rows(x_a), self._rows(x_b)
+        if self._shape is None:
+            self._index_rows(x_a)
         if kind == "gram":
+            a, b = self._rows(x_a, self._rows_index), self._rows(x_b, self._rows_index)
             g = self.stats.grams.get(which)
             if g is None:
                 g = self.stats.grams[which] = Gram.zeros(a.shape[-1], device=self.device)
             g.update(a, b)
             return
+        if not self.moments:
+            return
+        a, b = self._rows(x_a, self._moment_index), self._rows(x_b, self._moment_index)
         if kind == "stream":
             a = a - a.mean(-1, keepdim=True)  # project out the mean axis (§4)
             b = b - b.mean(-1, keepdim=True)
-            fit, ho = self.stats.fit.stream, self.stats.heldout.stream
-        else:
-            fit, ho = getattr(self.stats.fit, kind)[which], getattr(self.stats.heldout, kind)[which]
-        n = self._n_fit
-        fit.update(a[:n], b[:n])
-        ho.update(a[n:], b[n:])
+            which = None
+        if self.phase == "fit":
+            target = self.stats.fit.stream if kind == "stream" else getattr(self.stats.fit, kind)[which]
+            target.update(a, b)
+            return
+        target = self.stats.heldout.stream if kind == "stream" else getattr(self.stats.heldout, kind)[which]
+        fmap = self.candidates.get((kind, which))
+        target.update(a, b, b if fmap is None else fmap(b))

@@ -76,6 +76,11 @@ def merge_options(fn):
         click.option("--max-length", type=int, help="Token limit per text example (default 128)."),
         click.option("--batch-size", type=int, help="Calibration batch size (default 32)."),
         click.option(
+            "--moment-stride",
+            type=int,
+            help="Fit cross moments from every s-th token only (default 1: all; s>1 is s× cheaper, noisier).",
+        ),
+        click.option(
             "--alignment",
             type=click.Choice(["activation", "weight", "soft_ot", "none"]),
             help="Estimator (default activation).",
@@ -128,6 +133,7 @@ _CAL_KEYS = {
     "num_samples": "num_samples",
     "max_length": "max_length",
     "batch_size": "batch_size",
+    "moment_stride": "moment_stride",
 }
 _CFG_KEYS = (
     "rotations",

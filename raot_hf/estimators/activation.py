@@ -1,19 +1,28 @@
 """Activation-estimated alignment: pure functions over calibration statistics (DESIGN.md §4).
 
 Each estimator returns a transform of B (to apply with
-:func:`raot_hf.symmetry.apply_transform`) and a log dict for the provenance report. The
-matching ``*_gains`` functions score a transform on (held-out) statistics against the
-identity, one gain per unit / head / coordinate, for the gate (§5).
+:func:`raot_hf.symmetry.apply_transform`) and a log dict for the provenance report, from the
+fit moments. :func:`candidate_maps` turns the candidates into maps of B's activations for
+the held-out phase, and the matching ``*_gains`` functions score each candidate on those
+held-out sums against the identity, one gain per unit / head / coordinate, for the gate (§5).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from raot_hf.calibration.statistics import Moments
+from raot_hf.calibration.statistics import Moments, PairedDiagonal
 from raot_hf.symmetry.group import mean_axis_basis
-from raot_hf.symmetry.transforms import HeadAlignment, MLPPermutation, ResidualPermutation, ResidualRotation
+from raot_hf.symmetry.transforms import (
+    HeadAlignment,
+    MLPPermutation,
+    ResidualPermutation,
+    ResidualRotation,
+    Transform,
+)
 
 _F64 = torch.float64
 
@@ -43,12 +52,11 @@ def estimate_mlp_permutation(stats: Moments, layer: int, *, return_log: bool = F
     return MLPPermutation(layer, perm), log
 
 
-def mlp_gains(stats: Moments, perm: torch.Tensor) -> torch.Tensor:
-    """Per-unit gain in correlation of the permutation over the identity, and the identity's
-    mean correlation."""
-    corr = stats.correlation()
-    ar = torch.arange(corr.shape[0])
-    return corr[ar, perm] - corr.diagonal(), float(corr.diagonal().mean())
+def mlp_gains(sums: PairedDiagonal) -> tuple[torch.Tensor, float]:
+    """Per-unit gain in correlation of the candidate permutation (B′ unit j = B unit perm[j],
+    paired with A's unit j) over the identity, and the identity's mean correlation."""
+    ident = sums.correlation(transformed=False)
+    return sums.correlation(transformed=True) - ident, float(ident.mean())
 
 
 # -- Heads: joint assignment and rotations (§4) --------------------------------------------------
@@ -63,8 +71,8 @@ def _head_energy(sq: torch.Tensor, H: int, h: int) -> torch.Tensor:
 
 def _pair_terms(q: Moments, k: Moments, ctx: Moments, H: int, h: int):
     """Cross blocks N_ij = Σ(X_Aⁱ)ᵀX_Bʲ and the pairwise normalisers of QK and VO."""
-    n_qk = _blocks(q.cross + k.cross, H, h)
-    n_vo = _blocks(ctx.cross, H, h)
+    n_qk = _blocks(q.cross.to(_F64) + k.cross, H, h)
+    n_vo = _blocks(ctx.cross.to(_F64), H, h)
     e_qk = torch.outer(_head_energy(q.sq_a + k.sq_a, H, h), _head_energy(q.sq_b + k.sq_b, H, h))
     e_vo = torch.outer(_head_energy(ctx.sq_a, H, h), _head_energy(ctx.sq_b, H, h))
     return n_qk, n_vo, e_qk.clamp_min(1e-300).sqrt(), e_vo.clamp_min(1e-300).sqrt()
@@ -121,20 +129,33 @@ def estimate_head_alignment(
     return transform, log
 
 
-def head_gains(q: Moments, k: Moments, ctx: Moments, transform: HeadAlignment, num_heads: int, head_size: int):
-    """Per-head gain in (QK + VO)/2 cosine of ``transform`` over the identity, and the
-    identity's mean cosine."""
+def head_gains(
+    q: PairedDiagonal, k: PairedDiagonal, ctx: PairedDiagonal, num_heads: int, head_size: int
+) -> tuple[torch.Tensor, float]:
+    """Per-head gain in (QK + VO)/2 cosine of the candidate over the identity, and the
+    identity's mean cosine.
+
+    The QK cosine of head i is Σ(q_Aⁱ·q_B′ⁱ + k_Aⁱ·k_B′ⁱ) / √(E_Aⁱ·E_B′ⁱ) with E the summed
+    squares, B′ head i = B head π(i) rotated — tr(N_iπ(i)·R)/z of the fit-side score, from
+    per-coordinate sums; the VO cosine likewise on the context."""
     H, h = num_heads, head_size
-    n_qk, n_vo, z_qk, z_vo = _pair_terms(q, k, ctx, H, h)
-    ar, perm = torch.arange(H), transform.perm
 
-    def cos(n, z, idx, r):
-        return torch.einsum("hab,hba->h", n[ar, idx], r) / z[ar, idx]
+    def per_head(x):
+        return x.reshape(H, h).sum(-1)
 
-    eye = torch.eye(h, dtype=_F64).expand(H, h, h)
-    est = 0.5 * (cos(n_qk, z_qk, perm, transform.qk) + cos(n_vo, z_vo, perm, transform.vo))
-    ident = 0.5 * (cos(n_qk, z_qk, ar, eye) + cos(n_vo, z_vo, ar, eye))
-    return est - ident, float(ident.mean())
+    def cosine(transformed: bool):
+        dot = "dot_t" if transformed else "dot"
+        sq = "sq_t" if transformed else "sq_b"
+        out = 0.0
+        for parts in ((q, k), (ctx,)):
+            num = sum(per_head(getattr(p, dot)) for p in parts)
+            ea = sum(per_head(p.sq_a) for p in parts)
+            eb = sum(per_head(getattr(p, sq)) for p in parts)
+            out = out + 0.5 * num / (ea * eb).clamp_min(1e-300).sqrt()
+        return out
+
+    ident = cosine(False)
+    return cosine(True) - ident, float(ident.mean())
 
 
 # -- Residual stream (§4: mean-preserving Procrustes; permutation variant) -----------------------
@@ -148,7 +169,7 @@ def estimate_residual_map(stats: Moments, *, mode: str = "rotation", return_log:
     d = stats.cross.shape[0]
     if mode == "rotation":
         b = mean_axis_basis(d)
-        r = _procrustes(b.T @ stats.cross @ b)
+        r = _procrustes(b.T @ stats.cross.to(_F64) @ b)
         u = torch.full((d, 1), d**-0.5, dtype=_F64)
         o = u @ u.T + b @ r @ b.T
         transform = ResidualRotation(o)
@@ -159,26 +180,73 @@ def estimate_residual_map(stats: Moments, *, mode: str = "rotation", return_log:
         raise ValueError(f"mode must be 'rotation' or 'permutation', got {mode!r}")
     if not return_log:
         return transform
-    gains, _ = residual_gains(stats, transform)
-    return transform, {"mode": mode, "dim": d, "fit_gain": float(gains.mean())}
+    return transform, {"mode": mode, "dim": d, "fit_gain": float(_fit_residual_gains(stats, transform).mean())}
 
 
-def residual_gains(stats: Moments, transform) -> torch.Tensor:
-    """Per-coordinate gain of the map over the identity, and the identity's mean score.
-
-    The score of coordinate j is the cosine between A's coordinate j and B′'s coordinate j
-    (B′ = B·O) over centered stream samples: (M·O)_jj / √(S_A,jj · (Oᵀ·S_B·O)_jj).
-    """
+def _fit_residual_gains(stats: Moments, transform) -> torch.Tensor:
+    """Per-coordinate gain of the map on the fit moments (for the log): the cosine between A's
+    coordinate j and B′'s (B′ = B·O) over centered stream samples,
+    (M·O)_jj / √(S_A,jj · (Oᵀ·S_B·O)_jj), minus the identity's."""
     d = stats.cross.shape[0]
+    cross = stats.cross.to(_F64)
     ea = stats.sq_a.clamp_min(1e-300)
     if isinstance(transform, ResidualPermutation):
-        mapped = stats.cross[torch.arange(d), transform.perm]
+        mapped = cross[torch.arange(d), transform.perm]
         eb = stats.sq_b[transform.perm]
     else:
         o = transform.matrix
-        mapped = torch.einsum("ji,ij->j", stats.cross, o)
-        full_b = stats.full_b if stats.full_b is not None else torch.diag(stats.sq_b)
+        mapped = torch.einsum("ji,ij->j", cross, o)
+        full_b = stats.full_b.to(_F64) if stats.full_b is not None else torch.diag(stats.sq_b)
         eb = torch.einsum("ij,ik,kj->j", o, full_b, o)
     est = mapped / (ea * eb.clamp_min(1e-300)).sqrt()
-    ident = stats.cross.diagonal() / (ea * stats.sq_b.clamp_min(1e-300)).sqrt()
-    return est - ident, float(ident.mean())
+    return est - cross.diagonal() / (ea * stats.sq_b.clamp_min(1e-300)).sqrt()
+
+
+def residual_gains(sums: PairedDiagonal) -> tuple[torch.Tensor, float]:
+    """Per-coordinate gain of the candidate stream map over the identity, and the identity's
+    mean score: the cosine between A's coordinate j and B′'s (B′ = B·O, or B's coordinate
+    perm[j]) over centered held-out stream samples."""
+
+    def cosine(dot, sq_b):
+        return dot / (sums.sq_a.clamp_min(1e-300) * sq_b.clamp_min(1e-300)).sqrt()
+
+    ident = cosine(sums.dot, sums.sq_b)
+    return cosine(sums.dot_t, sums.sq_t) - ident, float(ident.mean())
+
+
+# -- The held-out phase: candidates as maps of B's activations ---------------------------------------
+def candidate_maps(
+    transforms: list[Transform], num_heads: int, head_size: int, *, device=None
+) -> dict[tuple, Callable[[torch.Tensor], torch.Tensor]]:
+    """Maps taking B's rows at a site to B′'s rows under the candidates, keyed like the
+    :class:`~raot_hf.calibration.StatisticsCollector`'s sites (``("mlp", layer)``,
+    ``("q", layer)``, ``("k", layer)``, ``("ctx", layer)``, ``("stream", None)``).
+
+    MLP: B′ unit j = B unit perm[j]. Heads: B′ head i = (B head π(i))·R_i, with R_qk for q and k
+    and R_vo for the context. Stream: B′ = B·O (or B's coordinates permuted). Other transforms
+    (rescaling, soft transport) are not scored and get no map."""
+    H, h = num_heads, head_size
+    maps: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+    def permute(perm: torch.Tensor):
+        perm = perm.to(device)
+        return lambda b: b.index_select(1, perm)
+
+    def rotate_heads(perm: torch.Tensor, rot: torch.Tensor):
+        perm, rot = perm.to(device), rot.to(device)
+        return lambda b: torch.einsum("nhb,hba->nha", b.view(-1, H, h).index_select(1, perm), rot.to(b.dtype)).reshape(
+            b.shape
+        )
+
+    for t in transforms:
+        if isinstance(t, MLPPermutation):
+            maps[("mlp", t.layer)] = permute(t.perm)
+        elif isinstance(t, HeadAlignment):
+            maps[("q", t.layer)] = maps[("k", t.layer)] = rotate_heads(t.perm, t.qk)
+            maps[("ctx", t.layer)] = rotate_heads(t.perm, t.vo)
+        elif isinstance(t, ResidualPermutation):
+            maps[("stream", None)] = permute(t.perm)
+        elif isinstance(t, ResidualRotation):
+            o = t.matrix.to(device)
+            maps[("stream", None)] = lambda b, o=o: b @ o.to(b.dtype)
+    return maps
