@@ -68,6 +68,7 @@ from raot_hf.symmetry import (
     model_state,
     transform_model,
 )
+from raot_hf.symmetry.io import TRANSFORM_NAME
 from raot_hf.version import __version__
 
 logger = logging.getLogger("raot_hf.merger")
@@ -125,6 +126,7 @@ class MergeResult:
             card=model_card_context(report),
             overwrite=overwrite,
             max_shard_size=max_shard_size,
+            transform=self.alignment.applied,
         )
         self.report.setdefault("timings", {})["write"] = time.perf_counter() - start
         return path
@@ -715,7 +717,11 @@ class RaotMerger:
             "decisions": [d.to_dict() for d in alignment.decisions],
             "shares_basis": alignment.shares_basis,
             "summary": _summary(alignment),
-            "applied_transform": alignment.applied.to_dict(),
+            # the tensors go to raot_transform.safetensors (raot_hf.symmetry.load_transform reads it)
+            "applied_transform": {
+                "file": TRANSFORM_NAME if len(alignment.applied) else None,
+                "transforms": [t.describe() for t in alignment.applied.transforms],
+            },
             "applied_exact": alignment.exact,
             "estimator_logs": alignment.logs,
             "checks": checks,

@@ -7,7 +7,7 @@ import torch
 import transformers
 from click.testing import CliRunner
 
-from raot_hf import RaotConfig, RaotError, RaotMerger, scramble
+from raot_hf import RaotConfig, RaotError, RaotMerger, schema_for, scramble
 from raot_hf.testing import (
     clone,
     example_inputs,
@@ -153,6 +153,18 @@ def test_saved_output_reloads_identically_and_cli_matches_api(tmp_path):
     assert "tags:" in card and "raot" in card and "library_name: transformers" in card
     report = json.loads((out_api / "raot_report.json").read_text())
     assert report["decisions"] and report["inputs"]["a"]["files"]
+    # the applied alignment, bit-exact, next to the report: B′ = load_transform(...) applied to B
+    from raot_hf.symmetry import load_transform, transform_model
+
+    assert report["applied_transform"]["file"] == "raot_transform.safetensors"
+    stored = load_transform(out_api / "raot_transform.safetensors")
+    assert [t.describe() for t in stored.transforms] == report["applied_transform"]["transforms"]
+    b_again = transformers.AutoModelForSequenceClassification.from_pretrained(path_b).eval()
+    transform_model(b_again, schema_for(b_again), stored)
+    assert (
+        output_deviation(transformers.AutoModelForSequenceClassification.from_pretrained(path_b).eval(), b_again, x)
+        < 1e-4
+    )
 
     runner = CliRunner()
     from raot_hf.cli import main

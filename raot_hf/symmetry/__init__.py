@@ -16,6 +16,7 @@ from raot_hf.symmetry.group import (
     random_orthogonal,
     scramble,
 )
+from raot_hf.symmetry.io import TRANSFORM_NAME, load_transform, save_transform
 from raot_hf.symmetry.transforms import (
     HeadAlignment,
     HeadRescale,
@@ -30,6 +31,9 @@ from raot_hf.symmetry.transforms import (
 )
 
 __all__ = [
+    "TRANSFORM_NAME",
+    "load_transform",
+    "save_transform",
     "HeadAlignment",
     "HeadRescale",
     "MLPPermutation",
