@@ -186,10 +186,11 @@ def _evaluate_method(method: Method, ctx: _RunContext) -> dict[str, Any]:
     from raot_hf import RaotMerger
 
     pair, schema, tasks = ctx.pair, ctx.schema, ctx.tasks
+    calibration = {"num_samples": len(ctx.calibration), "max_length": 64, "batch_size": 32}
     options = {
         **pair.options,
         **method.options,
-        "calibration": {"num_samples": len(ctx.calibration), "max_length": 64, "batch_size": 32},
+        "calibration": {**calibration, **method.options.get("calibration", {})},
     }
     t0 = time.perf_counter()
     merger = RaotMerger.from_pretrained(ctx.dir_a, ctx.dir_b, **options)

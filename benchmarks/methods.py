@@ -57,6 +57,16 @@ METHODS: tuple[Method, ...] = (
     ),
     Method("raot", "RaOT (full: MLP + heads with rotations + residual, gated)", {"alignment": "activation"}),
     Method("raot-nogate", "RaOT without the gate", {"alignment": "activation", "gate": False}),
+    Method(
+        "raot-stride4",
+        "RaOT with fit moments from every 4th token",
+        {"alignment": "activation", "calibration": {"moment_stride": 4}},
+    ),
+    Method(
+        "raot-stride8",
+        "RaOT with fit moments from every 8th token",
+        {"alignment": "activation", "calibration": {"moment_stride": 8}},
+    ),
     Method("raot-heads", "RaOT ablation: attention heads only", {"alignment": "activation", "scope": ("heads",)}),
     Method("raot-mlp", "RaOT ablation: MLP units only", {"alignment": "activation", "scope": ("mlp",)}),
     Method("raot-nores", "RaOT ablation: residual stream off", {"alignment": "activation", "scope": ("mlp", "heads")}),

@@ -10,7 +10,11 @@ def primary_outputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> 
     """The outputs that define the model's function: logits for task heads; for base models
     ``last_hidden_state`` (in the stream basis) and ``pooler_output`` when present."""
     with torch.no_grad():
-        out = model(**inputs)
+        return select_primary(model(**inputs))
+
+
+def select_primary(out, rows: int | None = None) -> dict[str, torch.Tensor]:
+    """:func:`primary_outputs` of a model output already computed (its first ``rows`` rows)."""
     res = {}
     for key in (
         "logits",
@@ -23,7 +27,7 @@ def primary_outputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> 
     ):
         value = getattr(out, key, None)
         if value is not None:
-            res[key] = value
+            res[key] = value if rows is None else value[:rows]
     if "logits" in res or "start_logits" in res:
         res.pop("last_hidden_state", None)
     return res

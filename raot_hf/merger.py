@@ -32,7 +32,7 @@ from raot_hf.calibration.data import (
 from raot_hf.calibration.statistics import CalibrationStatistics, StatisticsCollector
 from raot_hf.config import RaotConfig
 from raot_hf.distributed import DistributedContext, statistics_pass_needed
-from raot_hf.equivalence import primary_outputs
+from raot_hf.equivalence import primary_outputs, select_primary
 from raot_hf.errors import EquivalenceError, RaotError
 from raot_hf.estimators.activation import (
     candidate_maps,
@@ -156,6 +156,25 @@ class _Timer:
             yield
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+
+
+def _on_device_of(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    device = next(model.parameters()).device
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+@contextmanager
+def _one_thread():
+    """Run the solve on one intra-op thread: its work is many small operations (k×k
+    correlations, batched h×h SVDs, assignments in scipy), where a parallel region mostly
+    waits for its slowest thread — measured 5.6–8 s with one thread vs 26–78 s with two for
+    BERT-base on a loaded 2-core machine (1.5 s either way when it is quiet)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _is_identity(t: Transform) -> bool:
@@ -299,11 +318,14 @@ class RaotMerger:
             rotation = (
                 "residual" in self.config.scope and residual_mode(self.schema, self.config.residual) == "rotation"
             )
+            moments = self.config.alignment in ("activation", "soft_ot")
             stats = self._run_phase(
                 "fit",
+                # weight-based alignment and a linear or Fisher merge read nothing from the fit examples
+                forward=moments or self.config.merge_rule == "regmean",
                 stream_full=rotation,
                 moment_stride=cal_cfg.moment_stride,
-                moments=self.config.alignment in ("activation", "soft_ot"),
+                moments=moments,
             )
         fingerprint.update(
             {
@@ -324,7 +346,9 @@ class RaotMerger:
         schema = self.schema
         with self.timer.stage("calibration"):
             maps = candidate_maps(candidates, schema.num_heads, schema.head_size, device=self._stats_device())
-            heldout = self._run_phase("heldout", candidates=maps)
+            # nothing to score and no Grams to finish: the held-out examples need no forward
+            wanted = bool(maps) or self.config.merge_rule == "regmean"
+            heldout = self._run_phase("heldout", candidates=maps, forward=wanted)
         stats.absorb(heldout)
         if not all(torch.isfinite(t).all() for t in stats.heldout.tensors()):
             logger.warning("NaN/Inf in held-out activations: affected estimates will lose to the identity")
@@ -332,8 +356,9 @@ class RaotMerger:
     def _stats_device(self) -> torch.device:
         return self.dist.device if self.dist.is_distributed else next(self.model_a.parameters()).device
 
-    def _run_phase(self, phase: str, **collector_options) -> CalibrationStatistics:
-        """Forward this process's shard of one split through A and B, then sum across processes."""
+    def _run_phase(self, phase: str, *, forward: bool = True, **collector_options) -> CalibrationStatistics:
+        """Forward this process's shard of one split through A and B, then sum across processes
+        (``forward=False``: the phase has nothing to collect — its sums stay zero)."""
         dataset, cal_cfg = self._calibration
         # forward passes on this process's accelerator (accelerate --multi_gpu), then back
         home = next(self.model_a.parameters()).device
@@ -342,9 +367,9 @@ class RaotMerger:
             self.model_a.to(device)
             self.model_b.to(device)
         rank, world = self.dist.rank, self.dist.world_size
-        total = count_calibration_batches(dataset, cal_cfg, rank=rank, world_size=world, split=phase)
+        total = count_calibration_batches(dataset, cal_cfg, rank=rank, world_size=world, split=phase) if forward else 0
         if phase == "heldout":
-            self._check_inputs = []
+            self._check_inputs, self._check_reference = [], []
         try:
             with StatisticsCollector(
                 self.model_a,
@@ -354,15 +379,22 @@ class RaotMerger:
                 grams=self.config.merge_rule == "regmean",
                 **collector_options,
             ) as collector:
-                batches = iter_calibration_batches(
-                    dataset, self.preprocessor, cal_cfg, rank=rank, world_size=world, split=phase
+                batches = (
+                    iter_calibration_batches(
+                        dataset, self.preprocessor, cal_cfg, rank=rank, world_size=world, split=phase
+                    )
+                    if forward
+                    else iter(())
                 )
                 for batch in tqdm(batches, total=total, desc=f"calibration ({phase})", disable=not self.dist.is_main):
-                    collector.update(batch)
+                    output_b = collector.update(batch)
                     if phase == "heldout" and len(self._check_inputs) < self.config.check_batches:
-                        # as many rows as a mixed batch holds held-out rows: the check is a few forwards
+                        # B's outputs on the first held-out rows are the B′ ≡ B check's reference
+                        # (as many rows as a mixed batch holds held-out rows: the check is one forward)
                         rows = max(1, cal_cfg.batch_size // cal_cfg.heldout_every)
                         self._check_inputs.append({k: v[:rows] for k, v in batch.inputs.items()})
+                        ref = select_primary(output_b, rows)
+                        self._check_reference.append({k: v.detach().to("cpu", copy=True) for k, v in ref.items()})
             stats = collector.stats
             if world > 1:  # shards never pad or repeat examples, so the sums are exact (§7)
                 self.dist.all_reduce_statistics(stats)
@@ -513,7 +545,8 @@ class RaotMerger:
                 # with sharded statistics the main process solves and every process scores (§7)
                 shared = stats is not None and self.dist.is_distributed
                 if self.dist.is_main or not shared:
-                    parts, logs = self._candidates(stats)
+                    with _one_thread():
+                        parts, logs = self._candidates(stats)
                 if shared:
                     parts, logs = self.dist.broadcast_object((parts, logs) if self.dist.is_main else None)
         if stats is not None:
@@ -555,11 +588,13 @@ class RaotMerger:
         checks = []
         with self.timer.stage("apply"):
             inputs = getattr(self, "_check_inputs", None) or []
+            reference = getattr(self, "_check_reference", None) or []
             if not inputs:
                 from raot_hf.testing import example_inputs
 
                 inputs = [example_inputs(self.model_b, batch=2, seq=8, seed=cfg.seed)]
-            reference = [primary_outputs(self.model_b, x) for x in inputs]
+            if len(reference) != len(inputs):
+                reference = [primary_outputs(self.model_b, _on_device_of(self.model_b, x)) for x in inputs]
             actions = alignment.applied.actions(self.schema) if len(alignment.applied) else {}
             if len(alignment.applied):
                 transform_model(self.model_b, self.schema, alignment.applied)
@@ -598,13 +633,13 @@ class RaotMerger:
         stream = actions["residual"].dense(self.schema.hidden_size) if "residual" in actions else None
         worst = 0.0
         for ref, x in zip(reference, inputs, strict=True):
-            cand = primary_outputs(self.model_b, x)
+            cand = primary_outputs(self.model_b, _on_device_of(self.model_b, x))
             mask = x.get("attention_mask")
             for key, r in ref.items():
-                r = r.to(torch.float64)
+                r = r.to("cpu", torch.float64)
                 if key == "last_hidden_state" and stream is not None:
-                    r = r @ stream
-                diff = (r - cand[key].to(torch.float64)).abs()
+                    r = r @ stream.to("cpu", torch.float64)
+                diff = (r - cand[key].to("cpu", torch.float64)).abs()
                 if mask is not None and key == "last_hidden_state":
                     diff = diff * mask[..., None]
                 worst = max(worst, float(diff.max() / r.abs().max().clamp_min(1e-30)))

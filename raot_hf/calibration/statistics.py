@@ -55,7 +55,7 @@ def quadratic_dtype(param_dtype: torch.dtype) -> torch.dtype:
     float32 — the precision each batch's product already has — which halves the largest
     statistic (L·f² for the MLP cross moments); counts, means and diagonal second moments stay
     float64. Accumulating n per-batch products adds a relative error of about √n·6e-8, far
-    below the 1/√tokens sampling noise of a correlation (DESIGN.md §4, deviation noted there).
+    below the 1/√tokens sampling noise of a correlation (a deviation from DESIGN.md §4, see the README).
     """
     return _F64 if param_dtype == _F64 else torch.float32
 
@@ -611,12 +611,12 @@ class StatisticsCollector:
         return batch.heldout.to(torch.bool) == (self.phase == "heldout")
 
     @torch.no_grad()
-    def update(self, batch: CalibrationBatch) -> None:
+    def update(self, batch: CalibrationBatch):
         """Forward A and B on ``batch`` and fold the activations of this phase's rows into the sums
-        (a batch without such rows is skipped without a forward)."""
+        (a batch without such rows is skipped without a forward). Returns B's output (or None)."""
         in_phase = self._in_phase(batch)
         if not bool(in_phase.any()):
-            return
+            return None
         self._batch = batch
         self._shape = None
         dev_a = next(self.model_a.parameters()).device
@@ -634,10 +634,12 @@ class StatisticsCollector:
             finally:
                 self._obs_a.stop()
 
+        output_b = []
+
         def forward_b():
             self._obs_b.start(lockstep.take)
             try:
-                self.model_b(**inputs_b)
+                output_b.append(self.model_b(**inputs_b))
             finally:
                 self._obs_b.stop()
 
@@ -650,6 +652,7 @@ class StatisticsCollector:
         split = self.stats.fit if self.phase == "fit" else self.stats.heldout
         split.tokens += int(self._rows_index.numel())
         self._rows_index = self._moment_index = None
+        return output_b[0]
 
     def _index_rows(self, x: torch.Tensor) -> None:
         """Per batch: the flat positions of this phase's real tokens, and the subset the moments use."""
