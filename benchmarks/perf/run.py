@@ -14,8 +14,13 @@ It reports wall time, the ratio merge/floor, the solve time (every assignment an
 peak RSS (``VmHWM``) against the sum of the two checkpoints' sizes, writes
 ``benchmarks/perf/results.md`` and prints it. Not part of the test suite (minutes of CPU)::
 
-    nice -n 10 python benchmarks/perf/run.py                    # both shapes
-    nice -n 10 python benchmarks/perf/run.py --shapes minilm    # one shape
+    python benchmarks/perf/run.py                                    # both shapes, 128 examples
+    python benchmarks/perf/run.py --examples 512 --moment-strides 1,8  # the product's default size;
+                                                                     # all tokens, and every 8th
+    python benchmarks/perf/run.py --shapes minilm-l6                 # one shape
+
+Time is wall-clock on a shared machine: run it when the machine is quiet (the report prints
+the load average) and with ``--repeat 2`` or more.
 """
 
 from __future__ import annotations
