@@ -57,7 +57,7 @@ def aligned_grams(
     grams_b: dict[str, torch.Tensor] = {}
     for weight, key in stats.gram_keys.items():
         gram: Gram = stats.grams[key]
-        ga, gb = gram.a.clone(), gram.b.clone()
+        ga, gb = gram.a.to(torch.float64, copy=True), gram.b.to(torch.float64, copy=True)
         if weight in fold_of:
             wn, bn = fold_of[weight]
             ga = _unfold(ga, gram.sum_a, gram.n, *_original_norm(model_a, wn, bn))

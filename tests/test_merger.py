@@ -76,6 +76,19 @@ def test_recovery_with_token_stride(model_type, head):
     assert 0 < 2.5 * cal["moment_tokens"] < cal["fit_tokens"] < 3.5 * cal["moment_tokens"]
 
 
+@pytest.mark.parametrize("model_type,head", [("bert", "sequence"), ("vit", "image")])
+def test_recovery_with_regmean(model_type, head):
+    """The spine test through RegMean (float32 models: float32 Gram sums, transformed — and for
+    the ViT unfolded through the LayerNorms — in float64): B′'s Grams equal A's, so RegMean
+    returns A."""
+    a, b = _pair(model_type, head)
+    reference = clone(a)
+    pre, data = _data(model_type)
+    result = RaotMerger.from_models(a, b, preprocessor=pre, merge_rule="regmean").merge(calibration=data)
+    assert output_deviation(reference, result.model, example_inputs(reference), relative=True) <= 1e-4
+    assert all(d.applied for d in result.alignment.decisions)
+
+
 def _train(model, seed, steps=30):
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -161,11 +161,16 @@ class Gram:
     sum_b: torch.Tensor
 
     @classmethod
-    def zeros(cls, k: int, *, device=None) -> Gram:
+    def zeros(cls, k: int, *, device=None, quad_dtype=_F64) -> Gram:
+        """Zero sums; the k×k Grams in ``quad_dtype`` (see :func:`quadratic_dtype`)."""
+
         def z(*shape):
             return torch.zeros(*shape, dtype=_F64, device=device)
 
-        return cls(z(k, k), z(k, k), z(()), z(k), z(k))
+        def zq():
+            return torch.zeros(k, k, dtype=quad_dtype, device=device)
+
+        return cls(zq(), zq(), z(()), z(k), z(k))
 
     def update(self, xa: torch.Tensor, xb: torch.Tensor) -> None:
         """Add the rows ``xa`` (inputs in A) and ``xb`` (in B) to the sums."""
@@ -583,7 +588,7 @@ class StatisticsCollector:
         if device is None:
             device = next(model_a.parameters()).device
         self.device = torch.device(device)
-        quad = quadratic_dtype(next(model_a.parameters()).dtype)
+        quad = self._quad = quadratic_dtype(next(model_a.parameters()).dtype)
         self.stats = CalibrationStatistics(gram_keys=gram_keys)
         if phase == "fit" and not moments:
             self.stats.fit = SplitStatistics([], [], [], [], Moments.zeros(0, device=self.device))
@@ -689,7 +694,7 @@ class StatisticsCollector:
             a, b = self._rows(x_a, self._rows_index), self._rows(x_b, self._rows_index)
             g = self.stats.grams.get(which)
             if g is None:
-                g = self.stats.grams[which] = Gram.zeros(a.shape[-1], device=self.device)
+                g = self.stats.grams[which] = Gram.zeros(a.shape[-1], device=self.device, quad_dtype=self._quad)
             g.update(a, b)
             return
         if not self.moments:
