@@ -20,6 +20,7 @@ from huggingface_hub.utils import tqdm
 
 from raot_hf.adapters import schema_for
 from raot_hf.adapters.schema import ModelSchema
+from raot_hf.calibration.collector import StatisticsCollector
 from raot_hf.calibration.data import (
     CalibrationConfig,
     check_column,
@@ -29,7 +30,7 @@ from raot_hf.calibration.data import (
     iter_calibration_batches,
     load_calibration_dataset,
 )
-from raot_hf.calibration.statistics import CalibrationStatistics, StatisticsCollector
+from raot_hf.calibration.statistics import CalibrationStatistics
 from raot_hf.config import RaotConfig
 from raot_hf.distributed import DistributedContext, statistics_pass_needed
 from raot_hf.equivalence import primary_outputs, select_primary

@@ -7,7 +7,8 @@ import torch
 
 from raot_hf.adapters import schema_for
 from raot_hf.calibration import CalibrationConfig, iter_calibration_batches
-from raot_hf.calibration.statistics import StatisticsCollector, quadratic_dtype
+from raot_hf.calibration.collector import StatisticsCollector
+from raot_hf.calibration.statistics import quadratic_dtype
 from raot_hf.estimators.activation import (
     _fit_residual_gains,
     candidate_maps,

@@ -74,7 +74,7 @@ class CalibrationConfig:
     is auto-detected when ``None``. Rows whose example id is a multiple of ``heldout_every``
     are held out (scored by the gate, never fitted). ``moment_stride`` > 1 computes the fit
     cross moments from every s-th real token of each example only (see
-    :class:`~raot_hf.calibration.statistics.StatisticsCollector`): s times cheaper, 1/√s noisier.
+    :class:`~raot_hf.calibration.collector.StatisticsCollector`): s times cheaper, 1/√s noisier.
     """
 
     source: str | None = None

@@ -219,7 +219,7 @@ def candidate_maps(
     transforms: list[Transform], num_heads: int, head_size: int, *, device=None
 ) -> dict[tuple, Callable[[torch.Tensor], torch.Tensor]]:
     """Maps taking B's rows at a site to B′'s rows under the candidates, keyed like the
-    :class:`~raot_hf.calibration.statistics.StatisticsCollector`'s sites (``("mlp", layer)``,
+    :class:`~raot_hf.calibration.collector.StatisticsCollector`'s sites (``("mlp", layer)``,
     ``("q", layer)``, ``("k", layer)``, ``("ctx", layer)``, ``("stream", None)``).
 
     MLP: B′ unit j = B unit perm[j]. Heads: B′ head i = (B head π(i))·R_i, with R_qk for q and k

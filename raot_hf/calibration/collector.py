@@ -1,0 +1,373 @@
+"""Observing A and B: hooks, the lockstep of the two forwards, and the collector that folds
+each phase's activations into the sums of :mod:`raot_hf.calibration.statistics` (DESIGN.md §4–5).
+
+* **Lockstep.** A runs in a helper thread and B in the caller's thread, strictly alternating
+  at every hooked module: A stops at an activation until B has produced the same one and the
+  pair has been folded into the sums. Only one activation of A waits at a time (not a whole
+  batch of every layer), and the two forwards never compete for cores.
+* **Optional token stride** for the fit moments (``moment_stride``): the k×k products cost
+  f² multiply-adds per token for the MLP alone, more than a forward pass; a stride s divides
+  that by s, at the price of 1/√s more sampling noise (see the README's performance notes).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+
+import torch
+
+from raot_hf.adapters.schema import ModelSchema
+from raot_hf.calibration.data import CalibrationBatch
+from raot_hf.calibration.statistics import (
+    CalibrationStatistics,
+    Gram,
+    HeldoutStatistics,
+    Moments,
+    SplitStatistics,
+    compute_dtype,
+    quadratic_dtype,
+)
+
+logger = logging.getLogger("raot_hf.calibration")
+
+
+def _first_tensor(x) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (tuple, list)) and x and isinstance(x[0], torch.Tensor):
+        return x[0]
+    raise TypeError(f"cannot read an activation from {type(x).__name__}")
+
+
+class _Observer:
+    """Forward hooks on one model that hand each observed activation to ``emit(key, tensor)``.
+
+    A key is reported once per forward (the first call: DeBERTa reuses q/k on
+    ``rel_embeddings``), and only when the forward runs in the observer's own thread, so two
+    observers on one model object do not see each other's passes.
+    """
+
+    def __init__(self, model: torch.nn.Module, schema: ModelSchema, gram_modules: Iterable[str] = ()):
+        self.emit: Callable[[tuple, torch.Tensor], None] | None = None
+        self.thread: int | None = None
+        self.seen: set[tuple] = set()
+        self.handles = []
+        modules = dict(model.named_modules())
+        params = dict(model.named_parameters())
+
+        def report(key, x: torch.Tensor) -> None:
+            if self.emit is None or threading.get_ident() != self.thread or key in self.seen:
+                return
+            self.seen.add(key)
+            self.emit(key, x.detach())
+
+        def add_bias(x, bias):
+            return x if bias is None else x + params[bias].detach()
+
+        def out_hook(key, index=None, bias=None):
+            def hook(_m, _inp, out):
+                x = _first_tensor(out)
+                report(key, add_bias(x if index is None else x[..., index.to(x.device)], bias))
+
+            return hook
+
+        def in_hook(key):
+            def hook(_m, inp):
+                report(key, _first_tensor(inp))
+
+            return hook
+
+        def add(name, kind, hook):
+            module = modules.get(name)
+            if module is None:
+                raise KeyError(f"module {name} not found in {type(model).__name__}")
+            reg = module.register_forward_hook if kind == "out" else module.register_forward_pre_hook
+            self.handles.append(reg(hook))
+
+        for layer in schema.layers:
+            r, i = layer.heads, layer.index
+            qi = None if r.q_index is None else torch.tensor(r.q_index)
+            ki = None if r.k_index is None else torch.tensor(r.k_index)
+            if r.q_module == r.k_module:
+
+                def fused_hook(_m, _inp, out, i=i, qi=qi, ki=ki, qb=r.q_bias, kb=r.k_bias):
+                    x = _first_tensor(out)
+                    report(("q", i), add_bias(x[..., qi.to(x.device)], qb))
+                    report(("k", i), add_bias(x[..., ki.to(x.device)], kb))
+
+                self.handles.append(modules[r.q_module].register_forward_hook(fused_hook))
+            else:
+                add(r.q_module, "out", out_hook(("q", i), qi, r.q_bias))
+                add(r.k_module, "out", out_hook(("k", i), ki, r.k_bias))
+            add(layer.context, "in", in_hook(("ctx", i)))
+            add(layer.mlp_hidden, "in", in_hook(("mlp", i)))
+        for j, name in enumerate(schema.stream_modules):
+            add(name, "out", out_hook(("stream", j)))
+        for name in gram_modules:
+            add(name, "in", in_hook(("gram", name)))
+
+    def start(self, emit: Callable[[tuple, torch.Tensor], None]) -> None:
+        """Report this thread's next forward pass to ``emit``."""
+        self.emit, self.thread, self.seen = emit, threading.get_ident(), set()
+
+    def stop(self) -> None:
+        self.emit = self.thread = None
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+class _Aborted(Exception):
+    """Raised inside A's forward when B's side has failed and A must stop."""
+
+
+_DONE, _ERROR = object(), object()
+
+
+class _Lockstep:
+    """Runs A's forward in a helper thread and B's in the caller's, strictly alternating.
+
+    A stops at each observed activation (:meth:`offer`) until B reaches the same key
+    (:meth:`take`), which pairs the two, hands them to ``consume`` and lets A run on to its
+    next activation while B waits. Errors on either side end both forwards and are re-raised
+    in the caller."""
+
+    def __init__(self, consume: Callable[[tuple, torch.Tensor, torch.Tensor], None]):
+        self.consume = consume
+        self._a_turn = threading.Semaphore(0)
+        self._b_turn = threading.Semaphore(0)
+        self._slot: tuple = (None, None)
+        self._abort = False
+
+    def offer(self, key: tuple, x: torch.Tensor) -> None:
+        """A's side: publish an activation and wait until B has consumed it."""
+        self._slot = (key, x)
+        self._b_turn.release()
+        self._a_turn.acquire()
+        if self._abort:
+            raise _Aborted()
+
+    def take(self, key: tuple, y: torch.Tensor) -> None:
+        """B's side: pair ``y`` with A's waiting activation, consume both, let A go on."""
+        got, x = self._slot
+        if got is _ERROR:
+            raise x
+        if got is not key and got != key:
+            raise RuntimeError(
+                f"A and B produced different activations ({got if got is not _DONE else 'end of A'} vs {key}); "
+                "load both models with the same class and config"
+            )
+        self._slot = (None, None)
+        self.consume(key, x, y)
+        self._a_turn.release()
+        self._b_turn.acquire()
+
+    def run(self, forward_a: Callable[[], None], forward_b: Callable[[], None]) -> None:
+        """Run both forwards to completion in lockstep."""
+
+        def side_a():
+            try:
+                with torch.no_grad():
+                    forward_a()
+                self._slot = (_DONE, None)
+            except _Aborted:
+                return
+            except BaseException as exc:  # handed to B's side, which re-raises it
+                self._slot = (_ERROR, exc)
+            self._b_turn.release()
+
+        thread = threading.Thread(target=side_a, name="raot-calibration-A", daemon=True)
+        thread.start()
+        try:
+            self._b_turn.acquire()
+            if self._slot[0] is _ERROR:
+                raise self._slot[1]
+            forward_b()
+            if self._slot[0] is _ERROR:
+                raise self._slot[1]
+            if self._slot[0] is not _DONE:
+                raise RuntimeError(f"model A produced an activation ({self._slot[0]}) that model B did not")
+        finally:
+            if thread.is_alive():
+                self._abort = True
+                self._a_turn.release()
+            thread.join()
+
+
+class StatisticsCollector:
+    """Runs A and B on the same batches and accumulates one phase's :class:`CalibrationStatistics`.
+
+    ``phase="fit"``: the fit rows of each batch feed the moments (:class:`SplitStatistics`) —
+    of every ``moment_stride``-th real token of an example (positions p with
+    (p + example id) mod stride = 0), all tokens by default — and held-out rows are skipped.
+    ``phase="heldout"``: the held-out rows feed :class:`HeldoutStatistics`, with B's sample at
+    each site also mapped by ``candidates`` (a dict from a site key — ``("mlp", layer)``,
+    ``("q", layer)``, ``("k", layer)``, ``("ctx", layer)``, ``("stream", None)`` — to a function of
+    B's rows; see :func:`raot_hf.estimators.activation.candidate_maps`); sites without an
+    entry are scored under the identity.
+
+    ``grams``: collect RegMean Gram matrices (all rows of the phase) for every Linear of the
+    layers. ``device``: where the sums live (default: model A's device); batches are moved to
+    each model's device. ``stream_full``: keep the stream's Σbᵀb in the fit moments.
+    ``moments=False`` collects Grams only (weight-based alignment reads no fit moments).
+    """
+
+    def __init__(
+        self,
+        model_a: torch.nn.Module,
+        model_b: torch.nn.Module,
+        schema: ModelSchema,
+        *,
+        phase: str = "fit",
+        candidates: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+        grams: bool = False,
+        device=None,
+        stream_full: bool = True,
+        moment_stride: int = 1,
+        moments: bool = True,
+    ):
+        if phase not in ("fit", "heldout"):
+            raise ValueError(f"phase must be 'fit' or 'heldout', got {phase!r}")
+        if isinstance(moment_stride, bool) or not isinstance(moment_stride, int) or moment_stride < 1:
+            raise ValueError(f"moment_stride must be an integer >= 1, got {moment_stride!r}")
+        self.model_a, self.model_b, self.schema = model_a, model_b, schema
+        self.phase, self.candidates = phase, dict(candidates or {})
+        self.moment_stride = moment_stride if phase == "fit" else 1
+        self.moments = moments
+        gram_modules: list[str] = []
+        gram_keys: dict[str, str] = {}
+        if grams:
+            for layer in schema.layers:
+                for mod in layer.linears:
+                    gram_modules.append(mod)
+                    gram_keys[f"{mod}.weight"] = mod
+        if device is None:
+            device = next(model_a.parameters()).device
+        self.device = torch.device(device)
+        quad = self._quad = quadratic_dtype(next(model_a.parameters()).dtype)
+        self.stats = CalibrationStatistics(gram_keys=gram_keys)
+        if phase == "fit" and not moments:
+            self.stats.fit = SplitStatistics([], [], [], [], Moments.zeros(0, device=self.device))
+        elif phase == "fit":
+            self.stats.fit = SplitStatistics.zeros(schema, device=self.device, stream_full=stream_full, quad_dtype=quad)
+        else:
+            self.stats.heldout = HeldoutStatistics.zeros(schema, device=self.device)
+        self._obs_a = _Observer(model_a, schema, gram_modules)
+        self._obs_b = _Observer(model_b, schema, gram_modules)
+        self._rows_index: torch.Tensor | None = None
+        self._moment_index: torch.Tensor | None = None
+        self._shape: tuple[int, int] | None = None
+
+    def close(self) -> None:
+        self._obs_a.remove()
+        self._obs_b.remove()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _in_phase(self, batch: CalibrationBatch) -> torch.Tensor:
+        return batch.heldout.to(torch.bool) == (self.phase == "heldout")
+
+    @torch.no_grad()
+    def update(self, batch: CalibrationBatch):
+        """Forward A and B on ``batch`` and fold the activations of this phase's rows into the sums
+        (a batch without such rows is skipped without a forward). Returns B's output (or None)."""
+        in_phase = self._in_phase(batch)
+        if not bool(in_phase.any()):
+            return None
+        self._batch = batch
+        self._shape = None
+        dev_a = next(self.model_a.parameters()).device
+        dev_b = next(self.model_b.parameters()).device
+        inputs_a = {k: v.to(dev_a) for k, v in batch.inputs.items()}
+        inputs_b = {k: v.to(dev_b) for k, v in batch.inputs.items()}
+        lockstep = _Lockstep(self._consume)
+
+        def forward_a():  # runs in the helper thread, whose current CUDA device is not inherited
+            if dev_a.type == "cuda":
+                torch.cuda.set_device(dev_a)
+            self._obs_a.start(lockstep.offer)
+            try:
+                self.model_a(**inputs_a)
+            finally:
+                self._obs_a.stop()
+
+        output_b = []
+
+        def forward_b():
+            self._obs_b.start(lockstep.take)
+            try:
+                output_b.append(self.model_b(**inputs_b))
+            finally:
+                self._obs_b.stop()
+
+        lockstep.run(forward_a, forward_b)
+        if self._shape is None:
+            raise RuntimeError("no activation was observed: the schema's modules did not run")
+        self.stats.examples += int(in_phase.sum())
+        if self.phase == "fit":
+            self.stats.fit.moment_tokens += int(self._moment_index.numel())
+        split = self.stats.fit if self.phase == "fit" else self.stats.heldout
+        split.tokens += int(self._rows_index.numel())
+        self._rows_index = self._moment_index = None
+        return output_b[0]
+
+    def _index_rows(self, x: torch.Tensor) -> None:
+        """Per batch: the flat positions of this phase's real tokens, and the subset the moments use."""
+        bsz, seq = x.shape[0], x.shape[1]
+        mask = self._batch.token_mask
+        if mask is None:
+            mask = torch.ones(bsz, seq, dtype=torch.bool)
+        mask = mask.to(torch.bool)
+        if tuple(mask.shape) != (bsz, seq):
+            raise RuntimeError(f"activation of shape {tuple(x.shape)} does not match the mask {tuple(mask.shape)}")
+        rows = mask & self._in_phase(self._batch)[:, None]
+        self._rows_index = rows.reshape(-1).nonzero().squeeze(1).to(x.device)
+        if self.moment_stride > 1:
+            position = torch.arange(seq)[None, :] + self._batch.example_ids.to(torch.long)[:, None]
+            sub = rows & (position % self.moment_stride == 0)
+            self._moment_index = sub.reshape(-1).nonzero().squeeze(1).to(x.device)
+        else:
+            self._moment_index = self._rows_index
+        self._shape = (bsz, seq)
+
+    def _rows(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        if tuple(x.shape[:2]) != self._shape:  # sequence dims must agree across modules
+            raise RuntimeError(f"activation with leading shape {tuple(x.shape[:2])} != {self._shape}")
+        flat = x.reshape(-1, x.shape[-1])
+        if index.numel() != flat.shape[0]:  # every position is a row of this phase: no gather
+            flat = flat.index_select(0, index)
+        return flat.to(compute_dtype(x))
+
+    def _consume(self, key: tuple, x_a: torch.Tensor, x_b: torch.Tensor) -> None:
+        kind, which = key
+        if self._shape is None:
+            self._index_rows(x_a)
+        if kind == "gram":
+            a, b = self._rows(x_a, self._rows_index), self._rows(x_b, self._rows_index)
+            g = self.stats.grams.get(which)
+            if g is None:
+                g = self.stats.grams[which] = Gram.zeros(a.shape[-1], device=self.device, quad_dtype=self._quad)
+            g.update(a, b)
+            return
+        if not self.moments:
+            return
+        a, b = self._rows(x_a, self._moment_index), self._rows(x_b, self._moment_index)
+        if kind == "stream":
+            a = a - a.mean(-1, keepdim=True)  # project out the mean axis (§4)
+            b = b - b.mean(-1, keepdim=True)
+            which = None
+        if self.phase == "fit":
+            target = self.stats.fit.stream if kind == "stream" else getattr(self.stats.fit, kind)[which]
+            target.update(a, b)
+            return
+        target = self.stats.heldout.stream if kind == "stream" else getattr(self.stats.heldout, kind)[which]
+        fmap = self.candidates.get((kind, which))
+        target.update(a, b, b if fmap is None else fmap(b))
