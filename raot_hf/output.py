@@ -483,22 +483,31 @@ def _check_destination(out_dir: str | os.PathLike, overwrite: bool) -> Path:
                     f"refusing to replace {str(out)!r}: it holds no config.json or {REPORT_NAME}, so it is not a "
                     "model directory; remove it yourself or choose another --out"
                 )
-    parent = out.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
+    # nothing is created here: missing parents are made when the output is written, so a merge
+    # that fails leaves no empty directories behind
+    existing = out.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
         raise RaotError(
-            f"cannot create parent directory {str(parent)!r} ({exc.strerror}); choose another --out"
-        ) from exc
-    if not os.access(parent, os.W_OK | os.X_OK):
+            f"{str(existing)!r} is not a directory, so {str(out)!r} cannot be created; choose another --out"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
         raise RaotError(
-            f"parent directory {str(parent)!r} is not writable; choose another --out or fix its permissions"
+            f"parent directory {str(existing)!r} is not writable; choose another --out or fix its permissions"
         )
     return out
 
 
 def _make_temp_dir(out: Path) -> Path:
-    """Create the hidden sibling ``.<name>.tmp-<random>`` (umask-respecting permissions)."""
+    """Create the hidden sibling ``.<name>.tmp-<random>`` (umask-respecting permissions), and
+    any missing parent directories of ``out``."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RaotError(
+            f"cannot create parent directory {str(out.parent)!r} ({exc.strerror}); choose another --out"
+        ) from exc
     for _ in range(100):
         candidate = out.parent / f".{out.name}.tmp-{secrets.token_hex(6)}"
         try:

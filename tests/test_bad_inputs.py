@@ -383,3 +383,23 @@ def test_cli_fault_mid_write_leaves_no_directory(zoo, tmp_path, monkeypatch, fau
     assert res.exit_code == exit_code, (res.output, repr(res.exception))
     assert needle in res.stderr and "Traceback" not in res.output
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no directory, no temporary sibling
+
+
+def test_failed_merge_leaves_no_new_parent_directories(zoo, tmp_path):
+    """--out under directories that do not exist yet: they are made only when the output is
+    written, so a merge that fails first leaves nothing behind."""
+    out = tmp_path / "new" / "deeper" / "merged"
+    res = _merge(zoo / "a", zoo / "a2", "--calibration", str(tmp_path / "missing.csv"), out=out)
+    assert res.exit_code != 0
+    assert not (tmp_path / "new").exists()
+    res = _merge(zoo / "a", zoo / "a2", "--alignment", "none", out=out)
+    assert res.exit_code == 0, res.output
+    assert (out / "config.json").is_file()
+
+
+def test_out_below_a_file_is_refused(zoo, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    res = _merge(zoo / "a", zoo / "a2", "--alignment", "none", out=blocker / "sub" / "merged")
+    assert res.exit_code == 2 and "is not a directory" in res.stderr, res.output
+    assert blocker.read_text() == "x"
