@@ -232,6 +232,16 @@ class PairedDiagonal:
         return torch.where(denom > eps, cov / denom.clamp_min(eps), torch.zeros_like(cov))
 
 
+def _site_tensors(split, *counts: torch.Tensor) -> list[torch.Tensor]:
+    """Every sum of a split, in a fixed order: its counts, the stream's, then each layer's
+    MLP, q, k and context sums (the order the all-reduce and the tests rely on)."""
+    out = [*counts, *split.stream.tensors()]
+    for group in (split.mlp, split.q, split.k, split.ctx):
+        for m in group:
+            out += m.tensors()
+    return out
+
+
 @dataclass
 class SplitStatistics:
     """The fit split's moments (the estimators' input)."""
@@ -261,11 +271,7 @@ class SplitStatistics:
         )
 
     def tensors(self) -> list[torch.Tensor]:
-        out = [self.tokens, self.moment_tokens, *self.stream.tensors()]
-        for group in (self.mlp, self.q, self.k, self.ctx):
-            for m in group:
-                out += m.tensors()
-        return out
+        return _site_tensors(self, self.tokens, self.moment_tokens)
 
 
 @dataclass
@@ -292,11 +298,7 @@ class HeldoutStatistics:
         )
 
     def tensors(self) -> list[torch.Tensor]:
-        out = [self.tokens, *self.stream.tensors()]
-        for group in (self.mlp, self.q, self.k, self.ctx):
-            for m in group:
-                out += m.tensors()
-        return out
+        return _site_tensors(self, self.tokens)
 
 
 @dataclass
