@@ -147,10 +147,5 @@ def follow_main(merger, calibration: Any = None) -> None:
     if merger.dist.is_main:
         raise RuntimeError("follow_main is for non-main processes; the main process calls merge() or align()")
     if statistics_pass_needed(merger.config, calibration):
-        stats, _ = merger.collect_statistics(calibration)
-        parts = []
-        if merger.config.alignment != "none" and merger.config.scope:
-            parts, _ = merger.dist.broadcast_object(None)  # the main process's candidates
-        stats.fit = None
-        merger.collect_heldout(stats, parts)
+        merger.calibrate_and_solve(calibration)  # receives the main process's candidates, solves nothing
     logger.info("process %d: statistics shard contributed; the main process finishes the merge", merger.dist.rank)

@@ -534,16 +534,18 @@ class RaotMerger:
             )
         return decisions
 
-    def align(self, calibration=None) -> tuple[Alignment, CalibrationStatistics | None, dict[str, Any] | None]:
-        """Estimate every transform in scope, gate each against the identity, and return the
-        decisions (nothing is applied to the models)."""
+    def calibrate_and_solve(self, calibration=None) -> tuple[CalibrationStatistics | None, Any, list, dict]:
+        """The statistics pass and the solve, in the order every process runs them: the fit
+        phase, the candidates (solved by the main process and broadcast when the statistics
+        are sharded, §7), then the held-out phase that scores them. Returns the statistics
+        (held-out sums and Grams; the fit moments are freed), the data's fingerprint, the
+        candidates and the estimators' logs."""
         stats = fingerprint = None
         if statistics_pass_needed(self.config, calibration):
             stats, fingerprint = self.collect_statistics(calibration)
         parts, logs = [], {}
         if self.config.alignment != "none" and self.config.scope:
             with self.timer.stage("solve"):
-                # with sharded statistics the main process solves and every process scores (§7)
                 shared = stats is not None and self.dist.is_distributed
                 if self.dist.is_main or not shared:
                     with _one_thread():
@@ -554,6 +556,12 @@ class RaotMerger:
             stats.fit = None  # the estimators are done with the fit moments: free them before the held-out phase
             self.collect_heldout(stats, parts)
             fingerprint.update({"examples": stats.examples, "heldout_tokens": int(stats.heldout.tokens)})
+        return stats, fingerprint, parts, logs
+
+    def align(self, calibration=None) -> tuple[Alignment, CalibrationStatistics | None, dict[str, Any] | None]:
+        """Estimate every transform in scope, gate each against the identity, and return the
+        decisions (nothing is applied to the models)."""
+        stats, fingerprint, parts, logs = self.calibrate_and_solve(calibration)
         if self.config.alignment == "none" or not self.config.scope:
             return Alignment([], TransformSequence([]), True), stats, fingerprint
         with self.timer.stage("gate"):
