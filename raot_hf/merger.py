@@ -397,7 +397,7 @@ class RaotMerger:
                         ref = select_primary(output_b, rows)
                         self._check_reference.append({k: v.detach().to("cpu", copy=True) for k, v in ref.items()})
             stats = collector.stats
-            if world > 1:  # shards never pad or repeat examples, so the sums are exact (§7)
+            if world > 1 and forward:  # shards never pad or repeat examples, so the sums are exact (§7)
                 self.dist.all_reduce_statistics(stats)
         finally:
             if device != home:

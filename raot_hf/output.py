@@ -567,7 +567,7 @@ def write_merged_repo(
         overwrite: replace an existing non-empty output directory.
         max_shard_size: largest shard in bytes, or a size string like ``"2GB"``.
         trust_remote_code: passed to the preprocessor loaders.
-        transform: the alignment applied to B (a :class:`~raot_hf.symmetry.Transform`); when it
+        transform: the alignment applied to B (a :class:`~raot_hf.symmetry.TransformSequence`); when it
             is not empty it is written, bit-exact, to ``raot_transform.safetensors``.
 
     Everything is written to ``<parent>/.<name>.tmp-<random>``, the weight files are checked
@@ -592,7 +592,7 @@ def write_merged_repo(
         del tensors
         (temporary / CARD_NAME).write_text(card_text, encoding="utf-8", newline="\n")
         (temporary / REPORT_NAME).write_text(report_text, encoding="utf-8", newline="\n")
-        if transform is not None and len(getattr(transform, "transforms", [transform])):
+        if transform is not None and len(transform):
             from raot_hf.symmetry.io import TRANSFORM_NAME, save_transform
 
             save_transform(transform, temporary / TRANSFORM_NAME)

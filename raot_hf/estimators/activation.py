@@ -215,6 +215,18 @@ def residual_gains(sums: PairedDiagonal) -> tuple[torch.Tensor, float]:
 
 
 # -- The held-out phase: candidates as maps of B's activations ---------------------------------------
+def _per_dtype(matrix: torch.Tensor) -> Callable[[torch.dtype], torch.Tensor]:
+    """``matrix`` in a requested dtype, converted once per dtype (not once per batch)."""
+    cache: dict[torch.dtype, torch.Tensor] = {}
+
+    def get(dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in cache:
+            cache[dtype] = matrix.to(dtype)
+        return cache[dtype]
+
+    return get
+
+
 def candidate_maps(
     transforms: list[Transform], num_heads: int, head_size: int, *, device=None
 ) -> dict[tuple, Callable[[torch.Tensor], torch.Tensor]]:
@@ -224,7 +236,8 @@ def candidate_maps(
 
     MLP: B′ unit j = B unit perm[j]. Heads: B′ head i = (B head π(i))·R_i, with R_qk for q and k
     and R_vo for the context. Stream: B′ = B·O (or B's coordinates permuted). Other transforms
-    (rescaling, soft transport) are not scored and get no map."""
+    (rescaling, soft transport) are not scored and get no map. ``device``: that of the rows the
+    maps will see; each matrix is converted to the rows' dtype once, on first use."""
     H, h = num_heads, head_size
     maps: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
 
@@ -233,8 +246,8 @@ def candidate_maps(
         return lambda b: b.index_select(1, perm)
 
     def rotate_heads(perm: torch.Tensor, rot: torch.Tensor):
-        perm, rot = perm.to(device), rot.to(device)
-        return lambda b: torch.einsum("nhb,hba->nha", b.view(-1, H, h).index_select(1, perm), rot.to(b.dtype)).reshape(
+        perm, rot = perm.to(device), _per_dtype(rot.to(device))
+        return lambda b: torch.einsum("nhb,hba->nha", b.view(-1, H, h).index_select(1, perm), rot(b.dtype)).reshape(
             b.shape
         )
 
@@ -247,6 +260,6 @@ def candidate_maps(
         elif isinstance(t, ResidualPermutation):
             maps[("stream", None)] = permute(t.perm)
         elif isinstance(t, ResidualRotation):
-            o = t.matrix.to(device)
-            maps[("stream", None)] = lambda b, o=o: b @ o.to(b.dtype)
+            o = _per_dtype(t.matrix.to(device))
+            maps[("stream", None)] = lambda b, o=o: b @ o(b.dtype)
     return maps
