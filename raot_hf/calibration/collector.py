@@ -12,7 +12,6 @@ each phase's activations into the sums of :mod:`raot_hf.calibration.statistics` 
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Iterable
 
@@ -29,8 +28,6 @@ from raot_hf.calibration.statistics import (
     compute_dtype,
     quadratic_dtype,
 )
-
-logger = logging.getLogger("raot_hf.calibration")
 
 
 def _first_tensor(x) -> torch.Tensor:

@@ -20,7 +20,6 @@ The hooks and the two-phase pass live in :mod:`raot_hf.calibration.collector`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -341,11 +340,6 @@ class CalibrationStatistics:
                     total += value
         self.gram_keys.update(other.gram_keys)
         self.examples += other.examples
-
-    def all_reduce(self, reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Sum every statistic across processes in place (statistics are sums, §7)."""
-        for t in self.tensors():
-            t.copy_(reduce_sum(t))
 
     def to(self, device) -> CalibrationStatistics:
         """These statistics with every tensor on ``device`` (self if already there)."""
