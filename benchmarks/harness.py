@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.methods import Method
+from benchmarks.methods import Method, base_keyword
 from benchmarks.metrics import (
     barrier,
     canonical_state,
@@ -27,6 +27,7 @@ from benchmarks.metrics import (
     interpolate,
     linear_probe,
     matching_reference,
+    max_abs_difference,
     path_check,
     weight_distance,
     with_head_of,
@@ -91,10 +92,24 @@ def _gate_summary(result) -> dict[str, Any]:
                 "identity": _finite(d.identity),
                 "estimate": _finite(d.estimate),
                 "applied": bool(d.applied),
+                "reason": getattr(d, "reason", None),  # the merge-objective gate says why
             }
             for d in decisions
         ],
     }
+
+
+def _jsonable(value):
+    """Numbers, strings and nested dicts / lists of them, with tensors turned into floats or lists."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    return str(value)
 
 
 def _finite(x) -> float | None:
@@ -109,6 +124,10 @@ def evaluate_run(pair: PairSpec, run_index: int, methods: list[Method], alphas: 
     started = time.perf_counter()
     spec_a, spec_b = pair.runs()[run_index]
     dir_a, dir_b = build_model(spec_a), build_model(spec_b)
+    spec_base = pair.base_of(run_index)
+    dir_base = build_model(spec_base) if spec_base is not None else None
+    # Base-relative rules need a base; "average" first, as every other merge is compared with it.
+    methods = sorted((m for m in methods if dir_base or not m.needs_base), key=lambda m: m.name != "average")
     model_a, processor = _load(dir_a, pair.task_a)
     model_b, _ = _load(dir_b, pair.task_b)
     schema = schema_for(model_a)
@@ -117,6 +136,7 @@ def evaluate_run(pair: PairSpec, run_index: int, methods: list[Method], alphas: 
     calibration = calibration_set(pair)
     shared_labels = _labels_equal(model_a, model_b)
     ctx = _RunContext(pair, dir_a, dir_b, calibration, tasks, schema, model_a, model_b, alphas, shared_labels)
+    ctx.dir_base = dir_base
 
     # Parents: own heads on own tasks, probes of their features on both tasks.
     parents: dict[str, dict[str, Any]] = {"a": {}, "b": {}}
@@ -134,6 +154,7 @@ def evaluate_run(pair: PairSpec, run_index: int, methods: list[Method], alphas: 
         "run": run_index,
         "models": {"a": Path(dir_a).name, "b": Path(dir_b).name},  # folder names in the zoo cache
         "specs": {"a": spec_a.describe(), "b": spec_b.describe()},
+        "base": None if dir_base is None else {"model": Path(dir_base).name, "spec": spec_base.describe()},
         "schema": {
             "model_type": schema.model_type,
             "norm": schema.norm,
@@ -174,6 +195,8 @@ class _RunContext:
         head = set(schema.head_params)
         self.trunk = [n for n in self.canon_a if n not in head]
         self.parents: dict[str, dict[str, Any]] = {}
+        self.dir_base: Path | None = None
+        self.average_state: dict[str, torch.Tensor] | None = None  # the plain average's merged weights
 
     def probe(self, model, which: str, test_x: np.ndarray) -> float:
         """Probe accuracy on task ``which`` from ``model``'s frozen features (test features given)."""
@@ -192,6 +215,8 @@ def _evaluate_method(method: Method, ctx: _RunContext) -> dict[str, Any]:
         **method.options,
         "calibration": {**calibration, **method.options.get("calibration", {})},
     }
+    if method.needs_base:
+        options[base_keyword()] = ctx.dir_base
     t0 = time.perf_counter()
     merger = RaotMerger.from_pretrained(ctx.dir_a, ctx.dir_b, **options)
     result = merger.merge(calibration=ctx.calibration)
@@ -214,6 +239,14 @@ def _evaluate_method(method: Method, ctx: _RunContext) -> dict[str, Any]:
     row["deviation"] = float(result.report["checks"][0]["value"]) if result.report.get("checks") else None
     row["gate"] = _gate_summary(result)
     row["shares_basis"] = bool(result.alignment.shares_basis)
+    verdict = getattr(result.alignment, "verdict", None)
+    row["verdict"] = None if verdict is None else str(verdict)
+    row["model_fidelity"] = _jsonable(getattr(result.alignment, "model_fidelity", None) or {})
+    state = merged.state_dict()
+    if method.name == "average":
+        ctx.average_state = {k: v.detach().clone() for k, v in state.items()}
+    elif ctx.average_state is not None:  # does this merge equal the plain average? (0.0: bitwise)
+        row["max_abs_vs_average"] = max_abs_difference(state, ctx.average_state)
     if method.linear and ctx.shared_labels and ctx.alphas:
         row.update(_barrier(ctx, result, merged, b_prime, float(options.get("alpha", 0.5))))
     del merger, result, merged, b_prime

@@ -1,8 +1,9 @@
 """Every benchmarked method, as options of the product (fields of :class:`raot_hf.RaotConfig`).
 
 Nothing here merges or aligns by itself: each method is a dict of options passed to
-``RaotMerger.from_pretrained(a, b, **options)``. Literature baselines run ungated (as
-published); RaOT's ablations keep the gate unless the ablation is the gate.
+``RaotMerger.from_pretrained(a, b, **options)`` (base-relative rules also get the pair's base
+model). Literature baselines run ungated (as published); RaOT's ablations keep the gate unless
+the ablation is the gate.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ class Method:
     name: str
     label: str
     options: dict[str, Any] = field(default_factory=dict)
-    group: str = "alignment"  # "alignment" (linear rule) or "rules" (RegMean / Fisher variants)
+    group: str = "alignment"  # "alignment" (linear rule), "rules" (RegMean / Fisher), "base" (base-relative)
     needs: str | None = None  # a Python package the method needs (skipped with a note if absent)
+    needs_base: bool = False  # a base-relative rule: runs only on pairs with a base model
 
     @property
     def linear(self) -> bool:
@@ -56,6 +58,11 @@ METHODS: tuple[Method, ...] = (
         {"alignment": "activation", "rotations": False, "residual": "permutation"},
     ),
     Method("raot", "RaOT (full: MLP + heads with rotations + residual, gated)", {"alignment": "activation"}),
+    Method(
+        "raot-oldgate",
+        "RaOT with the alignment-objective gate (the gate before the merge objective; ablation)",
+        {"alignment": "activation", "gate_objective": "alignment"},
+    ),
     Method("raot-nogate", "RaOT without the gate", {"alignment": "activation", "gate": False}),
     Method(
         "raot-stride4",
@@ -91,6 +98,34 @@ METHODS: tuple[Method, ...] = (
         "rules",
     ),
     Method("raot+fisher", "Fisher averaging after RaOT", {"alignment": "activation", "merge_rule": "fisher"}, "rules"),
+    Method(
+        "task-arithmetic",
+        "task arithmetic with the base (no alignment)",
+        {"alignment": "none", "merge_rule": "task_arithmetic"},
+        "base",
+        needs_base=True,
+    ),
+    Method(
+        "ties",
+        "TIES with the base (no alignment)",
+        {"alignment": "none", "merge_rule": "ties"},
+        "base",
+        needs_base=True,
+    ),
+    Method(
+        "dare-ties",
+        "DARE-TIES with the base (no alignment)",
+        {"alignment": "none", "merge_rule": "dare_ties"},
+        "base",
+        needs_base=True,
+    ),
+    Method(
+        "raot+ties",
+        "TIES with the base after RaOT",
+        {"alignment": "activation", "merge_rule": "ties"},
+        "base",
+        needs_base=True,
+    ),
 )
 
 BY_NAME = {m.name: m for m in METHODS}
@@ -99,26 +134,51 @@ BY_NAME = {m.name: m for m in METHODS}
 BARRIER_PLOT_METHODS = ("average", "wm-rot", "act-perm", "raot")
 
 
+#: Names the product may give the base model's keyword of ``RaotMerger.from_pretrained``.
+BASE_KEYWORDS = ("base", "base_model", "base_model_name_or_path")
+
+
+def base_keyword() -> str | None:
+    """The keyword of ``RaotMerger.from_pretrained`` that takes the base model, if it has one."""
+    import inspect
+
+    from raot_hf import RaotMerger
+
+    params = inspect.signature(RaotMerger.from_pretrained).parameters
+    return next((k for k in BASE_KEYWORDS if k in params), None)
+
+
+def unavailable(method: Method) -> str | None:
+    """Why the product cannot run ``method`` now (a missing package, option or merge rule), or None.
+
+    The options are checked by the product itself: ``RaotConfig`` refuses an unknown option or
+    merge rule."""
+    from raot_hf.config import RaotConfig
+    from raot_hf.errors import RaotError
+
+    if method.needs and importlib.util.find_spec(method.needs) is None:
+        return f"package {method.needs!r} is not installed"
+    try:
+        RaotConfig(**method.options)
+    except TypeError as exc:  # an option RaotConfig does not have (yet)
+        return f"not available: {exc}"
+    except RaotError as exc:
+        return f"not available: {exc}"
+    if method.needs_base and base_keyword() is None:
+        return "not available: RaotMerger.from_pretrained takes no base model"
+    return None
+
+
 def available_methods(names: list[str] | None = None) -> tuple[list[Method], list[str]]:
-    """The methods to run (all, or those named) and notes for the ones skipped.
-
-    A method is skipped when its package is missing or when the product does not offer its
-    merge rule (``RaotConfig`` validates ``merge_rule``)."""
-    from raot_hf.config import MERGER_RULES
-
+    """The methods to run (all, or those named) and notes for the ones skipped (see :func:`unavailable`)."""
     notes = []
     chosen = []
-    wanted = names or list(BY_NAME)
-    for name in wanted:
+    for name in names or list(BY_NAME):
         if name not in BY_NAME:
             raise ValueError(f"unknown method {name!r}; choose from {', '.join(BY_NAME)}")
-        method = BY_NAME[name]
-        if method.needs and importlib.util.find_spec(method.needs) is None:
-            notes.append(f"method {name} skipped: package {method.needs!r} is not installed")
-            continue
-        rule = method.options.get("merge_rule", "linear")
-        if rule not in MERGER_RULES:
-            notes.append(f"method {name} skipped: the merger has no merge_rule={rule!r}")
-            continue
-        chosen.append(method)
+        reason = unavailable(BY_NAME[name])
+        if reason:
+            notes.append(f"method {name} skipped: {reason}")
+        else:
+            chosen.append(BY_NAME[name])
     return chosen, notes

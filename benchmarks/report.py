@@ -381,6 +381,8 @@ def does_not_help(grouped: dict[str, list[dict]], methods: list[str]) -> list[st
 
 def write_report(results: dict[str, Any], out: Path) -> None:
     """Write RESULTS.md and the plots into ``out``."""
+    from benchmarks.report_siblings import sections as sibling_sections
+
     grouped = _by_pair(results)
     methods = _method_names(results)
     labels = {m["name"]: m["label"] for m in results["methods"]}
@@ -419,6 +421,15 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         "LayerNorms folded for pre-LN models. `B′ vs B`: whether the applied alignment is an exact symmetry.",
         "",
     ]
+    if meta.get("updates"):
+        md += ["**Which numbers come from which run** (later runs replace the rows they rerun):", ""]
+        md += [
+            f"* {u['date']}: `python -m benchmarks.run {' '.join(u['argv'])}` — pairs {', '.join(u['pairs'])}; "
+            f"methods {', '.join(u['methods'])} ({(u['seconds'] or 0) / 60:.1f} min"
+            + (f"; raot_hf source digest {u['source_digest']}" if u.get("source_digest") else "")
+            + ")"
+            for u in meta["updates"]
+        ] + [""]
     if meta.get("notes"):
         md += ["**Notes (skipped or failed):**", ""] + [f"* {n}" for n in meta["notes"]] + [""]
     md += ["## Methods", ""] + [f"* `{m['name']}` — {m['label']}: `{m['options']}`" for m in results["methods"]] + [""]
@@ -450,6 +461,7 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         + [""]
     )
     md += ["## Gate decisions of RaOT (summed over runs)", ""] + gate_table(grouped) + [""]
+    md += sibling_sections(results, grouped, methods)
     md += ["## Time per stage (RaOT merge, seconds per run)", ""] + timing_table(grouped) + [""]
     md += ["## All methods per pair", ""]
     for pair, runs in grouped.items():

@@ -27,12 +27,23 @@ from typing import Any
 
 from benchmarks.methods import available_methods
 from benchmarks.pairs import ModelSpec, PairSpec, build_model, missing_packages, suite
+from benchmarks.update import merge_results, today
 
 logger = logging.getLogger("benchmarks.run")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 #: Rough single-core cost of building / evaluating, to start the slowest jobs first.
-_COST = {"zoo_minilm": 80, "zoo_bert": 40, "task_bert": 20, "resized_vit": 30, "zoo_vit": 25}
+_COST = {
+    "zoo_minilm": 80,
+    "finetuned_bert": 45,
+    "zoo_bert": 40,
+    "finetuned_vit": 30,
+    "resized_vit": 30,
+    "zoo_vit": 25,
+    "task_bert": 20,
+}
+#: Builders that fine-tune another spec's model (built in a second wave, after the bases).
+FINETUNED = "finetuned_"
 
 
 def _alphas(n: int) -> list[float]:
@@ -119,6 +130,20 @@ def _run_job(pair: PairSpec, run_index: int, method_names: list[str], alphas: li
     return evaluate_run(pair, run_index, [BY_NAME[m] for m in method_names], alphas)
 
 
+def source_digest() -> str:
+    """A digest of the product's source files (``raot_hf/**/*.py``): which code produced the numbers,
+    also between commits (the tree may hold uncommitted work when the benchmarks run)."""
+    import hashlib
+
+    import raot_hf
+
+    root = Path(raot_hf.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def _versions() -> dict[str, str]:
     import sklearn
     import torch
@@ -142,11 +167,14 @@ def run_benchmarks(
     workers: int = 2,
     alphas: int | None = None,
     pair_filter: list[str] | None = None,
+    run_filter: list[int] | None = None,
     method_names: list[str] | None = None,
     cache_dir: str | None = None,
+    update: bool = False,
     echo=print,
 ) -> dict[str, Any]:
-    """Build, merge, measure and write the results; return the results dict."""
+    """Build, merge, measure and write the results; return the results dict. With ``update``,
+    fold them into the ``results.json`` already in ``out`` (:mod:`benchmarks.update`)."""
     from benchmarks.report import write_report
 
     started = time.perf_counter()
@@ -192,25 +220,31 @@ def run_benchmarks(
         return fut
 
     try:
-        # Phase 1: build every parent once (the zoo caches them), slowest first.
-        specs = sorted({s for p in pairs for run in p.runs() for s in run}, key=lambda s: -_COST.get(s.builder, 1))
+        # Phase 1: build every parent once (the zoo caches them), slowest first; fine-tunes after
+        # their bases, so that no base is trained twice by two workers at once.
+        chosen = {p.name: [i for i in range(len(p.seeds)) if run_filter is None or i in run_filter] for p in pairs}
+        needed = {s for p in pairs for i in chosen[p.name] for s in (*p.runs()[i], p.base_of(i)) if s is not None}
+        specs = sorted(needed, key=lambda s: -_COST.get(s.builder, 1))
         echo(f"building {len(specs)} parent models (cached after the first run) with {workers} worker(s)")
         failed_specs: dict[ModelSpec, str] = {}
-        futures = {submit(_build_job, s): s for s in specs}
-        for fut in as_completed(futures):
-            spec = futures[fut]
-            try:
-                fut.result()
-            except Exception as exc:
-                failed_specs[spec] = f"{type(exc).__name__}: {exc}"
-                echo(f"  build failed: {spec.describe()}: {failed_specs[spec]}")
+        for wave in (False, True):
+            futures = {submit(_build_job, s): s for s in specs if s.builder.startswith(FINETUNED) == wave}
+            for fut in as_completed(futures):
+                spec = futures[fut]
+                try:
+                    fut.result()
+                except Exception as exc:
+                    failed_specs[spec] = f"{type(exc).__name__}: {exc}"
+                    echo(f"  build failed: {spec.describe()}: {failed_specs[spec]}")
         echo(f"parents ready ({time.perf_counter() - started:.0f} s)")
 
         # Phase 2: one job per (pair, run), slowest families first.
         jobs = []
         for pair in pairs:
             for i, run in enumerate(pair.runs()):
-                bad = [failed_specs[s] for s in run if s in failed_specs]
+                if i not in chosen[pair.name]:
+                    continue
+                bad = [failed_specs[s] for s in (*run, pair.base_of(i)) if s in failed_specs]
                 if bad:
                     note = f"pair {pair.name} run {i} skipped: a parent failed to build ({bad[0]})"
                     echo(note)
@@ -252,6 +286,8 @@ def run_benchmarks(
             "cpu_count": os.cpu_count(),
             "versions": _versions(),
             "argv": sys.argv[1:],
+            "date": today(),
+            "source_digest": source_digest(),
             "notes": notes,
         },
         "methods": [
@@ -272,6 +308,10 @@ def run_benchmarks(
     }
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if update and (out / "results.json").is_file():
+        previous = json.loads((out / "results.json").read_text())
+        results = merge_results(previous, results, [p.name for p in suite("full", cache_dir)])
+        echo(f"folded {len(runs)} runs into the {len(previous['runs'])} of {out / 'results.json'}")
     (out / "results.json").write_text(json.dumps(results, indent=1, sort_keys=True, default=str))
     write_report(results, out)
     echo(f"wrote {out / 'RESULTS.md'}, results.json and plots in {time.perf_counter() - started:.0f} s")
@@ -292,9 +332,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alphas", type=int, help="points of the interpolation grid (default 11; quick 5)")
     parser.add_argument("--pairs", help="comma-separated substrings of pair names to keep")
     parser.add_argument("--methods", help="comma-separated method names (default: all)")
+    parser.add_argument("--runs", help="comma-separated run indices of each pair to run (default: all)")
     parser.add_argument("--cache-dir", help="zoo cache (default $RAOT_HF_CACHE or ~/.cache/raot_hf/zoo)")
+    parser.add_argument(
+        "--update", action="store_true", help="fold the results into OUT/results.json (keep what is not rerun)"
+    )
+    parser.add_argument(
+        "--fold", type=Path, help="fold this results.json (of another --out) into OUT/results.json, then report"
+    )
     parser.add_argument("--report-only", action="store_true", help="re-render RESULTS.md and plots from results.json")
     args = parser.parse_args(argv)
+    if args.fold:
+        from benchmarks.report import write_report
+
+        target = args.out / "results.json"
+        if not args.fold.is_file() or not target.is_file():
+            parser.error(f"--fold needs {args.fold} and {target} to exist")
+        order = [p.name for p in suite("full", args.cache_dir)]
+        folded = merge_results(json.loads(target.read_text()), json.loads(args.fold.read_text()), order)
+        target.write_text(json.dumps(folded, indent=1, sort_keys=True, default=str))
+        write_report(folded, args.out)
+        print(f"folded {args.fold} into {target}; wrote {args.out / 'RESULTS.md'} and plots")
+        return 0
     if args.report_only:
         from benchmarks.report import write_report
 
@@ -312,8 +371,10 @@ def main(argv: list[str] | None = None) -> int:
         workers=max(1, args.workers),
         alphas=args.alphas,
         pair_filter=args.pairs.split(",") if args.pairs else None,
+        run_filter=[int(x) for x in args.runs.split(",")] if args.runs else None,
         method_names=args.methods.split(",") if args.methods else None,
         cache_dir=args.cache_dir,
+        update=args.update,
     )
     return 0
 

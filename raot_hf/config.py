@@ -8,13 +8,16 @@ from typing import Any
 
 from raot_hf.calibration.data import CalibrationConfig
 from raot_hf.errors import RaotError
+from raot_hf.merging import available_merge_rules, merge_rule_spec
 from raot_hf.version import __version__
 
 ALIGNMENTS = ("activation", "weight", "soft_ot", "none")
 SCOPES = ("mlp", "heads", "residual")
 RESIDUAL_MODES = ("auto", "permutation", "rotation")
 HEAD_POLICIES = ("a", "b", "average")
-MERGER_RULES = ("linear", "regmean", "fisher")
+GATE_OBJECTIVES = ("merge", "alignment")
+#: The merge rules registered when this module was imported (validation reads the live registry).
+MERGER_RULES = tuple(available_merge_rules())
 DTYPES = ("float32", "float64", "bfloat16", "float16", "auto")
 
 
@@ -40,9 +43,18 @@ class RaotConfig:
       false-accept rate of ~0.1% per transform) and ``gate_min_gain`` a floor on the mean gain
       (objectives are cosines/correlations in [−1, 1]: below 0.01 the bases already agree and
       the transform would barely move B); ``min_heldout_tokens``: below it an estimate
-      loses to the identity with a warning.
-    * ``merge_rule``: ``linear`` or ``regmean`` (Grams from the same calibration pass); ``alpha``:
-      weight of B′ (0 gives A); ``regmean_shrink``: RegMean off-diagonal scale.
+      loses to the identity with a warning. ``gate_objective``: ``merge`` (default) decides each
+      transform by the merged computation's fidelity to A and B′ on ``gate_examples`` held-out
+      examples, with a model-level check against the identity merge (docs/design.md §5);
+      ``alignment`` by the alignment objective's held-out gain alone (the earlier gate, an ablation).
+    * ``merge_rule``: a rule of :mod:`raot_hf.merging`'s registry — ``linear``, ``regmean`` (Grams
+      from the same calibration pass), ``fisher``, or the base-relative ``task_arithmetic``,
+      ``ties`` and ``dare_ties`` (they need a base model; docs/design.md §6); ``alpha``: weight of
+      B′ (0 gives A; in the base-relative rules, the weight of B's task vector);
+      ``regmean_shrink``: RegMean off-diagonal scale.
+    * ``density``: fraction of each task vector that ``ties`` keeps (top magnitudes; 0.2 is the
+      TIES paper's k) and ``dare_ties`` keeps at random (seeded by ``seed``); ``task_scale``: λ
+      in ``base + λ·((1−α)·τ_A + α·τ_B)`` (with α = ½, 1 averages the task vectors, 2 sums them).
     * ``head``: classifier head policy — keep ``a``'s, ``b``'s, or ``average`` (needs equal label spaces).
     * ``weight_rescale`` / ``weight_match_heads``: options of the weight-based estimator.
     * ``soft_ot_reg``: entropic regularisation of the ``soft_ot`` baseline (Sinkhorn plans on
@@ -58,9 +70,13 @@ class RaotConfig:
     gate_z: float = 3.0
     gate_min_gain: float = 0.01
     min_heldout_tokens: int = 64
+    gate_objective: str = "merge"
+    gate_examples: int = 16
     merge_rule: str = "linear"
     alpha: float = 0.5
     regmean_shrink: float = 0.9
+    density: float = 0.2
+    task_scale: float = 1.0
     head: str = "a"
     weight_rescale: bool = False
     weight_match_heads: bool = True
@@ -116,6 +132,9 @@ class RaotConfig:
             raise RaotError(f"regmean_shrink={self.regmean_shrink} must lie in [0, 1]")
         if not 0.0 <= float(self.gate_min_gain) <= 2.0:
             raise RaotError(f"gate_min_gain={self.gate_min_gain} must lie in [0, 2] (a gain in cosine units)")
+        _choice("gate_objective", self.gate_objective, GATE_OBJECTIVES)
+        if self.gate_examples < 4:
+            raise RaotError(f"gate_examples={self.gate_examples} must be ≥ 4 (held-out examples the merge gate scores)")
         if float(self.gate_z) < 0:
             raise RaotError(f"gate_z={self.gate_z} must be ≥ 0 (standard errors of margin)")
         if not float(self.soft_ot_reg) > 0:
@@ -124,17 +143,31 @@ class RaotConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise RaotError(f"{name}={v!r} must be a non-negative integer")
-        if self.merge_rule not in MERGER_RULES:
+        if not 0.0 < float(self.density) <= 1.0:
+            raise RaotError(f"density={self.density} must lie in (0, 1] (the fraction of each task vector kept)")
+        _choice("merge_rule", self.merge_rule, tuple(available_merge_rules()))
+        if merge_rule_spec(self.merge_rule).needs_base:
+            self._check_base_relative()
+
+    def _check_base_relative(self) -> None:
+        """Base-relative rules need A, B and the base in one basis (docs/design.md §6): refuse the
+        alignments that would move B without the gate's check that the pair shares a basis."""
+        if self.alignment == "none" or not self.scope:
+            return
+        why = {
+            "weight": "alignment='weight' applies its matching to B with no gate",
+            "soft_ot": "alignment='soft_ot' always moves B",
+        }.get(self.alignment, None if self.gate else "gate=False applies every estimate to B")
+        if why:
             raise RaotError(
-                f"merge_rule={self.merge_rule!r} is not available in the merger; choose one of: "
-                f"{', '.join(MERGER_RULES)} (task_arithmetic and ties exist as functions in raot_hf.merging)"
+                f"merge_rule={self.merge_rule!r} measures B's task vector against the base, so B must stay in the "
+                f"base's basis, but {why}; use alignment='activation' with the gate (it checks the pair) or 'none'"
             )
 
     @property
     def needs_calibration(self) -> bool:
-        return (
-            self.alignment in ("activation", "soft_ot") and bool(self.scope) or self.merge_rule in ("regmean", "fisher")
-        )
+        spec = merge_rule_spec(self.merge_rule)
+        return self.alignment in ("activation", "soft_ot") and bool(self.scope) or spec.needs_grams or spec.needs_fisher
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

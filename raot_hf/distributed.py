@@ -1,4 +1,4 @@
-"""Data-parallel calibration (DESIGN.md §7): each process runs its shard of the calibration
+"""Data-parallel calibration (docs/design.md §7): each process runs its shard of the calibration
 set; statistics are sums, so one all-reduce makes every process hold the full-data totals.
 
 Under ``accelerate launch`` (or any launcher that sets ``WORLD_SIZE``, or an already

@@ -1,4 +1,4 @@
-"""The gate: the identity competes with every estimate on held-out statistics (DESIGN.md §5).
+"""The gate: the identity competes with every estimate on held-out statistics (docs/design.md §5).
 
 A transform's held-out gains are one number per unit (MLP), head, or stream coordinate:
 its alignment objective under the estimate minus under the identity. The transform is
@@ -34,6 +34,13 @@ class GateDecision:
     applied: bool
     reason: str
     description: str = ""
+    # which objective decided: "alignment" (identity/estimate/gain are the alignment objective,
+    # per unit) or "merge" (they are the merged computation's fidelity, per gate example, §5)
+    objective: str = "alignment"
+    fidelity_identity: float = float("nan")
+    fidelity_estimate: float = float("nan")
+    alignment_gain: float = float("nan")  # diagnostic under the merge objective
+    examples: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,4 +1,4 @@
-"""RegMean Gram matrices after alignment (DESIGN.md §6): B′'s Grams are B's under the same
+"""RegMean Gram matrices after alignment (docs/design.md §6): B′'s Grams are B's under the same
 transforms — transformed, never re-measured — and pre-LN folding is accounted for."""
 
 from __future__ import annotations
@@ -70,10 +70,12 @@ def aligned_grams(
     return grams_a, grams_b
 
 
-def _original_norm(model: torch.nn.Module, weight: str, bias: str):
-    """The LayerNorm affine recorded before folding (see :func:`raot_hf.symmetry.fold_model`)."""
+def _original_norm(model: torch.nn.Module, weight: str, bias: str | None):
+    """The LayerNorm affine recorded before folding (see :func:`raot_hf.symmetry.fold_model`);
+    an RMSNorm (``bias`` None) has a zero shift."""
     saved = getattr(model, "_raot_unfolded_norms", {})
-    if weight in saved:
-        return saved[weight], saved[bias]
     params = dict(model.named_parameters())
-    return params[weight].detach(), params[bias].detach()
+    gamma = saved[weight] if weight in saved else params[weight].detach()
+    if bias is None:
+        return gamma, torch.zeros_like(gamma)
+    return gamma, saved[bias] if bias in saved else params[bias].detach()

@@ -3,6 +3,7 @@ asked, and every incompatibility caught from the configs before weights are read
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from dataclasses import dataclass
@@ -63,7 +64,9 @@ def load_config(source: ModelSource, label: str):
                 "(trust_remote_code=True) only if you trust that code"
             ) from None
         raise RaotError(f"cannot read the config of model {label} ({source.name_or_path}): {msg}") from None
-    get_adapter(config.model_type)  # an unsupported architecture fails here, before any weights or tokenizers
+    adapter = get_adapter(config.model_type)  # an unsupported architecture fails here, before any weights
+    if config.model_type in DECODER_MODEL_TYPES and adapter.check_config is not None:
+        adapter.check_config(config)  # decoder layouts the schema cannot describe (§8), also before weights
     if source.is_local:  # pickle-only, missing or corrupt weight files: refused before either parent loads
         _check_local_weights(source, label)
     return config
@@ -149,20 +152,25 @@ def load_model(source: ModelSource, label: str, *, dtype: str = "auto", config=N
     get_adapter(config.model_type)
     if source.is_local:
         _check_local_weights(source, label)
-    cls = model_class(config)
+    return _load_weights(model_class(config), source, label, dtype=dtype, config=config)[0]
+
+
+def _load_weights(cls: type, source: ModelSource, label: str, *, dtype: str, config) -> tuple[torch.nn.Module, dict]:
+    """``cls.from_pretrained`` in eval mode with a one-line error; returns the model and its loading info."""
     kwargs: dict[str, Any] = {}
     if dtype != "auto":
         kwargs["dtype"] = _DTYPES[dtype]
     else:
         kwargs["dtype"] = "auto"
     try:
-        model = cls.from_pretrained(
+        model, info = cls.from_pretrained(
             source.name_or_path,
             config=config,
             revision=source.revision,
             token=source.token,
             trust_remote_code=source.trust_remote_code,
             use_safetensors=None if source.allow_pickle else True,
+            output_loading_info=True,
             **kwargs,
         )
     except (OSError, ValueError, RuntimeError) as exc:
@@ -174,36 +182,71 @@ def load_model(source: ModelSource, label: str, *, dtype: str = "auto", config=N
             raise RaotError(
                 f"model {label} has NaN/Inf in {name}; the checkpoint is corrupt — re-train or re-download it"
             )
-    return model
+    return model, info
+
+
+#: Config fields that fix the trunk's parameter shapes and function; A, B and a base must agree on them.
+_SHAPE_KEYS = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "type_vocab_size",
+    "image_size",
+    "patch_size",
+    "num_channels",
+    "relative_attention",
+    "pos_att_type",
+    "share_att_key",
+    "position_buckets",
+    "norm_rel_ebd",
+    "position_biased_input",
+    "hidden_act",
+    "qkv_bias",
+)
+
+
+# Decoders (docs/design.md §8): what fixes the head groups, RoPE and the attention pattern.
+DECODER_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
+_DECODER_KEYS = (
+    "num_key_value_heads",
+    "head_dim",
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "partial_rotary_factor",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "layer_types",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "n_inner",
+    "activation_function",
+    "scale_attn_weights",
+    "scale_attn_by_inverse_layer_idx",
+    "reorder_and_upcast_attn",
+)
+
+
+def _kind(model_type: str) -> str:
+    return "a decoder" if model_type in DECODER_MODEL_TYPES else "an encoder"
 
 
 def check_compatible(config_a, config_b, *, head_policy: str = "a") -> None:
     """Refuse pairs that cannot be merged, naming the first difference and the fix."""
     if config_a.model_type != config_b.model_type:
+        kind_a, kind_b = _kind(config_a.model_type), _kind(config_b.model_type)
+        detail = f" ({kind_a} and {kind_b})" if kind_a != kind_b else ""
         raise RaotError(
-            f"A is a {config_a.model_type} model and B a {config_b.model_type} model; "
+            f"A is a {config_a.model_type} model and B a {config_b.model_type} model{detail}; "
             "merge two checkpoints of one architecture."
         )
-    for key in (
-        "hidden_size",
-        "num_attention_heads",
-        "num_hidden_layers",
-        "intermediate_size",
-        "vocab_size",
-        "max_position_embeddings",
-        "type_vocab_size",
-        "image_size",
-        "patch_size",
-        "num_channels",
-        "relative_attention",
-        "pos_att_type",
-        "share_att_key",
-        "position_buckets",
-        "norm_rel_ebd",
-        "position_biased_input",
-        "hidden_act",
-        "qkv_bias",
-    ):
+    decoder = config_a.model_type in DECODER_MODEL_TYPES
+    for key in _SHAPE_KEYS + (_DECODER_KEYS if decoder else ()):
         va, vb = getattr(config_a, key, None), getattr(config_b, key, None)
         if va != vb:
             raise RaotError(f"A and B differ in {key} ({va} vs {vb}); merge two checkpoints of the same shape.")
@@ -211,6 +254,18 @@ def check_compatible(config_a, config_b, *, head_policy: str = "a") -> None:
     arch_b = (getattr(config_b, "architectures", None) or ["?"])[0]
     if arch_a != arch_b:
         raise RaotError(f"A is {arch_a} and B is {arch_b}; load both with the same head class.")
+    _check_heads(config_a, config_b, arch_a, head_policy)
+
+
+# Config fields that describe a task head rather than the trunk: the label space, and what
+# shapes or drives the modules outside the base model (DeBERTa's pooler sits there). With
+# head="b" the output takes B's values of these with B's head tensors (docs/design.md §6).
+LABEL_KEYS = ("id2label", "label2id", "problem_type")
+HEAD_MODULE_KEYS = ("pooler_hidden_size", "pooler_hidden_act", "pooler_dropout", "cls_dropout", "classifier_dropout")
+
+
+def _check_heads(config_a, config_b, arch: str, head_policy: str) -> None:
+    """Refuse head combinations that cannot be written, from the configs alone."""
     if head_policy == "average":
         la, lb = getattr(config_a, "id2label", None), getattr(config_b, "id2label", None)
         if config_a.num_labels != config_b.num_labels or la != lb:
@@ -218,6 +273,42 @@ def check_compatible(config_a, config_b, *, head_policy: str = "a") -> None:
                 f"--head average needs the same label space; A has {config_a.num_labels} labels {la}, "
                 f"B has {config_b.num_labels} {lb}; use --head a or --head b."
             )
+    # ViT/DeiT build no classifier at all for num_labels=0: the heads then hold different parameters
+    if arch.endswith("ForImageClassification") and (config_a.num_labels == 0) != (config_b.num_labels == 0):
+        raise RaotError(
+            f"{arch} A has {config_a.num_labels} labels and B {config_b.num_labels}: one of them has no classifier "
+            "(num_labels=0), so their heads hold different parameters; merge two classifiers, or two models "
+            "without one."
+        )
+
+
+def adopt_head(model: torch.nn.Module, donor: torch.nn.Module, head_params: list[str] | tuple[str, ...]) -> None:
+    """Give ``model`` (A, receiving the merge) the head config and head parameter shapes of
+    ``donor`` (B′) for ``head="b"``: its label space (num_labels, id2label, label2id,
+    problem_type) and head module fields, and a parameter of B′'s shape wherever B′'s head
+    differs (e.g. another number of labels); the values are loaded afterwards."""
+    target, source = model.config, donor.config
+    for key in (*LABEL_KEYS, *HEAD_MODULE_KEYS):
+        if hasattr(source, key):
+            value = getattr(source, key)
+            setattr(target, key, copy.deepcopy(value))
+    if hasattr(model, "num_labels"):  # the task classes keep their own copy for the loss
+        model.num_labels = source.num_labels
+    donor_params = dict(donor.named_parameters())
+    for name, param in list(model.named_parameters()):
+        if name not in head_params or donor_params[name].shape == param.shape:
+            continue
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        module.register_parameter(leaf, torch.nn.Parameter(donor_params[name].detach().to(param.dtype, copy=True)))
+        if isinstance(module, torch.nn.Linear):
+            module.out_features, module.in_features = module.weight.shape
+    logger.info(
+        "head from B′: %d labels %s, problem_type %s",
+        source.num_labels,
+        getattr(source, "id2label", None),
+        getattr(source, "problem_type", None),
+    )
 
 
 def load_preprocessor(source: ModelSource):
@@ -245,3 +336,47 @@ def check_tokenizers(pre_a, pre_b) -> None:
         return
     if vocab_a() != vocab_b():
         raise RaotError("A and B use different tokenizers (vocabularies differ); merge models that share a tokenizer.")
+
+
+# ------------------------------------------------------------------------------- the base model
+
+
+def check_base_compatible(config_a, config_base) -> None:
+    """Refuse a base of another architecture or shape than A (read from the configs, before any
+    weights load). Its head class and label space may differ: the base's head is never read."""
+    if config_a.model_type != config_base.model_type:
+        raise RaotError(
+            f"A is a {config_a.model_type} model but the base a {config_base.model_type} model; "
+            "pass the checkpoint A and B were fine-tuned from as --base."
+        )
+    for key in _SHAPE_KEYS:
+        va, vb = getattr(config_a, key, None), getattr(config_base, key, None)
+        if va != vb:
+            raise RaotError(
+                f"A and the base differ in {key} ({va} vs {vb}); pass the checkpoint A and B were fine-tuned from."
+            )
+
+
+def check_base_tokenizer(pre_a, pre_base) -> None:
+    """A base with a tokenizer of A's size must share A's vocabulary. (A checkpoint without
+    tokenizer files yields a vocabulary of special tokens only: that one is not compared.)"""
+    vocab_a, vocab_base = getattr(pre_a, "get_vocab", None), getattr(pre_base, "get_vocab", None)
+    if vocab_a is None or vocab_base is None:
+        return
+    words_a, words_base = vocab_a(), vocab_base()
+    if len(words_a) == len(words_base) and words_a != words_base:
+        raise RaotError("A and the base use different tokenizers (vocabularies differ); pass the base A was tuned from")
+
+
+def load_base_model(source: ModelSource, config_a, *, dtype: str = "auto", config=None):
+    """The base, loaded with A's class so that its parameters carry A's names (a pretraining
+    checkpoint saved as ``BertModel`` or ``BertForMaskedLM`` loads into the trunk of
+    ``BertForSequenceClassification``). Returns the model and the names of A's parameters the
+    checkpoint does not hold — transformers initialises those at random, so they have no base value."""
+    config = config if config is not None else load_config(source, "base")
+    check_base_compatible(config_a, config)
+    if source.is_local:
+        _check_local_weights(source, "base")
+    model, info = _load_weights(model_class(config_a), source, "base", dtype=dtype, config=config)
+    missing = sorted(set(info.get("missing_keys") or ()) & {name for name, _ in model.named_parameters()})
+    return model, missing

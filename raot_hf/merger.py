@@ -1,4 +1,4 @@
-"""RaotMerger: estimate, gate, apply, check and merge (DESIGN.md §4–6).
+"""RaotMerger: estimate, gate, apply, check and merge (docs/design.md §4–6).
 
 >>> from raot_hf import RaotMerger
 >>> result = RaotMerger.from_pretrained("path/to/A", "path/to/B").merge(calibration="data.csv")  # doctest: +SKIP
@@ -48,13 +48,18 @@ from raot_hf.gate import GateDecision, decide
 from raot_hf.grams import aligned_grams
 from raot_hf.loading import (
     ModelSource,
+    adopt_head,
+    check_base_compatible,
+    check_base_tokenizer,
     check_compatible,
     check_tokenizers,
+    load_base_model,
     load_config,
     load_model,
     load_preprocessor,
 )
-from raot_hf.merging import get_merge_rule, merge_heads
+from raot_hf.merging import base_relative_rules, merge_heads, merge_rule_spec
+from raot_hf.merging.siblings import base_state_for, check_base_use, check_task_norms, refuse_moved_b
 from raot_hf.symmetry import (
     HeadAlignment,
     HeadRescale,
@@ -83,6 +88,8 @@ class Alignment:
     applied: TransformSequence
     exact: bool
     logs: dict[str, Any] = field(default_factory=dict)
+    verdict: str = ""  # one line: do A and B share a basis, with the evidence (docs/design.md §5)
+    model_fidelity: dict[str, Any] = field(default_factory=dict)  # the model-level check's numbers
 
     @property
     def shares_basis(self) -> bool:
@@ -91,13 +98,17 @@ class Alignment:
 
     def table(self) -> str:
         """The gate table as aligned plain text."""
-        head = f"{'transform':<10} {'layer':>5} {'identity':>10} {'estimate':>10} {'gain':>10} {'margin':>10}  applied"
+        head = (
+            f"{'transform':<10} {'layer':>5} {'identity':>10} {'estimate':>10} {'gain':>10} {'margin':>10} "
+            f"{'align.gain':>10}  applied"
+        )
         lines = [head, "-" * len(head)]
         for d in self.decisions:
             layer = "-" if d.layer is None else str(d.layer)
+            diagnostic = d.alignment_gain if d.objective == "merge" else d.gain
             lines.append(
                 f"{d.transform:<10} {layer:>5} {d.identity:>10.4f} {d.estimate:>10.4f} {d.gain:>10.4f} "
-                f"{d.margin:>10.4f}  {'yes' if d.applied else 'no'} ({d.reason})"
+                f"{d.margin:>10.4f} {diagnostic:>10.4f}  {'yes' if d.applied else 'no'} ({d.reason})"
             )
         return "\n".join(lines)
 
@@ -201,15 +212,25 @@ def _finite(*moments) -> bool:
     return all(bool(torch.isfinite(t).all()) for m in moments for t in m.tensors())
 
 
-def _check_calibration_early(cal: CalibrationConfig, preprocessor) -> None:
+def _check_calibration_early(cal: CalibrationConfig, preprocessor) -> tuple[dict[str, Any], Any, str]:
     """Load the calibration sample and resolve its column before any weights are read, so a
-    wrong path, split, column or modality fails in seconds (``datasets`` caches the load)."""
+    wrong path, split, column or modality fails in seconds. Returns the request, the sample
+    and its column, which the pass reuses (the data is read and announced once)."""
     dataset = load_calibration_dataset(cal)
-    check_column(dataset, cal.column, detect_modality(preprocessor), model_label="model A")
+    column = check_column(dataset, cal.column, detect_modality(preprocessor), model_label="model A")
+    return cal.to_dict(), dataset, column
+
+
+def _check_base_use(config: RaotConfig, has_base: bool) -> None:
+    needs_base = merge_rule_spec(config.merge_rule).needs_base
+    check_base_use(config.merge_rule, needs_base, has_base, base_relative_rules())
 
 
 def residual_mode(schema: ModelSchema, requested: str) -> str:
-    """``auto`` → the mean-fixing rotation where it is exact, the permutation otherwise."""
+    """``auto`` → the mean-fixing rotation where it is exact, the permutation otherwise; a
+    rotation of an RMSNorm stream ranges over all of O(d) (``"orthogonal"``, docs/design.md §8)."""
+    if requested in ("auto", "rotation") and schema.residual.exact == "orthogonal":
+        return "orthogonal"
     if requested == "auto":
         return "rotation" if schema.residual.exact == "mean_fixing" else "permutation"
     return requested
@@ -231,8 +252,12 @@ class RaotMerger:
         preprocessor=None,
         source_a: ModelSource | None = None,
         source_b: ModelSource | None = None,
+        base_model=None,
+        source_base: ModelSource | None = None,
+        base_missing: list[str] | tuple[str, ...] = (),
     ):
         self.config = config or RaotConfig()
+        _check_base_use(self.config, base_model is not None)
         self.model_a, self.model_b = model_a.eval(), model_b.eval()
         check_compatible(model_a.config, model_b.config, head_policy=self.config.head)
         self.schema = schema_for(model_a)
@@ -244,6 +269,23 @@ class RaotMerger:
         self.source_b = source_b or ModelSource(getattr(model_b, "name_or_path", "") or "model_b")
         self.timer = _Timer()
         self.dist = DistributedContext.detect()
+        self._set_base(base_model, source_base, base_missing)
+
+    def _set_base(self, base_model, source: ModelSource | None, missing) -> None:
+        """The base's trunk under A's names, and A's and B's distances from it (docs/design.md §6)."""
+        self.base_model, self.base_state, self.base_missing, self.task_norms = base_model, None, list(missing), None
+        self.source_base = source
+        if base_model is None:
+            return
+        check_base_compatible(self.model_a.config, base_model.config)
+        head = set(self.schema.head_params)
+        trunk = [name for name in model_state(self.model_a) if name not in head]
+        prefix = getattr(self.model_a, "base_model_prefix", "") or ""
+        self.base_state = base_state_for(trunk, base_model.eval(), missing, prefix)
+        self.base_missing = sorted(set(trunk) - set(self.base_state))
+        self.source_base = source or ModelSource(getattr(base_model, "name_or_path", "") or "base")
+        state_a, state_b = model_state(self.model_a), model_state(self.model_b)
+        self.task_norms = check_task_norms(self.base_state, state_a, state_b)
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -258,34 +300,64 @@ class RaotMerger:
         token: str | bool | None = None,
         trust_remote_code: bool = False,
         allow_pickle: bool = False,
+        base: str | Path | None = None,
+        base_revision: str | None = None,
         **options,
     ) -> RaotMerger:
         """Load A and B (Hub ids or local directories). ``revision`` applies to A (and to B
-        unless ``revision_b`` is given); ``options`` override fields of ``config``."""
+        unless ``revision_b`` is given); ``options`` override fields of ``config``. ``base``
+        (with ``base_revision``) is the checkpoint A and B were fine-tuned from, for the
+        base-relative rules (``task_arithmetic``, ``ties``, ``dare_ties``)."""
         config = (config or RaotConfig()).replace(**options) if options else (config or RaotConfig())
+        _check_base_use(config, base is not None)
         src_a = ModelSource(str(a), revision, token, trust_remote_code, allow_pickle)
         src_b = ModelSource(str(b), revision_b or revision, token, trust_remote_code, allow_pickle)
+        src_base = ModelSource(str(base), base_revision, token, trust_remote_code, allow_pickle) if base else None
         timer = _Timer()
+        early = None
         with timer.stage("load"):
             cfg_a, cfg_b = load_config(src_a, "A"), load_config(src_b, "B")
             check_compatible(cfg_a, cfg_b, head_policy=config.head)
+            cfg_base = load_config(src_base, "base") if src_base else None
+            if cfg_base is not None:
+                check_base_compatible(cfg_a, cfg_base)  # before any weights load
             pre_a, pre_b = load_preprocessor(src_a), load_preprocessor(src_b)
             check_tokenizers(pre_a, pre_b)
+            if src_base is not None:
+                check_base_tokenizer(pre_a, load_preprocessor(src_base))
             if config.needs_calibration and config.calibration.source is not None and pre_a is not None:
-                _check_calibration_early(config.calibration, pre_a)
+                early = _check_calibration_early(config.calibration, pre_a)
+            stage = {"stage": True}  # a line the CLI shows by default (raot_hf.cli.verbosity)
+            logger.info("loading A (%s) and B (%s)", src_a.name_or_path, src_b.name_or_path, extra=stage)
             model_a = load_model(src_a, "A", dtype=config.dtype, config=cfg_a)
             model_b = load_model(src_b, "B", dtype=config.dtype, config=cfg_b)
-        merger = cls(model_a, model_b, config=config, preprocessor=pre_a, source_a=src_a, source_b=src_b)
+            base_model, missing = (
+                load_base_model(src_base, cfg_a, dtype=config.dtype, config=cfg_base) if src_base else (None, ())
+            )
+        merger = cls(
+            model_a,
+            model_b,
+            config=config,
+            preprocessor=pre_a,
+            source_a=src_a,
+            source_b=src_b,
+            base_model=base_model,
+            source_base=src_base,
+            base_missing=missing,
+        )
         merger.timer.times.update(timer.times)
+        merger._early_calibration = early
         return merger
 
     @classmethod
     def from_models(
-        cls, model_a, model_b, *, preprocessor=None, config: RaotConfig | None = None, **options
+        cls, model_a, model_b, *, preprocessor=None, config: RaotConfig | None = None, base_model=None, **options
     ) -> RaotMerger:
-        """Wrap two loaded models (the merge writes into ``model_a``)."""
+        """Wrap two loaded models (the merge writes into ``model_a``); ``base_model``, for the
+        base-relative rules, may be A's class or the bare model A's head class wraps. (Load it with
+        its own class: parameters ``from_pretrained`` initialised at random cannot be told apart here.)"""
         config = (config or RaotConfig()).replace(**options) if options else (config or RaotConfig())
-        return cls(model_a, model_b, config=config, preprocessor=preprocessor)
+        return cls(model_a, model_b, config=config, preprocessor=preprocessor, base_model=base_model)
 
     # -- calibration ----------------------------------------------------------------------------
     def _calibration_config(self, calibration) -> tuple[CalibrationConfig, Any]:
@@ -296,7 +368,9 @@ class RaotMerger:
             return cal.__class__.from_dict({**cal.to_dict(), "source": str(calibration)}), None
         if calibration is None:
             if cal.source is None:
-                raise RaotError("this merge needs calibration data; pass calibration=... (or --calibration)")
+                with_base = getattr(self, "base_state", None) is not None
+                hint = " — or alignment='none' to skip the gate's shared-basis check" if with_base else ""
+                raise RaotError(f"this merge needs calibration data; pass calibration=... (or --calibration){hint}")
             return cal, None
         return cal, calibration  # an in-memory datasets.Dataset
 
@@ -309,16 +383,19 @@ class RaotMerger:
             raise RaotError("no tokenizer or image processor for model A; pass preprocessor= to from_models")
         cal_cfg, data = self._calibration_config(calibration)
         with self.timer.stage("calibration"):
-            dataset = load_calibration_dataset(data if data is not None else cal_cfg, config=cal_cfg)
-            modality = detect_modality(self.preprocessor)
-            column = check_column(dataset, cal_cfg.column, modality, model_label="model A")
+            early = getattr(self, "_early_calibration", None)
+            if data is None and early is not None and early[0] == cal_cfg.to_dict():
+                dataset, column = early[1:]  # from_pretrained's early check loaded this very sample
+            else:
+                dataset = load_calibration_dataset(data if data is not None else cal_cfg, config=cal_cfg)
+                column = cal_cfg.column
+            column = check_column(dataset, column, detect_modality(self.preprocessor), model_label="model A")
             cal_cfg = CalibrationConfig.from_dict({**cal_cfg.to_dict(), "column": column})
             fingerprint = dataset_fingerprint(dataset, column)
             self._calibration = (dataset, cal_cfg)
             # Σbᵀb of the stream is read only when a residual rotation is estimated
-            rotation = (
-                "residual" in self.config.scope and residual_mode(self.schema, self.config.residual) == "rotation"
-            )
+            residual_wanted = residual_mode(self.schema, self.config.residual)
+            rotation = "residual" in self.config.scope and residual_wanted in ("rotation", "orthogonal")
             moments = self.config.alignment in ("activation", "soft_ot")
             stats = self._run_phase(
                 "fit",
@@ -342,7 +419,7 @@ class RaotMerger:
 
     def collect_heldout(self, stats: CalibrationStatistics, candidates: list[Transform]) -> None:
         """The held-out phase: A and B over the held-out examples, scoring ``candidates`` against
-        the identity (per-coordinate sums, DESIGN.md §5), added into ``stats`` in place. Also
+        the identity (per-coordinate sums, docs/design.md §5), added into ``stats`` in place. Also
         keeps the first ``check_batches`` held-out batches' inputs for the B′ ≡ B check."""
         schema = self.schema
         with self.timer.stage("calibration"):
@@ -452,8 +529,9 @@ class RaotMerger:
                 logs[f"layers.{i}.mlp"] = log
             if "heads" in cfg.scope:
                 if _finite(fit.q[i], fit.k[i], fit.ctx[i]):
+                    structure = {"num_kv_heads": schema.num_kv_heads, "rope": schema.qk_structure == "rope"}
                     t, log = estimate_head_alignment(
-                        fit.q[i], fit.k[i], fit.ctx[i], i, H, h, rotations=cfg.rotations, return_log=True
+                        fit.q[i], fit.k[i], fit.ctx[i], i, H, h, rotations=cfg.rotations, return_log=True, **structure
                     )
                 else:
                     eye = torch.eye(h, dtype=torch.float64).expand(H, h, h)
@@ -565,7 +643,9 @@ class RaotMerger:
         if self.config.alignment == "none" or not self.config.scope:
             return Alignment([], TransformSequence([]), True), stats, fingerprint
         with self.timer.stage("gate"):
-            decisions = self._gate(parts, stats)
+            from raot_hf.merge_gate import merge_gate
+
+            decisions, verdict, fidelity = merge_gate(self, parts, stats, self._gate(parts, stats))
         applied_layers = {(d.transform, d.layer) for d in decisions if d.applied}
         chosen = []
         for t in parts:
@@ -582,7 +662,8 @@ class RaotMerger:
             if keep:
                 chosen.append(t)
         applied = TransformSequence(chosen)
-        return Alignment(decisions, applied, is_exact(applied, self.schema), logs), stats, fingerprint
+        alignment = Alignment(decisions, applied, is_exact(applied, self.schema), logs, verdict, fidelity)
+        return alignment, stats, fingerprint
 
     # -- the whole job --------------------------------------------------------------------------
     def merge(self, calibration=None) -> MergeResult:
@@ -592,7 +673,9 @@ class RaotMerger:
         """
         cfg = self.config
         alignment, stats, fingerprint = self.align(calibration)
-        if cfg.merge_rule != "regmean":
+        if self.base_state is not None:  # task vectors need B in the base's basis (docs/design.md §6)
+            refuse_moved_b(alignment.decisions, cfg.merge_rule)
+        if not merge_rule_spec(cfg.merge_rule).needs_grams:
             stats = None  # only RegMean reads statistics after the gate: free them before apply/merge
         checks = []
         with self.timer.stage("apply"):
@@ -661,50 +744,31 @@ class RaotMerger:
         cfg, schema = self.config, self.schema
         state_a, state_b = model_state(self.model_a), model_state(self.model_b)
         head = set(schema.head_params)
-        rule = get_merge_rule(cfg.merge_rule)
+        spec = merge_rule_spec(cfg.merge_rule)
         trunk_a = {k: v for k, v in state_a.items() if k not in head}
         trunk_b = {k: v for k, v in state_b.items() if k not in head}
-        if cfg.merge_rule == "regmean":
+        # what the rule reads besides A, B′ and α, as its registration declares (raot_hf.merging)
+        inputs: dict[str, Any] = {name: getattr(cfg, field) for name, field in spec.options.items()}
+        if spec.needs_grams:
             if stats is None or not stats.grams:
-                raise RaotError("merge_rule='regmean' needs calibration data for its Gram matrices")
+                raise RaotError(f"merge_rule={cfg.merge_rule!r} needs calibration data for its Gram matrices")
             grams_a, grams_b = aligned_grams(stats, schema, alignment.applied, self.model_a, self.model_b)
-            merged = rule(
-                trunk_a,
-                trunk_b,
-                grams_a=grams_a,
-                grams_b=grams_b,
-                linear_weights=_finite_gram_keys(stats.gram_keys, grams_a, grams_b),
-                alpha=cfg.alpha,
-                shrink=cfg.regmean_shrink,
-            )
-        elif cfg.merge_rule == "fisher":
-            fisher_a, fisher_b = self._fishers(set(trunk_a))
-            merged = rule(trunk_a, trunk_b, fisher_a=fisher_a, fisher_b=fisher_b, alpha=cfg.alpha)
-        else:
-            from raot_hf.symmetry import load_state
-
-            def not_a_chunk_summary(record: logging.LogRecord) -> bool:
-                return record.funcName != "_finish"
-
-            rule_logger = logging.getLogger("raot_hf.merging")
-            rule_logger.addFilter(not_a_chunk_summary)  # one summary below, not one per chunk
-            try:
-                chunk: list[str] = []
-                size, names = 0, list(trunk_a)
-                for i, name in enumerate(names):
-                    chunk.append(name)
-                    size += trunk_a[name].numel() * trunk_a[name].element_size()
-                    if size >= 16 << 20 or i == len(names) - 1:  # float64 temporaries stay ~100 MB
-                        part = rule({k: trunk_a[k] for k in chunk}, {k: trunk_b[k] for k in chunk}, alpha=cfg.alpha)
-                        load_state(self.model_a, part)
-                        chunk, size = [], 0
-                        del part
-            finally:
-                rule_logger.removeFilter(not_a_chunk_summary)
-            logger.info("linear merge (alpha=%g): %d tensors written into A in place", cfg.alpha, len(names))
+            linear_weights = _finite_gram_keys(stats.gram_keys, grams_a, grams_b)
+            inputs.update(grams_a=grams_a, grams_b=grams_b, linear_weights=linear_weights)
+        if spec.needs_fisher:
+            inputs["fisher_a"], inputs["fisher_b"] = self._fishers(set(trunk_a))
+        if spec.needs_base:
+            inputs["base"] = self.base_state
+        if spec.per_tensor:
+            self._merge_in_place(spec, trunk_a, trunk_b, inputs)
             merged = {}
+        else:
+            merged, self.merge_log = spec.fn(trunk_a, trunk_b, alpha=cfg.alpha, return_log=True, **inputs)
+            self.merge_log.pop("params", None)
         if head:
             ca, cb = self.model_a.config, self.model_b.config
+            if cfg.head == "b":  # A's trunk takes B′'s head: B's label config and head shapes first
+                adopt_head(self.model_a, self.model_b, sorted(head))
             merged.update(
                 merge_heads(
                     state_a,
@@ -719,6 +783,44 @@ class RaotMerger:
                 )
             )
         return merged
+
+    def _merge_in_place(self, spec, trunk_a: dict, trunk_b: dict, inputs: dict[str, Any]) -> None:
+        """Run a per-tensor rule a few tensors at a time, writing each result straight into A's
+        parameters (float64 temporaries stay ~100 MB); the chunks' logs add up in ``self.merge_log``."""
+        from raot_hf.symmetry import load_state
+
+        def not_a_chunk_summary(record: logging.LogRecord) -> bool:
+            return record.funcName != "_finish"
+
+        base = inputs.pop("base", None)
+        log: dict[str, Any] = {"rule": spec.name, "settings": {}, "counts": {}}
+        rule_logger = logging.getLogger("raot_hf.merging")
+        rule_logger.addFilter(not_a_chunk_summary)  # one summary below, not one per chunk
+        try:
+            chunk: list[str] = []
+            size, names = 0, list(trunk_a)
+            for i, name in enumerate(names):
+                chunk.append(name)
+                size += trunk_a[name].numel() * trunk_a[name].element_size()
+                if size >= 16 << 20 or i == len(names) - 1:
+                    if base is not None:
+                        inputs["base"] = {k: base[k] for k in chunk if k in base}
+                    part, part_log = spec.fn(
+                        {k: trunk_a[k] for k in chunk},
+                        {k: trunk_b[k] for k in chunk},
+                        alpha=self.config.alpha,
+                        return_log=True,
+                        **inputs,
+                    )
+                    load_state(self.model_a, part)
+                    _add_chunk_log(log, part_log)
+                    chunk, size = [], 0
+                    del part
+        finally:
+            rule_logger.removeFilter(not_a_chunk_summary)
+        counts = ", ".join(f"{n} {m}" for m, n in sorted(log["counts"].items()))
+        logger.info("%s merge (alpha=%g): %s; written into A in place", spec.name, self.config.alpha, counts)
+        self.merge_log = log
 
     def _fishers(self, names: set[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Label-free diagonal Fishers of A and of B′ (measured after alignment, since a
@@ -750,9 +852,18 @@ class RaotMerger:
                 info["files"] = hash_checkpoint_files(src.name_or_path)
             return info
 
+        inputs = {"a": inputs_of(self.source_a, self.model_a), "b": inputs_of(self.source_b, self.model_b)}
+        if self.base_model is not None:
+            inputs["base"] = base = inputs_of(self.source_base, self.base_model)
+            base.update(
+                # loaded with A's class; the checkpoint's own class is the one its config names
+                architecture=(getattr(self.base_model.config, "architectures", None) or [base["architecture"]])[0],
+                relative_task_norms=self.task_norms,
+                trunk_params_not_in_base=self.base_missing,
+            )
         return {
             "raot_hf_version": __version__,
-            "inputs": {"a": inputs_of(self.source_a, self.model_a), "b": inputs_of(self.source_b, self.model_b)},
+            "inputs": inputs,
             "model_type": self.schema.model_type,
             "norm": self.schema.norm,
             "residual_exact_group": self.schema.residual.exact,
@@ -760,6 +871,8 @@ class RaotMerger:
             "calibration": fingerprint,
             "decisions": [d.to_dict() for d in alignment.decisions],
             "shares_basis": alignment.shares_basis,
+            "verdict": alignment.verdict,
+            "model_fidelity": alignment.model_fidelity,
             "summary": _summary(alignment),
             # the tensors go to raot_transform.safetensors (raot_hf.symmetry.load_transform reads it)
             "applied_transform": {
@@ -767,6 +880,7 @@ class RaotMerger:
                 "transforms": [t.describe() for t in alignment.applied.transforms],
             },
             "applied_exact": alignment.exact,
+            "merge": getattr(self, "merge_log", None),
             "estimator_logs": alignment.logs,
             "checks": checks,
             "timings": dict(self.timer.times),
@@ -776,6 +890,19 @@ class RaotMerger:
                 "python": platform.python_version(),
             },
         }
+
+
+def _add_chunk_log(total: dict[str, Any], part: dict[str, Any]) -> None:
+    """Sum one chunk's rule log into ``total`` (counts and totals add, lists such as ``not_in_base`` extend)."""
+    for key, value in part.get("settings", {}).items():
+        if isinstance(value, list):
+            total["settings"].setdefault(key, []).extend(value)
+        else:
+            total["settings"][key] = value
+    for method, n in part.get("counts", {}).items():
+        total["counts"][method] = total["counts"].get(method, 0) + n
+    for name, n in part.get("totals", {}).items():  # entry counts of the base-relative rules
+        total.setdefault("totals", {})[name] = total.get("totals", {}).get(name, 0) + n
 
 
 def _finite_gram_keys(gram_keys: dict[str, str], grams_a, grams_b) -> dict[str, str]:

@@ -104,6 +104,7 @@ under the Transformer's exact symmetries, written by raot-hf {{version}}.
 * Alignment scope: {{scope}}
 * Merge rule: {{merge_rule}}
 * Interpolation weight α: {{alpha}}
+* Base model (task vectors are measured from it): {{base_model}}
 
 ## Gate
 
@@ -146,7 +147,9 @@ def _front_matter(card: dict) -> str:
     from huggingface_hub.utils import validate_repo_id
 
     base_models = []
-    for key in ("model_a", "model_b"):
+    for key in ("model_a", "model_b", "base_model"):
+        if not card.get(key):
+            continue
         try:
             validate_repo_id(str(card[key]))
         except HFValidationError:
@@ -207,6 +210,14 @@ def _checks_table(rows: list[dict]) -> str:
     )
 
 
+def _base_rows(card: dict) -> str:
+    """The inputs-table row of the base model (empty without one)."""
+    if not card.get("base_model"):
+        return ""
+    revision = card.get("revision_base") or "not pinned"
+    return f"| base (task vectors are measured from it) | `{_cell(card['base_model'])}` | {_cell(revision)} |"
+
+
 def render_model_card(card: dict, *, template: str | None = None) -> str:
     """Render the model card ``README.md`` from ``card``.
 
@@ -214,6 +225,8 @@ def render_model_card(card: dict, *, template: str | None = None) -> str:
 
     * ``model_a``, ``model_b``: ids (or local paths) of the inputs; Hub ids go into the YAML
       ``base_model`` list (local paths are left out there, as the Hub would reject them).
+    * ``base_model``, ``revision_base`` (optional): the model A and B were fine-tuned from, for
+      the base-relative rules; listed in ``base_model`` too and in the card's inputs.
     * ``revision_a``, ``revision_b``: the revisions (commit hashes) that were loaded.
     * ``method``: how B was aligned (estimator); ``scope``: what was aligned (heads, MLP, stream).
     * ``merge_rule``: e.g. ``linear`` or ``regmean``; ``alpha``: the interpolation weight.
@@ -241,6 +254,8 @@ def render_model_card(card: dict, *, template: str | None = None) -> str:
         "method": str(card.get("method") or "—"),
         "scope": str(card.get("scope") or "—"),
         "merge_rule": str(card.get("merge_rule") or "—"),
+        "base_model": f"`{card['base_model']}`" if card.get("base_model") else "none",
+        "base_rows": _base_rows(card),
         "alpha": _cell(float(alpha)) if alpha is not None else "—",
         "gate_summary": gate_summary,
         "gate_table": gate_table,

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -40,7 +41,17 @@ _CONFIGS = {
     "deit": ("DeiTConfig", "DeiT", {"image_size": 8, "patch_size": 4, "num_channels": 3}),
 }
 
+# Decoders (docs/design.md §8): class prefix and config overrides; GQA with 8 query / 2 KV heads.
+_DECODERS = {
+    "gpt2": ("GPT2Config", "GPT2", {}),
+    "llama": ("LlamaConfig", "Llama", {}),
+    "mistral": ("MistralConfig", "Mistral", {"sliding_window": 4}),
+    "qwen2": ("Qwen2Config", "Qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+}
+DECODER_TYPES = tuple(_DECODERS)
+
 HEADS = {
+    "causal": "ForCausalLM",
     "base": "Model",
     "sequence": "ForSequenceClassification",
     "token": "ForTokenClassification",
@@ -72,6 +83,45 @@ def tiny_config(model_type: str, *, hidden_size=16, num_heads=4, num_layers=2, i
     return getattr(transformers, cfg_name)(**kw)
 
 
+def tiny_decoder_config(
+    model_type: str,
+    *,
+    hidden_size=32,
+    num_heads=8,
+    num_kv_heads=2,
+    num_layers=2,
+    intermediate_size=48,
+    vocab_size=100,
+    tie_word_embeddings=False,
+    **overrides,
+):
+    """A small decoder config (``gpt2``, ``llama``, ``mistral``, ``qwen2``): grouped-query
+    attention where the family has it, pad token 0, bos 1, eos 2."""
+    if model_type not in _DECODERS:
+        raise RaotError(f"no tiny decoder config for {model_type!r}; choose from {', '.join(_DECODERS)}")
+    cfg_name, _, extra = _DECODERS[model_type]
+    kw = dict(vocab_size=vocab_size, pad_token_id=0, bos_token_id=1, eos_token_id=2, num_labels=3)
+    kw["tie_word_embeddings"] = tie_word_embeddings
+    if model_type == "gpt2":
+        kw.update(n_embd=hidden_size, n_head=num_heads, n_layer=num_layers, n_inner=intermediate_size)
+        kw.update(n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    else:
+        kw.update(hidden_size=hidden_size, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads)
+        kw.update(num_hidden_layers=num_layers, intermediate_size=intermediate_size, max_position_embeddings=64)
+        if model_type == "qwen2":
+            kw["layer_types"] = ["sliding_attention"] + ["full_attention"] * (num_layers - 1)
+    kw.update(extra)
+    kw.update(overrides)
+    return getattr(transformers, cfg_name)(**kw)
+
+
+def _decoder_class(model_type: str, head: str):
+    suffix = "LMHeadModel" if model_type == "gpt2" and head == "causal" else HEADS[head]
+    if head not in ("causal", "base", "sequence"):
+        raise RaotError(f"decoders have heads causal, base and sequence, not {head!r}")
+    return getattr(transformers, _DECODERS[model_type][1] + suffix)
+
+
 def tiny_model(model_type: str, head: str = "base", *, seed: int = 0, dtype=torch.float64, **config) -> torch.nn.Module:
     """A randomly initialised tiny model; LayerNorm affines and biases are randomised too, so
     no symmetry test passes by accident of γ = 1, β = 0."""
@@ -79,8 +129,11 @@ def tiny_model(model_type: str, head: str = "base", *, seed: int = 0, dtype=torc
         raise RaotError(f"unknown head {head!r}; choose from {', '.join(HEADS)}")
     if head == "qa":
         config.setdefault("num_labels", 2)
-    cfg = tiny_config(model_type, **config)
-    cls = getattr(transformers, _CONFIGS[model_type][1] + HEADS[head])
+    if model_type in _DECODERS:
+        cfg, cls = tiny_decoder_config(model_type, **config), _decoder_class(model_type, head)
+    else:
+        cfg = tiny_config(model_type, **config)
+        cls = getattr(transformers, _CONFIGS[model_type][1] + HEADS[head])
     torch.manual_seed(seed)
     model = cls(cfg)
     g = torch.Generator().manual_seed(seed + 1000)
@@ -88,11 +141,9 @@ def tiny_model(model_type: str, head: str = "base", *, seed: int = 0, dtype=torc
         for name, p in model.named_parameters():
             if p.ndim == 1 or name.endswith(("cls_token", "position_embeddings")):
                 noise = 0.2 * torch.randn(p.shape, generator=g)
-                p.copy_(
-                    1.0 + noise
-                    if name.endswith("LayerNorm.weight") or "norm" in name.lower() and name.endswith("weight")
-                    else noise
-                )
+                is_norm = name.endswith("LayerNorm.weight") or "norm" in name.lower() and name.endswith("weight")
+                is_norm |= name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight"))  # GPT-2
+                p.copy_(1.0 + noise if is_norm else noise)
     return model.to(dtype).eval()
 
 
@@ -108,6 +159,8 @@ def example_inputs(model: torch.nn.Module, batch: int = 3, seq: int = 9, seed: i
     mask = torch.ones(batch, seq, dtype=torch.long)
     if batch > 1:
         mask[-1, seq // 2 :] = 0
+    if cfg.model_type in _DECODERS and cfg.pad_token_id is not None:
+        ids = ids.masked_fill(mask == 0, cfg.pad_token_id)  # right padding, as the calibration batches
     out = {"input_ids": ids, "attention_mask": mask}
     if getattr(cfg, "type_vocab_size", 0):
         out["token_type_ids"] = torch.randint(0, cfg.type_vocab_size, (batch, seq), generator=g)
@@ -190,3 +243,29 @@ def tiny_image_dataset(n: int = 64, size: int = 8, seed: int = 0):
     rng = np.random.default_rng(seed)
     images = [Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(n)]
     return datasets.Dataset.from_dict({"image": images}, features=datasets.Features({"image": datasets.Image()}))
+
+
+@contextlib.contextmanager
+def exact_rmsnorm():
+    """Within the block, the Llama-family RMSNorms compute in their input dtype.
+
+    transformers' RMSNorm casts to float32 internally, so a float64 decoder is only
+    float32-exact through it; the ≤ 1e-9 symmetry checks run the same formula without the
+    cast (as the DeBERTa v1 LayerNorm fixture does)."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.mistral import modeling_mistral
+    from transformers.models.qwen2 import modeling_qwen2
+
+    def forward(self, hidden_states):
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+    classes = (modeling_llama.LlamaRMSNorm, modeling_mistral.MistralRMSNorm, modeling_qwen2.Qwen2RMSNorm)
+    saved = [c.forward for c in classes]
+    try:
+        for c in classes:
+            c.forward = forward
+        yield
+    finally:
+        for c, f in zip(classes, saved, strict=True):
+            c.forward = f

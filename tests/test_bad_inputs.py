@@ -181,11 +181,11 @@ def test_cli_incompatible_pair_fails_before_weights(zoo, tmp_path, weights_loade
 def test_cli_architecture_mismatch_and_unsupported_type(zoo, tmp_path, weights_loaded):
     res = _merge(zoo / "a", zoo / "vit_a", "--calibration", zoo / "text.csv", out=tmp_path / "out")
     _assert_clean_error(res, tmp_path / "out", "bert", "vit")
-    cfg = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=4, vocab_size=40, n_positions=32)
-    for name in ("gpt_a", "gpt_b"):
-        transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / name)
-    res = _merge(tmp_path / "gpt_a", tmp_path / "gpt_b", "--calibration", zoo / "text.csv", out=tmp_path / "out")
-    line = _assert_clean_error(res, tmp_path / "out", "'gpt2'", "no adapter")
+    cfg = transformers.OPTConfig(hidden_size=16, num_attention_heads=4, num_hidden_layers=2, ffn_dim=32, vocab_size=40)
+    for name in ("opt_a", "opt_b"):
+        transformers.OPTForCausalLM(cfg).save_pretrained(tmp_path / name)
+    res = _merge(tmp_path / "opt_a", tmp_path / "opt_b", "--calibration", zoo / "text.csv", out=tmp_path / "out")
+    line = _assert_clean_error(res, tmp_path / "out", "'opt'", "no adapter")
     assert all(t in line for t in supported_model_types())  # the message lists what is supported
     assert weights_loaded == []
 

@@ -1,14 +1,17 @@
 """Smoke test of the evidence harness (benchmarks/) on tiny inputs: files, rows, and the checks
 that make its numbers mean what the tables say."""
 
+import copy
 import json
 
 import pytest
 import torch
 
-from benchmarks.metrics import with_head_of
+from benchmarks.metrics import max_abs_difference, with_head_of
 from benchmarks.pairs import build_model, calibration_set, suite
+from benchmarks.report import write_report
 from benchmarks.run import run_benchmarks
+from benchmarks.update import merge_results
 from raot_hf import RaotMerger, schema_for
 from raot_hf.testing import example_inputs
 
@@ -58,6 +61,42 @@ def test_numbers_mean_what_they_say(tiny_results):
     losses = raot["path_loss"]["a"]
     assert max(losses) - min(losses) < 1e-4  # every point of the aligned path is A's function
     assert raot["acc_head_a"] == pytest.approx(run["parents"]["a"]["accuracy"])
+    # The RaOT merge is ≈ A, far from the plain average (A + B) / 2 of a scrambled pair.
+    assert "max_abs_vs_average" not in average and raot["max_abs_vs_average"] > 0.01
+
+
+def test_max_abs_difference():
+    a = {"w": torch.tensor([1.0, 2.0]), "steps": torch.tensor(3)}
+    assert max_abs_difference(a, copy.deepcopy(a)) == 0.0
+    assert max_abs_difference({**a, "w": torch.tensor([1.0, 2.5])}, a) == 0.5
+    assert max_abs_difference({"w": a["w"]}, a) is None  # keys differ
+    assert max_abs_difference({**a, "w": torch.zeros(3)}, a) is None  # shapes differ
+
+
+def test_update_keeps_what_is_not_rerun(tiny_results, tmp_path):
+    """A rerun of one method replaces that method's rows only, keeps the values it replaced, and
+    the report says which run each number comes from."""
+    _, results, _ = tiny_results
+    rerun = copy.deepcopy(results)
+    rerun["methods"] = [m for m in rerun["methods"] if m["name"] == "raot"]
+    row = rerun["runs"][0]["methods"] = {"raot": rerun["runs"][0]["methods"]["raot"]}
+    row["raot"]["acc_head_a"] = -1.0
+    rerun["meta"]["argv"] = ["--methods", "raot", "--update"]
+    merged = merge_results(results, rerun, ["tiny-vit-scrambled"])
+    run = merged["runs"][0]
+    assert run["methods"]["average"] == results["runs"][0]["methods"]["average"]
+    assert run["methods"]["raot"]["acc_head_a"] == -1.0
+    assert run["previous"]["raot"]["acc_head_a"] == results["runs"][0]["methods"]["raot"]["acc_head_a"]
+    assert [m["name"] for m in merged["methods"]] == ["average", "raot"]
+    assert [u["methods"] for u in merged["meta"]["updates"]] == [["average", "raot"], ["raot"]]
+    write_report(merged, tmp_path)
+    assert "--methods raot --update` — pairs tiny-vit-scrambled; methods raot" in (tmp_path / "RESULTS.md").read_text()
+    # Other parents (retrained elsewhere): no row of the previous parents stays beside the rerun's.
+    rerun["runs"][0]["parents"]["a"]["accuracy"] += 0.01
+    merged = merge_results(results, rerun, ["tiny-vit-scrambled"])
+    assert list(merged["runs"][0]["methods"]) == ["raot"]
+    assert set(merged["runs"][0]["previous"]) == {"average", "raot"}
+    assert "parents differ" in merged["meta"]["notes"][-1]
 
 
 def test_head_swap_equals_the_products_head_b_policy(tmp_path):

@@ -129,7 +129,8 @@ def test_cli_merge_under_two_processes_writes_once(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     out = work / "merged"
-    args = ["-q", "merge", str(tmp_path / "a"), str(tmp_path / "b"), "--calibration", str(tmp_path / "cal.jsonl")]
+    # not -q: under -q a successful merge prints nothing, and the main process's "wrote" line is the evidence here
+    args = ["merge", str(tmp_path / "a"), str(tmp_path / "b"), "--calibration", str(tmp_path / "cal.jsonl")]
     args += ["--batch-size", "4", "--min-heldout-tokens", "16", "--out", str(out)]
     debug_launcher(_cli_worker, args=(args, str(tmp_path)), num_processes=WORLD)
 

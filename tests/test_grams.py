@@ -1,4 +1,4 @@
-"""RegMean Grams of B′ are B's Grams under the applied transform (DESIGN.md §6), including
+"""RegMean Grams of B′ are B's Grams under the applied transform (docs/design.md §6), including
 pre-LN folding — checked against Grams measured on B′ directly."""
 
 import pytest

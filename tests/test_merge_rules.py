@@ -272,16 +272,17 @@ def test_fisher_errors():
 
 def test_task_arithmetic_matches_loops():
     base, a, b = make_state(10), make_state(11), make_state(12)
-    merged = merge_task_arithmetic(base, a, b, scale=0.7)
+    merged = merge_task_arithmetic(a, b, base=base, alpha=0.25, scale=0.7)
     for key in a:
         if not a[key].is_floating_point():
             assert torch.equal(merged[key], a[key])
             continue
         flat_base, flat_a, flat_b = (s[key].double().flatten().tolist() for s in (base, a, b))
-        expected = [x0 + 0.7 * ((xa - x0) + (xb - x0)) for x0, xa, xb in zip(flat_base, flat_a, flat_b)]
+        expected = [x0 + 0.7 * (0.75 * (xa - x0) + 0.25 * (xb - x0)) for x0, xa, xb in zip(flat_base, flat_a, flat_b)]
         np.testing.assert_allclose(merged[key].flatten().numpy(), np.float32(expected), rtol=1e-6, atol=1e-6)
-    with pytest.raises(RaotError, match="the base"):
-        merge_task_arithmetic({k: v for k, v in base.items() if "norm" not in k}, a, b)
+    key = next(k for k in base if base[k].dim() == 2)
+    with pytest.raises(RaotError, match="in the base but"):
+        merge_task_arithmetic(a, b, base={**base, key: base[key][:, :1]})
 
 
 def ties_reference(base, a, b, density, scale):
@@ -310,7 +311,7 @@ def test_ties_hand_made():
     a = {"w": torch.tensor([3.0, -1.0, 0.5, 2.0, 1.0], dtype=torch.float64)}
     b = {"w": torch.tensor([1.0, 4.0, -0.2, -3.0, 1.0], dtype=torch.float64)}
     # density 0.6 keeps 3 of 5: A keeps 3, 2, -1; B keeps 4, -3, 1 (ties none)
-    merged = merge_ties(base, a, b, density=0.6, scale=1.0)["w"]
+    merged = merge_ties(a, b, base=base, density=0.6, scale=1.0)["w"]
     # entry 0: 3 & 1 agree → 2; entry 1: -1 vs 4 → sign +, only 4; entry 2: trimmed both → 0;
     # entry 3: 2 vs -3 → sign −, only -3; entry 4: no task → base
     torch.testing.assert_close(merged, torch.tensor([2.0, 4.0, 0.0, -3.0, 1.0], dtype=torch.float64))
@@ -319,7 +320,7 @@ def test_ties_hand_made():
 @pytest.mark.parametrize("density", [0.1, 0.2, 0.5, 1.0])
 def test_ties_matches_loops(density):
     base, a, b = make_state(20), make_state(21), make_state(22)
-    merged, log = merge_ties(base, a, b, density=density, scale=0.8, return_log=True)
+    merged, log = merge_ties(a, b, base=base, density=density, scale=0.8, return_log=True)
     for key in a:
         if not a[key].is_floating_point():
             continue
@@ -327,7 +328,7 @@ def test_ties_matches_loops(density):
         np.testing.assert_allclose(merged[key].flatten().numpy(), np.float32(expected), rtol=1e-6, atol=1e-6)
         assert log["params"][key]["kept_a"] >= min(density, 1.0) - 1e-9
     with pytest.raises(RaotError, match="density"):
-        merge_ties(base, a, b, density=0.0)
+        merge_ties(a, b, base=base, density=0.0)
 
 
 # ----------------------------------------------------------------------------- registry and heads

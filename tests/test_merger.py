@@ -1,4 +1,4 @@
-"""RaotMerger end to end on tiny models (DESIGN.md §4–6)."""
+"""RaotMerger end to end on tiny models (docs/design.md §4–6)."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""The two-phase statistics pass (DESIGN.md §4–5): fit moments, held-out sums under candidates."""
+"""The two-phase statistics pass (docs/design.md §4–5): fit moments, held-out sums under candidates."""
 
 import dataclasses
 

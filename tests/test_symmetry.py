@@ -1,4 +1,4 @@
-"""Every symmetry transform leaves the function unchanged (DESIGN.md §3)."""
+"""Every symmetry transform leaves the function unchanged (docs/design.md §3)."""
 
 import json
 
@@ -225,9 +225,9 @@ def test_vit_save_round_trip_after_rotation(tmp_path):
 
 
 def test_unsupported_model_type_names_it():
-    cfg = transformers.GPT2Config(n_embd=16, n_head=4, n_layer=1, vocab_size=30, n_positions=16)
-    with pytest.raises(RaotError, match=r"'gpt2'.*supported: .*bert"):
-        schema_for(transformers.GPT2Model(cfg))
+    cfg = transformers.OPTConfig(hidden_size=16, num_attention_heads=4, num_hidden_layers=1, ffn_dim=32, vocab_size=30)
+    with pytest.raises(RaotError, match=r"'opt'.*supported: .*bert"):
+        schema_for(transformers.OPTModel(cfg))
 
 
 def test_unsupported_head_names_it():

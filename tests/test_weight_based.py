@@ -1,4 +1,4 @@
-"""The data-free, weight-based estimator (the rotation-symmetry paper's matching, DESIGN.md §4)."""
+"""The data-free, weight-based estimator (the rotation-symmetry paper's matching, docs/design.md §4)."""
 
 import pytest
 import torch

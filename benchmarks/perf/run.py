@@ -1,4 +1,4 @@
-"""Time and peak memory of a merge against its floor (DESIGN.md §7).
+"""Time and peak memory of a merge against its floor (docs/design.md §7).
 
 For each shape (a BERT-base-shaped pair, an all-MiniLM-L6-v2-shaped pair: random weights, B a
 scrambled copy of A so that every transform is estimated, accepted and applied) this runs, each
@@ -18,6 +18,7 @@ peak RSS (``VmHWM``) against the sum of the two checkpoints' sizes, writes
     python benchmarks/perf/run.py --examples 512 --moment-strides 1,8  # the product's default size;
                                                                      # all tokens, and every 8th
     python benchmarks/perf/run.py --shapes minilm-l6                 # one shape
+    python benchmarks/perf/run.py --shapes bert-base --merge-rules linear,regmean  # the two rules
 
 Time is wall-clock on a shared machine: run it when the machine is quiet (the report prints
 the load average) and with ``--repeat 2`` or more.
@@ -154,7 +155,7 @@ def worker_merge(args) -> dict:
     with RssSampler() as sampler:
         start = time.perf_counter()
         sampler.stage = "load"
-        config = RaotConfig(calibration=_calibration_config(args))
+        config = RaotConfig(calibration=_calibration_config(args), merge_rule=args.merge_rule)
         merger = RaotMerger.from_pretrained(work / "A", work / "B", config=config)
         timer_stage = merger.timer.stage
 
@@ -173,7 +174,13 @@ def worker_merge(args) -> dict:
     stats_bytes = sum(
         t.numel() * t.element_size() for t in SplitStatistics.zeros(merger.schema, quad_dtype=quad).tensors()
     )
+    modules = dict(merger.model_a.named_modules())
+    # RegMean: one k×k Gram per Linear input, for A and for B, in the k×k sums' precision.
+    gram_entries = sum(modules[mod].in_features ** 2 for layer in merger.schema.layers for mod in layer.linears)
+    gram_bytes = 2 * gram_entries * torch.empty((), dtype=quad).element_size() if args.merge_rule == "regmean" else 0
     return {
+        "merge_rule": args.merge_rule,
+        "gram_bytes": gram_bytes,
         "total_s": total,
         "cpu_s": time.process_time(),
         "timings": dict(result.report["timings"]),
@@ -230,6 +237,7 @@ def _run_worker(kind: str, args, workdir: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--workdir", str(workdir)]
     cmd += ["--examples", str(args.examples), "--seq", str(args.seq), "--batch-size", str(args.batch_size)]
     cmd += ["--threads", str(args.threads), "--moment-stride", str(args.moment_stride)]
+    cmd += ["--merge-rule", args.merge_rule]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -267,8 +275,8 @@ def render(results: dict, args) -> str:
         f"Each kind ran {args.repeat}× (alternating floor and merge); the fastest run is shown.",
         "",
         "| shape | floor (s) | merge (s) | merge / floor | CPU-time ratio | solve (s) | peak RSS merge "
-        "| peak RSS floor | A + B | RSS / (A + B) | statistics |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peak RSS floor | A + B | RSS / (A + B) | statistics | RegMean Grams (A and B) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for shape, r in results.items():
         if shape.startswith("_"):
@@ -278,7 +286,8 @@ def render(results: dict, args) -> str:
             f"| {shape} | {f['total_s']:.1f} | {m['total_s']:.1f} | {m['total_s'] / f['total_s']:.2f} "
             f"| {m['cpu_s'] / f['cpu_s']:.2f} | {m['timings'].get('solve', 0):.2f} | {_mib(m['peak_rss'])} "
             f"| {_mib(f['peak_rss'])} | {_mib(size)} "
-            f"| {m['peak_rss'] / size:.2f} | {_mib(m['statistics_bytes'])} |"
+            f"| {m['peak_rss'] / size:.2f} | {_mib(m['statistics_bytes'])} "
+            f"| {_mib(m['gram_bytes']) if m.get('gram_bytes') else '–'} |"
         )
     lines += ["", "Per-stage times (s) and sampled peak RSS per stage:", ""]
     stages = ["load", "calibration", "solve", "gate", "apply", "merge", "write"]
@@ -330,6 +339,10 @@ def main(argv=None) -> None:
         "--moment-strides", default="1", help="comma list: one merge run per calibration moment_stride (1 = all tokens)"
     )
     parser.add_argument("--moment-stride", type=int, default=1, help=argparse.SUPPRESS)  # for a worker
+    parser.add_argument(
+        "--merge-rules", default="linear", help="comma list: one merge run per merge rule (linear, regmean)"
+    )
+    parser.add_argument("--merge-rule", default="linear", help=argparse.SUPPRESS)  # for a worker
     parser.add_argument("--repeat", type=int, default=1, help="runs of each kind; the fastest is reported")
     parser.add_argument("--workdir", help="where models and data go (default: a temporary directory)")
     parser.add_argument("--out", default=str(HERE / "results.md"))
@@ -352,23 +365,25 @@ def main(argv=None) -> None:
             prepare(work, shape, args.examples, args.seq)
             size = _checkpoint_bytes(work / "A") + _checkpoint_bytes(work / "B")
             strides = [int(x) for x in args.moment_strides.split(",") if x]
-            kinds = ["floor"] + [f"merge{s}" for s in strides]
+            rules = [x for x in args.merge_rules.split(",") if x]
+            variants = {f"merge{s}-{rule}": (s, rule) for s in strides for rule in rules}
+            kinds = ["floor", *variants]
             runs: dict[str, list] = {kind: [] for kind in kinds}
             for rep in range(args.repeat):  # alternate, so that load from other jobs hits all alike
                 for kind in kinds:
                     print(f"[{shape}] {kind} ({rep + 1}/{args.repeat}) …", file=sys.stderr)
                     worker_args = argparse.Namespace(**vars(args))
                     if kind != "floor":
-                        worker_args.moment_stride = int(kind[len("merge") :])
+                        worker_args.moment_stride, worker_args.merge_rule = variants[kind]
                     x = _run_worker("floor" if kind == "floor" else "merge", worker_args, work)
                     x["load_average"] = os.getloadavg()[0]
                     runs[kind].append(x)
                     print(f"[{shape}] {kind}: {x['total_s']:.1f} s, peak {_mib(x['peak_rss'])}", file=sys.stderr)
             # the fastest run of each kind is the least disturbed by other jobs on the machine
             best = {kind: min(xs, key=lambda x: x["total_s"]) for kind, xs in runs.items()}
-            for stride in strides:
-                label = shape if stride == 1 else f"{shape}, moment_stride={stride}"
-                kind = f"merge{stride}"
+            for kind, (stride, rule) in variants.items():
+                details = ([f"moment_stride={stride}"] if stride != 1 else []) + ([rule] if rule != "linear" else [])
+                label = ", ".join([shape, *details])
                 results[label] = {
                     "floor": best["floor"],
                     "merge": best[kind],

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from raot_hf.adapters import bert, deberta, vit
+from raot_hf.adapters import bert, deberta, gpt2, llama, vit
 from raot_hf.adapters.base import Adapter, HeadTemplate, LayerTemplate
 from raot_hf.adapters.schema import Fold, HeadReadout, LayerSchema, Member, ModelSchema, Space
 from raot_hf.errors import RaotError
@@ -53,7 +53,7 @@ def schema_for(model: torch.nn.Module) -> ModelSchema:
     return get_adapter(config.model_type).build_schema(model)
 
 
-for _adapter in (*bert.ADAPTERS, *deberta.ADAPTERS, *vit.ADAPTERS):
+for _adapter in (*bert.ADAPTERS, *deberta.ADAPTERS, *vit.ADAPTERS, *gpt2.ADAPTERS, *llama.ADAPTERS):
     register_adapter(_adapter)
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Architectures described as data: one :class:`Adapter` per family (DESIGN.md §2).
+"""Architectures described as data: one :class:`Adapter` per family (docs/design.md §2).
 
 An adapter holds weight-name templates for the embeddings, one encoder layer and the task
 heads; :meth:`Adapter.build_schema` resolves them against a loaded model's parameters and

@@ -1,5 +1,5 @@
 """DeBERTa v1 (fused, per-head interleaved ``in_proj``) and DeBERTa-v2/v3: post-LN encoders
-with disentangled relative attention (DESIGN.md §2)."""
+with disentangled relative attention (docs/design.md §2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The common schema every architecture adapter produces (DESIGN.md §2).
+"""The common schema every architecture adapter produces (docs/design.md §2).
 
 A model is described by *spaces*: vector spaces inside the network on which a symmetry acts
 (the residual stream, each layer's MLP units, each layer's query-key and value-output head
@@ -47,9 +47,10 @@ class Space:
     """A vector space inside the model on which one symmetry factor acts.
 
     ``kind`` is ``"residual"``, ``"mlp"``, ``"qk"`` or ``"vo"``. ``exact`` names the largest
-    group that acts exactly: ``"orthogonal"`` (head spaces), ``"permutation"`` (MLP units with
-    an elementwise activation; the post-LN residual stream, where LayerNorm γ sits in the
-    stream) or ``"mean_fixing"`` (the pre-LN residual stream after folding LayerNorms).
+    group that acts exactly: ``"orthogonal"`` (head spaces; the RMSNorm residual stream of a
+    decoder after folding every norm), ``"permutation"`` (MLP units with an elementwise
+    activation; the post-LN residual stream, where LayerNorm γ sits in the stream) or
+    ``"mean_fixing"`` (the pre-LN residual stream after folding LayerNorms).
     """
 
     name: str
@@ -65,8 +66,9 @@ class Fold:
     """A pre-LN LayerNorm whose affine part folds into the readers that follow it (§3.3)."""
 
     norm_weight: str
-    norm_bias: str
+    norm_bias: str | None  # None: an RMSNorm (no shift)
     readers: tuple[tuple[str, str | None], ...]  # (weight, bias) of each Linear reading the norm
+    transposed: tuple[str, ...] = ()  # reader weights stored (in, out), as GPT-2's Conv1D
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ class LayerSchema:
     context: str  # module whose *input* is the per-head context entering o
     mlp_hidden: str  # module whose *input* is the post-activation MLP units (fc2)
     linears: tuple[str, ...]  # every Linear module of the layer (RegMean)
+    module: str | None = None  # the layer's own module (decoders, §8: GPT-2's Conv1D layers have no linears)
 
 
 @dataclass
@@ -117,6 +120,16 @@ class ModelSchema:
     head_params: list[str] = field(default_factory=list)  # task-head parameters (head policy)
     output_in_stream: bool = False  # the model's primary output is the stream (base models)
     notes: list[str] = field(default_factory=list)
+    # Decoders (docs/design.md §8). ``num_kv_heads``: grouped-query attention (None: one KV head per
+    # query head); the schema then has per-layer ``layers.i.k`` / ``layers.i.v`` spaces over
+    # the KV heads beside ``qk`` (query rows) and ``vo`` (output columns). ``qk_structure``:
+    # ``"rope"`` restricts Q/K maps to one 2×2 rotation per rotary pair (i, i + h/2).
+    # ``stream_centered``: whether stream statistics project out the mean axis (LayerNorm) or
+    # not (RMSNorm, where the mean axis is not special).
+    num_kv_heads: int | None = None
+    qk_structure: str = "free"
+    stream_centered: bool = True
+    causal: bool = False
 
     @property
     def residual(self) -> Space:
@@ -135,6 +148,14 @@ class ModelSchema:
 
     def vo_space(self, layer: int) -> Space:
         return self.spaces[f"layers.{layer}.vo"]
+
+    def kv_space(self, layer: int, kind: str) -> Space | None:
+        """The KV-head space (``kind`` "k" or "v") of a grouped schema, else None."""
+        return self.spaces.get(f"layers.{layer}.{kind}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     def parameter_names(self) -> set[str]:
         return {m.name for s in self.spaces.values() for m in s.members}

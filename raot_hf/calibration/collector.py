@@ -1,5 +1,5 @@
 """Observing A and B: hooks, the lockstep of the two forwards, and the collector that folds
-each phase's activations into the sums of :mod:`raot_hf.calibration.statistics` (DESIGN.md §4–5).
+each phase's activations into the sums of :mod:`raot_hf.calibration.statistics` (docs/design.md §4–5).
 
 * **Lockstep.** A runs in a helper thread and B in the caller's thread, strictly alternating
   at every hooked module: A stops at an activation until B has produced the same one and the
@@ -358,8 +358,9 @@ class StatisticsCollector:
             return
         a, b = self._rows(x_a, self._moment_index), self._rows(x_b, self._moment_index)
         if kind == "stream":
-            a = a - a.mean(-1, keepdim=True)  # project out the mean axis (§4)
-            b = b - b.mean(-1, keepdim=True)
+            if self.schema.stream_centered:  # project out the mean axis (§4); RMSNorm streams keep it (§8)
+                a = a - a.mean(-1, keepdim=True)
+                b = b - b.mean(-1, keepdim=True)
             which = None
         if self.phase == "fit":
             target = self.stats.fit.stream if kind == "stream" else getattr(self.stats.fit, kind)[which]

@@ -213,7 +213,9 @@ def load_calibration_dataset(
         )
     order = np.random.default_rng(config.seed).permutation(total)[:keep]
     sample = dataset.select(order.tolist(), keep_in_memory=True)
-    logger.info("calibration data: %d rows sampled from %d in %s (seed %d)", keep, total, where, config.seed)
+    stage = {"stage": True}  # a line the CLI shows by default (raot_hf.cli.verbosity)
+    message = "calibration data: %d rows sampled from %d in %s (seed %d)"
+    logger.info(message, keep, total, where, config.seed, extra=stage)
     return sample
 
 

@@ -1,4 +1,4 @@
-"""Sufficient statistics from one calibration forward pass of A and B (DESIGN.md §4–5).
+"""Sufficient statistics from one calibration forward pass of A and B (docs/design.md §4–5).
 
 The real-token activations of A and B on the same inputs are folded into sums; no activation
 outlives its batch. Examples are split by the
@@ -41,7 +41,7 @@ def quadratic_dtype(param_dtype: torch.dtype) -> torch.dtype:
     float32 — the precision each batch's product already has — which halves the largest
     statistic (L·f² for the MLP cross moments); counts, means and diagonal second moments stay
     float64. Accumulating n per-batch products adds a relative error of about √n·6e-8, far
-    below the 1/√tokens sampling noise of a correlation (a deviation from DESIGN.md §4, see the README).
+    below the 1/√tokens sampling noise of a correlation (a deviation from the original design: docs/design.md §4.3).
     """
     return _F64 if param_dtype == _F64 else torch.float32
 
@@ -174,7 +174,7 @@ class Gram:
 
 @dataclass
 class PairedDiagonal:
-    """Held-out sums for the gate (DESIGN.md §5), per coordinate: of A's sample a, B's sample b
+    """Held-out sums for the gate (docs/design.md §5), per coordinate: of A's sample a, B's sample b
     and t, the same b under the candidate transform (B′'s sample) — count, Σa, Σa², Σb, Σb²,
     Σa·b, Σt, Σt², Σa·t.
 
@@ -275,7 +275,7 @@ class SplitStatistics:
 
 @dataclass
 class HeldoutStatistics:
-    """The held-out split's sums, taken with the candidate transforms known (DESIGN.md §5)."""
+    """The held-out split's sums, taken with the candidate transforms known (docs/design.md §5)."""
 
     mlp: list[PairedDiagonal]
     q: list[PairedDiagonal]

@@ -12,26 +12,16 @@ from pathlib import Path
 import click
 
 from raot_hf.errors import EquivalenceError, RaotError
+from raot_hf.merging import available_merge_rules
 from raot_hf.version import __version__
 
 logger = logging.getLogger("raot_hf.cli")
 
 
-def _configure_logging(verbose: int, quiet: bool) -> None:
-    level = logging.WARNING if quiet else logging.INFO if verbose == 0 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("raot_hf").setLevel(level)
-    if quiet:
-        import datasets
-        import transformers
-        from huggingface_hub.utils import disable_progress_bars
-
-        disable_progress_bars()
-        datasets.disable_progress_bars()
-        transformers.utils.logging.disable_progress_bar()
-    import transformers
-
-    transformers.logging.set_verbosity_error()
+def _quiet() -> bool:
+    """True under ``raot-hf -q``: a successful command prints nothing."""
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx and ctx.meta.get("raot_hf.quiet"))
 
 
 def friendly_errors(fn):
@@ -101,9 +91,23 @@ def merge_options(fn):
         click.option("--gate-min-gain", type=float, help="Gate floor on the mean gain (default 0.01)."),
         click.option("--min-heldout-tokens", type=int, help="Below this, estimates lose to the identity."),
         click.option(
-            "--merge-rule", type=click.Choice(["linear", "regmean", "fisher"]), help="Merge rule (default linear)."
+            "--gate-objective",
+            type=click.Choice(["merge", "alignment"]),
+            help="What the gate scores: merged fidelity to A and B′ (default merge) or the alignment objective.",
+        ),
+        click.option("--gate-examples", type=int, help="Held-out examples the merge gate scores (default 16)."),
+        click.option(
+            "--merge-rule",
+            type=click.Choice(available_merge_rules()),
+            help="Merge rule (default linear); task_arithmetic, ties and dare_ties need --base.",
         ),
         click.option("--alpha", type=float, help="Weight of B′ in the merge (default 0.5)."),
+        click.option(
+            "--density", type=float, help="ties / dare_ties: fraction of each task vector kept (default 0.2)."
+        ),
+        click.option(
+            "--task-scale", type=float, help="Base-relative rules: λ in base + λ·((1−α)·τA + α·τB) (default 1)."
+        ),
         click.option("--regmean-shrink", type=float, help="RegMean off-diagonal scale (default 0.9)."),
         click.option("--head", type=click.Choice(["a", "b", "average"]), help="Classifier head policy (default a)."),
         click.option(
@@ -146,9 +150,13 @@ _CFG_KEYS = (
     "gate_z",
     "gate_min_gain",
     "min_heldout_tokens",
+    "gate_objective",
+    "gate_examples",
     "merge_rule",
     "alpha",
     "regmean_shrink",
+    "density",
+    "task_scale",
     "head",
     "weight_rescale",
     "dtype",
@@ -189,6 +197,8 @@ def _merger(options: dict):
     from raot_hf.merger import RaotMerger
 
     config = build_config(options)
+    if config.needs_calibration and config.calibration.source is None:  # refused before any weights load
+        raise RaotError("this merge needs calibration data; pass --calibration (or --alignment none)")
     return RaotMerger.from_pretrained(
         options["model_a"],
         options["model_b"],
@@ -198,21 +208,28 @@ def _merger(options: dict):
         token=options.get("token"),
         trust_remote_code=options.get("trust_remote_code", False),
         allow_pickle=options.get("allow_pickle", False),
+        **({"base": options["base"], "base_revision": options.get("base_revision")} if options.get("base") else {}),
     )
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="raot-hf")
-@click.option("-v", "--verbose", count=True, help="More logging (-vv for debug).")
-@click.option("-q", "--quiet", is_flag=True, help="Only warnings and errors; no progress bars.")
-def main(verbose: int, quiet: bool) -> None:
+@click.option("-v", "--verbose", count=True, help="Every INFO log line (-vv: debug).")
+@click.option("-q", "--quiet", is_flag=True, help="Errors only: no stage lines, progress bars or results.")
+@click.pass_context
+def main(ctx: click.Context, verbose: int, quiet: bool) -> None:
     """Merge two Transformer checkpoints after aligning them under exact symmetries (RaOT)."""
-    _configure_logging(verbose, quiet)
+    from raot_hf.cli.verbosity import configure
+
+    ctx.meta["raot_hf.quiet"] = quiet
+    ctx.call_on_close(configure(verbose, quiet))
 
 
 @main.command("merge")
 @merge_options
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@click.option("--base", help="The checkpoint A and B were fine-tuned from (task_arithmetic, ties, dare_ties).")
+@click.option("--base-revision", help="Revision of --base.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
 @click.option("--max-shard-size", default="2GB", show_default=True)
 @friendly_errors
@@ -234,10 +251,12 @@ def merge_command(out, overwrite, max_shard_size, **options):
     finally:
         merger.dist.close()
     result.report["command"] = "raot-hf " + " ".join(sys.argv[1:]) if sys.argv else None
-    click.echo(result.alignment.table() if result.alignment.decisions else "(no alignment)")
-    click.echo(result.report["summary"])
+    if not _quiet():
+        click.echo(result.alignment.table() if result.alignment.decisions else "(no alignment)")
+        click.echo(result.report["summary"])
     path = result.save_pretrained(out, overwrite=overwrite, max_shard_size=max_shard_size)
-    click.echo(f"wrote {path}")
+    if not _quiet():
+        click.echo(f"wrote {path}")
 
 
 @main.command("inspect")
@@ -257,39 +276,74 @@ def inspect_command(as_json, **options):
         alignment, _, fingerprint = merger.align()
     finally:
         merger.dist.close()
-    if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "decisions": [d.to_dict() for d in alignment.decisions],
-                    "shares_basis": alignment.shares_basis,
-                    "calibration": fingerprint,
-                },
-                indent=2,
-            )
-        )
+    if as_json:  # strict JSON on stdout (NaN → null), nothing else: logs and progress go to stderr
+        record = {
+            "shares_basis": alignment.shares_basis,
+            "verdict": alignment.verdict,
+            "model_fidelity": alignment.model_fidelity,
+            "decisions": [d.to_dict() for d in alignment.decisions],
+            "calibration": fingerprint,
+        }
+        click.echo(json.dumps(_finite_json(record), indent=2))
         return
     click.echo(alignment.table())
-    if alignment.shares_basis:
-        click.echo("A and B already share a basis: the gate rejected every transform (nothing to align).")
-    else:
-        n = sum(d.applied for d in alignment.decisions)
-        click.echo(f"{n} of {len(alignment.decisions)} transforms beat the identity on held-out data.")
+    if alignment.verdict:
+        click.echo(alignment.verdict)
+
+
+def _finite_json(value):
+    """``value`` with every non-finite float replaced by None (JSON has no NaN)."""
+    import math
+
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_json(v) for v in value]
+    return value
 
 
 @main.command("selfcheck")
-@click.option("--model-type", default="all", help="bert, roberta, deberta, deberta-v2, vit or all.")
+@click.option(
+    "--model-type",
+    default="all",
+    help="bert, roberta, deberta, deberta-v2, vit, deit, gpt2, llama, mistral, qwen2 or all.",
+)
 @click.option("--debug", is_flag=True)
 @friendly_errors
 def selfcheck_command(model_type, debug):
     """Check on tiny random models that every symmetry is exact and that a scrambled copy merges back."""
+    from raot_hf.testing import DECODER_TYPES
+
+    types = ["bert", "roberta", "deberta-v2", "deberta", "vit", "deit", *DECODER_TYPES]
+    ok = True
+    for mt in types if model_type == "all" else [model_type]:
+        dev, limit, rec = _selfcheck_one(mt)
+        passed = dev <= limit and rec <= 1e-4
+        ok &= passed
+        click.echo(
+            f"{mt:11s} symmetry deviation {dev:.1e} (float64)   merge(A, scramble(A)) vs A {rec:.1e}   "
+            f"{'ok' if passed else 'FAIL'}"
+        )
+    if not ok:
+        raise RaotError("self-check failed; please report it with the output above")
+
+
+def _selfcheck_one(mt: str) -> tuple[float, float, float]:
+    """One architecture's float64 symmetry deviation, its limit, and the recovery error."""
+    import contextlib
+
     import torch
 
+    from raot_hf import scramble
     from raot_hf.adapters import schema_for
     from raot_hf.merger import RaotMerger
     from raot_hf.symmetry import random_group_element, transform_model
     from raot_hf.testing import (
+        DECODER_TYPES,
         clone,
+        exact_rmsnorm,
         example_inputs,
         output_deviation,
         tiny_image_dataset,
@@ -299,37 +353,32 @@ def selfcheck_command(model_type, debug):
         tiny_tokenizer,
     )
 
-    types = ["bert", "roberta", "deberta-v2", "deberta", "vit", "deit"] if model_type == "all" else [model_type]
-    ok = True
-    for mt in types:
-        head = "image" if mt in ("vit", "deit") else "sequence"
-        model = tiny_model(mt, head)
-        schema = schema_for(model)
-        t = random_group_element(schema, seed=0, kinds=("mlp", "heads", "residual", "rescale"))
+    decoder = mt in DECODER_TYPES
+    head = "image" if mt in ("vit", "deit") else "causal" if decoder else "sequence"
+    model = tiny_model(mt, head)
+    schema = schema_for(model)
+    t = random_group_element(schema, seed=0, kinds=("mlp", "heads", "residual", "rescale"))
+    # the Llama family's RMSNorm casts to float32 in transformers: checked without the cast
+    with exact_rmsnorm() if decoder else contextlib.nullcontext():
         dev = output_deviation(model, transform_model(clone(model), schema, t), example_inputs(model))
-        a = tiny_model(mt, head, dtype=torch.float32)
-        b = clone(a)
-        from raot_hf import scramble
-
-        scramble(b, seed=1)
+    a = tiny_model(mt, head, dtype=torch.float32)
+    b = clone(a)
+    scramble(b, seed=1)
+    if mt in ("vit", "deit"):
+        pre, data = tiny_image_processor(), tiny_image_dataset(96)
+    else:
         pre, data = (
-            (tiny_image_processor(), tiny_image_dataset(96))
-            if mt in ("vit", "deit")
+            (tiny_tokenizer(100), tiny_text_dataset(192, vocab_size=100))
+            if decoder
             else (tiny_tokenizer(), tiny_text_dataset(96))
         )
-        ref = clone(a)
-        result = RaotMerger.from_models(a, b, preprocessor=pre).merge(calibration=data)
-        rec = output_deviation(ref, result.model, example_inputs(ref), relative=True)
-        # transformers' DeBERTa v1 LayerNorm computes in float32 even for float64 models.
-        limit = 1e-6 if mt == "deberta" else 1e-9
-        passed = dev <= limit and rec <= 1e-4
-        ok &= passed
-        click.echo(
-            f"{mt:11s} symmetry deviation {dev:.1e} (float64)   merge(A, scramble(A)) vs A {rec:.1e}   "
-            f"{'ok' if passed else 'FAIL'}"
-        )
-    if not ok:
-        raise RaotError("self-check failed; please report it with the output above")
+    ref = clone(a)
+    # decoders: the alignment-objective gate (the merge-fidelity gate does not run decoder layers yet)
+    options = {"gate_objective": "alignment"} if decoder else {}
+    result = RaotMerger.from_models(a, b, preprocessor=pre, **options).merge(calibration=data)
+    rec = output_deviation(ref, result.model, example_inputs(ref), relative=True)
+    # transformers' DeBERTa v1 LayerNorm computes in float32 even for float64 models.
+    return dev, 1e-6 if mt == "deberta" else 1e-9, rec
 
 
 def _register_optional_commands() -> None:

@@ -1,4 +1,4 @@
-"""Estimators of the alignment of B to A: activation-based (RaOT, DESIGN.md §4) and the
+"""Estimators of the alignment of B to A: activation-based (RaOT, docs/design.md §4) and the
 weight-based baseline of the rotation-symmetry paper."""
 
 from raot_hf.estimators.activation import (

@@ -1,4 +1,4 @@
-"""Activation-estimated alignment: pure functions over calibration statistics (DESIGN.md §4).
+"""Activation-estimated alignment: pure functions over calibration statistics (docs/design.md §4).
 
 Each estimator returns a transform of B (to apply with
 :func:`raot_hf.symmetry.apply_transform`) and a log dict for the provenance report, from the
@@ -94,8 +94,13 @@ def estimate_head_alignment(
     *,
     rotations: bool = True,
     return_log: bool = False,
+    num_kv_heads: int | None = None,
+    rope: bool = False,
 ):
     """Head correspondence and within-head Q/K and V/O rotations as one exact assignment.
+
+    With ``num_kv_heads`` (grouped-query attention) or ``rope``, the decoder solver runs
+    instead (:func:`estimate_grouped_heads`, docs/design.md §8).
 
     Every pair (i of A, j of B) is scored by the cosine of its rotation-optimal fit —
     ‖N_ij‖_* normalised by the pair's energies, for QK and for VO — and one assignment on
@@ -104,6 +109,12 @@ def estimate_head_alignment(
     estimated — the permutation-only baseline.
     """
     H, h = num_heads, head_size
+    if rope or (num_kv_heads is not None and num_kv_heads != num_heads):
+        from raot_hf.estimators.grouped import estimate_grouped_heads
+
+        return estimate_grouped_heads(
+            q, k, ctx, layer, H, num_kv_heads or H, h, rope=rope, rotations=rotations, return_log=return_log
+        )
     n_qk, n_vo, z_qk, z_vo = _pair_terms(q, k, ctx, H, h)
     ar = torch.arange(H)
     if rotations:
@@ -163,11 +174,14 @@ def estimate_residual_map(stats: Moments, *, mode: str = "rotation", return_log:
     """The stream map O (x_B·O ≈ x_A) from the centered cross moment M = Σ x_Aᵀ x_B.
 
     ``rotation``: SVD of the block of M on the complement of the mean axis, Bᵤᵀ·M·Bᵤ = UΣVᵀ,
-    R = V·Uᵀ and O = u·uᵀ + Bᵤ·R·Bᵤᵀ (O·1 = 1). ``permutation``: assignment on the
-    centered-stream correlation.
+    R = V·Uᵀ and O = u·uᵀ + Bᵤ·R·Bᵤᵀ (O·1 = 1). ``orthogonal``: plain Procrustes over all of
+    O(d), for RMSNorm streams (uncentered moments, docs/design.md §8). ``permutation``: assignment
+    on the centered-stream correlation.
     """
     d = stats.cross.shape[0]
-    if mode == "rotation":
+    if mode == "orthogonal":
+        transform = ResidualRotation(_procrustes(stats.cross.to(_F64)))
+    elif mode == "rotation":
         b = mean_axis_basis(d)
         r = _procrustes(b.T @ stats.cross.to(_F64) @ b)
         u = torch.full((d, 1), d**-0.5, dtype=_F64)
@@ -177,7 +191,7 @@ def estimate_residual_map(stats: Moments, *, mode: str = "rotation", return_log:
         # new coordinate j of B′ takes B's coordinate perm[j], matched to A's coordinate j
         transform = ResidualPermutation(_assign(stats.correlation()))
     else:
-        raise ValueError(f"mode must be 'rotation' or 'permutation', got {mode!r}")
+        raise ValueError(f"mode must be 'rotation', 'orthogonal' or 'permutation', got {mode!r}")
     if not return_log:
         return transform
     return transform, {"mode": mode, "dim": d, "fit_gain": float(_fit_residual_gains(stats, transform).mean())}

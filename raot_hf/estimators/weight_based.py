@@ -1,4 +1,4 @@
-"""Data-free, weight-based alignment: the rotation-symmetry paper's matching (DESIGN.md §4).
+"""Data-free, weight-based alignment: the rotation-symmetry paper's matching (docs/design.md §4).
 
 A baseline the product ships next to the activation-based estimators. It sees only the two
 models' weights and returns a transform that moves B towards A *in weight space*:

@@ -1,14 +1,30 @@
-"""Merge rules on aligned state dicts, and a registry of them by name (DESIGN.md §6).
+"""Merge rules on aligned state dicts, and a registry of them by name (docs/design.md §6).
 
 >>> from raot_hf.merging import get_merge_rule
 >>> merged, log = get_merge_rule("linear")(state_a, state_b, alpha=0.5, return_log=True)  # doctest: +SKIP
+
+Every rule takes the merger's signature ``rule(state_a, state_b, *, alpha, ..., return_log=False)``;
+its :class:`MergeRuleSpec` says what else it reads, and the merger, :class:`raot_hf.RaotConfig`'s
+validation and the CLI's ``--merge-rule`` choices all read this one registry.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from raot_hf.errors import RaotError
+from raot_hf.merging.base_rules import (
+    MAX_RELATIVE_TASK_NORM,
+    check_base_states,
+    dare_drop,
+    elect_and_average,
+    merge_dare_ties,
+    merge_task_arithmetic,
+    merge_ties,
+    relative_task_norm,
+    trim_to_top,
+)
 from raot_hf.merging.rules import (
     HEAD_POLICIES,
     check_compatible_states,
@@ -16,13 +32,33 @@ from raot_hf.merging.rules import (
     merge_heads,
     merge_linear,
     merge_regmean,
-    merge_task_arithmetic,
-    merge_ties,
     shrink_gram,
-    trim_to_top,
 )
 
-_RULES: dict[str, Callable] = {}
+
+@dataclass(frozen=True)
+class MergeRuleSpec:
+    """A registered rule and what it needs besides ``state_a``, ``state_b`` and ``alpha``.
+
+    * ``needs_base``: called with ``base=`` (the state dict of the model A and B were
+      fine-tuned from); the merger then needs a base model.
+    * ``needs_grams``: called with ``grams_a=``, ``grams_b=`` and ``linear_weights=`` (RegMean).
+    * ``needs_fisher``: called with ``fisher_a=`` and ``fisher_b=`` (diagonal Fishers).
+    * ``per_tensor``: each output tensor depends only on the same-named inputs, so the merger
+      may call the rule on a few tensors at a time (no merged copy of the whole model is held).
+    * ``options``: rule keyword → :class:`raot_hf.RaotConfig` field the merger passes as that keyword.
+    """
+
+    name: str
+    fn: Callable
+    needs_base: bool = False
+    needs_grams: bool = False
+    needs_fisher: bool = False
+    per_tensor: bool = False
+    options: Mapping[str, str] = field(default_factory=dict)
+
+
+_RULES: dict[str, MergeRuleSpec] = {}
 
 
 def available_merge_rules() -> list[str]:
@@ -30,8 +66,23 @@ def available_merge_rules() -> list[str]:
     return sorted(_RULES)
 
 
-def register_merge_rule(name: str, fn: Callable) -> Callable:
-    """Register ``fn`` as the merge rule ``name``; refuses non-callables and duplicate names."""
+def base_relative_rules() -> list[str]:
+    """The registered rules that measure task vectors against a base model, sorted."""
+    return sorted(name for name, spec in _RULES.items() if spec.needs_base)
+
+
+def register_merge_rule(
+    name: str,
+    fn: Callable,
+    *,
+    needs_base: bool = False,
+    needs_grams: bool = False,
+    needs_fisher: bool = False,
+    per_tensor: bool = False,
+    options: Mapping[str, str] | None = None,
+) -> Callable:
+    """Register ``fn`` as the merge rule ``name`` (see :class:`MergeRuleSpec` for the flags);
+    refuses non-callables and duplicate names."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"a merge rule name must be a non-empty string, got {name!r}")
     if not callable(fn):
@@ -41,35 +92,60 @@ def register_merge_rule(name: str, fn: Callable) -> Callable:
             f"merge rule {name!r} is already registered; pick another name (registered: "
             f"{', '.join(available_merge_rules())})."
         )
-    _RULES[name] = fn
+    _RULES[name] = MergeRuleSpec(name, fn, needs_base, needs_grams, needs_fisher, per_tensor, dict(options or {}))
     return fn
 
 
-def get_merge_rule(name: str) -> Callable:
-    """The merge rule registered as ``name``; the error lists the valid names."""
+def merge_rule_spec(name: str) -> MergeRuleSpec:
+    """The registration of rule ``name``; the error lists the valid names."""
     if name not in _RULES:
         raise RaotError(f"unknown merge rule {name!r}; valid: {', '.join(available_merge_rules())}.")
     return _RULES[name]
 
 
-register_merge_rule("linear", merge_linear)
-register_merge_rule("regmean", merge_regmean)
-register_merge_rule("fisher", merge_fisher)
-register_merge_rule("task_arithmetic", merge_task_arithmetic)
-register_merge_rule("ties", merge_ties)
+def get_merge_rule(name: str) -> Callable:
+    """The merge rule registered as ``name``; the error lists the valid names."""
+    return merge_rule_spec(name).fn
+
+
+register_merge_rule("linear", merge_linear, per_tensor=True)
+register_merge_rule("regmean", merge_regmean, needs_grams=True, options={"shrink": "regmean_shrink"})
+register_merge_rule("fisher", merge_fisher, needs_fisher=True)
+register_merge_rule(
+    "task_arithmetic", merge_task_arithmetic, needs_base=True, per_tensor=True, options={"scale": "task_scale"}
+)
+register_merge_rule(
+    "ties", merge_ties, needs_base=True, per_tensor=True, options={"density": "density", "scale": "task_scale"}
+)
+register_merge_rule(
+    "dare_ties",
+    merge_dare_ties,
+    needs_base=True,
+    per_tensor=True,
+    options={"density": "density", "scale": "task_scale", "seed": "seed"},
+)
 
 __all__ = [
     "HEAD_POLICIES",
+    "MAX_RELATIVE_TASK_NORM",
+    "MergeRuleSpec",
     "available_merge_rules",
+    "base_relative_rules",
+    "check_base_states",
     "check_compatible_states",
+    "dare_drop",
+    "elect_and_average",
     "get_merge_rule",
+    "merge_dare_ties",
     "merge_fisher",
     "merge_heads",
     "merge_linear",
     "merge_regmean",
+    "merge_rule_spec",
     "merge_task_arithmetic",
     "merge_ties",
     "register_merge_rule",
+    "relative_task_norm",
     "shrink_gram",
     "trim_to_top",
 ]

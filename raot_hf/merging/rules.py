@@ -1,4 +1,4 @@
-"""Merge rules on aligned state dicts (DESIGN.md §6).
+"""Merge rules on aligned state dicts (docs/design.md §6).
 
 Every rule takes state dicts (parameter name → tensor) whose keys and shapes agree — model B
 has already been aligned to A (B′) — and returns the merged state dict. The arithmetic runs in
@@ -13,7 +13,8 @@ JSON-serialisable and feeds the provenance report::
 
 Endpoints are exact: wherever a rule has an ``alpha``, ``alpha=0`` returns A's tensors bit for
 bit and ``alpha=1`` returns B′'s (cast to A's dtype), without any arithmetic that could round
-or flip the sign of a zero.
+or flip the sign of a zero. The base-relative rules (task arithmetic, TIES, DARE-TIES) are in
+:mod:`raot_hf.merging.base_rules`, where α weights the task vectors instead.
 """
 
 from __future__ import annotations
@@ -375,94 +376,6 @@ def merge_fisher(
     return _finish(merged, log, return_log)
 
 
-# ----------------------------------------------------------------------------- siblings of one base
-
-
-def merge_task_arithmetic(
-    base: StateDict, state_a: StateDict, state_b: StateDict, *, scale: float = 1.0, return_log: bool = False
-):
-    """Task arithmetic for fine-tuned siblings of ``base``: ``W = base + scale·((W_A − base) + (W_B − base))``.
-
-    The log records, per tensor, the cosine between the two task vectors.
-    """
-    check_compatible_states(base, state_a, names=("the base", "A"))
-    check_compatible_states(state_a, state_b)
-    scale = _check_finite("scale", scale)
-    log = _new_log("task_arithmetic", {"scale": scale})
-    merged: dict[str, torch.Tensor] = {}
-    for key, a in state_a.items():
-        if not a.is_floating_point():
-            merged[key] = _copy_non_float(key, a, state_b[key], log)
-            continue
-        origin = _f64(base[key]).to(a.device)
-        task_a = _f64(a) - origin
-        task_b = _f64(state_b[key]).to(a.device) - origin
-        norms = float(torch.linalg.norm(task_a) * torch.linalg.norm(task_b))
-        cosine = float((task_a * task_b).sum()) / norms if norms > 0 else 0.0
-        _note(log, key, "task_arithmetic", task_cosine=cosine)
-        merged[key] = (origin + scale * (task_a + task_b)).to(a.dtype)
-    return _finish(merged, log, return_log)
-
-
-def trim_to_top(task: torch.Tensor, density: float) -> torch.Tensor:
-    """Zero all but the ⌈density·n⌉ largest-magnitude entries of ``task`` (ties at the cut are kept)."""
-    n = task.numel()
-    keep = min(n, max(1, math.ceil(density * n - 1e-9)))
-    if n == 0 or keep == n:
-        return task.clone()
-    magnitude = task.abs()
-    threshold = torch.kthvalue(magnitude.flatten(), n - keep + 1).values
-    return torch.where(magnitude >= threshold, task, torch.zeros_like(task))
-
-
-def merge_ties(
-    base: StateDict,
-    state_a: StateDict,
-    state_b: StateDict,
-    *,
-    density: float = 0.2,
-    scale: float = 1.0,
-    return_log: bool = False,
-):
-    """TIES-merging of two fine-tuned siblings of ``base``.
-
-    Per tensor: (1) trim each task vector ``W − base`` to its top-``density`` fraction by
-    magnitude (:func:`trim_to_top`); (2) elect each entry's sign as the sign of the sum of the
-    trimmed vectors; (3) average, per entry, the trimmed values whose sign agrees with the
-    elected one (the disjoint mean; zero when none does); (4) ``W = base + scale·merged``.
-    """
-    check_compatible_states(base, state_a, names=("the base", "A"))
-    check_compatible_states(state_a, state_b)
-    density = _check_unit("density", density, open_low=True)
-    scale = _check_finite("scale", scale)
-    log = _new_log("ties", {"density": density, "scale": scale})
-    merged: dict[str, torch.Tensor] = {}
-    for key, a in state_a.items():
-        if not a.is_floating_point():
-            merged[key] = _copy_non_float(key, a, state_b[key], log)
-            continue
-        origin = _f64(base[key]).to(a.device)
-        trimmed_a = trim_to_top(_f64(a) - origin, density)
-        trimmed_b = trim_to_top(_f64(state_b[key]).to(a.device) - origin, density)
-        elected = torch.sign(trimmed_a + trimmed_b)
-        agree_a = (trimmed_a != 0) & (torch.sign(trimmed_a) == elected)
-        agree_b = (trimmed_b != 0) & (torch.sign(trimmed_b) == elected)
-        count = agree_a.to(_F64) + agree_b.to(_F64)
-        summed = torch.where(agree_a, trimmed_a, 0.0) + torch.where(agree_b, trimmed_b, 0.0)
-        task = torch.where(count > 0, summed / count.clamp_min(1.0), 0.0)
-        conflicts = (trimmed_a * trimmed_b < 0).to(_F64).mean() if a.numel() else torch.tensor(0.0)
-        _note(
-            log,
-            key,
-            "ties",
-            kept_a=float((trimmed_a != 0).to(_F64).mean()) if a.numel() else 0.0,
-            kept_b=float((trimmed_b != 0).to(_F64).mean()) if a.numel() else 0.0,
-            sign_conflicts=float(conflicts),
-        )
-        merged[key] = (origin + scale * task).to(a.dtype)
-    return _finish(merged, log, return_log)
-
-
 # ----------------------------------------------------------------------------- heads
 
 
@@ -498,8 +411,8 @@ def merge_heads(
     Returns a dict holding only the head parameters (cast to A's dtype), to overlay on the body
     merge — merge the body with the head parameters left out when the label spaces differ.
     ``policy="average"`` interpolates with weight ``alpha`` on B′ and needs the same label
-    space (equal ``num_labels`` and ``id2label``); with ``policy="b"`` the merged config must
-    take B's label space.
+    space (equal ``num_labels`` and ``id2label``); with ``policy="b"`` the model receiving the
+    merge must first take B's head shapes and label config (:func:`raot_hf.loading.adopt_head`).
     """
     if policy not in HEAD_POLICIES:
         raise RaotError(f"unknown head policy {policy!r}; use one of: {', '.join(HEAD_POLICIES)}.")

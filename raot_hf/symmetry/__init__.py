@@ -1,4 +1,4 @@
-"""The exact symmetry group of a Transformer encoder and its action on weights (DESIGN.md §3)."""
+"""The exact symmetry group of a Transformer encoder and its action on weights (docs/design.md §3)."""
 
 from raot_hf.symmetry.apply import (
     apply_transform,

@@ -1,4 +1,4 @@
-"""Acting with a transform on weights: contraction of every member of a space (DESIGN.md §3).
+"""Acting with a transform on weights: contraction of every member of a space (docs/design.md §3).
 
 State dicts here map parameter names to tensors; the arithmetic runs in float64 and each
 tensor is cast back to its own dtype.
@@ -92,9 +92,7 @@ def apply_transform(
 
 def _require_folded(state: Mapping[str, torch.Tensor], schema: ModelSchema) -> None:
     for fold in schema.folds:
-        if fold.norm_weight in state and not (
-            torch.all(state[fold.norm_weight] == 1) and torch.all(state[fold.norm_bias] == 0)
-        ):
+        if fold.norm_weight in state and not _fold_is_identity(state, fold):
             raise RaotError(
                 "a residual rotation of a pre-LN model needs its LayerNorms folded first; "
                 "call raot_hf.symmetry.fold_layernorms (RaotMerger does this for you)."
@@ -107,27 +105,38 @@ def fold_layernorms(state: dict[str, torch.Tensor], schema: ModelSchema) -> dict
     checked before any tensor is written."""
     for fold in schema.folds:
         for w_name, b_name in fold.readers:
-            if b_name is None and torch.any(state[fold.norm_bias] != 0):
+            if b_name is None and fold.norm_bias is not None and torch.any(state[fold.norm_bias] != 0):
                 raise RaotError(
                     f"cannot fold LayerNorm {fold.norm_bias} into {w_name}: the reader has no bias; "
                     "use a residual permutation instead of a rotation."
                 )
     for fold in schema.folds:
         g = state[fold.norm_weight].to(_F64, copy=True)
-        beta = state[fold.norm_bias].to(_F64, copy=True)
+        beta = None if fold.norm_bias is None else state[fold.norm_bias].to(_F64, copy=True)
         for w_name, b_name in fold.readers:
             w = state[w_name].to(_F64)
-            if b_name is not None:
-                state[b_name] = (state[b_name].to(_F64) + w @ beta).to(state[b_name].dtype)
-            state[w_name] = (w * g).to(state[w_name].dtype)
+            if w_name in fold.transposed:  # (in, out) storage: W ← diag(γ)·W, b ← b + βᵀ·W
+                shift, scaled = (None if beta is None else beta @ w), w * g[:, None]
+            else:
+                shift, scaled = (None if beta is None else w @ beta), w * g
+            if b_name is not None and shift is not None:
+                state[b_name] = (state[b_name].to(_F64) + shift).to(state[b_name].dtype)
+            state[w_name] = scaled.to(state[w_name].dtype)
         state[fold.norm_weight] = torch.ones_like(state[fold.norm_weight])
-        state[fold.norm_bias] = torch.zeros_like(state[fold.norm_bias])
+        if fold.norm_bias is not None:
+            state[fold.norm_bias] = torch.zeros_like(state[fold.norm_bias])
     return state
+
+
+def _fold_is_identity(state: Mapping[str, torch.Tensor], fold) -> bool:
+    """Whether a norm's affine is already γ = 1 (and β = 0 where it has a shift)."""
+    unit = bool(torch.all(state[fold.norm_weight] == 1))
+    return unit and (fold.norm_bias is None or bool(torch.all(state[fold.norm_bias] == 0)))
 
 
 def is_folded(state: Mapping[str, torch.Tensor], schema: ModelSchema) -> bool:
     """Whether every foldable LayerNorm in ``state`` already has γ = 1, β = 0."""
-    return all(torch.all(state[f.norm_weight] == 1) and torch.all(state[f.norm_bias] == 0) for f in schema.folds)
+    return all(_fold_is_identity(state, f) for f in schema.folds)
 
 
 def model_state(model: torch.nn.Module, names: set[str] | None = None) -> dict[str, torch.Tensor]:
@@ -166,7 +175,7 @@ def _parameters_in_place(model: torch.nn.Module, names: set[str]) -> _WriteThrou
 def transform_model(model: torch.nn.Module, schema: ModelSchema, transform: Transform, **kw) -> torch.nn.Module:
     """Apply ``transform`` to ``model`` in place, parameter by parameter; pre-LN LayerNorms are
     folded first if a residual rotation needs it. Returns the model."""
-    names = schema.parameter_names() | {n for f in schema.folds for n in (f.norm_weight, f.norm_bias)}
+    names = schema.parameter_names() | {n for f in schema.folds for n in (f.norm_weight, f.norm_bias) if n}
     names |= {n for f in schema.folds for r in f.readers for n in r if n}
     state = _parameters_in_place(model, names)
     actions = transform.actions(schema)
@@ -182,7 +191,7 @@ def transform_model(model: torch.nn.Module, schema: ModelSchema, transform: Tran
 @torch.no_grad()
 def fold_model(model: torch.nn.Module, schema: ModelSchema) -> torch.nn.Module:
     """Fold a pre-LN model's LayerNorms into their readers in place (exact)."""
-    names = {n for f in schema.folds for n in (f.norm_weight, f.norm_bias)}
+    names = {n for f in schema.folds for n in (f.norm_weight, f.norm_bias) if n}
     names |= {n for f in schema.folds for r in f.readers for n in r if n}
     state = _parameters_in_place(model, names)
     if not is_folded(state, schema):
@@ -196,5 +205,6 @@ def _remember_norms(model: torch.nn.Module, state: Mapping[str, torch.Tensor], s
     saved = {}
     for f in schema.folds:
         saved[f.norm_weight] = state[f.norm_weight].detach().clone()
-        saved[f.norm_bias] = state[f.norm_bias].detach().clone()
+        if f.norm_bias is not None:
+            saved[f.norm_bias] = state[f.norm_bias].detach().clone()
     model._raot_unfolded_norms = saved

@@ -1,5 +1,5 @@
 """Random and structured group elements: Haar-orthogonal matrices, the mean-axis complement
-basis (DESIGN.md §4, mean-preserving Procrustes), and :func:`scramble`."""
+basis (docs/design.md §4, mean-preserving Procrustes), and :func:`scramble`."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from raot_hf.symmetry.transforms import (
     ResidualRotation,
     Transform,
     TransformSequence,
+    rope_blocks,
 )
 
 _F64 = torch.float64
@@ -71,8 +72,10 @@ def random_group_element(
     if "residual" in kinds:
         mode = residual
         if mode == "auto":
-            mode = "rotation" if schema.residual.exact == "mean_fixing" else "permutation"
-        if mode == "rotation":
+            mode = "rotation" if schema.residual.exact in ("mean_fixing", "orthogonal") else "permutation"
+        if mode == "rotation" and schema.residual.exact == "orthogonal":  # RMSNorm stream: all of O(d)
+            parts.append(ResidualRotation(random_orthogonal(schema.hidden_size, g)))
+        elif mode == "rotation":
             parts.append(ResidualRotation(mean_fixing(random_orthogonal(schema.hidden_size - 1, g))))
         elif mode == "permutation":
             parts.append(ResidualPermutation(torch.randperm(schema.hidden_size, generator=g)))
@@ -81,15 +84,41 @@ def random_group_element(
     for layer in range(schema.num_layers):
         if "mlp" in kinds:
             parts.append(MLPPermutation(layer, torch.randperm(schema.intermediate_size, generator=g)))
-        if "heads" in kinds:
+        grouped = schema.kv_space(layer, "k") is not None
+        if "heads" in kinds and grouped:
+            parts.append(random_grouped_heads(schema, layer, g))
+        elif "heads" in kinds:
             qk = torch.stack([random_orthogonal(h, g) for _ in range(H)])
             vo = torch.stack([random_orthogonal(h, g) for _ in range(H)])
             parts.append(HeadAlignment(layer, torch.randperm(H, generator=g), qk, vo))
         if "rescale" in kinds:
-            a = torch.exp(0.5 * torch.randn(H, generator=g, dtype=_F64))
-            c = torch.exp(0.5 * torch.randn(H, generator=g, dtype=_F64))
+            n = schema.kv_heads if grouped else H
+            # under RoPE one Q/K scale per rotary pair (s on q, 1/s on k commutes with the rotations)
+            a_shape = (n, h // 2) if schema.qk_structure == "rope" else (n,)
+            a = torch.exp(0.5 * torch.randn(*a_shape, generator=g, dtype=_F64))
+            c = torch.exp(0.5 * torch.randn(n, generator=g, dtype=_F64))
+            if grouped:  # one scale per KV head, shared by its query heads
+                a, c = (x.repeat_interleave(H // n, 0) for x in (a, c))
             parts.append(HeadRescale(layer, a, c))
     return TransformSequence(parts)
+
+
+def random_grouped_heads(schema: ModelSchema, layer: int, g: torch.Generator) -> HeadAlignment:
+    """A random head symmetry of a grouped-query (and possibly RoPE) layer (docs/design.md §8): KV
+    heads permuted with their groups, query heads permuted within each group, one V/O map per KV
+    head and one Q/K map per KV head — Haar-orthogonal, or per rotary pair a random 2×2
+    rotation under RoPE."""
+    H, kv, h = schema.num_heads, schema.kv_heads, schema.head_size
+    group = H // kv
+    kv_perm = torch.randperm(kv, generator=g)
+    within = torch.stack([torch.randperm(group, generator=g) for _ in range(kv)])
+    perm = (kv_perm[:, None] * group + within).reshape(H)
+    if schema.qk_structure == "rope":
+        qk = rope_blocks(2 * torch.pi * torch.rand(kv, h // 2, generator=g, dtype=_F64))
+    else:
+        qk = torch.stack([random_orthogonal(h, g) for _ in range(kv)])
+    vo = torch.stack([random_orthogonal(h, g) for _ in range(kv)])
+    return HeadAlignment(layer, perm, qk.repeat_interleave(group, 0), vo.repeat_interleave(group, 0))
 
 
 def scramble(

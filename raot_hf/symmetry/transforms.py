@@ -1,4 +1,4 @@
-"""The symmetry group as a small algebra (DESIGN.md §3).
+"""The symmetry group as a small algebra (docs/design.md §3).
 
 A transform maps space names to :class:`SpaceAction` s — a permutation, or a matrix M — and
 :func:`raot_hf.symmetry.apply.apply_transform` contracts every member of each space with M
@@ -72,13 +72,67 @@ def _check_perm(perm: torch.Tensor, n: int, what: str) -> None:
 
 def block_matrix(perm: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """The (H·h)² matrix G with block (perm[i], i) = blocks[i]: head i of the result takes head
-    perm[i] rotated by blocks[i] (DESIGN.md §3.2)."""
+    perm[i] rotated by blocks[i] (docs/design.md §3.2)."""
     H, h, _ = blocks.shape
     g = torch.zeros(H * h, H * h, dtype=_F64)
     for i in range(H):
         j = int(perm[i])
         g[j * h : (j + 1) * h, i * h : (i + 1) * h] = blocks[i]
     return g
+
+
+def rope_blocks(angles: torch.Tensor) -> torch.Tensor:
+    """(…, h/2) angles → (…, h, h) maps rotating each rotary pair (p, p + h/2) by its angle:
+    x ← x·M multiplies x_p + i·x_{p+h/2} by e^{iφ_p}, which commutes with RoPE (docs/design.md §8)."""
+    half = angles.shape[-1]
+    c, s = torch.cos(angles.to(_F64)), torch.sin(angles.to(_F64))
+    m = torch.zeros(*angles.shape[:-1], 2 * half, 2 * half, dtype=_F64)
+    p = torch.arange(half)
+    m[..., p, p] = c
+    m[..., p + half, p + half] = c
+    m[..., p, p + half] = s
+    m[..., p + half, p] = -s
+    return m
+
+
+def _check_rope(blocks: torch.Tensor, layer: int) -> None:
+    """Refuse Q/K maps that do not commute with RoPE: only 2×2 rotations within rotary pairs do."""
+    h = blocks.shape[-1]
+    if h % 2:
+        raise RaotError(f"layer {layer}: RoPE needs an even head size, got {h}")
+    half = h // 2
+    p = torch.arange(half)
+    angles = torch.atan2(blocks[..., p, p + half], blocks[..., p, p])
+    if not torch.allclose(blocks, rope_blocks(angles), atol=1e-8):
+        raise RaotError(
+            f"layer {layer}: a Q/K map of a RoPE model must rotate each rotary pair (i, i + h/2) and mix nothing "
+            "else; this one does not commute with the position rotations"
+        )
+
+
+def grouped_blocks(schema: ModelSchema, layer: int, perm: torch.Tensor, qk: torch.Tensor, vo: torch.Tensor):
+    """For grouped-query attention (docs/design.md §8): the KV-head permutation and the per-KV-head
+    Q/K and V/O maps implied by a per-query-head alignment, after checking that it moves whole
+    groups and gives every query head of a group its KV head's maps."""
+    H, kv = schema.num_heads, schema.kv_heads
+    group = H // kv
+    kv_perm = (perm // group).view(kv, group)
+    if not torch.equal(kv_perm, kv_perm[:, :1].expand_as(kv_perm)):
+        raise RaotError(
+            f"layer {layer}: a head permutation of a grouped-query model must move whole groups "
+            f"({group} query heads per KV head); permute KV heads and query heads within a group only"
+        )
+    maps = []
+    for name, r in (("qk", qk), ("vo", vo)):
+        per_kv = r.view(kv, group, *r.shape[1:])
+        if not torch.allclose(per_kv, per_kv[:, :1].expand_as(per_kv), atol=1e-12):
+            raise RaotError(
+                f"layer {layer}: the query heads of one KV head need one {name} map (they share its keys/values)"
+            )
+        maps.append(per_kv[:, 0])
+    if schema.qk_structure == "rope":
+        _check_rope(maps[0], layer)
+    return kv_perm[:, 0], maps[0], maps[1]
 
 
 class Transform:
@@ -173,10 +227,15 @@ class HeadAlignment(Transform):
         for name, r in (("qk", self.qk), ("vo", self.vo)):
             if r.shape != (H, h, h):
                 raise RaotError(f"layer {self.layer} {name} maps: expected shape {(H, h, h)}, got {tuple(r.shape)}")
-        return {
+        out = {
             schema.qk_space(self.layer).name: SpaceAction(matrix=block_matrix(self.perm, self.qk)),
             schema.vo_space(self.layer).name: SpaceAction(matrix=block_matrix(self.perm, self.vo)),
         }
+        if schema.kv_space(self.layer, "k") is not None:
+            kv_perm, qk_kv, vo_kv = grouped_blocks(schema, self.layer, self.perm, self.qk, self.vo)
+            out[schema.kv_space(self.layer, "k").name] = SpaceAction(matrix=block_matrix(kv_perm, qk_kv))
+            out[schema.kv_space(self.layer, "v").name] = SpaceAction(matrix=block_matrix(kv_perm, vo_kv))
+        return out
 
     def to_dict(self):
         return {
@@ -200,10 +259,14 @@ class HeadAlignment(Transform):
 
 @dataclass
 class HeadRescale(Transform):
-    """Optional per-head rescaling (§3.4): q ← a·q, k ← k/a; v ← c·v, o ← o/c (exact)."""
+    """Optional per-head rescaling (§3.4): q ← a·q, k ← k/a; v ← c·v, o ← o/c (exact).
+
+    ``qk_scale`` may also be (H, h/2): one scale per rotary pair (dims p and p + h/2), which
+    commutes with RoPE (docs/design.md §8). With grouped-query attention the query heads of one KV
+    head must carry that KV head's scales."""
 
     layer: int
-    qk_scale: torch.Tensor  # (H,)
+    qk_scale: torch.Tensor  # (H,) or (H, h/2)
     vo_scale: torch.Tensor  # (H,)
     kind: ClassVar[str] = "head_rescale"
 
@@ -216,13 +279,29 @@ class HeadRescale(Transform):
     def actions(self, schema):
         h = schema.head_size
 
-        def diag(s):
-            return SpaceAction(matrix=torch.diag(s.repeat_interleave(h)), orthogonal=False)
+        def per_dim(s):  # (n,) → each head's h dims; (n, h/2) → each rotary pair's two dims
+            return s.repeat_interleave(h) if s.ndim == 1 else torch.cat([s, s], -1).reshape(-1)
 
-        return {
+        def diag(s):
+            return SpaceAction(matrix=torch.diag(per_dim(s)), orthogonal=False)
+
+        if self.qk_scale.ndim == 2 and self.qk_scale.shape[1:] != (h // 2,):
+            raise RaotError(f"layer {self.layer} per-pair Q/K scales: expected (heads, {h // 2}) values")
+        out = {
             schema.qk_space(self.layer).name: diag(self.qk_scale),
             schema.vo_space(self.layer).name: diag(self.vo_scale),
         }
+        if schema.kv_space(self.layer, "k") is not None:  # one scale per KV head, shared by its group
+            group = schema.num_heads // schema.kv_heads
+            for kind, scale in (("k", self.qk_scale), ("v", self.vo_scale)):
+                per_kv = scale.view(schema.kv_heads, group, *scale.shape[1:])
+                if not torch.equal(per_kv, per_kv[:, :1].expand_as(per_kv)):
+                    raise RaotError(
+                        f"layer {self.layer} head rescale: query heads sharing a KV head need one scale; "
+                        "repeat each KV head's scale over its group"
+                    )
+                out[schema.kv_space(self.layer, kind).name] = diag(per_kv[:, 0])
+        return out
 
     def to_dict(self):
         return {
@@ -284,9 +363,9 @@ class ResidualRotation(Transform):
         if o.shape != (d, d):
             raise RaotError(f"residual rotation: expected a {d}×{d} matrix, got {tuple(o.shape)}")
         ones = torch.ones(d, dtype=_F64)
-        if not torch.allclose(o @ ones, ones, atol=1e-8) or not torch.allclose(
-            o.T @ o, torch.eye(d, dtype=_F64), atol=1e-8
-        ):
+        # RMSNorm streams (§8) admit all of O(d); LayerNorm streams only maps fixing the mean axis
+        fixes_mean = not schema.stream_centered or torch.allclose(o @ ones, ones, atol=1e-8)
+        if not fixes_mean or not torch.allclose(o.T @ o, torch.eye(d, dtype=_F64), atol=1e-8):
             raise RaotError("residual rotation must be orthogonal and fix the mean axis (O·1 = 1)")
         return {"residual": SpaceAction(matrix=o)}
 
@@ -369,7 +448,7 @@ class TransformSequence(Transform):
 def is_exact(transform: Transform, schema: ModelSchema) -> bool:
     """Whether ``transform`` leaves the function of a model with ``schema`` exactly unchanged."""
     for t in _flatten(transform):
-        if isinstance(t, ResidualRotation) and schema.residual.exact != "mean_fixing":
+        if isinstance(t, ResidualRotation) and schema.residual.exact not in ("mean_fixing", "orthogonal"):
             return False
         if not t.exact:
             return False

@@ -1,0 +1,105 @@
+"""Fold a partial rerun (some pairs, some methods) into an existing ``results.json``.
+
+``python -m benchmarks.run --update --pairs siblings --methods average,raot`` reruns only what it
+names and keeps every other number of the results it updates. Each update is recorded in
+``meta["updates"]`` (date, arguments, pairs, methods, time), and where a rerun method replaces a
+number of the previous results, the headline values it had before its first rerun stay beside it
+in ``run["previous"][method]``, so the report can show what changed and by how much. When a run's
+parents are not the previous ones (retrained on another machine, whose float kernels differ), rows
+of the two are never mixed in one run: the rows not rerun are dropped (kept under ``previous``).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+from typing import Any
+
+#: Values of a replaced method row that are kept under ``run["previous"]``.
+PREVIOUS_KEYS = ("acc_head_a", "acc_head_b", "probe_a", "probe_b", "barrier_a", "barrier_b", "shares_basis")
+
+
+def update_record(results: dict[str, Any]) -> dict[str, Any]:
+    """What one benchmark invocation ran: when, with which arguments, pairs and methods."""
+    meta = results["meta"]
+    return {
+        "date": meta.get("date") or "before updates were recorded",
+        "source_digest": meta.get("source_digest"),
+        "argv": meta.get("argv", []),
+        "suite": meta.get("suite"),
+        "pairs": sorted({run["pair"] for run in results["runs"]}),
+        "methods": [m["name"] for m in results["methods"]],
+        "seconds": meta.get("seconds"),
+        "notes": meta.get("notes", []),
+    }
+
+
+def _previous(row: dict[str, Any]) -> dict[str, Any]:
+    kept = {k: row[k] for k in PREVIOUS_KEYS if k in row}
+    if row.get("gate"):
+        kept["applied"], kept["total"] = row["gate"]["applied"], row["gate"]["total"]
+    return kept
+
+
+def _parents_differ(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether a rerun's parents are not the previous ones (retrained elsewhere: CPU kernels differ)."""
+    keys = ("accuracy", "loss")
+    return any(old["parents"][s].get(k) != new["parents"][s].get(k) for s in ("a", "b") for k in keys)
+
+
+def _merge_run(old: dict[str, Any], new: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """``new`` with the methods of ``old`` that it did not rerun — unless the parents differ: then
+    paired comparisons across the two would compare different models, so only ``new``'s methods
+    stay, and every replaced or dropped row's values are kept under ``previous``."""
+    merged = copy.deepcopy(new)
+    differ = _parents_differ(old, new)
+    merged["methods"] = dict(new["methods"]) if differ else {**old["methods"], **new["methods"]}
+    previous = dict(old.get("previous", {}))
+    for name, row in old["methods"].items():
+        if (differ or name in new["methods"]) and "error" not in row:
+            previous.setdefault(name, _previous(row))  # the values before the first rerun
+    if previous:
+        merged["previous"] = previous
+    if differ:
+        dropped = sorted(set(old["methods"]) - set(new["methods"]))
+        notes.append(
+            f"pair {new['pair']} run {new['run']}: the rerun's parents differ from the previous results' (parent A "
+            f"accuracy {new['parents']['a'].get('accuracy'):.4f} vs {old['parents']['a'].get('accuracy'):.4f}); "
+            f"rows not rerun were dropped from this run ({len(dropped)}: {', '.join(dropped) or 'none'}) — their "
+            "previous values are under run['previous'] in results.json"
+        )
+    return merged
+
+
+def merge_results(old: dict[str, Any], new: dict[str, Any], order: list[str]) -> dict[str, Any]:
+    """``old`` with ``new``'s runs folded in (per pair, run and method); ``order``: pair names in
+    the order of the suite (pairs not in it go last)."""
+    notes: list[str] = []
+    runs = {(r["pair"], r["run"]): r for r in old["runs"]}
+    for run in new["runs"]:
+        key = (run["pair"], run["run"])
+        runs[key] = _merge_run(runs[key], run, notes) if key in runs else run
+    method_rows = {m["name"]: m for m in old["methods"]}
+    method_rows.update({m["name"]: m for m in new["methods"]})
+    from benchmarks.methods import BY_NAME
+
+    rank = {name: i for i, name in enumerate(BY_NAME)}
+    pair_rows = {p["name"]: p for p in old["pairs"]}
+    pair_rows.update({p["name"]: p for p in new["pairs"]})
+    pair_rank = {name: i for i, name in enumerate(order)}
+    record = update_record(new)
+    record["notes"] = record["notes"] + notes
+    meta = {**new["meta"], "updates": [*(old["meta"].get("updates") or [update_record(old)]), record]}
+    meta["seconds"] = sum(u["seconds"] or 0.0 for u in meta["updates"])
+    meta["notes"] = [n for u in meta["updates"] for n in u["notes"]]
+    return {
+        "meta": meta,
+        "methods": sorted(method_rows.values(), key=lambda m: rank.get(m["name"], len(rank))),
+        "pairs": sorted(pair_rows.values(), key=lambda p: pair_rank.get(p["name"], len(pair_rank))),
+        "runs": sorted(runs.values(), key=lambda r: (r["pair"], r["run"])),
+    }
+
+
+def today() -> str:
+    """The date (UTC) recorded with each invocation."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

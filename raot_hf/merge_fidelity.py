@@ -1,0 +1,353 @@
+"""Merged computations without a third model: the evaluation behind the merge gate (docs/design.md §5).
+
+* the **gate set**'s layer calls: A and B run once on a few held-out examples, every layer's
+  args, kwargs and output kept (forward hooks with kwargs, so attention masks, relative
+  positions and the like are whatever each architecture passes);
+* **merged parameters** ``(1−α)·θ_A + α·T(θ_B)`` of one layer (or of the non-layer trunk), with
+  pre-LN LayerNorms folded when the residual map is a rotation, as the merge does (§3.3);
+* **block-local fidelity**: a merged layer run with ``functional_call`` on A's layer at A's
+  captured call and at B′'s (B's, with its stream tensors mapped into A's basis);
+* **model fidelity**: A's model computing with merged parameters — the non-layer trunk swapped
+  in for the forward, each layer's just before it runs and A's restored right after — up to
+  its last layer.
+
+Fidelity of an output ``m`` to a parent's ``y`` is ``1 − ‖m − y‖² / ‖y − x‖²`` summed over real
+tokens, ``x`` the stream entering the block (one layer, or all layers): the part of the output
+the block computes — its input passes through the residual connection and would swamp the
+score. The score of a merged block is ``(1−α)``·that to A plus ``α``·that to B′.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch.func import functional_call
+
+from raot_hf.adapters.schema import ModelSchema
+from raot_hf.errors import RaotError
+from raot_hf.symmetry import (
+    ResidualPermutation,
+    ResidualRotation,
+    Transform,
+    apply_transform,
+    fold_layernorms,
+    model_state,
+)
+
+
+class _Stop(Exception):
+    """Ends a forward after the last layer (the head's output is not needed)."""
+
+
+def _first_tensor(x) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else x[0]
+
+
+def layer_module_names(model: torch.nn.Module, schema: ModelSchema) -> list[str]:
+    """The module of each encoder layer: the deepest common parent of the layer's Linears."""
+    modules = dict(model.named_modules())
+    names = []
+    for layer in schema.layers:
+        parts = [m.split(".") for m in layer.linears]
+        common = []
+        for comps in zip(*parts, strict=False):
+            if len(set(comps)) != 1:
+                break
+            common.append(comps[0])
+        name = ".".join(common)
+        if not name or name not in modules:
+            raise RaotError(f"cannot find the module of layer {layer.index} (from {layer.linears[:2]}); report this")
+        names.append(name)
+    if len(set(names)) != len(names):
+        raise RaotError("two layers resolve to one module; the merge gate needs one module per layer")
+    return names
+
+
+@dataclass
+class _Capture:
+    """One layer's call on one chunk of gate examples: its inputs (args, kwargs) and output."""
+
+    args: tuple
+    kwargs: dict
+    output: torch.Tensor
+
+
+@dataclass
+class GateChunk:
+    """Gate examples of one calibration batch: inputs, real-token mask and A's and B's layer calls."""
+
+    inputs: dict[str, torch.Tensor]
+    mask: torch.Tensor  # (rows, seq) bool
+    a: list[_Capture]
+    b: list[_Capture]
+
+
+@torch.no_grad()
+def capture_layers(model: torch.nn.Module, layer_names: list[str], inputs: dict) -> list[_Capture]:
+    """Run ``model`` on ``inputs`` up to its last layer, keeping every layer's args, kwargs and output."""
+    modules = dict(model.named_modules())
+    calls: dict[int, tuple] = {}
+    out: list[_Capture | None] = [None] * len(layer_names)
+    handles = []
+
+    def pre(i):
+        def hook(_m, args, kwargs):
+            calls[i] = (args, dict(kwargs))
+
+        return hook
+
+    def post(i):
+        def hook(_m, _args, output):
+            out[i] = _Capture(*calls[i], _first_tensor(output))
+            if i == len(layer_names) - 1:
+                raise _Stop
+
+        return hook
+
+    for i, name in enumerate(layer_names):
+        handles.append(modules[name].register_forward_pre_hook(pre(i), with_kwargs=True))
+        handles.append(modules[name].register_forward_hook(post(i)))
+    try:
+        model(**inputs)
+    except _Stop:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    if any(c is None for c in out):
+        raise RaotError("a layer did not run during the gate forward; the merge gate cannot score it")
+    return out
+
+
+def _rse(out: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-example squared error of ``out`` to ``ref`` over real tokens, in float64, relative to
+    ``‖ref‖²`` — or, for one layer, to ``‖ref − start‖²``, the part of the output the layer
+    computes (its input passes through the residual connection and would swamp the score)."""
+    m = mask.to(out.device, torch.float64)[..., None]
+    ref = ref.to(torch.float64)
+    num = ((out.to(torch.float64) - ref) ** 2 * m).sum(dim=(1, 2))
+    scale = ref if start is None else ref - start.to(torch.float64)
+    return num / (scale**2 * m).sum(dim=(1, 2)).clamp_min(1e-30)
+
+
+def _hidden_in(call_args: tuple, call_kwargs: dict) -> torch.Tensor:
+    return call_args[0] if call_args else call_kwargs["hidden_states"]
+
+
+class MergedParameters:
+    """Merged parameters of one layer (or of the non-layer trunk) under a set of transforms.
+
+    ``aligned=False`` is the identity merge (plain average of A and B as they are); ``aligned=True``
+    folds pre-LN LayerNorms when the residual map is a rotation (as the merge does, §3.3) and maps
+    B's parameters by the residual candidate and the given per-layer transforms."""
+
+    def __init__(self, model_a, model_b, schema: ModelSchema, layer_names, residual: Transform | None, alpha: float):
+        self.schema, self.alpha, self.residual = schema, alpha, residual
+        self.layer_names = layer_names
+        self.fold = isinstance(residual, ResidualRotation) and schema.norm == "pre"
+        head = set(schema.head_params)
+        state_a, state_b = model_state(model_a), model_state(model_b)
+        prefixes = tuple(n + "." for n in layer_names)
+        self.layers_a = [{k: v for k, v in state_a.items() if k.startswith(p)} for p in prefixes]
+        self.layers_b = [{k: v for k, v in state_b.items() if k.startswith(p)} for p in prefixes]
+        other = {k for k in state_a if k not in head and not k.startswith(prefixes)}
+        for f in schema.folds:  # a norm read only by the head (ViT's final LayerNorm) is not needed
+            if not all(w in other for w, _ in f.readers):
+                other -= {f.norm_weight, f.norm_bias}
+        self.other_a = {k: state_a[k] for k in other}
+        self.other_b = {k: state_b[k] for k in other}
+        self._cache: tuple[int, dict, dict] | None = None
+
+    def _folded(self, state: dict) -> dict:
+        state = dict(state)
+        if self.fold:
+            local = [f for f in self.schema.folds if f.norm_weight in state and all(w in state for w, _ in f.readers)]
+            fold_layernorms(state, dataclasses.replace(self.schema, folds=local))
+        return state
+
+    def _base(self, index: int | None) -> tuple[dict, dict]:
+        """A's (folded) and B's (folded, residual-mapped) parameters of one layer (None: the rest)."""
+        if self._cache is not None and self._cache[0] == index:
+            return self._cache[1], self._cache[2]
+        a = self.other_a if index is None else self.layers_a[index]
+        b = self.other_b if index is None else self.layers_b[index]
+        a, b = self._folded(a), self._folded(b)
+        if self.residual is not None:
+            apply_transform(b, self.schema, self.residual)
+        self._cache = (index, a, b)
+        return a, b
+
+    def merged(self, index: int | None, transforms: list[Transform] = (), *, aligned: bool = True) -> dict:
+        """Full parameter names → merged values for layer ``index`` (None: the non-layer trunk)."""
+        if aligned:
+            a, b = self._base(index)
+            b = dict(b)
+            for t in transforms:
+                apply_transform(b, self.schema, t)
+        else:
+            a = self.other_a if index is None else self.layers_a[index]
+            b = self.other_b if index is None else self.layers_b[index]
+        return {k: torch.lerp(a[k], b[k].to(a[k].dtype), self.alpha) for k in a}
+
+
+def _relative(params: dict, prefix: str) -> dict:
+    n = len(prefix) + 1
+    return {k[n:]: v for k, v in params.items()}
+
+
+def _map_stream(x: torch.Tensor, stream: torch.Tensor | None) -> torch.Tensor:
+    return x if stream is None else x @ stream.to(x.device, x.dtype)
+
+
+def _b_prime_call(a: _Capture, b: _Capture, stream: torch.Tensor | None, hidden: int) -> tuple[tuple, dict]:
+    """B′'s layer call: B's tensors that live in the stream (they differ from A's and end in the
+    hidden size — the hidden states, DeBERTa's relative embeddings) mapped into A's basis."""
+
+    def convert(xa, xb):
+        if not isinstance(xb, torch.Tensor) or stream is None or not xb.is_floating_point():
+            return xb
+        if xb.shape[-1] != hidden or (isinstance(xa, torch.Tensor) and xa.shape == xb.shape and torch.equal(xa, xb)):
+            return xb
+        return _map_stream(xb, stream)
+
+    args = tuple(convert(xa, xb) for xa, xb in zip(a.args, b.args, strict=True))
+    kwargs = {k: convert(a.kwargs.get(k), v) for k, v in b.kwargs.items()}
+    return args, kwargs
+
+
+@torch.no_grad()
+def layer_fidelity(
+    module: torch.nn.Module,
+    prefix: str,
+    params: dict,
+    chunks: list[GateChunk],
+    index: int,
+    stream: torch.Tensor | None,
+    alpha: float,
+    hidden: int,
+) -> torch.Tensor:
+    """Per-example fidelity of the merged layer ``index`` to A's and B′'s outputs (block-local)."""
+    rel = _relative(params, prefix)
+    scores = []
+    for c in chunks:
+        ca, cb = c.a[index], c.b[index]
+        out_a = _first_tensor(functional_call(module, rel, ca.args, ca.kwargs))
+        args_b, kwargs_b = _b_prime_call(ca, cb, stream, hidden)
+        out_b = _first_tensor(functional_call(module, rel, args_b, kwargs_b))
+        err_a = _rse(out_a, ca.output, c.mask, _hidden_in(ca.args, ca.kwargs))
+        err_b = _rse(out_b, _map_stream(cb.output, stream), c.mask, _hidden_in(args_b, kwargs_b))
+        err = (1 - alpha) * err_a + alpha * err_b
+        scores.append(1 - err)
+    return torch.cat(scores).cpu()
+
+
+@contextmanager
+def _swapped(model: torch.nn.Module, layer_names: list[str], layer_params: Callable[[int], dict], other: dict):
+    """``model`` computing with merged parameters: ``other`` copied in for the whole block, each
+    layer's copied in just before the layer runs and A's restored right after — never a third
+    copy of the model, and A's parameters are restored exactly (also on error)."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    saved_other = {k: params[k].detach().clone() for k in other}
+    live: dict[str, torch.Tensor] = {}
+    handles = []
+
+    def restore_layer():
+        for k, v in live.items():
+            params[k].copy_(v)
+        live.clear()
+
+    def pre(i):
+        def hook(_m, _args):
+            for k, v in layer_params(i).items():
+                live[k] = params[k].detach().clone()
+                params[k].copy_(v)
+
+        return hook
+
+    for i, name in enumerate(layer_names):
+        handles.append(modules[name].register_forward_pre_hook(pre(i)))
+        handles.append(modules[name].register_forward_hook(lambda *_: restore_layer()))
+    try:
+        with torch.no_grad():
+            for k, v in other.items():
+                params[k].copy_(v)
+        yield
+    finally:
+        with torch.no_grad():
+            restore_layer()
+            for k, v in saved_other.items():
+                params[k].copy_(v)
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def model_fidelity(
+    model_a, layer_names, merged: MergedParameters, chunks, layer_transforms: dict[int, list[Transform]] | None, alpha
+) -> torch.Tensor:
+    """Per-example fidelity of the merged model's last-layer output to A's and B′'s.
+
+    ``layer_transforms=None``: the identity merge; otherwise the aligned merge with the residual
+    candidate of ``merged`` and these per-layer transforms."""
+    aligned = layer_transforms is not None
+    stream = stream_matrix(merged.residual, merged.schema.hidden_size) if aligned else None
+    scores = []
+    with _swapped(
+        model_a,
+        layer_names,
+        lambda i: merged.merged(i, (layer_transforms or {}).get(i, []), aligned=aligned),
+        merged.merged(None, aligned=aligned),
+    ):
+        for c in chunks:
+            out = capture_layers(model_a, layer_names, c.inputs)[-1].output
+            ref_b = _map_stream(c.b[-1].output, stream)
+            start_a = _hidden_in(c.a[0].args, c.a[0].kwargs)
+            start_b = _map_stream(_hidden_in(c.b[0].args, c.b[0].kwargs), stream)
+            err_a = _rse(out, c.a[-1].output, c.mask, start_a)
+            err = (1 - alpha) * err_a + alpha * _rse(out, ref_b, c.mask, start_b)
+            scores.append(1 - err)
+    return torch.cat(scores).cpu()
+
+
+def stream_matrix(residual: Transform | None, hidden: int) -> torch.Tensor | None:
+    """The matrix M with B′'s stream = B's stream · M (None: no residual map)."""
+    if residual is None:
+        return None
+    if isinstance(residual, ResidualPermutation):
+        m = torch.zeros(hidden, hidden, dtype=torch.float64)
+        m[residual.perm, torch.arange(hidden)] = 1.0
+        return m
+    if isinstance(residual, ResidualRotation):
+        return residual.matrix.to(torch.float64)
+    raise RaotError(f"the merge gate cannot map the stream by a {type(residual).__name__}")
+
+
+def gate_chunks(model_a, model_b, layer_names, dataset, preprocessor, cal_cfg, examples: int) -> list[GateChunk]:
+    """The gate set — the first ``examples`` held-out examples in id order, the same every run —
+    with A's and B's layer calls captured (one forward each, stopped after the last layer)."""
+    from raot_hf.calibration.data import iter_calibration_batches
+
+    chunks, taken = [], 0
+    for batch in iter_calibration_batches(dataset, preprocessor, cal_cfg, split="heldout"):
+        rows = batch.heldout.to(torch.bool).nonzero().squeeze(1)[: examples - taken]
+        if rows.numel() == 0:
+            continue
+        inputs = {k: v.index_select(0, rows) for k, v in batch.inputs.items()}
+        captured = []
+        for model in (model_a, model_b):
+            device = next(model.parameters()).device
+            captured.append(capture_layers(model, layer_names, {k: v.to(device) for k, v in inputs.items()}))
+        if batch.token_mask is None:  # images: every position the model produces is real
+            mask = torch.ones(captured[0][-1].output.shape[:2], dtype=torch.bool)
+        else:
+            mask = batch.token_mask.index_select(0, rows).to(torch.bool)
+        chunks.append(GateChunk(inputs, mask, captured[0], captured[1]))
+        taken += rows.numel()
+        if taken >= examples:
+            break
+    return chunks

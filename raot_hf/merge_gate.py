@@ -1,0 +1,286 @@
+"""The merge-fidelity gate: an estimate is applied only if it makes a better merge (docs/design.md §5).
+
+The alignment objective (activation correlation / cosine under an estimate) says how well B′
+matches A; it does not say whether averaging A with B′ gives a better model than averaging A
+with B. For siblings of one initialization it does not: a head rotation that raises the
+correlation of the fine-tuning drift also rotates the shared pre-trained weights, and the
+average of W0 with a rotated W0 is damaged. So the gate scores each estimate by the quantity
+the merge is for — how closely the merged computation follows both parents — on a small fixed
+set of held-out examples (the *gate set*):
+
+* **per layer, block-local**: layer l's merged parameters ``(1−α)·θ_A + α·T(θ_B)`` with and
+  without the layer's head estimate, then with and without its MLP estimate given the heads'
+  decision, evaluated on A's layer at A's captured call and at B′'s (B's in A's basis); the
+  residual candidate (it touches every layer) is part of both sides. Fidelity per example is
+  defined in :mod:`raot_hf.merge_fidelity` (1 − relative squared error of the merged block's
+  output to each parent's, over real tokens, weighted 1−α and α);
+* **model level**: the merged model with the accepted set (residual map included) against the
+  identity merge (the plain average), fidelity of the last layer's output to A's and B′'s. This
+  decides the residual map and can veto everything: then the verdict is "shares a basis".
+
+Each decision is a paired test across gate examples: apply iff the mean gain exceeds ``z``
+standard errors of the per-example gains and is positive; the identity wins ties. The model-level
+check also needs a gain of at least ``gate_min_gain`` (fidelity is a fraction of what the layers
+compute, so 0.01 = 1%): a real but immaterial gain — parents that barely differ — keeps the
+identity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from raot_hf.adapters.schema import ModelSchema
+from raot_hf.gate import GateDecision, decide
+from raot_hf.merge_fidelity import (
+    GateChunk,
+    MergedParameters,
+    gate_chunks,
+    layer_fidelity,
+    layer_module_names,
+    model_fidelity,
+    stream_matrix,
+)
+from raot_hf.symmetry import (
+    HeadAlignment,
+    HeadRescale,
+    MLPPermutation,
+    ResidualPermutation,
+    ResidualRotation,
+    Transform,
+)
+
+logger = logging.getLogger("raot_hf.merge_gate")
+
+#: Below this many gate examples there is no spread to learn the noise from: the identity stands.
+MIN_GATE_EXAMPLES = 4
+
+
+def _paired(
+    kind, layer, with_, without, *, z, description, alignment: GateDecision | None, floor: float = 0.0
+) -> GateDecision:
+    d = decide(
+        kind,
+        layer,
+        with_ - without,
+        float(without.mean()),
+        z=z,
+        min_gain=floor,
+        heldout_tokens=1,
+        min_tokens=0,
+        is_identity=False,
+        description=description,
+    )
+    d.objective = "merge"
+    d.fidelity_identity, d.fidelity_estimate = float(without.mean()), float(with_.mean())
+    d.examples = int(with_.numel())
+    if alignment is not None:
+        d.alignment_gain = alignment.gain
+    return d
+
+
+def _reject(d: GateDecision, reason: str) -> GateDecision:
+    return dataclasses.replace(d, applied=False, reason=reason)
+
+
+@dataclass
+class MergeGateResult:
+    decisions: list[GateDecision]
+    verdict: str
+    model_fidelity: dict
+
+
+def _eligible(d: GateDecision) -> bool:
+    """Alignment-gate rows the merge gate re-decides (the rest keep their reason: identity, NaN, tokens)."""
+    return d.applied or d.reason.startswith("gain ")
+
+
+def _per_layer(parts: list[Transform]) -> dict[tuple, list[Transform]]:
+    """("heads" | "mlp", layer) → the transforms that decision covers (a head rescale follows its heads)."""
+    out: dict[tuple, list[Transform]] = {}
+    for t in parts:
+        if isinstance(t, (HeadAlignment, HeadRescale)):
+            out.setdefault(("heads", t.layer), []).append(t)
+        elif isinstance(t, MLPPermutation):
+            out.setdefault(("mlp", t.layer), []).append(t)
+    return out
+
+
+@dataclass
+class _GateRun:
+    model_a: torch.nn.Module
+    layer_names: list[str]
+    merged: MergedParameters
+    chunks: list[GateChunk]
+    alpha: float
+    z: float
+    floor: float
+
+    def decide_layer(self, i: int, keys: list[tuple], per_layer: dict, rows: dict) -> tuple[dict, list[Transform]]:
+        """Layer ``i``'s decisions, block-local: heads first, then the MLP given the heads'
+        decision (the MLP reads what the attention wrote, so it is judged with the attention as
+        it will be merged). Returns the decisions and the accepted transforms."""
+        name = self.layer_names[i]
+        module = dict(self.model_a.named_modules())[name]
+        stream = stream_matrix(self.merged.residual, self.merged.schema.hidden_size)
+
+        def score(transforms):
+            params = self.merged.merged(i, transforms)
+            hidden = self.merged.schema.hidden_size
+            return layer_fidelity(module, name, params, self.chunks, i, stream, self.alpha, hidden)
+
+        chosen: list[Transform] = []
+        base, decided = score(chosen), {}
+        for key in keys:
+            with_ = score(chosen + per_layer[key])
+            d = _paired(key[0], i, with_, base, z=self.z, description=rows[key].description, alignment=rows[key])
+            decided[key] = d
+            if d.applied:
+                chosen, base = chosen + per_layer[key], with_
+        return decided, chosen
+
+    def fidelity(self, layer_transforms: dict[int, list[Transform]] | None) -> torch.Tensor:
+        return model_fidelity(self.model_a, self.layer_names, self.merged, self.chunks, layer_transforms, self.alpha)
+
+    def check(self, accepted: dict, every: dict) -> tuple[GateDecision, bool]:
+        """The model-level check: the aligned merge (accepted set, residual map included) against
+        the identity merge. With nothing accepted it still measures every re-decided estimate at
+        once, as the verdict's evidence, and passes nothing."""
+        identity = self.fidelity(None)
+        anything = self.merged.residual is not None or bool(accepted)
+        aligned = self.fidelity(accepted if anything else every) if anything or every else identity
+        check = _paired(
+            "model",
+            None,
+            aligned,
+            identity,
+            z=self.z,
+            floor=self.floor,
+            description="merged model vs identity merge",
+            alignment=None,
+        )
+        return check, anything and check.applied
+
+
+def run_merge_gate(
+    model_a,
+    model_b,
+    schema: ModelSchema,
+    parts: list[Transform],
+    alignment_rows: list[GateDecision],
+    chunks: list[GateChunk],
+    *,
+    alpha: float,
+    z: float,
+    floor: float = 0.0,
+) -> MergeGateResult:
+    """Re-decide every transform by merge fidelity (see the module docstring)."""
+    layer_names = layer_module_names(model_a, schema)
+    rows = {(d.transform, d.layer): d for d in alignment_rows}
+    n = sum(int(c.mask.shape[0]) for c in chunks)
+    if n < MIN_GATE_EXAMPLES:
+        reason = f"too few gate examples ({n} < {MIN_GATE_EXAMPLES})"
+        logger.warning("merge gate: %s; keeping the identity for every transform", reason)
+        verdict = f"A and B share a basis by default: {reason}, the identity stands"
+        return MergeGateResult([_reject(d, reason) for d in alignment_rows], verdict, {})
+    residual = next((t for t in parts if isinstance(t, (ResidualPermutation, ResidualRotation))), None)
+    res_row = rows.get(("residual", None))
+    if residual is not None and (res_row is None or not _eligible(res_row)):
+        residual = None
+    merged = MergedParameters(model_a, model_b, schema, layer_names, residual, alpha)
+    run = _GateRun(model_a, layer_names, merged, chunks, alpha, z, floor)
+    per_layer = _per_layer(parts)
+    decided: dict[tuple, GateDecision] = {}
+    accepted: dict[int, list[Transform]] = {}
+    for i in range(len(layer_names)):
+        keys = [k for k in (("heads", i), ("mlp", i)) if k in rows and k in per_layer and _eligible(rows[k])]
+        if keys:
+            layer_decisions, chosen = run.decide_layer(i, keys, per_layer, rows)
+            decided.update(layer_decisions)
+            if chosen:
+                accepted[i] = chosen
+    every: dict[int, list[Transform]] = {}
+    for key in decided:
+        every.setdefault(key[1], []).extend(per_layer[key])
+    check, passed = run.check(accepted, every)
+    return _result(rows, decided, check, passed, residual is not None)
+
+
+def _result(rows: dict, decided: dict, check: GateDecision, passed: bool, has_residual: bool) -> MergeGateResult:
+    """Final decisions (the check decides the residual map and can veto the rest) and the verdict."""
+    out = []
+    for key, d in rows.items():
+        if key == ("residual", None) and has_residual:
+            d = dataclasses.replace(check, transform="residual", description=d.description, alignment_gain=d.gain)
+            d.applied = passed
+            d.reason = d.reason if passed else f"model-level check: {check.reason}"
+        elif key in decided:
+            d = decided[key]
+            if d.applied and not passed:
+                d = _reject(d, f"vetoed by the model-level check ({check.reason})")
+        out.append(d)
+    fi, fa, k, margin = check.fidelity_identity, check.fidelity_estimate, check.examples, check.margin
+    if passed:
+        verdict = (
+            f"A and B differ in basis: aligned merge fidelity {fa:.4f} vs identity merge {fi:.4f} "
+            f"on {k} held-out examples (margin {margin:.2g})"
+        )
+    else:
+        verdict = (
+            f"A and B share a basis: identity merge fidelity {fi:.4f}, aligned merge {fa:.4f} "
+            f"on {k} held-out examples (no gain beyond the margin {margin:.2g})"
+        )
+    info = {"identity": fi, "aligned": fa, "gain": fa - fi, "stderr": check.stderr, "margin": margin}
+    info.update({"examples": k, "passed": passed})
+    return MergeGateResult(out, verdict, info)
+
+
+def _alignment_verdict(decisions: list[GateDecision], why: str, *, gated: bool = True) -> str:
+    """The verdict when the merge gate did not run: from the decisions as they stand."""
+    n = sum(d.applied for d in decisions)
+    if not decisions:
+        return "no alignment requested"
+    if not gated:
+        return f"no basis verdict ({why}): {n} of {len(decisions)} estimates applied unchecked"
+    if n == 0:
+        return f"A and B share a basis: the gate rejected all {len(decisions)} estimates ({why})"
+    return f"A and B differ in basis: {n} of {len(decisions)} estimates applied ({why})"
+
+
+def merge_gate(merger, parts: list[Transform], stats, decisions: list[GateDecision]):
+    """The merger's gate step: re-decide ``decisions`` (the alignment objective's) by merge
+    fidelity when the merge objective is in force. Returns (decisions, verdict, model fidelity)."""
+    cfg = merger.config
+    calibration = getattr(merger, "_calibration", None)
+    if not cfg.gate or stats is None or calibration is None or cfg.alignment == "soft_ot":
+        why = "gate disabled" if not cfg.gate else "soft transport, not gated" if stats else "no calibration data"
+        return decisions, _alignment_verdict(decisions, why, gated=False), {}
+    if cfg.gate_objective != "merge":
+        return decisions, _alignment_verdict(decisions, "alignment objective"), {}
+    if not any(_eligible(d) for d in decisions):
+        return decisions, _alignment_verdict(decisions, "every estimate is the identity or unusable"), {}
+    dataset, cal_cfg = calibration
+    start = time.perf_counter()
+    names = layer_module_names(merger.model_a, merger.schema)
+    chunks = gate_chunks(
+        merger.model_a, merger.model_b, names, dataset, merger.preprocessor, cal_cfg, cfg.gate_examples
+    )
+    captured = time.perf_counter()
+    result = run_merge_gate(
+        merger.model_a,
+        merger.model_b,
+        merger.schema,
+        parts,
+        decisions,
+        chunks,
+        alpha=cfg.alpha,
+        z=cfg.gate_z,
+        floor=cfg.gate_min_gain,
+    )
+    merger.timer.times["gate_capture"] = captured - start  # a part of the "gate" stage
+    logger.info("merge gate: %s", result.verdict)
+    return result.decisions, result.verdict, result.model_fidelity

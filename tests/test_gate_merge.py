@@ -1,0 +1,197 @@
+"""The merge-fidelity gate and the model-level verdict (docs/design.md §5)."""
+
+import json
+import logging
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from raot_hf import RaotConfig, RaotError, RaotMerger, scramble
+from raot_hf.cli import main
+from raot_hf.testing import (
+    clone,
+    example_inputs,
+    tiny_image_dataset,
+    tiny_image_processor,
+    tiny_model,
+    tiny_text_dataset,
+    tiny_tokenizer,
+)
+
+
+def _scrambled(model_type="bert", head="sequence", kinds=("mlp", "heads", "residual"), **config):
+    a = tiny_model(model_type, head, dtype=torch.float32, seed=0, **config)
+    b = clone(a)
+    scramble(b, seed=1, kinds=kinds)
+    return a, b
+
+
+def _data(model_type, n=96):
+    if model_type in ("vit", "deit"):
+        return tiny_image_processor(), tiny_image_dataset(n)
+    return tiny_tokenizer(), tiny_text_dataset(n)
+
+
+def _finetune(model, seed, rule, steps=400, lr=0.2):
+    """Fine-tune a copy of the shared start on one of two token rules (two tasks, one init)."""
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        x = example_inputs(model, batch=16, seq=10, seed=int(torch.randint(0, 10**6, (1,), generator=g)))
+        labels = x["input_ids"][:, 1 + rule] % 3
+        loss = model(**x, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def siblings():
+    """BERT siblings fine-tuned long enough that the alignment objective prefers head rotations."""
+    torch.manual_seed(0)
+    base = tiny_model("bert", "sequence", dtype=torch.float32, hidden_size=32, num_heads=4, intermediate_size=48)
+    return _finetune(clone(base), 1, 0), _finetune(clone(base), 2, 1)
+
+
+def _state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_alignment_objective_improves_but_merged_fidelity_worsens_is_rejected(siblings):
+    a, b = siblings
+    pre, data = _data("bert", 256)
+    old, _, _ = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre, gate_objective="alignment").align(data)
+    new, _, _ = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre).align(data)
+    accepted_by_old = {(d.transform, d.layer): d for d in old.decisions if d.applied}
+    assert accepted_by_old and {k for k, _ in accepted_by_old} == {"heads"}  # measured, not assumed
+    rows = {(d.transform, d.layer): d for d in new.decisions}
+    for key, d_old in accepted_by_old.items():
+        d = rows[key]
+        assert d_old.gain > d_old.margin > 0  # the alignment objective improves on held-out data ...
+        assert d.objective == "merge" and d.examples == 16
+        assert d.fidelity_estimate < d.fidelity_identity  # ... the merged layer follows its parents less
+        assert not d.applied
+        assert d.alignment_gain == pytest.approx(d_old.gain)  # kept as a diagnostic
+    assert new.shares_basis and not len(new.applied)
+    assert new.verdict.startswith("A and B share a basis: identity merge fidelity")
+    assert new.model_fidelity["examples"] == 16 and not new.model_fidelity["passed"]
+
+
+def test_siblings_merge_equals_the_plain_average(siblings):
+    a, b = siblings
+    pre, data = _data("bert", 256)
+    plain = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre, alignment="none").merge(calibration=data)
+    raot = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre).merge(calibration=data)
+    assert not any(d.applied for d in raot.alignment.decisions) and raot.alignment.shares_basis
+    assert raot.report["shares_basis"] and raot.report["verdict"] == raot.alignment.verdict
+    got, want = raot.model.state_dict(), plain.model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("model_type,head", [("bert", "sequence"), ("vit", "image"), ("deberta-v2", "sequence")])
+def test_scrambled_copy_every_transform_applied_and_a_untouched_by_the_gate(model_type, head):
+    """The gate evaluates merged models by swapping parameters into A: A must come back bit-exact,
+    and for A vs scramble(A) the aligned merge is A itself (fidelity 1) while the plain average is not."""
+    a, b = _scrambled(model_type, head)
+    before = _state(a)
+    pre, data = _data(model_type)
+    alignment, _, _ = RaotMerger.from_models(a, b, preprocessor=pre).align(data)
+    after = _state(a)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert alignment.decisions and all(d.applied for d in alignment.decisions)
+    assert all(d.objective == "merge" and d.fidelity_estimate > d.fidelity_identity for d in alignment.decisions)
+    fid = alignment.model_fidelity
+    assert fid["passed"] and fid["aligned"] > 1 - 1e-6 and fid["identity"] < fid["aligned"] - fid["margin"]
+    assert alignment.verdict.startswith("A and B differ in basis: aligned merge fidelity 1.0000")
+
+
+def test_weight_based_alignment_is_gated_by_merge_fidelity():
+    """Weight matching (no residual map) on a pair scrambled in heads and MLP only: each match is
+    scored by merge fidelity and kept. (Weights at 0.3 rather than 0.02: at BERT's init scale a
+    tiny model's layers barely change the stream, and no alignment of them moves the merged
+    model by the 0.01 floor — see the next test.)"""
+    pre, data = _data("bert")
+    a, b = _scrambled(kinds=("mlp", "heads"), initializer_range=0.3)
+    kept, _, _ = RaotMerger.from_models(a, b, preprocessor=pre, alignment="weight").align(data)
+    assert kept.decisions and all(d.objective == "merge" and d.applied for d in kept.decisions)
+    assert kept.model_fidelity["passed"] and kept.model_fidelity["aligned"] > 1 - 1e-6
+
+
+def test_the_model_level_check_vetoes_layer_decisions():
+    """Weight matching of heads and MLP units on a pair whose stream is also scrambled: each
+    layer's merged block follows its parents a little better (block-local acceptances), but the
+    merged model does not improve by the floor — the model-level check vetoes them all, where
+    the alignment objective would have applied them."""
+    pre, data = _data("bert")
+    a, b = _scrambled()
+    vetoed, _, _ = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre, alignment="weight").align(data)
+    reasons = [d.reason for d in vetoed.decisions]
+    assert any(r.startswith("vetoed by the model-level check") for r in reasons), reasons
+    assert vetoed.shares_basis and not len(vetoed.applied) and not vetoed.model_fidelity["passed"]
+    old, _, _ = RaotMerger.from_models(a, b, preprocessor=pre, alignment="weight", gate_objective="alignment").align(
+        data
+    )
+    assert any(d.applied for d in old.decisions)
+
+
+def test_soft_transport_is_not_gated():
+    a, b = _scrambled()
+    pre, data = _data("bert")
+    alignment, _, _ = RaotMerger.from_models(a, b, preprocessor=pre, alignment="soft_ot").align(data)
+    assert alignment.decisions and all(d.applied and "not gated" in d.reason for d in alignment.decisions)
+    assert alignment.verdict.startswith("no basis verdict (soft transport, not gated)")
+
+
+def test_too_few_gate_examples_keep_the_identity(caplog):
+    a, b = _scrambled()
+    pre, data = _data("bert", 12)  # 3 held-out examples
+    with caplog.at_level(logging.WARNING, logger="raot_hf.merge_gate"):
+        alignment, _, _ = RaotMerger.from_models(a, b, preprocessor=pre, min_heldout_tokens=1).align(data)
+    assert not any(d.applied for d in alignment.decisions)
+    assert "too few gate examples" in caplog.text
+
+
+def test_gate_options_are_validated():
+    with pytest.raises(RaotError, match="gate_objective"):
+        RaotConfig(gate_objective="accuracy")
+    with pytest.raises(RaotError, match="gate_examples"):
+        RaotConfig(gate_examples=2)
+    assert RaotConfig.from_json(RaotConfig(gate_objective="alignment").to_json()).gate_objective == "alignment"
+
+
+def test_inspect_prints_the_verdict_and_strict_json(tmp_path):
+    a, b = _scrambled()
+    tok = tiny_tokenizer()
+    for name, model in (("a", a), ("b", b)):
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    tiny_text_dataset(96).to_csv(tmp_path / "cal.csv")
+    args = ["inspect", str(tmp_path / "a"), str(tmp_path / "b"), "--calibration", str(tmp_path / "cal.csv")]
+    runner = CliRunner()
+    res = runner.invoke(main, ["-q", *args, "--json"])
+    assert res.exit_code == 0, res.output
+
+    def no_nan(name):
+        raise AssertionError(f"{name} in JSON output")
+
+    record = json.loads(res.stdout, parse_constant=no_nan)
+    assert record["shares_basis"] is False and record["verdict"].startswith("A and B differ in basis")
+    assert record["model_fidelity"]["passed"] and all(d["applied"] for d in record["decisions"])
+    plain = runner.invoke(main, ["-q", *args, "--gate-objective", "alignment"])
+    assert plain.exit_code == 0, plain.output
+    assert plain.stdout.strip().splitlines()[-1].startswith("A and B differ in basis: ")
+    assert "alignment objective" in plain.stdout
+
+
+def test_model_card_states_the_verdict(tmp_path):
+    a, b = _scrambled()
+    pre, data = _data("bert")
+    result = RaotMerger.from_models(a, b, preprocessor=pre).merge(calibration=data)
+    out = result.save_pretrained(tmp_path / "merged")
+    card = (out / "README.md").read_text()
+    assert f"**Basis verdict:** {result.alignment.verdict}." in card
+    report = json.loads((out / "raot_report.json").read_text())
+    assert report["verdict"] == result.alignment.verdict and report["model_fidelity"]["passed"]
