@@ -405,7 +405,11 @@ def write_report(results: dict[str, Any], out: Path) -> None:
     md = ["# RaOT evidence: results", ""]
     md.append(
         f"Suite `{meta['suite']}`, {len(results['runs'])} runs, α grid of {len(meta['alphas'])} points, "
-        f"{meta['workers']} worker(s), {meta['seconds'] / 60:.1f} min. Versions: "
+        + (
+            f"assembled from {len(meta['updates'])} invocations (listed below). Versions: "
+            if meta.get("updates")
+            else f"{meta['workers']} worker(s), {meta['seconds'] / 60:.1f} min. Versions: "
+        )
         + ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
         + "."
     )

@@ -102,6 +102,7 @@ def gate_comparison(grouped: dict[str, list[dict]]) -> list[str]:
                 _fmt(new),
                 f"{-shortfall:+.3f}",
                 "yes" if shortfall <= spread + 1e-12 else "**no**",
+                _delta(_paired(runs, "raot", "raot-oldgate", "acc_head_a")),
                 ", ".join(_applied(_row(r, "raot")) for r in runs),
                 ", ".join(_applied(_row(r, "raot-oldgate")) for r in runs) or "–",
             ]
@@ -114,6 +115,7 @@ def gate_comparison(grouped: dict[str, list[dict]]) -> list[str]:
             "new gate",
             "new − previous (or old gate)",
             "within one std",
+            "new − old gate, paired (same parents)",
             "transforms applied, new gate (per run)",
             "old gate (per run)",
         ],

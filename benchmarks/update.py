@@ -41,10 +41,21 @@ def _previous(row: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
+#: Relative difference of a parent's test loss below which a retrained parent counts as the same
+#: model (float rounding of one training run on another CPU; accuracies must be equal).
+SAME_PARENT_RTOL = 1e-5
+
+
 def _parents_differ(old: dict[str, Any], new: dict[str, Any]) -> bool:
     """Whether a rerun's parents are not the previous ones (retrained elsewhere: CPU kernels differ)."""
-    keys = ("accuracy", "loss")
-    return any(old["parents"][s].get(k) != new["parents"][s].get(k) for s in ("a", "b") for k in keys)
+    for side in ("a", "b"):
+        before, after = old["parents"][side], new["parents"][side]
+        if before.get("accuracy") != after.get("accuracy"):
+            return True
+        loss_a, loss_b = before.get("loss"), after.get("loss")
+        if loss_a is None or loss_b is None or abs(loss_a - loss_b) > SAME_PARENT_RTOL * max(1.0, abs(loss_a)):
+            return True
+    return False
 
 
 def _merge_run(old: dict[str, Any], new: dict[str, Any], notes: list[str]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ score. The score of a merged block is ``(1−α)``·that to A plus ``α``·that 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,10 +49,13 @@ def _first_tensor(x) -> torch.Tensor:
 
 
 def layer_module_names(model: torch.nn.Module, schema: ModelSchema) -> list[str]:
-    """The module of each encoder layer: the deepest common parent of the layer's Linears."""
+    """The module of each layer: the schema's own (decoders), else the deepest common parent of its Linears."""
     modules = dict(model.named_modules())
     names = []
     for layer in schema.layers:
+        if layer.module is not None:  # decoders name their layer module (GPT-2's Conv1D layers have no Linears)
+            names.append(layer.module)
+            continue
         parts = [m.split(".") for m in layer.linears]
         common = []
         for comps in zip(*parts, strict=False):
@@ -78,12 +82,16 @@ class _Capture:
 
 @dataclass
 class GateChunk:
-    """Gate examples of one calibration batch: inputs, real-token mask and A's and B's layer calls."""
+    """Gate examples of one calibration batch: inputs, real-token mask and A's and B's layer calls.
+
+    ``side``: the parent whose call a merged *layer* is scored at on these examples ("a" or "b");
+    the gate set alternates halves, so each layer runs once per example, not twice."""
 
     inputs: dict[str, torch.Tensor]
     mask: torch.Tensor  # (rows, seq) bool
     a: list[_Capture]
     b: list[_Capture]
+    side: str = "a"
 
 
 @torch.no_grad()
@@ -111,6 +119,9 @@ def capture_layers(model: torch.nn.Module, layer_names: list[str], inputs: dict)
     for i, name in enumerate(layer_names):
         handles.append(modules[name].register_forward_pre_hook(pre(i), with_kwargs=True))
         handles.append(modules[name].register_forward_hook(post(i)))
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        # a decoder's KV cache would grow each time a captured layer call is replayed
+        inputs = {**inputs, "use_cache": False}
     try:
         model(**inputs)
     except _Stop:
@@ -161,6 +172,16 @@ class MergedParameters:
         self.other_a = {k: state_a[k] for k in other}
         self.other_b = {k: state_b[k] for k in other}
         self._cache: tuple[int, dict, dict] | None = None
+        self._last: tuple[int | None, list, dict] | None = None
+
+    def _reuse(self, index, transforms: list[Transform], base: dict) -> tuple[int, dict]:
+        """B's state under the longest prefix of ``transforms`` already computed for this layer
+        (a head rotation is a dense float64 contraction of four weights: worth not repeating)."""
+        if self._last is not None and self._last[0] == index:
+            done = self._last[1]
+            if len(done) <= len(transforms) and all(x is y for x, y in zip(done, transforms, strict=False)):
+                return len(done), dict(self._last[2])
+        return 0, dict(base)
 
     def _folded(self, state: dict) -> dict:
         state = dict(state)
@@ -185,9 +206,10 @@ class MergedParameters:
         """Full parameter names → merged values for layer ``index`` (None: the non-layer trunk)."""
         if aligned:
             a, b = self._base(index)
-            b = dict(b)
-            for t in transforms:
+            done, b = self._reuse(index, list(transforms), b)
+            for t in list(transforms)[done:]:
                 apply_transform(b, self.schema, t)
+            self._last = (index, list(transforms), b)
         else:
             a = self.other_a if index is None else self.layers_a[index]
             b = self.other_b if index is None else self.layers_b[index]
@@ -230,17 +252,21 @@ def layer_fidelity(
     alpha: float,
     hidden: int,
 ) -> torch.Tensor:
-    """Per-example fidelity of the merged layer ``index`` to A's and B′'s outputs (block-local)."""
+    """Per-example fidelity of the merged layer ``index`` (block-local): on an "a" chunk to A's
+    output at A's call, on a "b" chunk to B′'s at B′'s call, the error weighted 2(1−α) and 2α so
+    that the mean over a balanced gate set is the (1−α, α) mix of both."""
     rel = _relative(params, prefix)
     scores = []
     for c in chunks:
         ca, cb = c.a[index], c.b[index]
-        out_a = _first_tensor(functional_call(module, rel, ca.args, ca.kwargs))
-        args_b, kwargs_b = _b_prime_call(ca, cb, stream, hidden)
-        out_b = _first_tensor(functional_call(module, rel, args_b, kwargs_b))
-        err_a = _rse(out_a, ca.output, c.mask, _hidden_in(ca.args, ca.kwargs))
-        err_b = _rse(out_b, _map_stream(cb.output, stream), c.mask, _hidden_in(args_b, kwargs_b))
-        err = (1 - alpha) * err_a + alpha * err_b
+        if c.side == "a":
+            out = _first_tensor(functional_call(module, rel, ca.args, ca.kwargs))
+            err = 2 * (1 - alpha) * _rse(out, ca.output, c.mask, _hidden_in(ca.args, ca.kwargs))
+        else:
+            args_b, kwargs_b = _b_prime_call(ca, cb, stream, hidden)
+            out = _first_tensor(functional_call(module, rel, args_b, kwargs_b))
+            ref = _map_stream(cb.output, stream)
+            err = 2 * alpha * _rse(out, ref, c.mask, _hidden_in(args_b, kwargs_b))
         scores.append(1 - err)
     return torch.cat(scores).cpu()
 
@@ -329,25 +355,32 @@ def stream_matrix(residual: Transform | None, hidden: int) -> torch.Tensor | Non
 
 def gate_chunks(model_a, model_b, layer_names, dataset, preprocessor, cal_cfg, examples: int) -> list[GateChunk]:
     """The gate set — the first ``examples`` held-out examples in id order, the same every run —
-    with A's and B's layer calls captured (one forward each, stopped after the last layer)."""
+    with A's and B's layer calls captured (one forward each, stopped after the last layer), in
+    chunks whose ``side`` alternates between halves of each batch's rows."""
     from raot_hf.calibration.data import iter_calibration_batches
 
     chunks, taken = [], 0
     for batch in iter_calibration_batches(dataset, preprocessor, cal_cfg, split="heldout"):
-        rows = batch.heldout.to(torch.bool).nonzero().squeeze(1)[: examples - taken]
-        if rows.numel() == 0:
-            continue
-        inputs = {k: v.index_select(0, rows) for k, v in batch.inputs.items()}
-        captured = []
-        for model in (model_a, model_b):
-            device = next(model.parameters()).device
-            captured.append(capture_layers(model, layer_names, {k: v.to(device) for k, v in inputs.items()}))
-        if batch.token_mask is None:  # images: every position the model produces is real
-            mask = torch.ones(captured[0][-1].output.shape[:2], dtype=torch.bool)
-        else:
-            mask = batch.token_mask.index_select(0, rows).to(torch.bool)
-        chunks.append(GateChunk(inputs, mask, captured[0], captured[1]))
-        taken += rows.numel()
+        picked = batch.heldout.to(torch.bool).nonzero().squeeze(1)[: examples - taken]
+        half = (picked.numel() + 1) // 2
+        for side, rows in (("a", picked[:half]), ("b", picked[half:])):
+            if rows.numel():
+                chunks.append(_capture_chunk(model_a, model_b, layer_names, batch, rows, side))
+        taken += picked.numel()
         if taken >= examples:
             break
     return chunks
+
+
+def _capture_chunk(model_a, model_b, layer_names, batch, rows: torch.Tensor, side: str) -> GateChunk:
+    """Rows ``rows`` of ``batch`` through A and B, every layer call kept."""
+    inputs = {k: v.index_select(0, rows) for k, v in batch.inputs.items()}
+    captured = []
+    for model in (model_a, model_b):
+        device = next(model.parameters()).device
+        captured.append(capture_layers(model, layer_names, {k: v.to(device) for k, v in inputs.items()}))
+    if batch.token_mask is None:  # images: every position the model produces is real
+        mask = torch.ones(captured[0][-1].output.shape[:2], dtype=torch.bool)
+    else:
+        mask = batch.token_mask.index_select(0, rows).to(torch.bool)
+    return GateChunk(inputs, mask, captured[0], captured[1], side)

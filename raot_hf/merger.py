@@ -226,6 +226,15 @@ def _check_base_use(config: RaotConfig, has_base: bool) -> None:
     check_base_use(config.merge_rule, needs_base, has_base, base_relative_rules())
 
 
+def _check_rule_fits(config: RaotConfig, model_type: str) -> None:
+    """Refuse, from the config alone, a merge rule the architecture cannot serve yet."""
+    if merge_rule_spec(config.merge_rule).needs_grams and model_type == "gpt2":
+        raise RaotError(
+            f"merge_rule={config.merge_rule!r} is not available for gpt2 yet (its Conv1D layers give no "
+            "RegMean Grams); use --merge-rule linear or fisher"
+        )
+
+
 def residual_mode(schema: ModelSchema, requested: str) -> str:
     """``auto`` → the mean-fixing rotation where it is exact, the permutation otherwise; a
     rotation of an RMSNorm stream ranges over all of O(d) (``"orthogonal"``, docs/design.md §8)."""
@@ -260,6 +269,7 @@ class RaotMerger:
         _check_base_use(self.config, base_model is not None)
         self.model_a, self.model_b = model_a.eval(), model_b.eval()
         check_compatible(model_a.config, model_b.config, head_policy=self.config.head)
+        _check_rule_fits(self.config, model_a.config.model_type)
         self.schema = schema_for(model_a)
         schema_b = schema_for(model_b)
         if schema_b.parameter_names() != self.schema.parameter_names():
@@ -318,6 +328,7 @@ class RaotMerger:
         with timer.stage("load"):
             cfg_a, cfg_b = load_config(src_a, "A"), load_config(src_b, "B")
             check_compatible(cfg_a, cfg_b, head_policy=config.head)
+            _check_rule_fits(config, cfg_a.model_type)
             cfg_base = load_config(src_base, "base") if src_base else None
             if cfg_base is not None:
                 check_base_compatible(cfg_a, cfg_base)  # before any weights load

@@ -361,3 +361,32 @@ def test_image_fingerprint_follows_pixels(tmp_path):
     second = dataset_fingerprint(load_calibration_dataset(cfg), "image")
     assert second["sha256"] != first["sha256"]
     assert second["num_examples"] == 4
+
+
+def test_tokenizer_without_pad_token_pads_with_eos_on_the_right(tokenizer):
+    """GPT-2 / Llama tokenizers have no pad token: calibration pads a private copy with the
+    end-of-text token on the right, so every real token keeps the id and position it has alone,
+    and the caller's tokenizer (saved with the merge) is left without a pad token."""
+    import copy
+
+    gpt_like = copy.deepcopy(tokenizer)
+    gpt_like.eos_token = "[SEP]"
+    gpt_like.pad_token = None
+    gpt_like.padding_side = "left"
+    data = load_calibration_dataset(text_dataset(), config=config())
+    cfg = config(batch_size=4, max_length=16)
+    batches = list(iter_calibration_batches(data, gpt_like, cfg))
+    assert gpt_like.pad_token is None and gpt_like.padding_side == "left"
+    texts = data["sentence"]
+    for batch in batches:
+        ids, mask = batch.inputs["input_ids"], batch.token_mask
+        for row, example in enumerate(batch.example_ids.tolist()):
+            alone = gpt_like(texts[example], truncation=True, max_length=16)["input_ids"]
+            n = len(alone)
+            assert int(mask[row].sum()) == n and bool(mask[row, :n].all())  # right padding
+            assert ids[row, :n].tolist() == alone
+            assert set(ids[row, n:].tolist()) <= {gpt_like.eos_token_id}
+    no_eos = copy.deepcopy(gpt_like)
+    no_eos.eos_token = None
+    with pytest.raises(RaotError, match="neither a pad nor an end-of-text token"):
+        list(iter_calibration_batches(data, no_eos, cfg))

@@ -193,7 +193,7 @@ def _save_pair(tmp_path, model_type, head, tied, seed=0):
 )
 def test_recovery_merge_of_scrambled_copy(tmp_path, model_type, head, tied):
     reference = _save_pair(tmp_path, model_type, head, tied)
-    merger = RaotMerger.from_pretrained(tmp_path / "a", tmp_path / "b", dtype="float32", gate_objective="alignment")
+    merger = RaotMerger.from_pretrained(tmp_path / "a", tmp_path / "b", dtype="float32")
     # AutoTokenizer reloads the saved word-level test tokenizer as the family's own class
     # (Qwen2Tokenizer re-splits "w5" into unknown pieces); a real checkpoint ships its own.
     merger.preprocessor = tiny_tokenizer(100)
@@ -267,7 +267,7 @@ def test_recovery_through_data_aware_rules(rule):
     b = clone(a)
     scramble(b, seed=1)
     reference = clone(a)
-    merger = RaotMerger.from_models(a, b, preprocessor=tiny_tokenizer(100), gate_objective="alignment", merge_rule=rule)
+    merger = RaotMerger.from_models(a, b, preprocessor=tiny_tokenizer(100), merge_rule=rule)
     result = merger.merge(calibration=tiny_text_dataset(192, vocab_size=100))
     assert all(d.applied for d in result.alignment.decisions)
     assert output_deviation(reference, result.model, example_inputs(reference), relative=True) <= 1e-4
@@ -303,3 +303,20 @@ def test_grouped_rope_solver_inverts_a_group_symmetry():
     back = candidate_maps([estimate], H, h)
     for site in a:
         assert torch.allclose(back[(site, 0)](b[site]), a[site], atol=1e-8), site
+
+
+def test_regmean_on_gpt2_is_refused_before_weights_load(tmp_path, monkeypatch):
+    """GPT-2's Conv1D layers give no RegMean Grams: the rule is refused from the configs, in one
+    line, before any weights are read (it used to fail after the pass with a misleading message)."""
+    import raot_hf.merger as merger_module
+
+    for name in ("a", "b"):
+        tiny_model("gpt2", "causal", seed=0).save_pretrained(tmp_path / name)
+
+    def no_weights(*_args, **_kwargs):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(merger_module, "load_model", no_weights)
+    with pytest.raises(RaotError, match="not available for gpt2") as info:
+        RaotMerger.from_pretrained(tmp_path / "a", tmp_path / "b", merge_rule="regmean")
+    assert "\n" not in str(info.value)

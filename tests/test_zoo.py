@@ -116,7 +116,9 @@ def test_vit_pair_loads_offline_differs_evaluates_and_is_cached(tmp_path):
         pixels = processor([test_split[0]["image"]], return_tensors="pt")["pixel_values"]
         assert pixels.shape == (1, model.config.num_channels, 8, 8)
         accuracy = evaluate_accuracy(model, test_split, processor, batch_size=32)
-        assert accuracy == _argmax_accuracy(model, processor(list(test_split["image"]), return_tensors="pt"), test_split)
+        assert accuracy == _argmax_accuracy(
+            model, processor(list(test_split["image"]), return_tensors="pt"), test_split
+        )
         assert evaluate_accuracy(path, test_split, processor) == accuracy
         info = read_zoo_info(path)
         assert info["params"]["hidden_size"] == 16 and isinstance(info["metrics"]["test_accuracy"], float)

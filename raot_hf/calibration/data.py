@@ -14,6 +14,7 @@ accumulates sufficient statistics. This module is the data side of that pass:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import logging
@@ -504,6 +505,23 @@ def _model_inputs(encoded: Any) -> dict[str, torch.Tensor]:
     }
 
 
+def _padding_copy(tokenizer: Any) -> Any:
+    """A copy of a tokenizer without a pad token (GPT-2, Llama) that pads with its end-of-text
+    token on the right. Padded positions are masked out of every statistic (docs/design.md §4.1),
+    and right padding leaves the real tokens' positions — and, under causal attention, their
+    activations — as they are unpadded. The caller's tokenizer (saved with the merge) is untouched."""
+    if tokenizer.eos_token is None:
+        raise RaotError(
+            f"the tokenizer {type(tokenizer).__name__} has neither a pad nor an end-of-text token, so batches "
+            "cannot be padded; set batch_size to 1 or give the tokenizer a pad token"
+        )
+    padded = copy.deepcopy(tokenizer)
+    padded.pad_token = padded.eos_token
+    padded.padding_side = "right"
+    logger.info("the tokenizer has no pad token: calibration batches are padded with %r (masked)", padded.eos_token)
+    return padded
+
+
 def _text_encoder(tokenizer: Any, config: CalibrationConfig):
     max_length = config.max_length
     model_max = getattr(tokenizer, "model_max_length", None)
@@ -511,10 +529,7 @@ def _text_encoder(tokenizer: Any, config: CalibrationConfig):
         logger.warning("max_length %d exceeds the tokenizer's limit %d; using %d", max_length, model_max, model_max)
         max_length = model_max
     if config.batch_size > 1 and tokenizer.pad_token is None:
-        raise RaotError(
-            f"the tokenizer {type(tokenizer).__name__} has no pad token, so batches cannot be "
-            "padded; set batch_size to 1 or give the tokenizer a pad token"
-        )
+        tokenizer = _padding_copy(tokenizer)
 
     def encode(values: list, batch_ids: list[int], column: str):
         for value, example_id in zip(values, batch_ids):
