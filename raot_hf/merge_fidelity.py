@@ -31,7 +31,6 @@ from torch.func import functional_call
 from raot_hf.adapters.schema import ModelSchema
 from raot_hf.errors import RaotError
 from raot_hf.symmetry import (
-    ResidualPermutation,
     ResidualRotation,
     Transform,
     apply_transform,
@@ -321,7 +320,7 @@ def model_fidelity(
     ``layer_transforms=None``: the identity merge; otherwise the aligned merge with the residual
     candidate of ``merged`` and these per-layer transforms."""
     aligned = layer_transforms is not None
-    stream = stream_matrix(merged.residual, merged.schema.hidden_size) if aligned else None
+    stream = stream_matrix(merged.residual, merged.schema) if aligned else None
     scores = []
     with _swapped(
         model_a,
@@ -340,17 +339,14 @@ def model_fidelity(
     return torch.cat(scores).cpu()
 
 
-def stream_matrix(residual: Transform | None, hidden: int) -> torch.Tensor | None:
+def stream_matrix(residual: Transform | None, schema: ModelSchema) -> torch.Tensor | None:
     """The matrix M with B′'s stream = B's stream · M (None: no residual map)."""
     if residual is None:
         return None
-    if isinstance(residual, ResidualPermutation):
-        m = torch.zeros(hidden, hidden, dtype=torch.float64)
-        m[residual.perm, torch.arange(hidden)] = 1.0
-        return m
-    if isinstance(residual, ResidualRotation):
-        return residual.matrix.to(torch.float64)
-    raise RaotError(f"the merge gate cannot map the stream by a {type(residual).__name__}")
+    action = residual.actions(schema).get("residual")
+    if action is None:
+        raise RaotError(f"the merge gate cannot map the stream by a {type(residual).__name__}")
+    return action.dense(schema.hidden_size)
 
 
 def gate_chunks(model_a, model_b, layer_names, dataset, preprocessor, cal_cfg, examples: int) -> list[GateChunk]:

@@ -126,7 +126,7 @@ class _GateRun:
         it will be merged). Returns the decisions and the accepted transforms."""
         name = self.layer_names[i]
         module = dict(self.model_a.named_modules())[name]
-        stream = stream_matrix(self.merged.residual, self.merged.schema.hidden_size)
+        stream = stream_matrix(self.merged.residual, self.merged.schema)
 
         def score(transforms):
             params = self.merged.merged(i, transforms)

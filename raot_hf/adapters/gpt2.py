@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from raot_hf.adapters.base import Adapter, HeadTemplate, LayerTemplate
-from raot_hf.adapters.llama import ParameterSet
+from raot_hf.adapters.llama import ParameterSet, decoder_layers
 from raot_hf.adapters.schema import Fold, HeadReadout, LayerSchema, ModelSchema, Space, head_index
 from raot_hf.errors import RaotError
 
@@ -66,14 +66,7 @@ class GPT2Adapter(Adapter):
         residual = Space("residual", "residual", d)
         for mod, _ in self.embedding_writers:
             ps.add(residual, base + mod, 1, True, "writer")
-        spaces: dict[str, Space] = {}
-        layers: list[LayerSchema] = []
-        folds: list[Fold] = []
-        for i in range(L):
-            layer_spaces, layer_folds, layer = self._layer(ps, f"{base}{self.layers}.{i}.", i, config, residual)
-            spaces.update({s.name: s for s in layer_spaces})
-            folds += layer_folds
-            layers.append(layer)
+        spaces, layers, folds = decoder_layers(self._layer, ps, f"{base}{self.layers}", L, config, residual)
         for mod in head.stream_readers:
             ps.add(residual, f"{mod}.weight", 1, False, "head_reader")
         ps.add(residual, f"{base}{self.final_norm}.weight", 0, True, "norm")

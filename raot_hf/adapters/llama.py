@@ -80,6 +80,19 @@ class ParameterSet:
             space.members.append(Member(name, axis, cov, role, index))
 
 
+def decoder_layers(build_layer, ps: ParameterSet, prefix: str, num_layers: int, config, residual: Space):
+    """Every layer's spaces (by name), schemas and folds, from ``build_layer(ps, prefix, i, config, residual)``."""
+    spaces: dict[str, Space] = {}
+    layers: list[LayerSchema] = []
+    folds: list[Fold] = []
+    for i in range(num_layers):
+        layer_spaces, layer_folds, layer = build_layer(ps, f"{prefix}.{i}.", i, config, residual)
+        spaces.update({s.name: s for s in layer_spaces})
+        folds += layer_folds
+        layers.append(layer)
+    return spaces, layers, folds
+
+
 @dataclass(frozen=True)
 class RopeDecoderAdapter(Adapter):
     """Weight names of a Llama-style decoder; :meth:`build_schema` resolves them (docs/design.md §8)."""
@@ -100,14 +113,7 @@ class RopeDecoderAdapter(Adapter):
         kv = getattr(config, "num_key_value_heads", None) or H
         residual = Space("residual", "residual", d)
         ps.add(residual, f"{base}{self.embedding}.weight", 1, True, "writer")
-        spaces: dict[str, Space] = {}
-        layers: list[LayerSchema] = []
-        folds: list[Fold] = []
-        for i in range(L):
-            layer_spaces, layer_folds, layer = self._layer(ps, f"{base}{self.layers}.{i}.", i, config, residual)
-            spaces.update({s.name: s for s in layer_spaces})
-            folds += layer_folds
-            layers.append(layer)
+        spaces, layers, folds = decoder_layers(self._layer, ps, f"{base}{self.layers}", L, config, residual)
         final_readers = []
         for mod in head.stream_readers:
             if f"{mod}.weight" in ps:
