@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.run [--quick] [--out benchmarks/results]`` builds the model pairs
 (:mod:`benchmarks.pairs`, trained reproducibly on data that ships inside installed packages and
-cached by :mod:`raot_hf.zoo`), merges each pair with every method through the product's own
+cached by :mod:`benchmarks.zoo`), merges each pair with every method through the product's own
 options (:mod:`benchmarks.methods`), measures it (:mod:`benchmarks.metrics`) and writes
 ``RESULTS.md``, ``results.json`` and plots (:mod:`benchmarks.report`). See ``benchmarks/README.md``.
 

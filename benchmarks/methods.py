@@ -63,6 +63,11 @@ METHODS: tuple[Method, ...] = (
         "RaOT with the alignment-objective gate (the gate before the merge objective; ablation)",
         {"alignment": "activation", "gate_objective": "alignment"},
     ),
+    Method(
+        "raot-nosibcheck",
+        "RaOT with the merge gate but without sibling detection (lets the gate repair siblings' drift; ablation)",
+        {"alignment": "activation", "sibling_check": False},
+    ),
     Method("raot-nogate", "RaOT without the gate", {"alignment": "activation", "gate": False}),
     Method(
         "raot-stride4",
@@ -159,7 +164,7 @@ def unavailable(method: Method) -> str | None:
     if method.needs and importlib.util.find_spec(method.needs) is None:
         return f"package {method.needs!r} is not installed"
     try:
-        RaotConfig(**method.options)
+        RaotConfig.from_dict(dict(method.options))
     except TypeError as exc:  # an option RaotConfig does not have (yet)
         return f"not available: {exc}"
     except RaotError as exc:

@@ -1,7 +1,7 @@
 """The benchmarked model pairs and the tasks they are evaluated on.
 
 Every model is trained reproducibly (fixed seeds, single-threaded, deterministic algorithms)
-on data that ships inside installed packages, through :mod:`raot_hf.zoo` and its cache. Four
+on data that ships inside installed packages, through :mod:`benchmarks.zoo` and its cache. Four
 families (issue #4):
 
 * **(a) ViT, seeds** — ViTs trained from scratch on scikit-learn's digits that differ only in
@@ -270,15 +270,15 @@ def missing_packages(pair: PairSpec) -> list[str]:
 def load_task(name: str):
     """The splits (train / calibration / test, with ``label``) of a task."""
     if name == "digits":
-        from raot_hf.zoo import load_image_dataset
+        from benchmarks.zoo import load_image_dataset
 
         return load_image_dataset("digits")
     if name == "mnist8":  # the processor of the 8×8 ViT resizes
-        from raot_hf.zoo import load_image_dataset
+        from benchmarks.zoo import load_image_dataset
 
         return load_image_dataset("mnist5k")
     if name in ("rotten_tomatoes", "convention_party"):
-        from raot_hf.zoo import load_text_dataset
+        from benchmarks.zoo import load_text_dataset
 
         return load_text_dataset(name)
     if name == "tiny":

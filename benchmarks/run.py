@@ -8,7 +8,7 @@
 
 Writes ``DIR/RESULTS.md`` (tables: mean ± std over runs), ``DIR/results.json`` (every number)
 and ``DIR/*.png`` (barrier curves, per-layer gate gains, width series). Parents are trained
-once and cached by :mod:`raot_hf.zoo` (``$RAOT_HF_CACHE``, default ``~/.cache/raot_hf/zoo``).
+once and cached by :mod:`benchmarks.zoo` (``$RAOT_HF_CACHE``, default ``~/.cache/raot_hf/zoo``).
 """
 
 from __future__ import annotations

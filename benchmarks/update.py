@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import re
 from typing import Any
 
 #: Values of a replaced method row that are kept under ``run["previous"]``.
@@ -82,6 +83,16 @@ def _merge_run(old: dict[str, Any], new: dict[str, Any], notes: list[str]) -> di
     return merged
 
 
+def _superseded(note: str, runs: dict) -> bool:
+    """A "method M failed" note of a (pair, run) whose method M has since been rerun without error."""
+    match = re.fullmatch(r"pair (\S+) run (\d+): method (\S+) failed: .*", note, flags=re.S)
+    if not match:
+        return False
+    run = runs.get((match[1], int(match[2])))
+    row = run and run["methods"].get(match[3])
+    return bool(row) and "error" not in row
+
+
 def merge_results(old: dict[str, Any], new: dict[str, Any], order: list[str]) -> dict[str, Any]:
     """``old`` with ``new``'s runs folded in (per pair, run and method); ``order``: pair names in
     the order of the suite (pairs not in it go last)."""
@@ -102,7 +113,7 @@ def merge_results(old: dict[str, Any], new: dict[str, Any], order: list[str]) ->
     record["notes"] = record["notes"] + notes
     meta = {**new["meta"], "updates": [*(old["meta"].get("updates") or [update_record(old)]), record]}
     meta["seconds"] = sum(u["seconds"] or 0.0 for u in meta["updates"])
-    meta["notes"] = [n for u in meta["updates"] for n in u["notes"]]
+    meta["notes"] = [n for u in meta["updates"] for n in u["notes"] if not _superseded(n, runs)]
     return {
         "meta": meta,
         "methods": sorted(method_rows.values(), key=lambda m: rank.get(m["name"], len(rank))),

@@ -1,9 +1,13 @@
 """What "the same function" means when comparing a model with its transformed copy: the
-outputs that define it (used by the merger's B′ ≡ B check and by :mod:`raot_hf.testing`)."""
+outputs that define it, the inputs they are compared on and their deviation (used by the
+merger's B′ ≡ B check and, re-exported, by :mod:`raot_hf.testing`)."""
 
 from __future__ import annotations
 
 import torch
+
+#: Decoder families: their example inputs carry the pad token on the padded (right) tail.
+DECODER_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
 
 
 def primary_outputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -31,3 +35,56 @@ def select_primary(out, rows: int | None = None) -> dict[str, torch.Tensor]:
     if "logits" in res or "start_logits" in res:
         res.pop("last_hidden_state", None)
     return res
+
+
+def example_inputs(model: torch.nn.Module, batch: int = 3, seq: int = 9, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random inputs for ``model``: token ids with a padded tail, or pixel values."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    if cfg.model_type in ("vit", "deit"):
+        size = cfg.image_size
+        px = torch.randn(batch, cfg.num_channels, size, size, generator=g)
+        return {"pixel_values": px.to(next(model.parameters()).dtype)}
+    ids = torch.randint(3, cfg.vocab_size, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    if batch > 1:
+        mask[-1, seq // 2 :] = 0
+    if cfg.model_type in DECODER_MODEL_TYPES and cfg.pad_token_id is not None:
+        ids = ids.masked_fill(mask == 0, cfg.pad_token_id)  # right padding, as the calibration batches
+    out = {"input_ids": ids, "attention_mask": mask}
+    if getattr(cfg, "type_vocab_size", 0):
+        out["token_type_ids"] = torch.randint(0, cfg.type_vocab_size, (batch, seq), generator=g)
+    return out
+
+
+def output_deviation(
+    reference: torch.nn.Module,
+    candidate: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    stream_map: torch.Tensor | None = None,
+    relative: bool = False,
+) -> float:
+    """Max abs (or relative) difference between the primary outputs of two models.
+
+    ``stream_map`` (d×d) maps the reference's ``last_hidden_state`` into the candidate's
+    basis for base models, whose output lives in the residual stream. Padding positions are
+    ignored.
+    """
+    ref = primary_outputs(reference, inputs)
+    cand = primary_outputs(candidate, inputs)
+    mask = inputs.get("attention_mask")
+    worst = 0.0
+    for key, r in ref.items():
+        c = cand[key]
+        if key == "last_hidden_state" and stream_map is not None:
+            r = r.to(torch.float64) @ stream_map.to(torch.float64)
+        r, c = r.to(torch.float64), c.to(torch.float64)
+        diff = (r - c).abs()
+        if mask is not None and diff.ndim >= 2 and diff.shape[:2] == mask.shape:
+            diff = diff * mask[..., None].to(diff.dtype) if diff.ndim == 3 else diff * mask
+            scale = (r.abs() * (mask[..., None] if r.ndim == 3 else mask)).max()
+        else:
+            scale = r.abs().max()
+        d = float(diff.max())
+        worst = max(worst, d / max(float(scale), 1e-30) if relative else d)
+    return worst

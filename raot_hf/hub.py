@@ -148,32 +148,17 @@ def push_to_hub(
     message = commit_message if commit_message else default_commit_message()
 
     api = HfApi(endpoint=endpoint, token=token)
-    n_files, n_bytes = _folder_summary(path)
+    summary = _folder_summary(path)
     try:
-        logger.info("Creating (or reusing) model repo %s on %s (private=%s)", repo_id, api.endpoint, private)
-        repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        full_repo_id = repo_url.repo_id or repo_id
-
-        if _needs_branch(revision):
-            logger.info("Ensuring branch %r exists in %s", revision, full_repo_id)
-            api.create_branch(full_repo_id, branch=revision, exist_ok=True, repo_type="model")
-
-        target = "a pull request against main" if create_pr else repr(revision or DEFAULT_BRANCH)
-        logger.info(
-            "Uploading %d file(s) (%.1f MB) from %s to %s, %s",
-            n_files,
-            n_bytes / 1e6,
+        commit = _create_and_upload(
+            api,
             path,
-            full_repo_id,
-            target,
-        )
-        commit = api.upload_folder(
-            repo_id=full_repo_id,
-            folder_path=path,
-            repo_type="model",
+            repo_id,
+            private=private,
             revision=revision,
             create_pr=create_pr,
             commit_message=message,
+            summary=summary,
         )
     except HfHubHTTPError as exc:
         auth_error = _auth_error(exc, repo_id)
@@ -184,3 +169,40 @@ def push_to_hub(
     url = commit.pr_url if create_pr and commit.pr_url else commit.commit_url
     logger.info("Pushed %s to %s", path, url)
     return url
+
+
+def _create_and_upload(
+    api: HfApi,
+    path: Path,
+    repo_id: str,
+    *,
+    private: bool,
+    revision: str | None,
+    create_pr: bool,
+    commit_message: str,
+    summary: tuple[int, int],
+):
+    """Create (or reuse) the repository and the target branch, then upload ``path`` in one commit.
+
+    ``summary`` is the folder's (number of files, total bytes), for the log. Returns the
+    ``upload_folder`` commit info; Hub errors propagate to the caller.
+    """
+    logger.info("Creating (or reusing) model repo %s on %s (private=%s)", repo_id, api.endpoint, private)
+    repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    full_repo_id = repo_url.repo_id or repo_id
+
+    if _needs_branch(revision):
+        logger.info("Ensuring branch %r exists in %s", revision, full_repo_id)
+        api.create_branch(full_repo_id, branch=revision, exist_ok=True, repo_type="model")
+
+    target = "a pull request against main" if create_pr else repr(revision or DEFAULT_BRANCH)
+    n_files, n_bytes = summary
+    logger.info("Uploading %d file(s) (%.1f MB) from %s to %s, %s", n_files, n_bytes / 1e6, path, full_repo_id, target)
+    return api.upload_folder(
+        repo_id=full_repo_id,
+        folder_path=path,
+        repo_type="model",
+        revision=revision,
+        create_pr=create_pr,
+        commit_message=commit_message,
+    )

@@ -353,7 +353,7 @@ def gate_chunks(model_a, model_b, layer_names, dataset, preprocessor, cal_cfg, e
     """The gate set — the first ``examples`` held-out examples in id order, the same every run —
     with A's and B's layer calls captured (one forward each, stopped after the last layer), in
     chunks whose ``side`` alternates between halves of each batch's rows."""
-    from raot_hf.calibration.data import iter_calibration_batches
+    from raot_hf.calibration.batches import iter_calibration_batches
 
     chunks, taken = [], 0
     for batch in iter_calibration_batches(dataset, preprocessor, cal_cfg, split="heldout"):

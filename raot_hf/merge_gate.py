@@ -20,7 +20,7 @@ set of held-out examples (the *gate set*):
 
 Each decision is a paired test across gate examples: apply iff the mean gain exceeds ``z``
 standard errors of the per-example gains and is positive; the identity wins ties. The model-level
-check also needs a gain of at least ``gate_min_gain`` (fidelity is a fraction of what the layers
+check also needs a gain of at least ``gate.min_gain`` (fidelity is a fraction of what the layers
 compute, so 0.01 = 1%): a real but immaterial gain — parents that barely differ — keeps the
 identity.
 """
@@ -36,6 +36,7 @@ import torch
 
 from raot_hf.adapters.schema import ModelSchema
 from raot_hf.gate import GateDecision, decide
+from raot_hf.lineage import LineageEvidence, detect_siblings
 from raot_hf.merge_fidelity import (
     GateChunk,
     MergedParameters,
@@ -251,36 +252,51 @@ def _alignment_verdict(decisions: list[GateDecision], why: str, *, gated: bool =
     return f"A and B differ in basis: {n} of {len(decisions)} estimates applied ({why})"
 
 
-def merge_gate(merger, parts: list[Transform], stats, decisions: list[GateDecision]):
-    """The merger's gate step: re-decide ``decisions`` (the alignment objective's) by merge
-    fidelity when the merge objective is in force. Returns (decisions, verdict, model fidelity)."""
-    cfg = merger.config
-    calibration = getattr(merger, "_calibration", None)
-    if not cfg.gate or stats is None or calibration is None or cfg.alignment == "soft_ot":
-        why = "gate disabled" if not cfg.gate else "soft transport, not gated" if stats else "no calibration data"
+def as_siblings(result: MergeGateResult, evidence: LineageEvidence) -> MergeGateResult:
+    """Detection, not repair (docs/design.md §5.4): every estimate is identity-dominated, so the
+    identity stands everywhere; the merge-fidelity comparison stays in the report as evidence."""
+    why = f"siblings: every estimate is near the identity (smallest identity affinity {evidence.smallest:.3f})"
+    decisions = [_reject(d, why) if d.applied else d for d in result.decisions]
+    info = dict(result.model_fidelity, siblings=evidence.to_dict(), passed=False)
+    evidence_line = ""
+    if "aligned" in info:
+        evidence_line = (
+            f"; merge fidelity, evidence only: aligned {info['aligned']:.4f} vs identity {info['identity']:.4f} "
+            f"on {info['examples']} held-out examples"
+        )
+    verdict = (
+        f"A and B share a basis: fine-tuned siblings, every estimate is near the identity "
+        f"(smallest identity affinity {evidence.smallest:.3f}){evidence_line}"
+    )
+    return MergeGateResult(decisions, verdict, info)
+
+
+def merge_gate(ctx, run, parts: list[Transform], stats, decisions: list[GateDecision], gated: bool = True):
+    """The gate stage's second step: re-decide ``decisions`` (the alignment objective's) by merge
+    fidelity when the merge objective is in force, then the sibling check (§5.4). ``ctx`` is the
+    :class:`raot_hf.stages.context.PairContext`, ``run`` the calibration run (None without data),
+    ``gated`` False for an estimator whose candidates are not symmetries. Returns (decisions,
+    verdict, model fidelity)."""
+    cfg = ctx.config
+    gate_on = cfg.gate.enabled
+    if not gate_on or stats is None or run is None or not gated:
+        why = "gate disabled" if not gate_on else "soft transport, not gated" if stats else "no calibration data"
         return decisions, _alignment_verdict(decisions, why, gated=False), {}
-    if cfg.gate_objective != "merge":
+    if cfg.gate.objective != "merge":
         return decisions, _alignment_verdict(decisions, "alignment objective"), {}
     if not any(_eligible(d) for d in decisions):
         return decisions, _alignment_verdict(decisions, "every estimate is the identity or unusable"), {}
-    dataset, cal_cfg = calibration
     start = time.perf_counter()
-    names = layer_module_names(merger.model_a, merger.schema)
-    chunks = gate_chunks(
-        merger.model_a, merger.model_b, names, dataset, merger.preprocessor, cal_cfg, cfg.gate_examples
-    )
-    captured = time.perf_counter()
+    names = layer_module_names(ctx.model_a, ctx.schema)
+    chunks = gate_chunks(ctx.model_a, ctx.model_b, names, run.dataset, ctx.preprocessor, run.config, cfg.gate.examples)
+    ctx.timer.times["gate_capture"] = time.perf_counter() - start  # a part of the "gate" stage
+    gate = cfg.gate
     result = run_merge_gate(
-        merger.model_a,
-        merger.model_b,
-        merger.schema,
-        parts,
-        decisions,
-        chunks,
-        alpha=cfg.alpha,
-        z=cfg.gate_z,
-        floor=cfg.gate_min_gain,
+        ctx.model_a, ctx.model_b, ctx.schema, parts, decisions, chunks, alpha=cfg.alpha, z=gate.z, floor=gate.min_gain
     )
-    merger.timer.times["gate_capture"] = captured - start  # a part of the "gate" stage
+    if gate.sibling_check:
+        evidence = detect_siblings(parts)
+        result = as_siblings(result, evidence) if evidence.siblings else result
+        result.model_fidelity.setdefault("siblings", evidence.to_dict())
     logger.info("merge gate: %s", result.verdict)
     return result.decisions, result.verdict, result.model_fidelity

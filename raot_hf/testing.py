@@ -12,7 +12,7 @@ import copy
 import torch
 import transformers
 
-from raot_hf.equivalence import primary_outputs
+from raot_hf.equivalence import example_inputs, output_deviation  # noqa: F401 (re-exported for tests and selfcheck)
 from raot_hf.errors import RaotError
 
 _CONFIGS = {
@@ -42,6 +42,7 @@ _CONFIGS = {
 }
 
 # Decoders (docs/design.md §8): class prefix and config overrides; GQA with 8 query / 2 KV heads.
+# Keyed like raot_hf.equivalence.DECODER_MODEL_TYPES (example_inputs pads these on the right).
 _DECODERS = {
     "gpt2": ("GPT2Config", "GPT2", {}),
     "llama": ("LlamaConfig", "Llama", {}),
@@ -145,59 +146,6 @@ def tiny_model(model_type: str, head: str = "base", *, seed: int = 0, dtype=torc
                 is_norm |= name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight"))  # GPT-2
                 p.copy_(1.0 + noise if is_norm else noise)
     return model.to(dtype).eval()
-
-
-def example_inputs(model: torch.nn.Module, batch: int = 3, seq: int = 9, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random inputs for ``model``: token ids with a padded tail, or pixel values."""
-    g = torch.Generator().manual_seed(seed)
-    cfg = model.config
-    if cfg.model_type in ("vit", "deit"):
-        size = cfg.image_size
-        px = torch.randn(batch, cfg.num_channels, size, size, generator=g)
-        return {"pixel_values": px.to(next(model.parameters()).dtype)}
-    ids = torch.randint(3, cfg.vocab_size, (batch, seq), generator=g)
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    if batch > 1:
-        mask[-1, seq // 2 :] = 0
-    if cfg.model_type in _DECODERS and cfg.pad_token_id is not None:
-        ids = ids.masked_fill(mask == 0, cfg.pad_token_id)  # right padding, as the calibration batches
-    out = {"input_ids": ids, "attention_mask": mask}
-    if getattr(cfg, "type_vocab_size", 0):
-        out["token_type_ids"] = torch.randint(0, cfg.type_vocab_size, (batch, seq), generator=g)
-    return out
-
-
-def output_deviation(
-    reference: torch.nn.Module,
-    candidate: torch.nn.Module,
-    inputs: dict[str, torch.Tensor],
-    stream_map: torch.Tensor | None = None,
-    relative: bool = False,
-) -> float:
-    """Max abs (or relative) difference between the primary outputs of two models.
-
-    ``stream_map`` (d×d) maps the reference's ``last_hidden_state`` into the candidate's
-    basis for base models, whose output lives in the residual stream. Padding positions are
-    ignored.
-    """
-    ref = primary_outputs(reference, inputs)
-    cand = primary_outputs(candidate, inputs)
-    mask = inputs.get("attention_mask")
-    worst = 0.0
-    for key, r in ref.items():
-        c = cand[key]
-        if key == "last_hidden_state" and stream_map is not None:
-            r = r.to(torch.float64) @ stream_map.to(torch.float64)
-        r, c = r.to(torch.float64), c.to(torch.float64)
-        diff = (r - c).abs()
-        if mask is not None and diff.ndim >= 2 and diff.shape[:2] == mask.shape:
-            diff = diff * mask[..., None].to(diff.dtype) if diff.ndim == 3 else diff * mask
-            scale = (r.abs() * (mask[..., None] if r.ndim == 3 else mask)).max()
-        else:
-            scale = r.abs().max()
-        d = float(diff.max())
-        worst = max(worst, d / max(float(scale), 1e-30) if relative else d)
-    return worst
 
 
 def clone(model: torch.nn.Module) -> torch.nn.Module:

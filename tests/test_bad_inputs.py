@@ -146,7 +146,8 @@ def _assert_clean_error(res, out, *needles):
 @pytest.fixture
 def weights_loaded(monkeypatch):
     """Records every parent whose weights are loaded (the real loader still runs)."""
-    from raot_hf import loading, merger
+    from raot_hf import loading
+    from raot_hf.stages import load
 
     calls = []
     real = loading.load_model
@@ -155,7 +156,7 @@ def weights_loaded(monkeypatch):
         calls.append(label)
         return real(source, label, **kwargs)
 
-    monkeypatch.setattr(merger, "load_model", recording_load_model)
+    monkeypatch.setattr(load, "load_model", recording_load_model)
     return calls
 
 

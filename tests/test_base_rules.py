@@ -20,7 +20,7 @@ from raot_hf.merging import (
     merge_ties,
     relative_task_norm,
 )
-from raot_hf.output import render_model_card
+from raot_hf.outputs import render_model_card
 from raot_hf.testing import example_inputs, tiny_model, tiny_text_dataset, tiny_tokenizer
 
 
@@ -176,7 +176,7 @@ def test_registry_config_and_cli_read_one_source():
     assert merge_rule_spec("dare_ties").options["seed"] == "seed"
     choices = next(p for p in main.commands["merge"].params if p.name == "merge_rule").type.choices
     assert sorted(choices) == available_merge_rules()
-    cfg = RaotConfig(merge_rule="dare_ties", density=0.5, task_scale=2.0)
+    cfg = RaotConfig(merge_rule="dare_ties", base_rules={"density": 0.5, "task_scale": 2.0})
     assert RaotConfig.from_json(cfg.to_json()) == cfg
     with pytest.raises(RaotError, match="alignment='weight' applies its matching to B with no gate"):
         RaotConfig(merge_rule="ties", alignment="weight")
@@ -184,7 +184,7 @@ def test_registry_config_and_cli_read_one_source():
         RaotConfig(merge_rule="task_arithmetic", gate=False)
     assert RaotConfig(merge_rule="ties", alignment="weight", scope=()).alignment == "weight"  # nothing can act
     with pytest.raises(RaotError, match="density"):
-        RaotConfig(density=1.5)
+        RaotConfig(base_rules={"density": 1.5})
 
 
 def test_card_front_matter_lists_a_b_and_the_base():
@@ -243,7 +243,7 @@ def test_cli_ties_merge_of_siblings(siblings, tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"]
     report = json.loads((out / "raot_report.json").read_text())
     assert report["shares_basis"] and not report["applied_transform"]["transforms"]
-    assert report["settings"]["merge_rule"] == "ties" and report["settings"]["density"] == 0.3
+    assert report["settings"]["merge_rule"] == "ties" and report["settings"]["base_rules"]["density"] == 0.3
     assert report["merge"]["rule"] == "ties" and report["merge"]["settings"]["density"] == 0.3
     totals = report["merge"]["totals"]  # top 30 % of each task vector kept, in every tensor
     assert 0.3 <= totals["kept_a"] / totals["entries"] < 0.32 and 0.3 <= totals["kept_b"] / totals["entries"] < 0.32

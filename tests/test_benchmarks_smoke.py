@@ -114,3 +114,16 @@ def test_head_swap_equals_the_products_head_b_policy(tmp_path):
     with torch.no_grad():
         assert torch.allclose(swapped(**x).logits, product_b(**x).logits, atol=1e-6)
         assert not torch.allclose(merged_a(**x).logits, product_b(**x).logits, atol=1e-3)
+
+
+def test_a_failure_note_goes_once_the_method_reruns_without_error(tiny_results):
+    _, results, _ = tiny_results
+    failed = copy.deepcopy(results)
+    failed["runs"][0]["methods"]["raot"] = {"error": "RaotError: boom"}
+    note = "pair tiny-vit-scrambled run 0: method raot failed: RaotError: boom"
+    failed["meta"]["notes"] = [note]
+    failed["meta"].pop("updates", None)
+    still_failing = merge_results(failed, copy.deepcopy(failed), ["tiny-vit-scrambled"])
+    assert note in still_failing["meta"]["notes"]
+    fixed = merge_results(failed, copy.deepcopy(results), ["tiny-vit-scrambled"])
+    assert note not in fixed["meta"]["notes"]

@@ -66,7 +66,7 @@ def test_quiet_prints_nothing_on_success(pair, tmp_path):
 def test_verbose_shows_info_records(pair, tmp_path):
     res = _merge(pair, tmp_path / "out", "-v")
     info = [line for line in res.stderr.splitlines() if line.startswith("INFO raot_hf.")]
-    assert any("raot_hf.calibration.data: calibration data" in line for line in info), res.stderr
+    assert any("raot_hf.calibration.sources: calibration data" in line for line in info), res.stderr
     assert any("raot_hf.output" in line for line in info), res.stderr
     assert sum("calibration data:" in line for line in info) == 1, res.stderr
     assert "Loading weights" not in res.stderr

@@ -308,7 +308,7 @@ def test_grouped_rope_solver_inverts_a_group_symmetry():
 def test_regmean_on_gpt2_is_refused_before_weights_load(tmp_path, monkeypatch):
     """GPT-2's Conv1D layers give no RegMean Grams: the rule is refused from the configs, in one
     line, before any weights are read (it used to fail after the pass with a misleading message)."""
-    import raot_hf.merger as merger_module
+    import raot_hf.stages.load as load_stage
 
     for name in ("a", "b"):
         tiny_model("gpt2", "causal", seed=0).save_pretrained(tmp_path / name)
@@ -316,7 +316,7 @@ def test_regmean_on_gpt2_is_refused_before_weights_load(tmp_path, monkeypatch):
     def no_weights(*_args, **_kwargs):
         raise AssertionError("weights were loaded")
 
-    monkeypatch.setattr(merger_module, "load_model", no_weights)
+    monkeypatch.setattr(load_stage, "load_model", no_weights)
     with pytest.raises(RaotError, match="not available for gpt2") as info:
         RaotMerger.from_pretrained(tmp_path / "a", tmp_path / "b", merge_rule="regmean")
     assert "\n" not in str(info.value)

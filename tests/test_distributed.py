@@ -14,6 +14,7 @@ from accelerate import debug_launcher
 from raot_hf import RaotConfig, RaotMerger, scramble
 from raot_hf.calibration import CalibrationConfig
 from raot_hf.distributed import DistributedContext
+from raot_hf.stages.solve import solve
 from raot_hf.symmetry import model_state
 from raot_hf.testing import clone, tiny_model, tiny_text_dataset, tiny_tokenizer
 
@@ -29,16 +30,17 @@ def _pair(dtype=torch.float64):
 
 def _config(examples: int, batch_size: int) -> RaotConfig:
     cal = CalibrationConfig(num_samples=examples, batch_size=batch_size, heldout_every=4)
-    return RaotConfig(calibration=cal, min_heldout_tokens=16)
+    return RaotConfig(calibration=cal, gate={"min_heldout_tokens": 16})
 
 
 def _statistics(merger, data) -> dict:
     """Both phases: the fit moments, then the held-out sums under the main process's candidates."""
-    stats, fingerprint = merger.collect_statistics(data)
+    stats, run = merger.collect_statistics(data)
     fit = [t.clone() for t in stats.tensors()]
-    parts = merger.dist.broadcast_object(merger._candidates(stats)[0] if merger.dist.is_main else None)
+    parts, _ = solve(merger.pair, stats)  # the main process solves and broadcasts
     assert parts  # something to score
-    merger.collect_heldout(stats, parts)
+    merger.collect_heldout(stats, run, parts)
+    fingerprint = run.fingerprint
     fingerprint["heldout_tokens"] = int(stats.heldout.tokens)
     return {"tensors": fit + stats.heldout.tensors(), "examples": stats.examples, "fingerprint": fingerprint}
 
@@ -152,4 +154,4 @@ def test_cli_merge_under_two_processes_writes_once(tmp_path):
 
 def build_single_config(tmp_path) -> RaotConfig:
     cal = CalibrationConfig(source=str(tmp_path / "cal.jsonl"), batch_size=4)
-    return RaotConfig(calibration=cal, min_heldout_tokens=16)
+    return RaotConfig(calibration=cal, gate={"min_heldout_tokens": 16})

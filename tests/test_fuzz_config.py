@@ -14,10 +14,11 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from raot_hf import config as config_module
-from raot_hf.calibration.data import CalibrationConfig
+from raot_hf.calibration import CalibrationConfig
 from raot_hf.cli import main
 from raot_hf.config import RaotConfig
 from raot_hf.errors import RaotError
+from raot_hf.options import GATE_OBJECTIVES, LEGACY_KEYS, SECTIONS
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -28,6 +29,7 @@ CHOICES = {
     "head": config_module.HEAD_POLICIES,
     "merge_rule": config_module.MERGER_RULES,
     "dtype": config_module.DTYPES,
+    "objective": GATE_OBJECTIVES,
 }
 
 JUNK = st.one_of(
@@ -59,25 +61,34 @@ def _plausible(name: str, default):
     return JUNK
 
 
-def _calibration_dicts():
-    fields = {f.name: f.default for f in dataclasses.fields(CalibrationConfig)}
+def _section_dicts(cls):
+    """Dicts of a section's settings (CalibrationConfig, GateOptions, …), sometimes with junk keys."""
+    fields = {f.name: f.default for f in dataclasses.fields(cls)}
     values = {}
     for name, default in fields.items():
-        if default is None or isinstance(default, str):
+        if default is None or isinstance(default, str) and name not in CHOICES:
             values[name] = st.none() | st.text(max_size=10) | JUNK
         else:
             values[name] = _plausible(name, default) | JUNK
     return st.fixed_dictionaries({}, optional=values) | st.dictionaries(st.text(max_size=6), JUNK, max_size=2)
 
 
+def _field_default(cls, name):
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
 def _config_dicts():
     values = {}
     for f in dataclasses.fields(RaotConfig):
-        if f.name == "calibration":
-            values[f.name] = _calibration_dicts() | JUNK
+        if f.name in SECTIONS:
+            values[f.name] = _section_dicts(SECTIONS[f.name]) | JUNK
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         values[f.name] = _plausible(f.name, default) | JUNK
+    for key, (section, name) in LEGACY_KEYS.items():  # the flat keys of earlier versions
+        legacy = _plausible(name, _field_default(SECTIONS[section], name)) | JUNK
+        values[key] = values[key] | legacy if key in values else legacy
     known = st.fixed_dictionaries({}, optional=values)
     with_unknown = st.tuples(known, st.dictionaries(st.text(min_size=1, max_size=8), JUNK, max_size=2)).map(
         lambda pair: {**pair[1], **pair[0]}
@@ -85,12 +96,17 @@ def _config_dicts():
     return known | with_unknown
 
 
-def _assert_sane(cfg: RaotConfig) -> None:
+def _assert_sane(cfg) -> None:
     """An accepted config holds values of each option's own type (no "false" strings for
-    booleans, no strings for numbers) and only finite numbers."""
-    for f in dataclasses.fields(RaotConfig):
+    booleans, no strings for numbers) and only finite numbers, in every section too."""
+    for f in dataclasses.fields(cfg):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(default):
+            assert type(value) is type(default), (f.name, value)
+            if f.name != "calibration":
+                _assert_sane(value)
+            continue
         if isinstance(default, bool):
             assert isinstance(value, bool), (f.name, value)
         elif isinstance(default, int):
@@ -99,8 +115,9 @@ def _assert_sane(cfg: RaotConfig) -> None:
             assert isinstance(value, float) and math.isfinite(value), (f.name, value)
         elif isinstance(default, str):
             assert isinstance(value, str), (f.name, value)
-    assert isinstance(cfg.scope, tuple) and all(s in config_module.SCOPES for s in cfg.scope)
-    assert isinstance(cfg.calibration, CalibrationConfig)
+    if isinstance(cfg, RaotConfig):
+        assert isinstance(cfg.scope, tuple) and all(s in config_module.SCOPES for s in cfg.scope)
+        assert isinstance(cfg.calibration, CalibrationConfig)
 
 
 @FUZZ
@@ -152,6 +169,11 @@ VALUE_OPTIONS = {
     "--max-length": st.integers(-3, 600).map(str),
     "--batch-size": st.integers(-3, 64).map(str) | st.just("0x10"),
     "--moment-stride": st.integers(-2, 9).map(str),
+    "--gate-examples": st.integers(-2, 40).map(str),
+    "--density": st.floats(-0.5, 1.5).map(repr),
+    "--check-batches": st.integers(-2, 4).map(str),
+    "--calibration-seed": st.integers(-2, 9).map(str),
+    "--heldout-every": st.integers(-1, 9).map(str),
     "--calibration": st.sampled_from(("data.csv", "org/dataset", "")) | st.text(max_size=8),
     "--calibration-config": st.text(max_size=6),
     "--split": st.sampled_from(("train", "validation[:10]", "")),
@@ -169,6 +191,8 @@ FLAGS = (
     "--no-rotations",
     "--weight-rescale",
     "--no-weight-rescale",
+    "--no-weight-match-heads",
+    "--no-sibling-check",
     "--trust-remote-code",
     "--allow-pickle",
     "--overwrite",
@@ -181,12 +205,17 @@ OPTION_TO_FIELD = {
     "--head": "head",
     "--dtype": "dtype",
     "--alpha": "alpha",
-    "--gate-z": "gate_z",
-    "--gate-min-gain": "gate_min_gain",
-    "--regmean-shrink": "regmean_shrink",
-    "--soft-ot-reg": "soft_ot_reg",
-    "--min-heldout-tokens": "min_heldout_tokens",
-    "--fisher-samples": "fisher_samples",
+    "--gate-z": "gate.z",
+    "--gate-min-gain": "gate.min_gain",
+    "--regmean-shrink": "regmean.shrink",
+    "--soft-ot-reg": "soft_ot.reg",
+    "--min-heldout-tokens": "gate.min_heldout_tokens",
+    "--fisher-samples": "fisher.samples",
+    "--gate-examples": "gate.examples",
+    "--density": "base_rules.density",
+    "--check-batches": "check_batches",
+    "--calibration-seed": "calibration.seed",
+    "--heldout-every": "calibration.heldout_every",
     "--seed": "seed",
 }
 
@@ -267,7 +296,7 @@ def test_any_merge_arguments_exit_2_with_one_error_line(cli_sandbox, case):
         cfg = seen[0]
         for option, field_name in OPTION_TO_FIELD.items():
             if option in given_values:
-                value, given_value = getattr(cfg, field_name), given_values[option]
+                value, given_value = cfg.lookup(field_name), given_values[option]
                 expected = given_value if isinstance(value, str) else type(value)(float(given_value))
                 assert value == expected, (option, given_value, value)
         if given_values.get("--config") == "valid.json" and "--alpha" not in given_values:

@@ -47,11 +47,11 @@ def pair_dir(tmp_path_factory):
 @pytest.fixture
 def weights_loaded(monkeypatch):
     """Records every parent whose weights are loaded (the real loader still runs)."""
-    from raot_hf import merger
+    from raot_hf.stages import load as load_stage
 
-    calls, real = [], merger.load_model
+    calls, real = [], load_stage.load_model
     monkeypatch.setattr(
-        merger, "load_model", lambda source, label, **kw: calls.append(label) or real(source, label, **kw)
+        load_stage, "load_model", lambda source, label, **kw: calls.append(label) or real(source, label, **kw)
     )
     return calls
 

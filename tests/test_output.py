@@ -1,4 +1,4 @@
-"""Writing a merged model as a directory that ``from_pretrained`` loads (raot_hf.output)."""
+"""Writing a merged model as a directory that ``from_pretrained`` loads (raot_hf.outputs)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ import yaml
 from safetensors import safe_open
 
 from raot_hf.errors import RaotError
-from raot_hf.output import (
-    _FALLBACK_TEMPLATE,
+from raot_hf.outputs import (
     file_sha256,
     hash_checkpoint_files,
     parse_size,
     render_model_card,
     write_merged_repo,
 )
+from raot_hf.outputs.card import _FALLBACK_TEMPLATE
 from raot_hf.testing import example_inputs, tiny_model
 
 CARD = {
@@ -291,7 +291,7 @@ def test_image_processor_saved(tmp_path):
 
 
 def test_unloadable_preprocessor_is_a_warning(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="raot_hf.output"):
+    with caplog.at_level(logging.WARNING, logger="raot_hf.outputs.save"):
         out = _write(tmp_path / "out", tiny_model("bert", "sequence"), preprocessor_source=tmp_path / "missing")
     assert any("no tokenizer or processor" in record.getMessage() for record in caplog.records)
     assert not list(out.glob("tokenizer*"))

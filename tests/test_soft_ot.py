@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from raot_hf import RaotError, RaotMerger, schema_for
+from raot_hf.calibration import CalibrationConfig, iter_calibration_batches
 from raot_hf.calibration.collector import StatisticsCollector
-from raot_hf.calibration.data import CalibrationConfig, iter_calibration_batches
 from raot_hf.estimators.soft_ot import estimate_soft_ot, sinkhorn_plan
 from raot_hf.symmetry import (
     HeadAlignment,

@@ -65,7 +65,7 @@ def test_merge_from_the_installed_wheel_writes_the_template_card(wheel, tmp_path
     # headings of the template (the built-in fallback has none of these beyond "Method")
     headings = [line for line in TEMPLATE.read_text(encoding="utf-8").splitlines() if line.startswith("## ")]
     assert len(headings) >= 3
-    from raot_hf.output import _FALLBACK_TEMPLATE
+    from raot_hf.outputs.card import _FALLBACK_TEMPLATE
 
     assert any(h not in _FALLBACK_TEMPLATE for h in headings)
     for heading in headings:

@@ -1,4 +1,5 @@
-"""Tests of the zoo: offline data sets, deterministic cached builds of tiny models."""
+"""Tests of the zoo: the demo's offline digits and ViTs (:mod:`raot_hf.demo`) and the benchmarks'
+text models (:mod:`benchmarks.zoo`): offline data sets, deterministic cached builds of tiny models."""
 
 import importlib.util
 
@@ -7,20 +8,25 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from raot_hf.errors import RaotError
-from raot_hf.zoo import (
+from benchmarks.builders import build_model
+from benchmarks.pairs import ModelSpec
+from benchmarks.zoo import (
+    build_bert,
     build_bert_pair,
     build_minilm_siblings,
-    build_vit,
-    build_vit_pair,
     build_wordpiece_tokenizer,
-    evaluate_accuracy,
-    load_image_dataset,
     load_text_dataset,
     minilm_path,
+)
+from raot_hf.demo import (
+    build_vit,
+    build_vit_pair,
+    evaluate_accuracy,
+    load_image_dataset,
     read_zoo_info,
 )
-from raot_hf.zoo.training import split_three_ways
+from raot_hf.demo.training import split_three_ways
+from raot_hf.errors import RaotError
 
 needs_scattertext = pytest.mark.skipif(
     importlib.util.find_spec("scattertext") is None,
@@ -203,3 +209,33 @@ def test_minilm_siblings_share_architecture_and_differ_by_task(tmp_path):
     assert a.keys() == b.keys() and _differs(a, b)
     with pytest.raises(RaotError, match="two different task names"):
         build_minilm_siblings(tasks=("rotten_tomatoes", "rotten_tomatoes"), cache_dir=tmp_path)
+
+
+def test_cache_keys_of_existing_builds_never_change(tmp_path):
+    """Folder names (name + hash of the settings and ZOO_CODE_VERSION) of models built before the
+    zoo moved out of ``raot_hf.zoo``: a changed key would silently retrain every cached parent."""
+
+    def bench(builder, seed, **options):
+        return lambda: build_model(
+            ModelSpec(builder, tuple(sorted({**options, "cache_dir": tmp_path}.items()))).with_seed(seed)
+        )
+
+    builds = {
+        "vit-digits-seed0-209dd6f2ee250f0f": lambda: build_vit("digits", seed=0, cache_dir=tmp_path),
+        "bert-rotten_tomatoes-seed0-776912491cdbf383": lambda: build_bert(seed=0, cache_dir=tmp_path),
+        "bench-vit-mnist5k8-seed100-65ee9b06dc1197b5": bench(
+            "resized_vit", 100, dataset="mnist5k", image_size=8, hidden_size=64, epochs=10
+        ),
+        "bench-bert-convention_party-seed100-8ba65b8f29be2933": bench(
+            "task_bert", 100, dataset="convention_party", epochs=4
+        ),
+        "bench-vit-ft-digits-base0-7506aae3f01c9aee": bench("finetuned_vit", 0, dataset="digits", epochs=3),
+        "bench-bert-ft-convention_party-base0-53879f6f4b06205c": bench(
+            "finetuned_bert", 0, dataset="convention_party", epochs=2
+        ),
+    }
+    for name in builds:  # a folder with zoo_info.json is a finished build: reused, never trained
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "zoo_info.json").write_text("{}")
+    for name, build in builds.items():
+        assert build() == tmp_path / name

@@ -88,174 +88,212 @@ class Adapter:
 
     def build_schema(self, model: torch.nn.Module) -> ModelSchema:
         """Resolve the templates on ``model`` (a base model or one of the supported heads)."""
-        config = model.config
         if self.check_config is not None:
-            self.check_config(config)
-        suffix, head = self.head_for(model)
-        params = dict(model.named_parameters())
-        is_base = getattr(model, "base_model", model) is model
-        base = "" if is_base else f"{self.base_prefix}."
+            self.check_config(model.config)
+        _, head = self.head_for(model)
+        builder = _EncoderSchemaBuilder(self, model)
+        builder.add_embeddings()
+        for i in range(builder.num_layers):
+            builder.add_layer(i)
+        head_params, final_readers = builder.add_head(head)
+        return builder.finish(head, head_params, final_readers)
 
-        d = config.hidden_size
-        H = config.num_attention_heads
+
+class _EncoderSchemaBuilder:
+    """Resolves an encoder :class:`Adapter`'s templates on one model, member by member.
+
+    Members are added only where the parameter exists (optional biases); a missing Linear
+    weight is a one-line error. The order members are added in is the order of each space.
+    """
+
+    def __init__(self, adapter: Adapter, model: torch.nn.Module):
+        config = model.config
+        self.adapter, self.config, self.model_class = adapter, config, type(model).__name__
+        self.params = dict(model.named_parameters())
+        self.is_base = getattr(model, "base_model", model) is model
+        self.base = "" if self.is_base else f"{adapter.base_prefix}."
+        d, H = config.hidden_size, config.num_attention_heads
         if d % H:
             raise RaotError(f"hidden_size {d} is not divisible by num_attention_heads {H}; not a supported layout.")
-        h = d // H
-        f = config.intermediate_size
-        L = config.num_hidden_layers
+        self.hidden_size, self.num_heads, self.head_size = d, H, d // H
+        self.intermediate_size = config.intermediate_size
+        self.num_layers = config.num_hidden_layers
+        self.residual = Space("residual", "residual", d)
+        self.spaces: dict[str, Space] = {}
+        self.layers: list[LayerSchema] = []
+        self.stream_modules: list[str] = []
+        self.folds: list[Fold] = []
 
-        def has(name: str) -> bool:
-            return name in params
+    def has(self, name: str) -> bool:
+        """True when the model has a parameter called ``name``."""
+        return name in self.params
 
-        def linear(module: str) -> tuple[str, str | None]:
-            w, b = f"{module}.weight", f"{module}.bias"
-            if not has(w):
-                raise RaotError(
-                    f"expected parameter {w} in {type(model).__name__}; "
-                    f"the checkpoint does not match the {self.name} layout."
-                )
-            return w, (b if has(b) else None)
+    def linear(self, module: str) -> tuple[str, str | None]:
+        """The weight and (optional) bias names of a Linear module that must exist."""
+        w, b = f"{module}.weight", f"{module}.bias"
+        if not self.has(w):
+            raise RaotError(
+                f"expected parameter {w} in {self.model_class}; "
+                f"the checkpoint does not match the {self.adapter.name} layout."
+            )
+        return w, (b if self.has(b) else None)
 
-        residual = Space("residual", "residual", d)
-        spaces: dict[str, Space] = {}
-        layers: list[LayerSchema] = []
-        stream_modules: list[str] = []
-        folds: list[Fold] = []
+    def add(self, space: Space, name: str | None, axis: int, cov: bool, role: str, index=None) -> None:
+        """Append ``name`` to ``space`` as a member when the model has that parameter."""
+        if name is not None and self.has(name):
+            space.members.append(Member(name, axis, cov, role, index))
 
-        def add(space: Space, name: str | None, axis: int, cov: bool, role: str, index=None) -> None:
-            if name is not None and has(name):
-                space.members.append(Member(name, axis, cov, role, index))
-
-        for mod, axis in self.embedding_writers:
-            add(residual, base + mod, axis, True, "writer")
-        for mod, axis in self.extra_stream:
-            add(residual, base + mod, axis, True, "writer")
-        for norm in self.stream_norms + self.extra_stream_norms:
-            add(residual, f"{base}{norm}.weight", 0, True, "norm")
-            add(residual, f"{base}{norm}.bias", 0, True, "norm_bias")
-        if self.norm == "post":
-            stream_modules += [base + n for n in self.stream_norms]
+    def add_embeddings(self) -> None:
+        """The stream's writers and norms before the first layer, and the modules carrying it."""
+        adapter, base, residual = self.adapter, self.base, self.residual
+        for mod, axis in adapter.embedding_writers:
+            self.add(residual, base + mod, axis, True, "writer")
+        for mod, axis in adapter.extra_stream:
+            self.add(residual, base + mod, axis, True, "writer")
+        for norm in adapter.stream_norms + adapter.extra_stream_norms:
+            self.add(residual, f"{base}{norm}.weight", 0, True, "norm")
+            self.add(residual, f"{base}{norm}.bias", 0, True, "norm_bias")
+        if adapter.norm == "post":
+            self.stream_modules += [base + n for n in adapter.stream_norms]
         else:
-            stream_modules.append(base + self.embedding_module)
+            self.stream_modules.append(base + adapter.embedding_module)
 
-        t = self.layer
-        for i in range(L):
-            p = f"{base}{self.layers}.{i}."
-            qk = Space(f"layers.{i}.qk", "qk", d, layer=i)
-            vo = Space(f"layers.{i}.vo", "vo", d, layer=i)
-            mlp = Space(f"layers.{i}.mlp", "mlp", f, exact="permutation", layer=i)
-            readers: list[tuple[str, str | None]] = []  # readers of the attention input (folds)
-            if t.fused_qkv:
-                w, _ = linear(p + t.fused_qkv)
-                q_idx, k_idx, v_idx = (head_index(H, h, stride=3 * h, offset=j * h) for j in range(3))
-                add(qk, w, 0, True, "q", q_idx)
-                add(qk, w, 0, False, "k", k_idx)
-                add(vo, w, 0, True, "v", v_idx)
-                add(qk, p + t.q_bias, 0, True, "q")
-                add(vo, p + t.v_bias, 0, True, "v")
-                add(residual, w, 1, False, "reader")
-                readers.append((w, None))
-                readout = HeadReadout(p + t.fused_qkv, p + t.fused_qkv, p + t.fused_qkv, q_idx, k_idx, p + t.q_bias)
-            else:
-                for mod, cov, role, space in (
-                    (t.q, True, "q", qk),
-                    (t.k, False, "k", qk),
-                    (t.v, True, "v", vo),
-                ):
-                    w, b = linear(p + mod)
-                    add(space, w, 0, cov, role)
-                    add(space, b, 0, cov, role)
-                    add(residual, w, 1, False, "reader")
-                    readers.append((w, b))
-                readout = HeadReadout(p + t.q, p + t.q, p + t.k)
-            for mods, cov in ((t.pos_key, False), (t.pos_query, True)):
-                for mod in mods:
-                    if has(f"{p}{mod}.weight"):
-                        w, b = linear(p + mod)
-                        add(qk, w, 0, cov, "pos")
-                        add(qk, b, 0, cov, "pos")
-                        add(residual, w, 1, False, "reader")  # they read rel_embeddings (stream basis)
-            w, b = linear(p + t.o)
-            add(vo, w, 1, False, "o")
-            add(residual, w, 0, True, "writer")
-            add(residual, b, 0, True, "writer")
-            w1, b1 = linear(p + t.fc1)
-            w2, b2 = linear(p + t.fc2)
-            add(mlp, w1, 0, True, "fc1")
-            add(mlp, b1, 0, True, "fc1")
-            add(mlp, w2, 1, False, "fc2")
-            add(residual, w1, 1, False, "reader")
-            add(residual, w2, 0, True, "writer")
-            add(residual, b2, 0, True, "writer")
-            for norm in (t.norm_attn, t.norm_mlp):
-                add(residual, f"{p}{norm}.weight", 0, True, "norm")
-                add(residual, f"{p}{norm}.bias", 0, True, "norm_bias")
-            if self.norm == "post":
-                stream_modules += [p + t.norm_attn, p + t.norm_mlp]
-            else:
-                stream_modules.append(p.rstrip("."))
-                folds.append(Fold(f"{p}{t.norm_attn}.weight", f"{p}{t.norm_attn}.bias", tuple(readers)))
-                folds.append(Fold(f"{p}{t.norm_mlp}.weight", f"{p}{t.norm_mlp}.bias", ((w1, b1),)))
-            spaces.update({qk.name: qk, vo.name: vo, mlp.name: mlp})
-            linears = tuple(
-                m
-                for m in [t.fused_qkv, t.q, t.k, t.v, t.o, t.fc1, t.fc2]
-                if m and has(f"{p}{m}.weight") and not (t.fused_qkv and m in (t.q, t.k, t.v))
-            )
-            layers.append(
-                LayerSchema(i, readout, context=p + t.o, mlp_hidden=p + t.fc2, linears=tuple(p + m for m in linears))
-            )
+    def add_layer(self, i: int) -> None:
+        """Layer ``i``: its qk / vo / mlp spaces, its stream members, folds and hooks."""
+        t, p, residual = self.adapter.layer, f"{self.base}{self.adapter.layers}.{i}.", self.residual
+        qk = Space(f"layers.{i}.qk", "qk", self.hidden_size, layer=i)
+        vo = Space(f"layers.{i}.vo", "vo", self.hidden_size, layer=i)
+        mlp = Space(f"layers.{i}.mlp", "mlp", self.intermediate_size, exact="permutation", layer=i)
+        readers, readout = self._attention_inputs(p, qk, vo)
+        self._position_projections(p, qk)
+        w, b = self.linear(p + t.o)
+        self.add(vo, w, 1, False, "o")
+        self.add(residual, w, 0, True, "writer")
+        self.add(residual, b, 0, True, "writer")
+        w1, b1 = self.linear(p + t.fc1)
+        w2, b2 = self.linear(p + t.fc2)
+        self.add(mlp, w1, 0, True, "fc1")
+        self.add(mlp, b1, 0, True, "fc1")
+        self.add(mlp, w2, 1, False, "fc2")
+        self.add(residual, w1, 1, False, "reader")
+        self.add(residual, w2, 0, True, "writer")
+        self.add(residual, b2, 0, True, "writer")
+        for norm in (t.norm_attn, t.norm_mlp):
+            self.add(residual, f"{p}{norm}.weight", 0, True, "norm")
+            self.add(residual, f"{p}{norm}.bias", 0, True, "norm_bias")
+        if self.adapter.norm == "post":
+            self.stream_modules += [p + t.norm_attn, p + t.norm_mlp]
+        else:
+            self.stream_modules.append(p.rstrip("."))
+            self.folds.append(Fold(f"{p}{t.norm_attn}.weight", f"{p}{t.norm_attn}.bias", tuple(readers)))
+            self.folds.append(Fold(f"{p}{t.norm_mlp}.weight", f"{p}{t.norm_mlp}.bias", ((w1, b1),)))
+        self.spaces.update({qk.name: qk, vo.name: vo, mlp.name: mlp})
+        linears = tuple(p + m for m in self._layer_linears(p))
+        self.layers.append(LayerSchema(i, readout, context=p + t.o, mlp_hidden=p + t.fc2, linears=linears))
 
-        # Task heads: readers of the final stream, and the MLM transform tied to it.
-        head_params: list[str] = []
+    def _attention_inputs(self, p: str, qk: Space, vo: Space) -> tuple[list[tuple[str, str | None]], HeadReadout]:
+        """The q / k / v projections of layer prefix ``p``: their members, the readers of the
+        attention input (for the LayerNorm fold) and where the hooks read queries and keys."""
+        t, residual = self.adapter.layer, self.residual
+        readers: list[tuple[str, str | None]] = []
+        if t.fused_qkv:
+            H, h = self.num_heads, self.head_size
+            w, _ = self.linear(p + t.fused_qkv)
+            q_idx, k_idx, v_idx = (head_index(H, h, stride=3 * h, offset=j * h) for j in range(3))
+            self.add(qk, w, 0, True, "q", q_idx)
+            self.add(qk, w, 0, False, "k", k_idx)
+            self.add(vo, w, 0, True, "v", v_idx)
+            self.add(qk, p + t.q_bias, 0, True, "q")
+            self.add(vo, p + t.v_bias, 0, True, "v")
+            self.add(residual, w, 1, False, "reader")
+            readers.append((w, None))
+            fused = p + t.fused_qkv
+            return readers, HeadReadout(fused, fused, fused, q_idx, k_idx, p + t.q_bias)
+        for mod, cov, role, space in ((t.q, True, "q", qk), (t.k, False, "k", qk), (t.v, True, "v", vo)):
+            w, b = self.linear(p + mod)
+            self.add(space, w, 0, cov, role)
+            self.add(space, b, 0, cov, role)
+            self.add(residual, w, 1, False, "reader")
+            readers.append((w, b))
+        return readers, HeadReadout(p + t.q, p + t.q, p + t.k)
+
+    def _position_projections(self, p: str, qk: Space) -> None:
+        """DeBERTa's relative-position projections: paired with keys or queries, they read
+        rel_embeddings (in the stream basis)."""
+        t = self.adapter.layer
+        for mods, cov in ((t.pos_key, False), (t.pos_query, True)):
+            for mod in mods:
+                if self.has(f"{p}{mod}.weight"):
+                    w, b = self.linear(p + mod)
+                    self.add(qk, w, 0, cov, "pos")
+                    self.add(qk, b, 0, cov, "pos")
+                    self.add(self.residual, w, 1, False, "reader")
+
+    def _layer_linears(self, p: str) -> tuple[str, ...]:
+        """The layer's Linear modules that exist (a fused projection stands for q, k and v)."""
+        t = self.adapter.layer
+        return tuple(
+            m
+            for m in [t.fused_qkv, t.q, t.k, t.v, t.o, t.fc1, t.fc2]
+            if m and self.has(f"{p}{m}.weight") and not (t.fused_qkv and m in (t.q, t.k, t.v))
+        )
+
+    def add_head(self, head: HeadTemplate) -> tuple[list[str], list[tuple[str, str | None]]]:
+        """Task-head members: readers of the final stream, and the MLM transform tied to it.
+        Returns the head's own parameters and the final stream's readers."""
+        residual, base = self.residual, self.base
         final_readers: list[tuple[str, str | None]] = []
-        base_params = {n for n in params if n.startswith(base)} if base else set(params)
+        base_params = {n for n in self.params if n.startswith(base)} if base else set(self.params)
         for mod in head.stream_readers:
-            if has(f"{mod}.weight"):
-                w, b = linear(mod)
-                add(residual, w, 1, False, "head_reader")
+            if self.has(f"{mod}.weight"):
+                w, b = self.linear(mod)
+                self.add(residual, w, 1, False, "head_reader")
                 final_readers.append((w, b))
         if head.tied is not None:
             dense, norm, decoder = head.tied
-            w, b = linear(dense)
-            add(residual, w, 1, False, "head_reader")
-            add(residual, w, 0, True, "tied")
-            add(residual, b, 0, True, "tied")
-            add(residual, f"{norm}.weight", 0, True, "norm")
-            add(residual, f"{norm}.bias", 0, True, "norm_bias")
+            w, b = self.linear(dense)
+            self.add(residual, w, 1, False, "head_reader")
+            self.add(residual, w, 0, True, "tied")
+            self.add(residual, b, 0, True, "tied")
+            self.add(residual, f"{norm}.weight", 0, True, "norm")
+            self.add(residual, f"{norm}.bias", 0, True, "norm_bias")
             # An untied decoder reads the transform space; a tied one *is* the word embedding.
-            add(residual, f"{decoder}.weight", 1, False, "tied")
-        if not is_base:
-            head_params = sorted(n for n in params if n not in base_params)
+            self.add(residual, f"{decoder}.weight", 1, False, "tied")
+        head_params = [] if self.is_base else sorted(n for n in self.params if n not in base_params)
+        return head_params, final_readers
 
+    def finish(
+        self, head: HeadTemplate, head_params: list[str], final_readers: list[tuple[str, str | None]]
+    ) -> ModelSchema:
+        """Fold the final LayerNorm (pre-LN), decide the stream's exact group, build the schema."""
         exact = "permutation"
-        output_in_stream = is_base  # last_hidden_state is an output: it lives in the stream basis
-        if self.norm == "pre":
-            fn = base + self.final_norm
+        if self.adapter.norm == "pre":
+            fn = self.base + self.adapter.final_norm
             if final_readers and head.reads_final_norm:
-                folds.append(Fold(f"{fn}.weight", f"{fn}.bias", tuple(final_readers)))
-                exact = "mean_fixing" if all(b is not None for f_ in folds for _, b in f_.readers) else "permutation"
-            add(residual, f"{fn}.weight", 0, True, "norm")
-            add(residual, f"{fn}.bias", 0, True, "norm_bias")
-        residual.exact = exact
-        spaces["residual"] = residual
+                self.folds.append(Fold(f"{fn}.weight", f"{fn}.bias", tuple(final_readers)))
+                biased = all(b is not None for fold in self.folds for _, b in fold.readers)
+                exact = "mean_fixing" if biased else "permutation"
+            self.add(self.residual, f"{fn}.weight", 0, True, "norm")
+            self.add(self.residual, f"{fn}.bias", 0, True, "norm_bias")
+        self.residual.exact = exact
+        self.spaces["residual"] = self.residual
         notes = []
-        if exact == "permutation" and self.norm == "pre":
+        if exact == "permutation" and self.adapter.norm == "pre":
             notes.append("the final LayerNorm cannot be folded (no reader after it, or a reader without bias)")
         return ModelSchema(
-            model_type=config.model_type,
-            architecture=type(model).__name__,
-            norm=self.norm,
-            num_layers=L,
-            hidden_size=d,
-            num_heads=H,
-            head_size=h,
-            intermediate_size=f,
-            spaces=spaces,
-            layers=layers,
-            stream_modules=stream_modules,
-            folds=folds,
+            model_type=self.config.model_type,
+            architecture=self.model_class,
+            norm=self.adapter.norm,
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_heads=self.num_heads,
+            head_size=self.head_size,
+            intermediate_size=self.intermediate_size,
+            spaces=self.spaces,
+            layers=self.layers,
+            stream_modules=self.stream_modules,
+            folds=self.folds,
             head_params=head_params,
-            output_in_stream=output_in_stream,
+            output_in_stream=self.is_base,  # last_hidden_state is an output: it lives in the stream basis
             notes=notes,
         )

@@ -34,48 +34,51 @@ def _check_bert_config(config) -> None:
         raise RaotError("decoder / cross-attention BERT checkpoints are not supported; use an encoder checkpoint.")
 
 
-BERT = Adapter(
-    name="bert",
-    model_types=("bert",),
-    norm="post",
-    base_prefix="bert",
-    layers="encoder.layer",
-    layer=BERT_LAYER,
-    embedding_writers=EMBEDDINGS,
-    stream_norms=("embeddings.LayerNorm",),
-    heads={
-        "Model": HeadTemplate(stream_readers=("pooler.dense",)),
-        "ForSequenceClassification": HeadTemplate(stream_readers=("bert.pooler.dense",)),
-        "ForTokenClassification": HeadTemplate(stream_readers=("classifier",)),
-        "ForQuestionAnswering": HeadTemplate(stream_readers=("qa_outputs",)),
-        "ForMaskedLM": HeadTemplate(
-            tied=(
-                "cls.predictions.transform.dense",
-                "cls.predictions.transform.LayerNorm",
-                "cls.predictions.decoder",
-            )
-        ),
-    },
-    check_config=_check_bert_config,
-)
+def bert_family_adapter(
+    name: str,
+    model_types: tuple[str, ...],
+    prefix: str,
+    *,
+    sequence_reader: str,
+    masked_lm: tuple[str, str, str],
+) -> Adapter:
+    """A post-LN encoder with BERT's layer and embedding layout under the base-model attribute
+    ``prefix``; the families differ only in the stream reader of their sequence-classification
+    head and in the (dense, norm, decoder) modules of their masked-LM head."""
+    return Adapter(
+        name=name,
+        model_types=model_types,
+        norm="post",
+        base_prefix=prefix,
+        layers="encoder.layer",
+        layer=BERT_LAYER,
+        embedding_writers=EMBEDDINGS,
+        stream_norms=("embeddings.LayerNorm",),
+        heads={
+            "Model": HeadTemplate(stream_readers=("pooler.dense",)),
+            "ForSequenceClassification": HeadTemplate(stream_readers=(sequence_reader,)),
+            "ForTokenClassification": HeadTemplate(stream_readers=("classifier",)),
+            "ForQuestionAnswering": HeadTemplate(stream_readers=("qa_outputs",)),
+            "ForMaskedLM": HeadTemplate(tied=masked_lm),
+        },
+        check_config=_check_bert_config,
+    )
 
-ROBERTA = Adapter(
-    name="roberta",
-    model_types=("roberta", "xlm-roberta", "camembert"),
-    norm="post",
-    base_prefix="roberta",
-    layers="encoder.layer",
-    layer=BERT_LAYER,
-    embedding_writers=EMBEDDINGS,
-    stream_norms=("embeddings.LayerNorm",),
-    heads={
-        "Model": HeadTemplate(stream_readers=("pooler.dense",)),
-        "ForSequenceClassification": HeadTemplate(stream_readers=("classifier.dense",)),
-        "ForTokenClassification": HeadTemplate(stream_readers=("classifier",)),
-        "ForQuestionAnswering": HeadTemplate(stream_readers=("qa_outputs",)),
-        "ForMaskedLM": HeadTemplate(tied=("lm_head.dense", "lm_head.layer_norm", "lm_head.decoder")),
-    },
-    check_config=_check_bert_config,
+
+# BERT classifies from its pooler; RoBERTa's classification head has its own dense layer.
+BERT = bert_family_adapter(
+    "bert",
+    ("bert",),
+    "bert",
+    sequence_reader="bert.pooler.dense",
+    masked_lm=("cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm", "cls.predictions.decoder"),
+)
+ROBERTA = bert_family_adapter(
+    "roberta",
+    ("roberta", "xlm-roberta", "camembert"),
+    "roberta",
+    sequence_reader="classifier.dense",
+    masked_lm=("lm_head.dense", "lm_head.layer_norm", "lm_head.decoder"),
 )
 
 ADAPTERS = (BERT, ROBERTA)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from raot_hf.adapters.schema import ModelSchema
-from raot_hf.calibration.data import CalibrationBatch
+from raot_hf.calibration.batches import CalibrationBatch
 from raot_hf.calibration.statistics import (
     CalibrationStatistics,
     Gram,

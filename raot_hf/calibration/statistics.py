@@ -351,12 +351,3 @@ class CalibrationStatistics:
     def nbytes(self) -> int:
         """Bytes held by the sums."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
-
-
-def __getattr__(name: str):
-    # the collector moved to raot_hf.calibration.collector; keep the old import path working
-    if name == "StatisticsCollector":
-        from raot_hf.calibration.collector import StatisticsCollector
-
-        return StatisticsCollector
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import click
 
+from raot_hf.config import RaotConfig
 from raot_hf.errors import EquivalenceError, RaotError
-from raot_hf.merging import available_merge_rules
+from raot_hf.options import CliOption, cli_options
 from raot_hf.version import __version__
 
 logger = logging.getLogger("raot_hf.cli")
@@ -50,71 +51,31 @@ def friendly_errors(fn):
     return wrapper
 
 
+def _config_option(option: CliOption):
+    """The click option of one RaotConfig field (booleans as ``--x/--no-x``, default None so
+    that only explicit flags override a --config file)."""
+    if option.kind is bool:
+        return click.option(f"{option.flag}/--no-{option.flag[2:]}", option.dest, default=None, help=option.help)
+    kind = click.Choice(list(option.choices)) if option.choices else {int: int, float: float}.get(option.kind)
+    return click.option(option.flag, option.dest, type=kind, help=option.help)
+
+
+def config_cli_options() -> list[CliOption]:
+    """The RaotConfig fields as command-line options, generated from the dataclasses (field
+    metadata gives flags, help and choices; the merge-rule choices come from the live registry)."""
+    return cli_options(RaotConfig)
+
+
 def merge_options(fn):
-    """Options shared by ``merge`` and ``inspect``: every field of RaotConfig."""
+    """Options shared by ``merge`` and ``inspect``: every field of RaotConfig (generated from
+    its dataclasses), then the options that are not part of the config."""
     opts = [
         click.argument("model_a"),
         click.argument("model_b"),
         click.option(
             "--config", "config_file", type=click.Path(dir_okay=False), help="RaotConfig JSON; flags override it."
         ),
-        click.option("--calibration", help="Hub dataset id, csv/json/parquet file, imagefolder or save_to_disk dir."),
-        click.option("--calibration-config", "calibration_name", help="Dataset config name (Hub datasets)."),
-        click.option("--split", help="Dataset split (default: train)."),
-        click.option("--column", help="Text or image column (auto-detected if omitted)."),
-        click.option("--num-samples", type=int, help="Calibration examples (default 512)."),
-        click.option("--max-length", type=int, help="Token limit per text example (default 128)."),
-        click.option("--batch-size", type=int, help="Calibration batch size (default 32)."),
-        click.option(
-            "--moment-stride",
-            type=int,
-            help="Fit cross moments from every s-th token only (default 1: all; s>1 is s× cheaper, noisier).",
-        ),
-        click.option(
-            "--alignment",
-            type=click.Choice(["activation", "weight", "soft_ot", "none"]),
-            help="Estimator (default activation).",
-        ),
-        click.option("--scope", help="Comma list of mlp,heads,residual, or 'none' (default all)."),
-        click.option("--residual", type=click.Choice(["auto", "permutation", "rotation"]), help="Residual map kind."),
-        click.option(
-            "--rotations/--no-rotations", default=None, help="Estimate within-head rotations (off: permutations only)."
-        ),
-        click.option(
-            "--soft-ot-reg", type=float, help="Entropic regularisation of --alignment soft_ot (default 0.05)."
-        ),
-        click.option("--fisher-samples", type=int, help="Examples for the Fisher of --merge-rule fisher (default 64)."),
-        click.option(
-            "--gate/--no-gate", default=None, help="Let the identity compete with every estimate (default on)."
-        ),
-        click.option("--gate-z", type=float, help="Gate margin in standard errors (default 3)."),
-        click.option("--gate-min-gain", type=float, help="Gate floor on the mean gain (default 0.01)."),
-        click.option("--min-heldout-tokens", type=int, help="Below this, estimates lose to the identity."),
-        click.option(
-            "--gate-objective",
-            type=click.Choice(["merge", "alignment"]),
-            help="What the gate scores: merged fidelity to A and B′ (default merge) or the alignment objective.",
-        ),
-        click.option("--gate-examples", type=int, help="Held-out examples the merge gate scores (default 16)."),
-        click.option(
-            "--merge-rule",
-            type=click.Choice(available_merge_rules()),
-            help="Merge rule (default linear); task_arithmetic, ties and dare_ties need --base.",
-        ),
-        click.option("--alpha", type=float, help="Weight of B′ in the merge (default 0.5)."),
-        click.option(
-            "--density", type=float, help="ties / dare_ties: fraction of each task vector kept (default 0.2)."
-        ),
-        click.option(
-            "--task-scale", type=float, help="Base-relative rules: λ in base + λ·((1−α)·τA + α·τB) (default 1)."
-        ),
-        click.option("--regmean-shrink", type=float, help="RegMean off-diagonal scale (default 0.9)."),
-        click.option("--head", type=click.Choice(["a", "b", "average"]), help="Classifier head policy (default a)."),
-        click.option(
-            "--weight-rescale/--no-weight-rescale", default=None, help="Weight-based estimator: rescale heads."
-        ),
-        click.option("--dtype", type=click.Choice(["auto", "float32", "float64", "bfloat16", "float16"])),
-        click.option("--seed", type=int),
+        *(_config_option(option) for option in config_cli_options()),
         click.option("--revision", help="Revision of A (and of B unless --revision-b)."),
         click.option("--revision-b", help="Revision of B."),
         click.option("--token", help="Hub token (default: HF_TOKEN or the login cache)."),
@@ -129,67 +90,35 @@ def merge_options(fn):
     return fn
 
 
-_CAL_KEYS = {
-    "calibration": "source",
-    "calibration_name": "config_name",
-    "split": "split",
-    "column": "column",
-    "num_samples": "num_samples",
-    "max_length": "max_length",
-    "batch_size": "batch_size",
-    "moment_stride": "moment_stride",
-}
-_CFG_KEYS = (
-    "rotations",
-    "soft_ot_reg",
-    "fisher_samples",
-    "alignment",
-    "scope",
-    "residual",
-    "gate",
-    "gate_z",
-    "gate_min_gain",
-    "min_heldout_tokens",
-    "gate_objective",
-    "gate_examples",
-    "merge_rule",
-    "alpha",
-    "regmean_shrink",
-    "density",
-    "task_scale",
-    "head",
-    "weight_rescale",
-    "dtype",
-    "seed",
-)
+def _read_config_file(name: str) -> RaotConfig:
+    """The RaotConfig in the ``--config`` file ``name``; unreadable files are a one-line error."""
+    path = Path(name)
+    if not path.is_file():
+        raise RaotError(f"--config {path} does not exist; pass a JSON file written by RaotConfig.to_json()")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise RaotError(
+            f"--config {path} cannot be read ({reason}); pass a JSON file written by RaotConfig.to_json()"
+        ) from None
+    return RaotConfig.from_json(text)
 
 
-def build_config(options: dict):
-    """The RaotConfig these CLI options describe (the same object the Python API takes)."""
-    from raot_hf.config import RaotConfig
-
-    base = RaotConfig()
-    if options.get("config_file"):
-        path = Path(options["config_file"])
-        if not path.is_file():
-            raise RaotError(f"--config {path} does not exist; pass a JSON file written by RaotConfig.to_json()")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-            raise RaotError(
-                f"--config {path} cannot be read ({reason}); pass a JSON file written by RaotConfig.to_json()"
-            ) from None
-        base = RaotConfig.from_json(text)
+def build_config(options: dict) -> RaotConfig:
+    """The RaotConfig these CLI options describe (the same object the Python API takes): the
+    --config file (or the defaults), with every flag given on the command line set on top."""
+    base = _read_config_file(options["config_file"]) if options.get("config_file") else RaotConfig()
     data = base.to_dict()
-    for key in _CFG_KEYS:
-        if options.get(key) is not None:
-            data[key] = options[key]
-    cal = dict(data["calibration"])
-    for opt, key in _CAL_KEYS.items():
-        if options.get(opt) is not None:
-            cal[key] = options[opt]
-    data["calibration"] = cal
+    for option in config_cli_options():
+        value = options.get(option.dest)
+        if value is None:
+            continue
+        *sections, name = option.path
+        target = data
+        for section in sections:
+            target = target[section]
+        target[name] = value
     return RaotConfig.from_dict(data)
 
 
@@ -235,7 +164,7 @@ def main(ctx: click.Context, verbose: int, quiet: bool) -> None:
 @friendly_errors
 def merge_command(out, overwrite, max_shard_size, **options):
     """Align B to A, merge, and write a repository that from_pretrained loads."""
-    from raot_hf.output import check_destination, parse_size
+    from raot_hf.outputs import check_destination, parse_size
 
     check_destination(out, overwrite)  # refuse before any heavy work
     parse_size(max_shard_size)

@@ -39,7 +39,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 from raot_hf.adapters.schema import ModelSchema
-from raot_hf.calibration.statistics import CalibrationStatistics, Moments
+from raot_hf.calibration.statistics import CalibrationStatistics, Moments, SplitStatistics
 from raot_hf.errors import RaotError
 from raot_hf.symmetry.transforms import SoftTransport, Transform, TransformSequence
 
@@ -156,25 +156,8 @@ def estimate_soft_ot(
     unknown = sorted(set(scope) - set(SCOPES))
     if unknown:
         raise RaotError(f"unknown soft-OT scope {unknown}; choose from {', '.join(SCOPES)}")
-    fit = stats.fit
-    H, h = schema.num_heads, schema.head_size
     parts: list[Transform] = []
-    layers_log: list[dict[str, Any]] = []
-    for layer in range(schema.num_layers):
-        entry: dict[str, Any] = {"layer": layer}
-        if "mlp" in scope:
-            similarity = fit.mlp[layer].correlation().T  # rows: B units, columns: A units
-            plan = sinkhorn_plan(similarity, reg)
-            parts.append(SoftTransport(schema.mlp_space(layer).name, plan))
-            entry["mlp"] = _plan_log(plan, similarity)
-        if "heads" in scope:
-            similarity = _head_similarity(fit.q[layer], fit.k[layer], fit.ctx[layer], H, h)
-            head_plan = sinkhorn_plan(similarity, reg)
-            block = torch.kron(head_plan.contiguous(), torch.eye(h, dtype=_F64))
-            parts.append(SoftTransport(schema.qk_space(layer).name, block))
-            parts.append(SoftTransport(schema.vo_space(layer).name, block.clone()))
-            entry["heads"] = {**_plan_log(head_plan, similarity), "head_plan": head_plan.tolist()}
-        layers_log.append(entry)
+    layers_log = [_layer_plans(stats.fit, schema, layer, scope, reg, parts) for layer in range(schema.num_layers)]
     transform = TransformSequence(parts)
     logger.info(
         "soft OT (%s, reg=%g): %d plans over %d layers (approximate: B′ ≠ B)",
@@ -197,3 +180,25 @@ def estimate_soft_ot(
         ],
     }
     return transform, log
+
+
+def _layer_plans(
+    fit: SplitStatistics, schema: ModelSchema, layer: int, scope: tuple[str, ...], reg: float, parts: list[Transform]
+) -> dict[str, Any]:
+    """One layer's plans (MLP units, then heads) from the fit statistics ``fit``; appends them to
+    ``parts`` and returns the layer's log entry."""
+    H, h = schema.num_heads, schema.head_size
+    entry: dict[str, Any] = {"layer": layer}
+    if "mlp" in scope:
+        similarity = fit.mlp[layer].correlation().T  # rows: B units, columns: A units
+        plan = sinkhorn_plan(similarity, reg)
+        parts.append(SoftTransport(schema.mlp_space(layer).name, plan))
+        entry["mlp"] = _plan_log(plan, similarity)
+    if "heads" in scope:
+        similarity = _head_similarity(fit.q[layer], fit.k[layer], fit.ctx[layer], H, h)
+        head_plan = sinkhorn_plan(similarity, reg)
+        block = torch.kron(head_plan.contiguous(), torch.eye(h, dtype=_F64))
+        parts.append(SoftTransport(schema.qk_space(layer).name, block))
+        parts.append(SoftTransport(schema.vo_space(layer).name, block.clone()))
+        entry["heads"] = {**_plan_log(head_plan, similarity), "head_plan": head_plan.tolist()}
+    return entry

@@ -306,74 +306,16 @@ def estimate_weight_alignment(
     the rotations' deviation from identity ‖R − I‖_F and the scales.
     """
     scope = _normalise_scope(scope)
-    H = schema.num_heads
-    need = []
-    for layer in range(schema.num_layers):
-        if "mlp" in scope:
-            need.append(schema.mlp_space(layer))
-        if "heads" in scope or rescale:
-            need += [schema.qk_space(layer), schema.vo_space(layer)]
-    _check_inputs(state_a, state_b, schema, need)
-
+    _check_inputs(state_a, state_b, schema, _spaces_needed(schema, scope, rescale))
     parts: list[Transform] = []
     layers_log: list[dict[str, Any]] = []
     for layer in tqdm(range(schema.num_layers), desc="weight alignment", unit="layer", leave=False):
         entry: dict[str, Any] = {"layer": layer}
         if "mlp" in scope:
-            space = schema.mlp_space(layer)
-            fa, fb = space_features(state_a, space), space_features(state_b, space)
-            perm = match_mlp_units(fa.stacked(), fb.stacked())
-            moved_b = SpaceFeatures(fb.covariant[:, perm], fb.contravariant[:, perm])
-            parts.append(MLPPermutation(layer, perm))
-            entry["mlp"] = {
-                "distance_before": feature_distance(fa, fb),
-                "distance_after": feature_distance(fa, moved_b),
-                "units_moved": int((perm != torch.arange(len(perm))).sum()),
-            }
+            entry["mlp"] = _align_mlp_units(state_a, state_b, schema, layer, parts)
         if "heads" in scope or rescale:
-            qk_a, qk_b = (space_features(s, schema.qk_space(layer)) for s in (state_a, state_b))
-            vo_a, vo_b = (space_features(s, schema.vo_space(layer)) for s in (state_a, state_b))
-            heads: dict[str, Any] = {
-                "qk_distance_before": feature_distance(qk_a, qk_b),
-                "vo_distance_before": feature_distance(vo_a, vo_b),
-            }
-            if "heads" in scope:
-                perm, r_qk, r_vo, score = align_heads(
-                    qk_a.stacked(), qk_b.stacked(), vo_a.stacked(), vo_b.stacked(), H, match_heads, rotations
-                )
-                parts.append(HeadAlignment(layer, perm, r_qk, r_vo))
-                qk_b = _block_transform(qk_b, perm, r_qk)
-                vo_b = _block_transform(vo_b, perm, r_vo)
-                eye = torch.eye(schema.head_size, dtype=_F64)
-                heads.update(
-                    {
-                        "perm": perm.tolist(),
-                        "heads_moved": int((perm != torch.arange(H)).sum()),
-                        "pair_score_matched": score.tolist(),
-                        "qk_rotation_deviation": torch.linalg.matrix_norm(r_qk - eye).tolist(),
-                        "vo_rotation_deviation": torch.linalg.matrix_norm(r_vo - eye).tolist(),
-                        "reflections": int((torch.linalg.det(r_qk) < 0).sum() + (torch.linalg.det(r_vo) < 0).sum()),
-                        "qk_distance_after_rotation": feature_distance(qk_a, qk_b),
-                        "vo_distance_after_rotation": feature_distance(vo_a, vo_b),
-                    }
-                )
-            if rescale:
-                a_scale, c_scale = _rescale_layer(qk_a, qk_b, H), _rescale_layer(vo_a, vo_b, H)
-                parts.append(HeadRescale(layer, a_scale, c_scale))
-                h = schema.head_size
-                qk_b = qk_b.rescaled(a_scale.repeat_interleave(h))
-                vo_b = vo_b.rescaled(c_scale.repeat_interleave(h))
-                heads.update(
-                    {
-                        "qk_scale": a_scale.tolist(),
-                        "vo_scale": c_scale.tolist(),
-                        "qk_distance_after_rescale": feature_distance(qk_a, qk_b),
-                        "vo_distance_after_rescale": feature_distance(vo_a, vo_b),
-                    }
-                )
-            heads["qk_distance_after"] = feature_distance(qk_a, qk_b)
-            heads["vo_distance_after"] = feature_distance(vo_a, vo_b)
-            entry["heads"] = heads
+            options = {"align": "heads" in scope, "rescale": rescale, "match_heads": match_heads}
+            entry["heads"] = _align_layer_heads(state_a, state_b, schema, layer, parts, rotations=rotations, **options)
         layers_log.append(entry)
         logger.debug("layer %d weight alignment: %s", layer, entry)
 
@@ -389,7 +331,12 @@ def estimate_weight_alignment(
     )
     if not return_log:
         return transform
-    log = {
+    return transform, _estimator_log(scope, match_heads, rotations, rescale, layers_log)
+
+
+def _estimator_log(scope, match_heads, rotations, rescale, layers_log) -> dict[str, Any]:
+    """The log returned with ``return_log=True``: the settings, then per layer and factor."""
+    return {
         "estimator": "weight_based",
         "scope": list(scope),
         "match_heads": bool(match_heads),
@@ -402,4 +349,92 @@ def estimate_weight_alignment(
             "rescaling, when on, is fitted after rotation (sequential, as in the paper)",
         ],
     }
-    return transform, log
+
+
+def _spaces_needed(schema: ModelSchema, scope: tuple[str, ...], rescale: bool) -> list[Space]:
+    """The spaces whose members the requested factors read, layer by layer."""
+    need = []
+    for layer in range(schema.num_layers):
+        if "mlp" in scope:
+            need.append(schema.mlp_space(layer))
+        if "heads" in scope or rescale:
+            need += [schema.qk_space(layer), schema.vo_space(layer)]
+    return need
+
+
+def _align_mlp_units(state_a, state_b, schema: ModelSchema, layer: int, parts: list[Transform]) -> dict[str, Any]:
+    """Weight-match one layer's MLP units; appends the permutation to ``parts``, returns its log."""
+    space = schema.mlp_space(layer)
+    fa, fb = space_features(state_a, space), space_features(state_b, space)
+    perm = match_mlp_units(fa.stacked(), fb.stacked())
+    moved_b = SpaceFeatures(fb.covariant[:, perm], fb.contravariant[:, perm])
+    parts.append(MLPPermutation(layer, perm))
+    return {
+        "distance_before": feature_distance(fa, fb),
+        "distance_after": feature_distance(fa, moved_b),
+        "units_moved": int((perm != torch.arange(len(perm))).sum()),
+    }
+
+
+def _align_layer_heads(
+    state_a,
+    state_b,
+    schema: ModelSchema,
+    layer: int,
+    parts: list[Transform],
+    *,
+    align: bool,
+    rescale: bool,
+    match_heads: bool,
+    rotations: bool,
+) -> dict[str, Any]:
+    """One layer's head alignment (``align``) then per-head rescaling (``rescale``); appends the
+    transforms to ``parts`` and returns the layer's ``heads`` log with the distances after each."""
+    qk_a, qk_b = (space_features(s, schema.qk_space(layer)) for s in (state_a, state_b))
+    vo_a, vo_b = (space_features(s, schema.vo_space(layer)) for s in (state_a, state_b))
+    heads: dict[str, Any] = {
+        "qk_distance_before": feature_distance(qk_a, qk_b),
+        "vo_distance_before": feature_distance(vo_a, vo_b),
+    }
+    if align:
+        perm, r_qk, r_vo, score = align_heads(
+            qk_a.stacked(), qk_b.stacked(), vo_a.stacked(), vo_b.stacked(), schema.num_heads, match_heads, rotations
+        )
+        parts.append(HeadAlignment(layer, perm, r_qk, r_vo))
+        qk_b = _block_transform(qk_b, perm, r_qk)
+        vo_b = _block_transform(vo_b, perm, r_vo)
+        heads.update(_head_alignment_log(perm, r_qk, r_vo, score, schema.head_size))
+        heads["qk_distance_after_rotation"] = feature_distance(qk_a, qk_b)
+        heads["vo_distance_after_rotation"] = feature_distance(vo_a, vo_b)
+    if rescale:
+        a_scale, c_scale = _rescale_layer(qk_a, qk_b, schema.num_heads), _rescale_layer(vo_a, vo_b, schema.num_heads)
+        parts.append(HeadRescale(layer, a_scale, c_scale))
+        h = schema.head_size
+        qk_b = qk_b.rescaled(a_scale.repeat_interleave(h))
+        vo_b = vo_b.rescaled(c_scale.repeat_interleave(h))
+        heads.update(
+            {
+                "qk_scale": a_scale.tolist(),
+                "vo_scale": c_scale.tolist(),
+                "qk_distance_after_rescale": feature_distance(qk_a, qk_b),
+                "vo_distance_after_rescale": feature_distance(vo_a, vo_b),
+            }
+        )
+    heads["qk_distance_after"] = feature_distance(qk_a, qk_b)
+    heads["vo_distance_after"] = feature_distance(vo_a, vo_b)
+    return heads
+
+
+def _head_alignment_log(
+    perm: torch.Tensor, r_qk: torch.Tensor, r_vo: torch.Tensor, score: torch.Tensor, head_size: int
+) -> dict[str, Any]:
+    """The head assignment, its pair scores, and the rotations' distance from the identity."""
+    eye = torch.eye(head_size, dtype=_F64)
+    return {
+        "perm": perm.tolist(),
+        "heads_moved": int((perm != torch.arange(len(perm))).sum()),
+        "pair_score_matched": score.tolist(),
+        "qk_rotation_deviation": torch.linalg.matrix_norm(r_qk - eye).tolist(),
+        "vo_rotation_deviation": torch.linalg.matrix_norm(r_vo - eye).tolist(),
+        "reflections": int((torch.linalg.det(r_qk) < 0).sum() + (torch.linalg.det(r_vo) < 0).sum()),
+    }

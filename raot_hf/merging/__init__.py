@@ -46,7 +46,8 @@ class MergeRuleSpec:
     * ``needs_fisher``: called with ``fisher_a=`` and ``fisher_b=`` (diagonal Fishers).
     * ``per_tensor``: each output tensor depends only on the same-named inputs, so the merger
       may call the rule on a few tensors at a time (no merged copy of the whole model is held).
-    * ``options``: rule keyword → :class:`raot_hf.RaotConfig` field the merger passes as that keyword.
+    * ``options``: rule keyword → :class:`raot_hf.RaotConfig` field the merger passes as that keyword
+      (a dotted path into a section, e.g. ``base_rules.density``; :meth:`RaotConfig.lookup`).
     """
 
     name: str
@@ -109,20 +110,28 @@ def get_merge_rule(name: str) -> Callable:
 
 
 register_merge_rule("linear", merge_linear, per_tensor=True)
-register_merge_rule("regmean", merge_regmean, needs_grams=True, options={"shrink": "regmean_shrink"})
+register_merge_rule("regmean", merge_regmean, needs_grams=True, options={"shrink": "regmean.shrink"})
 register_merge_rule("fisher", merge_fisher, needs_fisher=True)
 register_merge_rule(
-    "task_arithmetic", merge_task_arithmetic, needs_base=True, per_tensor=True, options={"scale": "task_scale"}
+    "task_arithmetic",
+    merge_task_arithmetic,
+    needs_base=True,
+    per_tensor=True,
+    options={"scale": "base_rules.task_scale"},
 )
 register_merge_rule(
-    "ties", merge_ties, needs_base=True, per_tensor=True, options={"density": "density", "scale": "task_scale"}
+    "ties",
+    merge_ties,
+    needs_base=True,
+    per_tensor=True,
+    options={"density": "base_rules.density", "scale": "base_rules.task_scale"},
 )
 register_merge_rule(
     "dare_ties",
     merge_dare_ties,
     needs_base=True,
     per_tensor=True,
-    options={"density": "density", "scale": "task_scale", "seed": "seed"},
+    options={"density": "base_rules.density", "scale": "base_rules.task_scale", "seed": "seed"},
 )
 
 __all__ = [

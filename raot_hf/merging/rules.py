@@ -99,7 +99,8 @@ def _note(log: dict[str, Any], key: str, method: str, **details: Any) -> None:
 
 
 def _finish(merged: dict[str, torch.Tensor], log: dict[str, Any], return_log: bool):
-    logger.info("%s merge: %s", log["rule"], ", ".join(f"{n} {m}" for m, n in sorted(log["counts"].items())))
+    # DEBUG: the merger calls per-tensor rules once per chunk and logs one summary itself
+    logger.debug("%s merge: %s", log["rule"], ", ".join(f"{n} {m}" for m, n in sorted(log["counts"].items())))
     return (merged, log) if return_log else merged
 
 
@@ -342,11 +343,7 @@ def merge_fisher(
     eps = _check_finite("eps", eps)
     if eps <= 0.0:
         raise RaotError(f"eps must be positive, got {eps}.")
-    if set(fisher_a) != set(fisher_b):
-        missing = sorted(set(fisher_a) ^ set(fisher_b))[0]
-        raise RaotError(
-            f"the two Fishers cover different parameters (first: {missing!r}); compute both on the same set."
-        )
+    _check_same_fisher_keys(fisher_a, fisher_b)
     mean_a = _fisher_mean(fisher_a, state_a, "A")
     mean_b = _fisher_mean(fisher_b, state_b, "B′")
     log = _new_log(
@@ -367,13 +364,39 @@ def merge_fisher(
         if key not in fisher_a or not a.is_floating_point():
             merged[key] = _linear_entry(key, a, state_b[key], alpha, log)
             continue
-        weight_a = (1.0 - alpha) * (_f64(fisher_a[key]).to(a.device) / mean_a + eps)
-        weight_b = alpha * (_f64(fisher_b[key]).to(a.device) / mean_b + eps)
-        total = weight_a + weight_b
-        value = (weight_a * _f64(a) + weight_b * _f64(state_b[key]).to(a.device)) / total
-        _note(log, key, "fisher", mean_share_of_b=float((weight_b / total).mean()))
-        merged[key] = value.to(a.dtype)
+        fishers = (fisher_a[key], fisher_b[key])
+        merged[key] = _fisher_entry(key, a, state_b[key], fishers, (mean_a, mean_b), alpha, eps, log)
     return _finish(merged, log, return_log)
+
+
+def _check_same_fisher_keys(fisher_a: Mapping[str, torch.Tensor], fisher_b: Mapping[str, torch.Tensor]) -> None:
+    """Both Fishers must cover the same parameters."""
+    if set(fisher_a) != set(fisher_b):
+        missing = sorted(set(fisher_a) ^ set(fisher_b))[0]
+        raise RaotError(
+            f"the two Fishers cover different parameters (first: {missing!r}); compute both on the same set."
+        )
+
+
+def _fisher_entry(
+    key: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    fishers: tuple[torch.Tensor, torch.Tensor],
+    means: tuple[float, float],
+    alpha: float,
+    eps: float,
+    log: dict[str, Any],
+) -> torch.Tensor:
+    """One parameter's Fisher-weighted mean of ``a`` and ``b`` (see :func:`merge_fisher`),
+    with the mean share of B noted in ``log``."""
+    (fisher_a, fisher_b), (mean_a, mean_b) = fishers, means
+    weight_a = (1.0 - alpha) * (_f64(fisher_a).to(a.device) / mean_a + eps)
+    weight_b = alpha * (_f64(fisher_b).to(a.device) / mean_b + eps)
+    total = weight_a + weight_b
+    value = (weight_a * _f64(a) + weight_b * _f64(b).to(a.device)) / total
+    _note(log, key, "fisher", mean_share_of_b=float((weight_b / total).mean()))
+    return value.to(a.dtype)
 
 
 # ----------------------------------------------------------------------------- heads

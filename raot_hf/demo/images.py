@@ -1,4 +1,4 @@
-"""Image part of the zoo: offline digit data sets and small ViT classifiers trained from scratch.
+"""The demo's data and models: offline digit data sets and small ViT classifiers trained from scratch.
 
 Data ships inside installed packages, nothing is downloaded:
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,23 +24,19 @@ from datasets import ClassLabel, Dataset, DatasetDict, Features
 from datasets import Image as ImageFeature
 from PIL import Image
 
-from raot_hf.errors import RaotError
-from raot_hf.zoo.training import (
+from raot_hf.demo.training import (
+    CALIBRATION_SIZE,
+    SPLIT_SEED,
     cached_build,
     check_heads,
     check_seed_pair,
-    deterministic_torch,
     evaluate_accuracy,
-    fit_and_score,
+    label_maps,
+    limit_examples,
     split_three_ways,
-    steps_for_epochs,
+    train_and_save,
 )
-
-logger = logging.getLogger("raot_hf.zoo.images")
-
-#: Seed of the fixed train/calibration/test split rule (independent of any model seed).
-SPLIT_SEED = 20240521
-CALIBRATION_SIZE = 300
+from raot_hf.errors import RaotError
 
 
 @dataclass(frozen=True)
@@ -160,10 +155,7 @@ def build_vit(
         "patch_size": spec.patch_size,
     }
 
-    def build(out_dir: Path) -> dict:
-        return _train_vit(params, out_dir)
-
-    return cached_build(f"vit-{dataset}-seed{seed}", params, build, cache_dir)
+    return cached_build(f"vit-{dataset}-seed{seed}", params, lambda out_dir: train_vit(params, out_dir), cache_dir)
 
 
 def build_vit_pair(
@@ -199,16 +191,18 @@ def build_vit_pair(
     return build_vit(seed=first, **common), build_vit(seed=second, **common)
 
 
-def _train_vit(params: dict, out_dir: Path) -> dict:
-    """Train one ViT as described by ``params`` and save it with its processor into ``out_dir``."""
+def train_vit(params: dict, out_dir: Path) -> dict:
+    """Train one ViT from scratch as described by ``params`` (the settings :func:`build_vit` keys
+    its cache with) and save it with its image processor into ``out_dir``; return the metrics.
+
+    ``params`` holds ``dataset``, ``seed``, ``image_size``, ``patch_size``, ``hidden_size``,
+    ``num_layers``, ``num_heads``, ``intermediate_size``, ``epochs``, ``batch_size``,
+    ``learning_rate`` and optionally ``max_train_examples``; images are resized to ``image_size``.
+    """
     from transformers import ViTConfig, ViTForImageClassification
 
     splits = load_image_dataset(params["dataset"])
-    train_split = splits["train"]
-    if params["max_train_examples"] is not None:
-        train_split = train_split.select(range(min(params["max_train_examples"], len(train_split))))
-    processor = make_image_processor(params["image_size"])
-    label_names = train_split.features["label"].names
+    train_split = limit_examples(splits["train"], params.get("max_train_examples"))
     config = ViTConfig(
         image_size=params["image_size"],
         patch_size=params["patch_size"],
@@ -219,36 +213,18 @@ def _train_vit(params: dict, out_dir: Path) -> dict:
         intermediate_size=params["intermediate_size"],
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
-        num_labels=len(label_names),
-        id2label=dict(enumerate(label_names)),
-        label2id={name: index for index, name in enumerate(label_names)},
+        **label_maps(train_split.features["label"].names),
     )
-    steps = steps_for_epochs(len(train_split), params["batch_size"], params["epochs"])
-    with deterministic_torch(params["seed"]):
-        model = ViTForImageClassification(config)
-        metrics = fit_and_score(
-            model,
-            processor,
-            train_split,
-            splits["test"],
-            seed=params["seed"],
-            steps=steps,
-            batch_size=params["batch_size"],
-            learning_rate=params["learning_rate"],
-            weight_decay=0.05,
-            description=f"ViT {params['dataset']} seed {params['seed']}",
-        )
-    model.save_pretrained(out_dir)
-    processor.save_pretrained(out_dir)
-    logger.info(
-        "ViT %s seed %d: test accuracy %.3f after %d steps in %.1fs",
-        params["dataset"],
-        params["seed"],
-        metrics["test_accuracy"],
-        steps,
-        metrics["train_seconds"],
+    return train_and_save(
+        out_dir,
+        params,
+        lambda: ViTForImageClassification(config),
+        make_image_processor(params["image_size"]),
+        train_split,
+        splits["test"],
+        weight_decay=0.05,
+        description=f"ViT {params['dataset']} seed {params['seed']}",
     )
-    return metrics
 
 
 __all__ = [
@@ -258,4 +234,5 @@ __all__ = [
     "evaluate_accuracy",
     "load_image_dataset",
     "make_image_processor",
+    "train_vit",
 ]

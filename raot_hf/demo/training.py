@@ -1,8 +1,10 @@
-"""Shared machinery of the zoo: deterministic splits, cached builds, a training loop, evaluation.
+"""Training machinery of the demo's model zoo: deterministic splits, cached builds, a training
+loop, evaluation.
 
 Every zoo model is trained from data that ships inside an installed package, with a fixed seed,
 and written once into a cache directory keyed by all of its hyper-parameters plus
-:data:`ZOO_CODE_VERSION`. A later call with the same settings reuses the directory.
+:data:`ZOO_CODE_VERSION`. A later call with the same settings reuses the directory. The
+benchmarks' own zoo (``benchmarks/zoo``) builds on these pieces.
 """
 
 from __future__ import annotations
@@ -26,7 +28,12 @@ from huggingface_hub.utils import tqdm
 
 from raot_hf.errors import RaotError
 
-logger = logging.getLogger("raot_hf.zoo")
+#: Seed of the fixed train/calibration/test split rule of every zoo dataset (independent of any model seed).
+SPLIT_SEED = 20240521
+#: Examples in every zoo dataset's calibration split.
+CALIBRATION_SIZE = 300
+
+logger = logging.getLogger("raot_hf.demo.training")
 
 #: Bumped whenever a change here would change what a zoo build produces (invalidates caches).
 ZOO_CODE_VERSION = "zoo-1"
@@ -306,6 +313,71 @@ def steps_for_epochs(n_examples: int, batch_size: int, epochs: float) -> int:
     if epochs <= 0:
         raise RaotError(f"epochs must be positive, got {epochs}")
     return max(1, math.ceil(epochs * n_examples / batch_size))
+
+
+def limit_examples(split, max_examples: int | None):
+    """Return the first ``max_examples`` examples of ``split`` (all of them when ``None``)."""
+    if max_examples is None:
+        return split
+    return split.select(range(min(max_examples, len(split))))
+
+
+def label_maps(label_names: Sequence[str]) -> dict[str, Any]:
+    """Return the ``num_labels`` / ``id2label`` / ``label2id`` config arguments for ``label_names``."""
+    return {
+        "num_labels": len(label_names),
+        "id2label": dict(enumerate(label_names)),
+        "label2id": {name: index for index, name in enumerate(label_names)},
+    }
+
+
+def train_and_save(
+    out_dir: Path,
+    params: dict[str, Any],
+    make_model: Callable[[], torch.nn.Module],
+    processor,
+    train_split,
+    test_split,
+    *,
+    steps: int | None = None,
+    weight_decay: float = 0.01,
+    description: str,
+) -> dict[str, float]:
+    """Train a classifier reproducibly, score it, and save it with its processor into ``out_dir``.
+
+    ``make_model()`` creates (or loads) the model inside :func:`deterministic_torch` seeded with
+    ``params["seed"]``, so its random initialization is part of the build; :func:`fit_and_score`
+    then trains it with ``params``' ``batch_size``, ``learning_rate`` and ``max_length`` (default
+    64) for ``steps`` steps (default: ``params["epochs"]`` passes over ``train_split``). Returns
+    the metrics :func:`cached_build` stores.
+    """
+    if steps is None:
+        steps = steps_for_epochs(len(train_split), params["batch_size"], params["epochs"])
+    with deterministic_torch(params["seed"]):
+        model = make_model()
+        metrics = fit_and_score(
+            model,
+            processor,
+            train_split,
+            test_split,
+            seed=params["seed"],
+            steps=steps,
+            batch_size=params["batch_size"],
+            learning_rate=params["learning_rate"],
+            max_length=params.get("max_length", 64),
+            weight_decay=weight_decay,
+            description=description,
+        )
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    logger.info(
+        "%s: test accuracy %.3f after %d steps in %.1fs",
+        description,
+        metrics["test_accuracy"],
+        steps,
+        metrics["train_seconds"],
+    )
+    return metrics
 
 
 @torch.no_grad()

@@ -1,0 +1,74 @@
+"""Calibration settings: where the data comes from and how it is sampled and batched.
+
+:class:`CalibrationConfig` is read by :mod:`raot_hf.calibration.sources` (loading and sampling)
+and :mod:`raot_hf.calibration.batches` (splitting, encoding and batching), and it is the
+``calibration`` part of :class:`raot_hf.config.RaotConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from raot_hf.errors import RaotError
+
+
+@dataclass
+class CalibrationConfig:
+    """Where the calibration data comes from and how it is sampled and batched.
+
+    ``source`` is a Hub dataset id, a local data file (csv/tsv/json/jsonl/parquet/arrow/txt),
+    a directory written by ``Dataset.save_to_disk``, or a folder of images. ``split`` accepts
+    ``datasets`` slicing syntax (``"train[:2000]"``) for Hub ids and local files. ``column``
+    is auto-detected when ``None``. Rows whose example id is a multiple of ``heldout_every``
+    are held out (scored by the gate, never fitted). ``moment_stride`` > 1 computes the fit
+    cross moments from every s-th real token of each example only (see
+    :class:`~raot_hf.calibration.collector.StatisticsCollector`): s times cheaper, 1/√s noisier.
+    """
+
+    source: str | None = None
+    config_name: str | None = None
+    split: str = "train"
+    column: str | None = None
+    num_samples: int = 512
+    max_length: int = 128
+    batch_size: int = 32
+    seed: int = 0
+    heldout_every: int = 4
+    moment_stride: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("source", "config_name", "column"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise RaotError(f"calibration {name} must be a non-empty string or None, got {value!r}")
+        if not isinstance(self.split, str) or not self.split:
+            raise RaotError(f"calibration split must be a non-empty string like 'train', got {self.split!r}")
+        for name in ("num_samples", "max_length", "batch_size"):
+            _require_int(name, getattr(self, name), minimum=1)
+        _require_int("seed", self.seed, minimum=0)
+        _require_int("heldout_every", self.heldout_every, minimum=2)
+        _require_int("moment_stride", self.moment_stride, minimum=1)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the settings as a JSON-safe dict (the inverse of :meth:`from_dict`)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CalibrationConfig:
+        """Build a config from :meth:`to_dict` output; unknown keys are an error."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(str(k) for k in set(data) - known)
+        if unknown:
+            raise RaotError(
+                f"unknown calibration setting(s) {', '.join(map(repr, unknown))}; valid: {', '.join(sorted(known))}"
+            )
+        return cls(**data)
+
+
+def _require_int(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise RaotError(
+            f"calibration {name} must be an integer >= {minimum}, got {value!r}; set it to an integer >= {minimum}"
+        )

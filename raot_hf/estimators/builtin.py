@@ -1,0 +1,144 @@
+"""The built-in estimators and their registrations (docs/design.md §4.4–§4.5).
+
+* ``activation`` — RaOT: the residual map, then per layer the MLP unit permutation and the joint
+  head assignment with within-head rotations, from the fit moments of one calibration pass;
+* ``weight`` — the rotation-symmetry paper's data-free weight matching (a baseline);
+* ``soft_ot`` — Sinkhorn transport plans (a baseline; not a symmetry, so never gated).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from huggingface_hub.utils import tqdm
+
+from raot_hf.estimators.activation import estimate_head_alignment, estimate_mlp_permutation, estimate_residual_map
+from raot_hf.estimators.registry import EstimationRequest, finite, register_estimator
+from raot_hf.symmetry import HeadAlignment, MLPPermutation, ResidualPermutation, ResidualRotation, Transform
+
+#: What an estimate whose fit statistics are not finite is logged as; the identity stands in.
+SKIPPED = {"skipped": "NaN/Inf in the fit statistics: the identity stands in for the estimate"}
+
+
+def residual_mode(schema, requested: str) -> str:
+    """``auto`` → the mean-fixing rotation where it is exact, the permutation otherwise; a
+    rotation of an RMSNorm stream ranges over all of O(d) (``"orthogonal"``, docs/design.md §8)."""
+    if requested in ("auto", "rotation") and schema.residual.exact == "orthogonal":
+        return "orthogonal"
+    if requested == "auto":
+        return "rotation" if schema.residual.exact == "mean_fixing" else "permutation"
+    return requested
+
+
+def is_identity(t: Transform) -> bool:
+    """True when ``t`` is exactly the identity (the gate then has nothing to decide)."""
+    if isinstance(t, (MLPPermutation, ResidualPermutation)):
+        return bool(torch.equal(t.perm, torch.arange(len(t.perm))))
+    if isinstance(t, HeadAlignment):
+        eye = torch.eye(t.qk.shape[-1], dtype=torch.float64)
+        return (
+            bool(torch.equal(t.perm, torch.arange(len(t.perm))))
+            and torch.allclose(t.qk, eye, atol=1e-12)
+            and torch.allclose(t.vo, eye, atol=1e-12)
+        )
+    if isinstance(t, ResidualRotation):
+        return torch.allclose(t.matrix, torch.eye(len(t.matrix), dtype=torch.float64), atol=1e-12)
+    return False
+
+
+def _layer_candidates(request: EstimationRequest, i: int) -> tuple[list[Transform], dict[str, Any]]:
+    """Layer ``i``'s MLP permutation and head alignment (identity where the moments are not finite)."""
+    cfg, schema, fit = request.config, request.schema, request.stats.fit
+    H, h = schema.num_heads, schema.head_size
+    parts, logs = [], {}
+    if "mlp" in cfg.scope:
+        if finite(fit.mlp[i]):
+            t, log = estimate_mlp_permutation(fit.mlp[i], i, return_log=True)
+        else:
+            t, log = MLPPermutation(i, torch.arange(schema.mlp_space(i).size)), SKIPPED
+        parts.append(t)
+        logs[f"layers.{i}.mlp"] = log
+    if "heads" in cfg.scope:
+        if finite(fit.q[i], fit.k[i], fit.ctx[i]):
+            structure = {"num_kv_heads": schema.num_kv_heads, "rope": schema.qk_structure == "rope"}
+            t, log = estimate_head_alignment(
+                fit.q[i], fit.k[i], fit.ctx[i], i, H, h, rotations=cfg.rotations, return_log=True, **structure
+            )
+        else:
+            eye = torch.eye(h, dtype=torch.float64).expand(H, h, h)
+            t, log = HeadAlignment(i, torch.arange(H), eye, eye), SKIPPED
+        parts.append(t)
+        logs[f"layers.{i}.heads"] = log
+    return parts, logs
+
+
+def activation_candidates(request: EstimationRequest) -> tuple[list[Transform], dict[str, Any]]:
+    """RaOT's candidates from the fit moments: the residual map first, then every layer."""
+    cfg, schema, fit = request.config, request.schema, request.stats.fit
+    parts: list[Transform] = []
+    logs: dict[str, Any] = {}
+    if "residual" in cfg.scope:
+        if finite(fit.stream):
+            t, log = estimate_residual_map(fit.stream, mode=residual_mode(schema, cfg.residual), return_log=True)
+        else:
+            t, log = ResidualPermutation(torch.arange(schema.hidden_size)), SKIPPED
+        parts.append(t)
+        logs["residual"] = log
+    for i in tqdm(range(schema.num_layers), desc="solving", disable=not request.progress):
+        layer_parts, layer_logs = _layer_candidates(request, i)
+        parts += layer_parts
+        logs.update(layer_logs)
+    return parts, logs
+
+
+def weight_candidates(request: EstimationRequest) -> tuple[list[Transform], dict[str, Any]]:
+    """Weight matching of B to A (no calibration data): MLP permutations and head maps."""
+    from raot_hf.estimators.weight_based import estimate_weight_alignment
+
+    cfg = request.config
+    t, log = estimate_weight_alignment(
+        request.state_a,
+        request.state_b,
+        request.schema,
+        scope=request.scope("mlp", "heads"),
+        rescale=cfg.weight.rescale,
+        match_heads=cfg.weight.match_heads,
+        return_log=True,
+        **({} if cfg.rotations else {"rotations": False}),
+    )
+    return list(t.transforms), {"weight": log}
+
+
+def soft_ot_candidates(request: EstimationRequest) -> tuple[list[Transform], dict[str, Any]]:
+    """Sinkhorn plans on MLP units and heads from the fit moments (a baseline, not a symmetry)."""
+    from raot_hf.estimators.soft_ot import estimate_soft_ot
+
+    scope = request.scope("mlp", "heads")
+    t, log = estimate_soft_ot(
+        request.stats, request.schema, scope=scope, reg=request.config.soft_ot.reg, return_log=True
+    )
+    return list(t.transforms), {"soft_ot": log}
+
+
+register_estimator(
+    "activation",
+    activation_candidates,
+    needs_statistics=True,
+    description="RaOT: one calibration pass, exact assignment of heads with rotations, mean-preserving Procrustes",
+)
+register_estimator(
+    "weight",
+    weight_candidates,
+    needs_statistics=False,
+    options="weight",
+    description="data-free weight matching (the rotation-symmetry paper's baseline)",
+)
+register_estimator(
+    "soft_ot",
+    soft_ot_candidates,
+    needs_statistics=True,
+    gated=False,
+    options="soft_ot",
+    description="Sinkhorn transport plans (OT fusion baseline; approximate)",
+)

@@ -1,0 +1,97 @@
+"""The estimator registry: ``alignment=<name>`` is looked up here and nowhere else (docs/architecture.md).
+
+>>> from raot_hf.estimators import estimator_spec
+>>> estimator_spec("activation").needs_statistics
+True
+
+An estimator is a function ``fn(request: EstimationRequest) -> (transforms, logs)`` returning
+candidate symmetries of B (B's coordinates → A's) and a log dict for the report. Its
+registration declares what it reads (the fit moments of the calibration pass, the weights),
+whether the gate judges its candidates, and which :class:`raot_hf.RaotConfig` section holds its
+options. Adding an estimator is one function and one :func:`register_estimator` call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from raot_hf.errors import RaotError
+
+
+@dataclass
+class EstimationRequest:
+    """Everything an estimator may read: the statistics (None without calibration), the schema,
+    both state dicts, the config and whether this process shows progress bars."""
+
+    stats: Any
+    schema: Any
+    state_a: dict[str, torch.Tensor]
+    state_b: dict[str, torch.Tensor]
+    config: Any
+    progress: bool = True
+
+    def scope(self, *allowed: str) -> tuple[str, ...]:
+        """The configured scope restricted to what this estimator can estimate."""
+        return tuple(s for s in self.config.scope if s in allowed)
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """A registered estimator.
+
+    * ``needs_statistics``: reads the calibration pass's fit moments (a forward of A and B).
+    * ``gated``: its candidates are exact symmetries the gate may judge; ``False`` for
+      non-symmetries (soft transport plans), which are applied ungated and reported approximate.
+    * ``options``: the name of the :class:`raot_hf.RaotConfig` section holding its options, or None.
+    """
+
+    name: str
+    fn: Callable[[EstimationRequest], tuple[list, dict[str, Any]]]
+    needs_statistics: bool
+    gated: bool = True
+    options: str | None = None
+    description: str = ""
+
+
+_ESTIMATORS: dict[str, EstimatorSpec] = {}
+
+
+def available_estimators() -> list[str]:
+    """The registered estimator names, in registration order."""
+    return list(_ESTIMATORS)
+
+
+def register_estimator(
+    name: str,
+    fn: Callable,
+    *,
+    needs_statistics: bool,
+    gated: bool = True,
+    options: str | None = None,
+    description: str = "",
+) -> Callable:
+    """Register ``fn`` as ``alignment=name``; refuses bad names, non-callables and duplicates."""
+    if not isinstance(name, str) or not name or name == "none":
+        raise TypeError(f"an estimator name must be a non-empty string other than 'none', got {name!r}")
+    if not callable(fn):
+        raise TypeError(f"estimator {name!r} must be callable, got {type(fn).__name__}")
+    if name in _ESTIMATORS:
+        raise RaotError(f"estimator {name!r} is already registered; registered: {', '.join(_ESTIMATORS)}")
+    _ESTIMATORS[name] = EstimatorSpec(name, fn, needs_statistics, gated, options, description)
+    return fn
+
+
+def estimator_spec(name: str) -> EstimatorSpec:
+    """The registration of estimator ``name``; the error lists the valid names."""
+    if name not in _ESTIMATORS:
+        raise RaotError(f"unknown alignment {name!r}; valid: {', '.join([*_ESTIMATORS, 'none'])}")
+    return _ESTIMATORS[name]
+
+
+def finite(*moments) -> bool:
+    """True when every sum in these statistics is finite (NaN/Inf activations poison them)."""
+    return all(bool(torch.isfinite(t).all()) for m in moments for t in m.tensors())

@@ -1,0 +1,280 @@
+"""The model card ``README.md`` and every rendering of the gate's decisions (docs/design.md §6).
+
+This is the one place that renders the gate table — as markdown for the card and as aligned
+plain text for the CLI and :meth:`raot_hf.Alignment.table` — and the sentences that say whether
+A and B share a basis: the card's gate summary, the alignment summary the report records and the
+card's basis-verdict paragraph.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from raot_hf.errors import RaotError
+from raot_hf.version import __version__
+
+logger = logging.getLogger("raot_hf.outputs.card")
+
+CARD_NAME = "README.md"
+_TEMPLATE_NAME = "raot_merge.md"
+_PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+_FALLBACK_TEMPLATE = """---
+{{front_matter}}
+---
+
+# {{title}}
+
+Merge of **{{model_a}}** ({{revision_a}}) and **{{model_b}}** ({{revision_b}}) after aligning B to A
+under the Transformer's exact symmetries, written by raot-hf {{version}}.
+
+{{summary}}
+
+## Method
+
+* Alignment: {{method}}
+* Alignment scope: {{scope}}
+* Merge rule: {{merge_rule}}
+* Interpolation weight α: {{alpha}}
+* Base model (task vectors are measured from it): {{base_model}}
+
+## Gate
+
+{{gate_summary}}
+
+{{gate_table}}
+
+## Functional checks
+
+{{checks_table}}
+
+## Reproduction
+
+```bash
+{{command}}
+```
+"""
+
+__all__ = [
+    "CARD_NAME",
+    "alignment_summary",
+    "gate_table_text",
+    "render_model_card",
+    "summary_with_verdict",
+]
+
+
+# ------------------------------------------------------------------- gate decisions as text
+
+
+def gate_table_text(decisions: Sequence[Any]) -> str:
+    """The gate table as aligned plain text: one row per :class:`~raot_hf.gate.GateDecision`,
+    with the alignment-objective gain as a diagnostic column."""
+    head = (
+        f"{'transform':<10} {'layer':>5} {'identity':>10} {'estimate':>10} {'gain':>10} {'margin':>10} "
+        f"{'align.gain':>10}  applied"
+    )
+    lines = [head, "-" * len(head)]
+    for d in decisions:
+        layer = "-" if d.layer is None else str(d.layer)
+        diagnostic = d.alignment_gain if d.objective == "merge" else d.gain
+        lines.append(
+            f"{d.transform:<10} {layer:>5} {d.identity:>10.4f} {d.estimate:>10.4f} {d.gain:>10.4f} "
+            f"{d.margin:>10.4f} {diagnostic:>10.4f}  {'yes' if d.applied else 'no'} ({d.reason})"
+        )
+    return "\n".join(lines)
+
+
+def alignment_summary(decisions: Sequence[Any]) -> str:
+    """One line on what the gate applied: nothing requested, nothing applied (the pair already
+    shares a basis), or how many transforms of which kinds."""
+    if not decisions:
+        return "no alignment requested: plain merge in the parents' own bases"
+    n = sum(d.applied for d in decisions)
+    if n == 0:
+        return (
+            f"the gate rejected all {len(decisions)} estimated transforms: "
+            "the pair already shares a basis (nothing to align)"
+        )
+    kinds = sorted({d.transform for d in decisions if d.applied})
+    return f"{n} of {len(decisions)} transforms applied ({', '.join(kinds)})"
+
+
+def summary_with_verdict(summary: str, verdict: str | None) -> str:
+    """The card's summary paragraph, then the one-line basis verdict with its evidence
+    (docs/design.md §5) when there is one."""
+    if not verdict:
+        return summary
+    return f"{summary}\n\n**Basis verdict:** {verdict}."
+
+
+# ------------------------------------------------------------------------- markdown pieces
+
+
+def _template_text() -> str:
+    """The card template: the packaged copy, else the repository's ``model_cards/`` copy
+    (editable installs), else the built-in minimal template."""
+    package_dir = Path(__file__).resolve().parent.parent
+    for candidate in (package_dir / "templates" / _TEMPLATE_NAME, package_dir.parent / "model_cards" / _TEMPLATE_NAME):
+        if candidate.is_file():
+            return candidate.read_text(encoding="utf-8")
+    return _FALLBACK_TEMPLATE
+
+
+def _yaml_string(value: str) -> str:
+    """A YAML scalar: plain when unambiguous, else double-quoted (JSON strings are valid YAML)."""
+    plain = re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/-]*", value) and not re.fullmatch(
+        r"[0-9._eE+-]*|true|false|yes|no|on|off|null", value, flags=re.IGNORECASE
+    )
+    return value if plain else json.dumps(value)
+
+
+def _front_matter(card: dict) -> str:
+    """The YAML front matter: ``base_model`` (the Hub ids among A, B and the base), library,
+    pipeline tag and tags."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    base_models = []
+    for key in ("model_a", "model_b", "base_model"):
+        if not card.get(key):
+            continue
+        try:
+            validate_repo_id(str(card[key]))
+        except HFValidationError:
+            logger.info("%s %r is not a Hub id (a local path?); it is left out of base_model", key, card[key])
+            continue
+        base_models.append(str(card[key]))
+    lines = []
+    if base_models:
+        lines += ["base_model:", *(f"- {_yaml_string(m)}" for m in base_models), "base_model_relation: merge"]
+    lines.append("library_name: transformers")
+    if card.get("pipeline_tag"):
+        lines.append(f"pipeline_tag: {_yaml_string(str(card['pipeline_tag']))}")
+    lines += ["tags:", "- merge", "- raot"]
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    """One markdown table cell: numbers to 4 significant digits, ``None`` as a dash."""
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float) or (hasattr(value, "item") and hasattr(value, "dtype")):
+        return f"{float(value):.4g}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    """A markdown table of ``rows`` under ``header``."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _gate_markdown(rows: list[dict]) -> tuple[str, str]:
+    """The card's gate summary sentence and markdown table (one row per transform decision)."""
+    if not rows:
+        return "No gate decisions were recorded.", ""
+    applied = sum(bool(row.get("applied")) for row in rows)
+    if applied == 0:
+        summary = (
+            f"None of the {len(rows)} transforms beat the identity: A and B already share a basis "
+            "(detection, not repair), so B was merged as it is."
+        )
+    else:
+        summary = f"{applied} of {len(rows)} transforms beat the identity and were applied."
+    header = ["transform", "layer", "score (identity)", "score (estimate)", "margin", "applied"]
+    keys = ["transform", "layer", "identity", "estimate", "margin"]
+    table = _table(header, [[row.get(k) for k in keys] + [bool(row.get("applied"))] for row in rows])
+    return summary, table
+
+
+def _checks_table(rows: list[dict]) -> str:
+    """The functional checks (e.g. B′ ≡ B) as a markdown table."""
+    if not rows:
+        return "No functional checks were recorded."
+    header = ["check", "kind", "value", "threshold", "passed"]
+    return _table(
+        header, [[r.get("name"), r.get("kind"), r.get("value"), r.get("threshold"), r.get("passed")] for r in rows]
+    )
+
+
+def _base_rows(card: dict) -> str:
+    """The inputs-table row of the base model (empty without one)."""
+    if not card.get("base_model"):
+        return ""
+    revision = card.get("revision_base") or "not pinned"
+    return f"| base (task vectors are measured from it) | `{_cell(card['base_model'])}` | {_cell(revision)} |"
+
+
+# ------------------------------------------------------------------------------ the card
+
+
+def _placeholder_values(card: dict) -> dict[str, str]:
+    """The text of every template placeholder, from the card context."""
+    gate_summary, gate_table = _gate_markdown(list(card.get("gate_rows") or []))
+    alpha = card.get("alpha")
+    return {
+        "front_matter": _front_matter(card),
+        "title": f"RaOT merge of {card['model_a']} and {card['model_b']}",
+        "model_a": str(card["model_a"]),
+        "model_b": str(card["model_b"]),
+        "revision_a": str(card.get("revision_a") or "not pinned"),
+        "revision_b": str(card.get("revision_b") or "not pinned"),
+        "method": str(card.get("method") or "—"),
+        "scope": str(card.get("scope") or "—"),
+        "merge_rule": str(card.get("merge_rule") or "—"),
+        "base_model": f"`{card['base_model']}`" if card.get("base_model") else "none",
+        "base_rows": _base_rows(card),
+        "alpha": _cell(float(alpha)) if alpha is not None else "—",
+        "gate_summary": gate_summary,
+        "gate_table": gate_table,
+        "checks_table": _checks_table(list(card.get("checks") or [])),
+        "summary": str(card.get("summary") or ""),
+        "command": str(card.get("command") or "# command not recorded"),
+        "version": str(card.get("version") or __version__),
+    }
+
+
+def render_model_card(card: dict, *, template: str | None = None) -> str:
+    """Render the model card ``README.md`` from ``card``.
+
+    Keys of ``card`` (only ``model_a`` and ``model_b`` are required):
+
+    * ``model_a``, ``model_b``: ids (or local paths) of the inputs; Hub ids go into the YAML
+      ``base_model`` list (local paths are left out there, as the Hub would reject them).
+    * ``base_model``, ``revision_base`` (optional): the model A and B were fine-tuned from, for
+      the base-relative rules; listed in ``base_model`` too and in the card's inputs.
+    * ``revision_a``, ``revision_b``: the revisions (commit hashes) that were loaded.
+    * ``method``: how B was aligned (estimator); ``scope``: what was aligned (heads, MLP, stream).
+    * ``merge_rule``: e.g. ``linear`` or ``regmean``; ``alpha``: the interpolation weight.
+    * ``gate_rows``: one dict per gate decision with ``transform``, ``layer``, ``identity``
+      (score under the identity), ``estimate`` (score under the estimate), ``margin``, ``applied``.
+    * ``checks``: dicts with ``name``, ``value``, ``threshold``, ``passed`` and optionally
+      ``kind`` (``exact`` / ``approximate``), e.g. the max deviation of B′ vs B.
+    * ``summary``: free text under the title; ``command``: the CLI command that reproduces it.
+    * ``pipeline_tag`` (optional): Hub pipeline tag; ``version``: raot-hf version.
+
+    ``template`` (text with ``{{name}}`` placeholders) defaults to ``model_cards/raot_merge.md``.
+    """
+    missing = [key for key in ("model_a", "model_b") if not card.get(key)]
+    if missing:
+        raise RaotError(f"model card needs {' and '.join(missing)}; pass the ids of both input models")
+    context = _placeholder_values(card)
+
+    def substitute(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in context:
+            raise RaotError(
+                f"model card template uses unknown placeholder {{{{{name}}}}}; use one of {sorted(context)}"
+            )
+        return context[name]
+
+    text = _PLACEHOLDER.sub(substitute, _template_text() if template is None else template)
+    return re.sub(r"\n{3,}", "\n\n", text).rstrip("\n") + "\n"

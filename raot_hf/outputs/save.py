@@ -1,0 +1,138 @@
+"""Write a merged model as a repository directory that ``from_pretrained`` loads (docs/design.md §6).
+
+The directory holds ``config.json``, the weights as ``*.safetensors`` shards with
+``model.safetensors.index.json`` (:mod:`raot_hf.outputs.shards`), A's tokenizer / processor, the
+model card ``README.md`` (:mod:`raot_hf.outputs.card`), ``raot_report.json``
+(:mod:`raot_hf.outputs.report`) and, when B was moved, ``raot_transform.safetensors``. It is
+written atomically (:mod:`raot_hf.outputs.atomic`): the weights are checked in a temporary sibling
+before it is renamed onto the destination.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raot_hf.errors import RaotError
+from raot_hf.outputs.atomic import atomic_directory, check_destination
+from raot_hf.outputs.card import CARD_NAME, render_model_card
+from raot_hf.outputs.report import REPORT_NAME, report_to_json
+from raot_hf.outputs.shards import parse_size, verify_written_weights, weights_to_save, write_safetensors_shards
+
+logger = logging.getLogger("raot_hf.outputs.save")
+
+__all__ = ["write_merged_repo"]
+
+
+def _save_preprocessor(source: Any, directory: Path, trust_remote_code: bool) -> str | None:
+    """Save A's tokenizer / processor into ``directory``; a source that cannot be loaded is a
+    warning, not an error. Returns the saved object's class name, or ``None``."""
+    if source is None:
+        return None
+    if hasattr(source, "save_pretrained") and not isinstance(source, (str, os.PathLike)):
+        source.save_pretrained(str(directory))
+        return type(source).__name__
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    failures = []
+    for loader in (AutoProcessor, AutoTokenizer, AutoImageProcessor):
+        try:
+            loaded = loader.from_pretrained(str(source), trust_remote_code=trust_remote_code)
+        except Exception as exc:  # any loader failure means: try the next one
+            failures.append(f"{loader.__name__}: {type(exc).__name__}")
+            continue
+        loaded.save_pretrained(str(directory))
+        return type(loaded).__name__
+    logger.warning(
+        "no tokenizer or processor could be loaded from %r (%s); the output has none — copy it from model A",
+        str(source),
+        "; ".join(failures),
+    )
+    return None
+
+
+def _save_config(model: torch.nn.Module, directory: Path) -> None:
+    """Write ``config.json`` (and the generation config / custom code when the model has them)
+    with ``architectures`` and ``dtype`` set as ``save_pretrained`` sets them."""
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    dtype = getattr(model, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        config.dtype = str(dtype).removeprefix("torch.")
+    if getattr(model, "is_remote_code", lambda: False)():
+        from transformers.dynamic_module_utils import custom_object_save
+
+        custom_object_save(model, str(directory), config=config)
+    config.save_pretrained(str(directory))
+    can_generate = getattr(model, "can_generate", lambda: False)
+    if can_generate() and getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(str(directory))
+
+
+def _save_weights(model: torch.nn.Module, directory: Path, max_shard_bytes: int) -> None:
+    """Write the weights as shards plus index into ``directory`` and check them from the files."""
+    tensors = weights_to_save(model)
+    total_parameters = model.num_parameters() if hasattr(model, "num_parameters") else None
+    write_safetensors_shards(directory, tensors, max_shard_bytes, total_parameters=total_parameters)
+    verify_written_weights(directory, set(tensors))
+
+
+def write_merged_repo(
+    out_dir: str | os.PathLike,
+    model: torch.nn.Module,
+    *,
+    preprocessor_source: Any = None,
+    report: dict,
+    card: dict,
+    overwrite: bool = False,
+    max_shard_size: int | str = "2GB",
+    trust_remote_code: bool = False,
+    transform: Any = None,
+) -> Path:
+    """Write ``model`` as a repository directory that ``from_pretrained`` loads; return its path.
+
+    Args:
+        out_dir: destination directory. If it exists and is non-empty, ``overwrite`` must be
+            true and it must be a model directory (holding ``config.json`` or
+            ``raot_report.json``); it is then replaced as a whole.
+        model: a ``transformers`` ``PreTrainedModel`` (the merged model).
+        preprocessor_source: model A's local directory or Hub id (its tokenizer / image
+            processor is loaded with ``AutoProcessor``, ``AutoTokenizer`` or
+            ``AutoImageProcessor``), or an already loaded object with ``save_pretrained``.
+            If nothing can be loaded a warning is logged and the output has none.
+        report: JSON-safe provenance record written to ``raot_report.json``.
+        card: model card context, see :func:`~raot_hf.outputs.card.render_model_card`.
+        overwrite: replace an existing non-empty output directory.
+        max_shard_size: largest shard in bytes, or a size string like ``"2GB"``.
+        trust_remote_code: passed to the preprocessor loaders.
+        transform: the alignment applied to B (a :class:`~raot_hf.symmetry.TransformSequence`); when it
+            is not empty it is written, bit-exact, to ``raot_transform.safetensors``.
+
+    Everything is written to ``<parent>/.<name>.tmp-<random>``, the weight files are checked
+    against the expected key set, then the directory is renamed into place. On any error the
+    temporary directory is removed and an existing ``out_dir`` is left untouched.
+    """
+    if not hasattr(getattr(model, "config", None), "save_pretrained"):
+        raise RaotError(f"cannot write {type(model).__name__}: it has no transformers config; pass a PreTrainedModel")
+    max_shard_bytes = parse_size(max_shard_size)
+    card_text = render_model_card(card)
+    report_text = report_to_json(report)
+    out = check_destination(out_dir, overwrite)
+
+    with atomic_directory(out) as temporary:
+        _save_preprocessor(preprocessor_source, temporary, trust_remote_code)
+        _save_config(model, temporary)
+        _save_weights(model, temporary, max_shard_bytes)
+        (temporary / CARD_NAME).write_text(card_text, encoding="utf-8", newline="\n")
+        (temporary / REPORT_NAME).write_text(report_text, encoding="utf-8", newline="\n")
+        if transform is not None and len(transform):
+            from raot_hf.symmetry.io import TRANSFORM_NAME, save_transform
+
+            save_transform(transform, temporary / TRANSFORM_NAME)
+    logger.info("merged model written to %s", out)
+    return out

@@ -1,0 +1,184 @@
+"""The weights of a merged model as safetensors shards with ``model.safetensors.index.json``.
+
+A streaming writer: the tensors are grouped into shards of at most ``max_shard_size`` bytes and
+each shard is materialised on the CPU only while it is written. The key set is the one
+``PreTrainedModel.save_pretrained`` writes (tied aliases dropped, weight renamings reverted to the
+checkpoint format), so the output reloads with no missing or unexpected keys. The index is
+written even for a single shard; identical tensors give byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+from huggingface_hub.utils import tqdm
+from safetensors import safe_open
+
+from raot_hf.errors import RaotError
+
+logger = logging.getLogger("raot_hf.outputs.shards")
+
+SINGLE_WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_SHARD_PATTERN = "model-{index:05d}-of-{count:05d}.safetensors"
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+__all__ = [
+    "INDEX_NAME",
+    "SINGLE_WEIGHTS_NAME",
+    "parse_size",
+    "plan_shards",
+    "verify_written_weights",
+    "weights_to_save",
+    "write_safetensors_shards",
+]
+
+
+def parse_size(size: int | str) -> int:
+    """Parse a byte count such as ``2GB`` (10⁹), ``500MiB`` (2²⁰ each) or ``4096`` into an int."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
+        unit = match.group(2).upper() if match else None
+        if match is None or unit not in _SIZE_UNITS:
+            raise RaotError(f"cannot read size {size!r}; write it like '2GB', '500MB' or '1GiB'")
+        value = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise RaotError(f"max shard size must be positive, got {size!r}; use e.g. '2GB'")
+    return value
+
+
+def _drop_tied_targets(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Fallback for transformers without ``remove_tied_weights_from_state_dict``: drop each tied
+    target whose storage is its source's."""
+    for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if target in state and source in state and state[target].data_ptr() == state[source].data_ptr():
+            del state[target]
+    return state
+
+
+def weights_to_save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors ``save_pretrained`` would write, by checkpoint name, without copying them.
+
+    Tied aliases are dropped (the kept name is the one ``from_pretrained`` expects) and the
+    model's weight renamings (e.g. ViT's ``layers.N.attention.q_proj`` ↔
+    ``encoder.layer.N.attention.attention.query``) are reverted to the checkpoint format.
+    """
+    state = dict(model.state_dict())
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    for key in ignored:
+        state.pop(key, None)
+    meta = [name for name, tensor in state.items() if tensor.device.type == "meta"]
+    if meta:
+        raise RaotError(f"{len(meta)} weights (e.g. {meta[0]!r}) are on the meta device; load the model fully first")
+    try:
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    except ImportError:  # older or newer transformers
+        remove_tied_weights_from_state_dict = _drop_tied_targets
+    all_names = set(state)
+    state = remove_tied_weights_from_state_dict(state, model)
+    tied_targets = set((getattr(model, "all_tied_weights_keys", None) or {}).keys())
+    unexplained = all_names - set(state) - tied_targets
+    if unexplained:
+        raise RuntimeError(f"weights {sorted(unexplained)} would be dropped without being tied: bug in the writer")
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return state
+    return revert_weight_conversion(model, state)
+
+
+def _tensor_nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """Group tensor names, in order, into shards of at most ``max_shard_bytes`` (a tensor larger
+    than the limit gets a shard of its own)."""
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_bytes = 0
+    for name, tensor in tensors.items():
+        size = _tensor_nbytes(tensor)
+        if current and current_bytes + size > max_shard_bytes:
+            shards.append(current)
+            current, current_bytes = [], 0
+        current.append(name)
+        current_bytes += size
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _shard_name(index: int, count: int) -> str:
+    return SINGLE_WEIGHTS_NAME if count == 1 else _SHARD_PATTERN.format(index=index, count=count)
+
+
+def _cpu_copy_for_saving(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor owning exactly its bytes (safetensors refuses partial aliases)."""
+    tensor = tensor.detach().to("cpu").contiguous()
+    if tensor.untyped_storage().nbytes() != _tensor_nbytes(tensor):
+        tensor = tensor.clone()
+    return tensor
+
+
+def write_safetensors_shards(
+    directory: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int, *, total_parameters: int | None = None
+) -> dict[str, Any]:
+    """Stream ``tensors`` into safetensors shards in ``directory`` and write the index (always,
+    even for one shard). Returns the index dict."""
+    shards = plan_shards(tensors, max_shard_bytes)
+    weight_map: dict[str, str] = {}
+    total_size = 0
+    for number, names in enumerate(tqdm(shards, desc="Writing shards", unit="shard"), start=1):
+        filename = _shard_name(number, len(shards))
+        shard = {name: _cpu_copy_for_saving(tensors[name]) for name in names}
+        safetensors.torch.save_file(shard, str(directory / filename), metadata={"format": "pt"})
+        total_size += sum(_tensor_nbytes(t) for t in shard.values())
+        weight_map.update(dict.fromkeys(names, filename))
+        del shard
+    metadata: dict[str, int] = {"total_size": total_size}
+    if total_parameters is not None:
+        metadata["total_parameters"] = total_parameters
+    index = {"metadata": metadata, "weight_map": weight_map}
+    with open(directory / INDEX_NAME, "w", encoding="utf-8", newline="\n") as handle:
+        handle.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    logger.info("wrote %d weights (%d bytes) in %d shard(s)", len(weight_map), total_size, len(shards))
+    return index
+
+
+def verify_written_weights(directory: Path, expected_keys: set[str]) -> None:
+    """Check, from the files on disk, that the index maps exactly ``expected_keys`` and that
+    each shard's header holds exactly the keys the index assigns to it (no tensor data read)."""
+    with open(directory / INDEX_NAME, encoding="utf-8") as handle:
+        weight_map: dict[str, str] = json.load(handle)["weight_map"]
+    if set(weight_map) != expected_keys:
+        missing = sorted(expected_keys - set(weight_map))[:5]
+        extra = sorted(set(weight_map) - expected_keys)[:5]
+        raise RuntimeError(f"written index does not match the weights: missing {missing}, unexpected {extra}")
+    by_file: dict[str, set[str]] = {}
+    for key, filename in weight_map.items():
+        by_file.setdefault(filename, set()).add(key)
+    for filename, keys in sorted(by_file.items()):
+        with safe_open(str(directory / filename), framework="pt") as shard:
+            stored = set(shard.keys())
+        if stored != keys:
+            raise RuntimeError(f"shard {filename} holds {len(stored)} tensors but the index assigns it {len(keys)}")

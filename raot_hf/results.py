@@ -1,0 +1,79 @@
+"""What a merge returns: the alignment (decisions, applied transforms, verdict) and the result."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raot_hf.gate import GateDecision
+from raot_hf.symmetry import TransformSequence
+
+
+@dataclass
+class Alignment:
+    """What the estimators proposed, what the gate decided and what was applied to B."""
+
+    decisions: list[GateDecision]
+    applied: TransformSequence
+    exact: bool
+    logs: dict[str, Any] = field(default_factory=dict)
+    verdict: str = ""  # one line: do A and B share a basis, with the evidence (docs/design.md §5)
+    model_fidelity: dict[str, Any] = field(default_factory=dict)  # the model-level check's numbers
+
+    @property
+    def shares_basis(self) -> bool:
+        """True when the gate rejected every transform: the pair already shares a basis."""
+        return bool(self.decisions) and not any(d.applied for d in self.decisions)
+
+    def table(self) -> str:
+        """The gate table as aligned plain text."""
+        from raot_hf.outputs.card import gate_table_text
+
+        return gate_table_text(self.decisions)
+
+
+@dataclass
+class MergeResult:
+    """The merged model, the alignment behind it and the provenance report."""
+
+    model: torch.nn.Module
+    report: dict[str, Any]
+    alignment: Alignment
+    preprocessor: Any = None
+    source_a: str | None = None
+
+    def save_pretrained(self, out_dir: str | Path, *, overwrite: bool = False, max_shard_size: str = "2GB") -> Path:
+        """Write a directory ``from_pretrained`` loads, with model card and ``raot_report.json``."""
+        from raot_hf.outputs import model_card_context, write_merged_repo
+
+        start = time.perf_counter()
+        report = dict(self.report)
+        path = write_merged_repo(
+            out_dir,
+            self.model,
+            preprocessor_source=self.preprocessor if self.preprocessor is not None else self.source_a,
+            report=report,
+            card=model_card_context(report),
+            overwrite=overwrite,
+            max_shard_size=max_shard_size,
+            transform=self.alignment.applied,
+        )
+        self.report.setdefault("timings", {})["write"] = time.perf_counter() - start
+        return path
+
+    def push_to_hub(self, repo_id: str, *, folder: str | Path | None = None, **kwargs) -> str:
+        """Save (to ``folder`` or a temporary directory) and upload with :func:`raot_hf.hub.push_to_hub`."""
+        import tempfile
+
+        from raot_hf.hub import push_to_hub
+
+        if folder is not None:
+            path = self.save_pretrained(folder, overwrite=kwargs.pop("overwrite", False))
+            return push_to_hub(path, repo_id, **kwargs)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = self.save_pretrained(Path(tmp) / "merged")
+            return push_to_hub(path, repo_id, **kwargs)

@@ -1,0 +1,82 @@
+"""Stage: apply the accepted transforms to B and check that B′ computes B's function (docs/design.md §5.5).
+
+The check replays the held-out inputs kept by the calibration pass (synthetic inputs without
+calibration data) and compares B′'s primary outputs with B's, mapped by the stream action.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from raot_hf.equivalence import example_inputs, primary_outputs
+from raot_hf.errors import EquivalenceError
+from raot_hf.results import Alignment
+from raot_hf.stages.context import PairContext, on_device_of
+from raot_hf.symmetry import fold_model, transform_model
+
+logger = logging.getLogger("raot_hf.stages.apply")
+
+
+def _check_inputs(ctx: PairContext, run) -> tuple[list[dict], list[dict]]:
+    """The check's inputs and B's outputs on them: the held-out rows kept by the calibration
+    pass, or synthetic inputs (B runs on them now, before it is transformed)."""
+    inputs = list(run.check_inputs) if run is not None else []
+    reference = list(run.check_reference) if run is not None else []
+    if not inputs:
+        inputs = [example_inputs(ctx.model_b, batch=2, seq=8, seed=ctx.config.seed)]
+    if len(reference) != len(inputs):
+        reference = [primary_outputs(ctx.model_b, on_device_of(ctx.model_b, x)) for x in inputs]
+    return inputs, reference
+
+
+def deviation(ctx: PairContext, reference, inputs, actions) -> float:
+    """max |r − c| / max |r| over B′'s primary outputs c against B's r (padding masked; the
+    stream output mapped by the residual action)."""
+    stream = actions["residual"].dense(ctx.schema.hidden_size) if "residual" in actions else None
+    worst = 0.0
+    for ref, x in zip(reference, inputs, strict=True):
+        cand = primary_outputs(ctx.model_b, on_device_of(ctx.model_b, x))
+        mask = x.get("attention_mask")
+        for key, r in ref.items():
+            r = r.to("cpu", torch.float64)
+            if key == "last_hidden_state" and stream is not None:
+                r = r @ stream.to("cpu", torch.float64)
+            diff = (r - cand[key].to("cpu", torch.float64)).abs()
+            if mask is not None and key == "last_hidden_state":
+                diff = diff * mask[..., None]
+            worst = max(worst, float(diff.max() / r.abs().max().clamp_min(1e-30)))
+    return worst
+
+
+def apply_and_check(ctx: PairContext, alignment: Alignment, run) -> list[dict[str, Any]]:
+    """Transform B in place (and fold A's LayerNorms when a pre-LN stream rotates), measure
+    B′ ≡ B, and return the report's checks; an exact alignment that fails raises."""
+    with ctx.timer.stage("apply"):
+        inputs, reference = _check_inputs(ctx, run)
+        actions = alignment.applied.actions(ctx.schema) if len(alignment.applied) else {}
+        if len(alignment.applied):
+            transform_model(ctx.model_b, ctx.schema, alignment.applied)
+            if "residual" in actions and actions["residual"].perm is None and ctx.schema.norm == "pre":
+                fold_model(ctx.model_a, ctx.schema)
+        value = deviation(ctx, reference, inputs, actions)
+        threshold = 1e-9 if next(ctx.model_b.parameters()).dtype == torch.float64 else 1e-4
+        check = {
+            "name": "B′ ≡ B on held-out inputs (max relative deviation)",
+            "value": value,
+            "threshold": threshold,
+            "exact": alignment.exact,
+            "passed": value <= threshold or not alignment.exact,
+        }
+        if alignment.exact and value > threshold:
+            raise EquivalenceError(
+                f"an exact transform changed B's function (relative deviation {value:.3g} > {threshold}); "
+                "this is a bug in raot_hf — please report it with raot_report.json"
+            )
+        if not alignment.exact:
+            logger.warning(
+                "approximate alignment (post-LN rotation or soft transport): B′ deviates from B by %.3g", value
+            )
+    return [check]

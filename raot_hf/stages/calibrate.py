@@ -1,0 +1,176 @@
+"""Stage: the calibration pass — fit phase, then held-out phase (docs/design.md §4.1, §7.1).
+
+Each example goes through A and B once: the fit examples feed the estimators' moments (and
+RegMean's Grams), the held-out examples score the candidates against the identity and keep
+the inputs and B's outputs the B′ ≡ B check replays. Under ``accelerate launch`` each process
+runs its shard and the sums are all-reduced (shards never pad or repeat examples).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub.utils import tqdm
+
+from raot_hf.calibration import (
+    CalibrationConfig,
+    check_column,
+    count_calibration_batches,
+    dataset_fingerprint,
+    detect_modality,
+    iter_calibration_batches,
+    load_calibration_dataset,
+)
+from raot_hf.calibration.collector import StatisticsCollector
+from raot_hf.calibration.statistics import CalibrationStatistics
+from raot_hf.equivalence import select_primary
+from raot_hf.errors import RaotError
+from raot_hf.estimators import estimator_spec
+from raot_hf.estimators.activation import candidate_maps
+from raot_hf.estimators.builtin import residual_mode
+from raot_hf.stages.context import PairContext
+
+logger = logging.getLogger("raot_hf.stages.calibrate")
+
+
+@dataclass
+class CalibrationRun:
+    """The calibration sample as used: the dataset, its resolved settings, its fingerprint for the
+    report, and the held-out inputs and B's outputs kept for the B′ ≡ B check."""
+
+    dataset: Any
+    config: CalibrationConfig
+    fingerprint: dict[str, Any]
+    check_inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    check_reference: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+
+def check_calibration_early(cal: CalibrationConfig, preprocessor) -> tuple[dict[str, Any], Any, str]:
+    """Load the calibration sample and resolve its column before any weights are read, so a
+    wrong path, split, column or modality fails in seconds. Returns the request, the sample
+    and its column, which the pass reuses (the data is read and announced once)."""
+    dataset = load_calibration_dataset(cal)
+    column = check_column(dataset, cal.column, detect_modality(preprocessor), model_label="model A")
+    return cal.to_dict(), dataset, column
+
+
+def resolve_calibration(ctx: PairContext, calibration) -> tuple[CalibrationConfig, Any]:
+    """(settings, in-memory dataset or None) from ``calibration``: a CalibrationConfig, a path or
+    Hub id, a ``datasets.Dataset``, or None for the config's own source."""
+    cal = ctx.config.calibration
+    if isinstance(calibration, CalibrationConfig):
+        return calibration, None
+    if isinstance(calibration, (str, Path)):
+        return cal.__class__.from_dict({**cal.to_dict(), "source": str(calibration)}), None
+    if calibration is None:
+        if cal.source is None:
+            hint = " — or alignment='none' to skip the gate's shared-basis check" if ctx.base is not None else ""
+            raise RaotError(f"this merge needs calibration data; pass calibration=... (or --calibration){hint}")
+        return cal, None
+    return cal, calibration  # an in-memory datasets.Dataset
+
+
+def open_calibration(ctx: PairContext, calibration, early=None) -> CalibrationRun:
+    """Load (or reuse the early check's) calibration sample and resolve its column."""
+    if ctx.preprocessor is None:
+        raise RaotError("no tokenizer or image processor for model A; pass preprocessor= to from_models")
+    cal_cfg, data = resolve_calibration(ctx, calibration)
+    if data is None and early is not None and early[0] == cal_cfg.to_dict():
+        dataset, column = early[1:]  # from_pretrained's early check loaded this very sample
+    else:
+        dataset = load_calibration_dataset(data if data is not None else cal_cfg, config=cal_cfg)
+        column = cal_cfg.column
+    column = check_column(dataset, column, detect_modality(ctx.preprocessor), model_label="model A")
+    cal_cfg = CalibrationConfig.from_dict({**cal_cfg.to_dict(), "column": column})
+    return CalibrationRun(dataset, cal_cfg, dataset_fingerprint(dataset, column))
+
+
+def fit_phase(ctx: PairContext, run: CalibrationRun) -> CalibrationStatistics:
+    """A and B over the fit examples: the summed fit moments (and Grams)."""
+    cfg = ctx.config
+    moments = cfg.alignment != "none" and estimator_spec(cfg.alignment).needs_statistics
+    # Σbᵀb of the stream is read only when a residual rotation is estimated
+    rotation = "residual" in cfg.scope and residual_mode(ctx.schema, cfg.residual) in ("rotation", "orthogonal")
+    stats = run_phase(
+        ctx,
+        run,
+        "fit",
+        # weight-based alignment and a linear or Fisher merge read nothing from the fit examples
+        forward=moments or cfg.merge_rule == "regmean",
+        stream_full=rotation,
+        moment_stride=run.config.moment_stride,
+        moments=moments,
+    )
+    run.fingerprint.update(
+        {
+            "fit_examples": stats.examples,
+            "fit_tokens": int(stats.fit.tokens),
+            "moment_tokens": int(stats.fit.moment_tokens),
+            "config": run.config.to_dict(),
+        }
+    )
+    if not all(torch.isfinite(t).all() for t in stats.fit.tensors()):
+        logger.warning("NaN/Inf in fit activations: affected estimates will lose to the identity")
+    return stats
+
+
+def heldout_phase(ctx: PairContext, run: CalibrationRun, stats: CalibrationStatistics, candidates: list) -> None:
+    """A and B over the held-out examples, scoring ``candidates`` against the identity
+    (per-coordinate sums, docs/design.md §5), added into ``stats`` in place."""
+    schema = ctx.schema
+    maps = candidate_maps(candidates, schema.num_heads, schema.head_size, device=ctx.stats_device)
+    # nothing to score and no Grams to finish: the held-out examples need no forward
+    wanted = bool(maps) or ctx.config.merge_rule == "regmean"
+    heldout = run_phase(ctx, run, "heldout", candidates=maps, forward=wanted)
+    stats.absorb(heldout)
+    if not all(torch.isfinite(t).all() for t in stats.heldout.tensors()):
+        logger.warning("NaN/Inf in held-out activations: affected estimates will lose to the identity")
+
+
+def _keep_check_rows(ctx: PairContext, run: CalibrationRun, batch, output_b) -> None:
+    """B's outputs on the first held-out rows are the B′ ≡ B check's reference (as many rows as
+    a mixed batch holds held-out rows: the check is one forward)."""
+    if len(run.check_inputs) >= ctx.config.check_batches:
+        return
+    rows = max(1, run.config.batch_size // run.config.heldout_every)
+    run.check_inputs.append({k: v[:rows] for k, v in batch.inputs.items()})
+    reference = select_primary(output_b, rows)
+    run.check_reference.append({k: v.detach().to("cpu", copy=True) for k, v in reference.items()})
+
+
+def run_phase(
+    ctx: PairContext, run: CalibrationRun, phase: str, *, forward: bool = True, **collector_options
+) -> CalibrationStatistics:
+    """Forward this process's shard of one split through A and B, then sum across processes
+    (``forward=False``: the phase has nothing to collect — its sums stay zero)."""
+    home, device = next(ctx.model_a.parameters()).device, ctx.stats_device
+    if device != home:  # forward passes on this process's accelerator (accelerate --multi_gpu), then back
+        ctx.model_a.to(device)
+        ctx.model_b.to(device)
+    rank, world = ctx.dist.rank, ctx.dist.world_size
+    shard = {"rank": rank, "world_size": world, "split": phase}
+    total = count_calibration_batches(run.dataset, run.config, **shard) if forward else 0
+    if phase == "heldout":
+        run.check_inputs, run.check_reference = [], []
+    grams = ctx.config.merge_rule == "regmean"
+    try:
+        with StatisticsCollector(
+            ctx.model_a, ctx.model_b, ctx.schema, phase=phase, grams=grams, **collector_options
+        ) as collector:
+            batches = iter_calibration_batches(run.dataset, ctx.preprocessor, run.config, **shard) if forward else ()
+            for batch in tqdm(batches, total=total, desc=f"calibration ({phase})", disable=not ctx.dist.is_main):
+                output_b = collector.update(batch)
+                if phase == "heldout":
+                    _keep_check_rows(ctx, run, batch, output_b)
+        stats = collector.stats
+        if world > 1 and forward:  # shards never pad or repeat examples, so the sums are exact (§7)
+            ctx.dist.all_reduce_statistics(stats)
+    finally:
+        if device != home:
+            ctx.model_a.to(home)
+            ctx.model_b.to(home)
+    return stats.to("cpu")

@@ -1,0 +1,166 @@
+"""Stage: merge A and B′ with the configured rule, dispatched through the merge-rule registry (docs/design.md §6).
+
+A rule's registration (:class:`raot_hf.merging.MergeRuleSpec`) says what it reads besides A, B′
+and α — Grams, Fishers, a base model, options from the config — and whether it is per-tensor;
+this stage gathers exactly that. A per-tensor rule writes the trunk straight into A's parameters
+a few tensors at a time, so no merged copy of the whole model is held.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from raot_hf.calibration import iter_calibration_batches
+from raot_hf.errors import RaotError
+from raot_hf.grams import aligned_grams
+from raot_hf.loading import adopt_head
+from raot_hf.merging import MergeRuleSpec, merge_heads, merge_rule_spec
+from raot_hf.results import Alignment
+from raot_hf.stages.context import PairContext
+from raot_hf.symmetry import load_state, model_state
+
+logger = logging.getLogger("raot_hf.stages.combine")
+
+#: A per-tensor rule is called on chunks of about this many bytes of A's trunk.
+CHUNK_BYTES = 16 << 20
+
+
+def _finite_gram_keys(gram_keys: dict[str, str], grams_a, grams_b) -> dict[str, str]:
+    """The RegMean weights whose Grams are finite; the others merge linearly (with a warning)."""
+    usable = {
+        w: key
+        for w, key in gram_keys.items()
+        if bool(torch.isfinite(grams_a[key]).all()) and bool(torch.isfinite(grams_b[key]).all())
+    }
+    if len(usable) < len(gram_keys):
+        logger.warning(
+            "NaN/Inf in the calibration activations: %d of %d RegMean weights fall back to the linear merge",
+            len(gram_keys) - len(usable),
+            len(gram_keys),
+        )
+    return usable
+
+
+def _fishers(ctx: PairContext, run, names: set[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Label-free diagonal Fishers of A and of B′ (measured after alignment, since a rotation
+    does not map a diagonal Fisher onto a diagonal one) on the calibration set."""
+    from raot_hf.fisher import diagonal_fisher
+
+    if run is None:
+        raise RaotError("merge_rule='fisher' needs calibration data; pass calibration=... (or --calibration)")
+
+    def batches():
+        for batch in iter_calibration_batches(run.dataset, ctx.preprocessor, run.config):
+            yield batch.inputs
+
+    with ctx.timer.stage("fisher"):
+        kw = dict(names=names, max_examples=ctx.config.fisher.samples, seed=ctx.config.seed)
+        return diagonal_fisher(ctx.model_a, batches(), **kw), diagonal_fisher(ctx.model_b, batches(), **kw)
+
+
+def rule_inputs(ctx: PairContext, spec: MergeRuleSpec, alignment: Alignment, stats, run, trunk: set[str]) -> dict:
+    """What ``spec`` declares it reads besides A, B′ and α."""
+    cfg = ctx.config
+    inputs: dict[str, Any] = {name: cfg.lookup(path) for name, path in spec.options.items()}
+    if spec.needs_grams:
+        if stats is None or not stats.grams:
+            raise RaotError(f"merge_rule={cfg.merge_rule!r} needs calibration data for its Gram matrices")
+        grams_a, grams_b = aligned_grams(stats, ctx.schema, alignment.applied, ctx.model_a, ctx.model_b)
+        inputs.update(grams_a=grams_a, grams_b=grams_b)
+        inputs["linear_weights"] = _finite_gram_keys(stats.gram_keys, grams_a, grams_b)
+    if spec.needs_fisher:
+        inputs["fisher_a"], inputs["fisher_b"] = _fishers(ctx, run, trunk)
+    if spec.needs_base:
+        inputs["base"] = ctx.base.state
+    return inputs
+
+
+def _add_chunk_log(total: dict[str, Any], part: dict[str, Any]) -> None:
+    """Sum one chunk's rule log into ``total`` (counts and totals add, lists such as ``not_in_base`` extend)."""
+    for key, value in part.get("settings", {}).items():
+        if isinstance(value, list):
+            total["settings"].setdefault(key, []).extend(value)
+        else:
+            total["settings"][key] = value
+    for method, n in part.get("counts", {}).items():
+        total["counts"][method] = total["counts"].get(method, 0) + n
+    for name, n in part.get("totals", {}).items():  # entry counts of the base-relative rules
+        total.setdefault("totals", {})[name] = total.get("totals", {}).get(name, 0) + n
+
+
+def _chunks(trunk: dict[str, torch.Tensor]):
+    """The trunk's names in runs of about :data:`CHUNK_BYTES`."""
+    chunk, size = [], 0
+    for name, tensor in trunk.items():
+        chunk.append(name)
+        size += tensor.numel() * tensor.element_size()
+        if size >= CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def merge_in_place(ctx: PairContext, spec: MergeRuleSpec, trunk_a: dict, trunk_b: dict, inputs: dict) -> dict:
+    """Run a per-tensor rule chunk by chunk, writing each result straight into A's parameters
+    (float64 temporaries stay ~100 MB); returns the chunks' logs added up."""
+    base = inputs.pop("base", None)
+    log: dict[str, Any] = {"rule": spec.name, "settings": {}, "counts": {}}
+    for chunk in _chunks(trunk_a):
+        if base is not None:
+            inputs["base"] = {k: base[k] for k in chunk if k in base}
+        part, part_log = spec.fn(
+            {k: trunk_a[k] for k in chunk},
+            {k: trunk_b[k] for k in chunk},
+            alpha=ctx.config.alpha,
+            return_log=True,
+            **inputs,
+        )
+        load_state(ctx.model_a, part)
+        _add_chunk_log(log, part_log)
+        del part
+    return log
+
+
+def _merged_heads(ctx: PairContext, state_a: dict, state_b: dict, head: list[str]) -> dict[str, torch.Tensor]:
+    """The classifier head by the head policy (``b``: A's module takes B′'s head and label config first)."""
+    cfg, ca, cb = ctx.config, ctx.model_a.config, ctx.model_b.config
+    if cfg.head == "b":
+        adopt_head(ctx.model_a, ctx.model_b, head)
+    return merge_heads(
+        state_a,
+        state_b,
+        head,
+        policy=cfg.head,
+        num_labels_a=ca.num_labels,
+        num_labels_b=cb.num_labels,
+        id2label_a=getattr(ca, "id2label", None),
+        id2label_b=getattr(cb, "id2label", None),
+        alpha=cfg.alpha,
+    )
+
+
+def merge_weights(ctx: PairContext, alignment: Alignment, stats, run) -> dict[str, Any]:
+    """Merge A and B′ into A's module; returns the rule's log for the report."""
+    cfg = ctx.config
+    spec = merge_rule_spec(cfg.merge_rule)
+    with ctx.timer.stage("merge"):
+        state_a, state_b = model_state(ctx.model_a), model_state(ctx.model_b)
+        head = sorted(ctx.schema.head_params)
+        trunk_a = {k: v for k, v in state_a.items() if k not in head}
+        trunk_b = {k: v for k, v in state_b.items() if k not in head}
+        inputs = rule_inputs(ctx, spec, alignment, stats, run, set(trunk_a))
+        if spec.per_tensor:
+            log, merged = merge_in_place(ctx, spec, trunk_a, trunk_b, inputs), {}
+        else:
+            merged, log = spec.fn(trunk_a, trunk_b, alpha=cfg.alpha, return_log=True, **inputs)
+            log.pop("params", None)
+        if head:
+            merged.update(_merged_heads(ctx, state_a, state_b, head))
+        load_state(ctx.model_a, merged)
+    counts = ", ".join(f"{n} {m}" for m, n in sorted(log["counts"].items()))
+    logger.info("%s merge (alpha=%g): %s; written into A", spec.name, cfg.alpha, counts)
+    return log

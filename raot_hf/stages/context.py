@@ -1,0 +1,85 @@
+"""What every stage reads: the two models, their schema, the options, the process group, the clock.
+
+The stages of a merge (docs/architecture.md) are plain functions of a :class:`PairContext` and
+of what the previous stage returned; nothing is kept on the side.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from raot_hf.adapters.schema import ModelSchema
+from raot_hf.distributed import DistributedContext
+
+
+class StageTimer:
+    """Wall time per stage name (a stage entered twice adds up)."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str):
+        """Time the block under ``name``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+
+
+@dataclass
+class BaseModel:
+    """The checkpoint A and B were fine-tuned from (base-relative rules, docs/design.md §6.6):
+    its trunk under A's names, A's trunk names it lacks, and A's and B's distances from it."""
+
+    model: torch.nn.Module
+    state: dict[str, torch.Tensor]
+    missing: list[str]
+    task_norms: dict[str, float]
+    source: Any
+
+
+@dataclass
+class PairContext:
+    """The pair being merged and everything the stages share."""
+
+    model_a: torch.nn.Module
+    model_b: torch.nn.Module
+    schema: ModelSchema
+    config: Any  # raot_hf.RaotConfig
+    preprocessor: Any
+    dist: DistributedContext
+    timer: StageTimer = field(default_factory=StageTimer)
+    base: BaseModel | None = None
+
+    @property
+    def stats_device(self) -> torch.device:
+        """Where the calibration statistics accumulate: this process's accelerator when the pass is
+        sharded, else A's device."""
+        return self.dist.device if self.dist.is_distributed else next(self.model_a.parameters()).device
+
+
+def on_device_of(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``inputs`` moved to ``model``'s device."""
+    device = next(model.parameters()).device
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+@contextmanager
+def one_thread():
+    """Run the solve on one intra-op thread: its work is many small operations (k×k
+    correlations, batched h×h SVDs, assignments in scipy), where a parallel region mostly
+    waits for its slowest thread — measured 5.6–8 s with one thread vs 26–78 s with two for
+    BERT-base on a loaded 2-core machine (1.5 s either way when it is quiet)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

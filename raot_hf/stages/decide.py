@@ -1,0 +1,113 @@
+"""Stage: the gate — every candidate competes with the identity (docs/design.md §5).
+
+First each candidate's held-out alignment-objective gain (:func:`alignment_decisions`); then,
+under the default merge objective, :func:`raot_hf.merge_gate.merge_gate` re-decides them by the
+merged computation's fidelity and the sibling check; :func:`decide` returns the
+:class:`raot_hf.results.Alignment` with what is to be applied to B.
+"""
+
+from __future__ import annotations
+
+from raot_hf.estimators import estimator_spec, is_identity
+from raot_hf.estimators.activation import head_gains, mlp_gains, residual_gains
+from raot_hf.gate import GateDecision
+from raot_hf.gate import decide as decide_one
+from raot_hf.merge_gate import merge_gate
+from raot_hf.results import Alignment
+from raot_hf.stages.context import PairContext
+from raot_hf.symmetry import (
+    HeadAlignment,
+    HeadRescale,
+    MLPPermutation,
+    SoftTransport,
+    Transform,
+    TransformSequence,
+    is_exact,
+)
+
+_SPACE_KIND = {"mlp": "mlp", "qk": "heads", "vo": "heads", "residual": "residual"}
+
+
+def _kind_and_layer(t: Transform) -> tuple[str, int | None]:
+    if isinstance(t, MLPPermutation):
+        return "mlp", t.layer
+    if isinstance(t, HeadAlignment):
+        return "heads", t.layer
+    return "residual", None
+
+
+def _ungated(kind: str, layer: int | None, applied: bool, reason: str, t: Transform) -> GateDecision:
+    nan = float("nan")
+    return GateDecision(kind, layer, nan, nan, nan, nan, nan, applied, reason, t.describe())
+
+
+def _scored(ctx: PairContext, t: Transform, stats) -> GateDecision:
+    """The held-out alignment-objective decision of one exact candidate."""
+    cfg, ho = ctx.config, stats.heldout
+    H, h = ctx.schema.num_heads, ctx.schema.head_size
+    kind, layer = _kind_and_layer(t)
+    if kind == "mlp":
+        gains, identity = mlp_gains(ho.mlp[layer])
+    elif kind == "heads":
+        gains, identity = head_gains(ho.q[layer], ho.k[layer], ho.ctx[layer], H, h)
+    else:
+        gains, identity = residual_gains(ho.stream)
+    gate = cfg.gate
+    return decide_one(
+        kind,
+        layer,
+        gains,
+        identity,
+        z=gate.z,
+        min_gain=gate.min_gain,
+        heldout_tokens=int(ho.tokens),
+        min_tokens=gate.min_heldout_tokens,
+        is_identity=is_identity(t),
+        enabled=gate.enabled,
+        description=t.describe(),
+    )
+
+
+def alignment_decisions(ctx: PairContext, parts: list[Transform], stats) -> list[GateDecision]:
+    """One row per candidate (head rescales follow their layer's heads): the alignment objective's
+    decision, or why the candidate is not gated (soft transport, no calibration data)."""
+    decisions = []
+    for t in parts:
+        if isinstance(t, HeadRescale):
+            continue
+        if isinstance(t, SoftTransport):
+            space = ctx.schema.space(t.space)
+            reason = "soft transport baseline: not a symmetry, not gated"
+            decisions.append(_ungated(_SPACE_KIND[space.kind], space.layer, True, reason, t))
+        elif stats is None:
+            decisions.append(_ungated(*_kind_and_layer(t), not is_identity(t), "no calibration: gate skipped", t))
+        else:
+            decisions.append(_scored(ctx, t, stats))
+    return decisions
+
+
+def applied_transforms(parts: list[Transform], decisions: list[GateDecision]) -> TransformSequence:
+    """The candidates whose decision applied them (a head rescale goes with its layer's heads)."""
+    applied = {(d.transform, d.layer) for d in decisions if d.applied}
+    chosen = []
+    for t in parts:
+        if isinstance(t, SoftTransport):
+            chosen.append(t)
+        elif isinstance(t, HeadRescale):
+            if ("heads", t.layer) in applied:
+                chosen.append(t)
+        elif _kind_and_layer(t) in applied:
+            chosen.append(t)
+    return TransformSequence(chosen)
+
+
+def decide(ctx: PairContext, parts: list[Transform], logs: dict, stats, run) -> Alignment:
+    """Gate every candidate and return the alignment (nothing is applied to the models yet)."""
+    cfg = ctx.config
+    if cfg.alignment == "none" or not cfg.scope:
+        return Alignment([], TransformSequence([]), True)
+    with ctx.timer.stage("gate"):
+        gated = estimator_spec(cfg.alignment).gated
+        decisions, verdict, fidelity = merge_gate(ctx, run, parts, stats, alignment_decisions(ctx, parts, stats), gated)
+    applied = applied_transforms(parts, decisions)
+    return Alignment(decisions, applied, is_exact(applied, ctx.schema), logs, verdict, fidelity)

