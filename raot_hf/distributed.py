@@ -135,7 +135,10 @@ class DistributedContext:
 def statistics_pass_needed(config, calibration: Any = None) -> bool:
     """Whether :meth:`RaotMerger.align` runs the calibration pass for ``config`` — the one step
     in which every process takes part (it mirrors ``align``'s rule; a test keeps them equal)."""
-    wants_data = config.alignment != "none" or config.merge_rule in ("regmean", "fisher")
+    from raot_hf.merging import merge_rule_spec
+
+    rule = merge_rule_spec(config.merge_rule)
+    wants_data = config.alignment != "none" or rule.needs_grams or rule.needs_fisher
     return bool(wants_data and (config.needs_calibration or calibration is not None or config.calibration.source))
 
 

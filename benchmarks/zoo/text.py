@@ -31,9 +31,9 @@ from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 from raot_hf.demo.training import (
     CALIBRATION_SIZE,
     SPLIT_SEED,
+    build_seed_pair,
     cached_build,
     check_heads,
-    check_seed_pair,
     evaluate_accuracy,
     label_maps,
     limit_examples,
@@ -226,17 +226,10 @@ def build_bert_pair(
     ``training_options`` (``dataset``, ``vocab_size``, ``max_length``, ``batch_size``,
     ``learning_rate``, ``max_train_examples``) go to :func:`build_bert`.
     """
-    first, second = check_seed_pair(seeds)
-    common = dict(
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        intermediate_size=intermediate_size,
-        epochs=epochs,
-        cache_dir=cache_dir,
-        **training_options,
+    sizes = dict(
+        hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, intermediate_size=intermediate_size
     )
-    return build_bert(seed=first, **common), build_bert(seed=second, **common)
+    return build_seed_pair(build_bert, seeds, epochs=epochs, cache_dir=cache_dir, **sizes, **training_options)
 
 
 def train_bert(params: dict, out_dir: Path, tokenizer=None) -> dict:

@@ -27,9 +27,9 @@ from PIL import Image
 from raot_hf.demo.training import (
     CALIBRATION_SIZE,
     SPLIT_SEED,
+    build_seed_pair,
     cached_build,
     check_heads,
-    check_seed_pair,
     evaluate_accuracy,
     label_maps,
     limit_examples,
@@ -177,18 +177,12 @@ def build_vit_pair(
     ``training_options`` (``batch_size``, ``learning_rate``, ``max_train_examples``) go to
     :func:`build_vit`.
     """
-    first, second = check_seed_pair(seeds)
-    common = dict(
-        dataset=dataset,
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        intermediate_size=intermediate_size,
-        epochs=epochs,
-        cache_dir=cache_dir,
-        **training_options,
+    sizes = dict(
+        hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, intermediate_size=intermediate_size
     )
-    return build_vit(seed=first, **common), build_vit(seed=second, **common)
+    return build_seed_pair(
+        build_vit, seeds, dataset=dataset, epochs=epochs, cache_dir=cache_dir, **sizes, **training_options
+    )
 
 
 def train_vit(params: dict, out_dir: Path) -> dict:

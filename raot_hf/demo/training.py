@@ -160,6 +160,12 @@ def check_seed_pair(seeds: Sequence[int]) -> tuple[int, int]:
     return pair  # type: ignore[return-value]
 
 
+def build_seed_pair(build, seeds: Sequence[int], **settings) -> tuple:
+    """``build(seed=s, **settings)`` for each of two distinct seeds: a pair that differs only in seed."""
+    first, second = check_seed_pair(seeds)
+    return build(seed=first, **settings), build(seed=second, **settings)
+
+
 def check_heads(hidden_size: int, num_heads: int) -> None:
     """Raise RaotError unless ``num_heads`` divides ``hidden_size``."""
     if hidden_size <= 0 or num_heads <= 0 or hidden_size % num_heads:

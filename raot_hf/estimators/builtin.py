@@ -125,14 +125,14 @@ register_estimator(
     "activation",
     activation_candidates,
     needs_statistics=True,
-    description="RaOT: one calibration pass, exact assignment of heads with rotations, mean-preserving Procrustes",
+    description="RaOT: activation-estimated alignment from one calibration pass, gated against the identity",
 )
 register_estimator(
     "weight",
     weight_candidates,
     needs_statistics=False,
     options="weight",
-    description="data-free weight matching (the rotation-symmetry paper's baseline)",
+    description="weight-based matching (rotation-symmetry paper baseline, no data)",
 )
 register_estimator(
     "soft_ot",
@@ -140,5 +140,5 @@ register_estimator(
     needs_statistics=True,
     gated=False,
     options="soft_ot",
-    description="Sinkhorn transport plans (OT fusion baseline; approximate)",
+    description="soft transport plans (Sinkhorn, OT-fusion baseline; not a symmetry, approximate)",
 )

@@ -35,6 +35,17 @@ def _base_rule_options(rule: str | None) -> tuple[str, ...]:
     return tuple(merge_rule_spec(rule).options.values())
 
 
+def _method_description(alignment: str | None) -> str | None:
+    """The card's line for the estimator, from its registration."""
+    from raot_hf.estimators import available_estimators, estimator_spec
+
+    if alignment == "none":
+        return "no alignment (plain merge)"
+    if alignment in available_estimators():
+        return estimator_spec(alignment).description or alignment
+    return alignment
+
+
 def model_card_context(report: dict[str, Any]) -> dict[str, Any]:
     """The ``card`` dict :func:`raot_hf.outputs.card.render_model_card` renders, built from a report."""
     settings = report.get("settings", {})
@@ -42,11 +53,7 @@ def model_card_context(report: dict[str, Any]) -> dict[str, Any]:
     a, b = inputs.get("a", {}), inputs.get("b", {})
     arch = a.get("architecture", "")
     tag = next((t for suffix, t in _PIPELINE_TAGS.items() if arch.endswith(suffix)), None)
-    method = {
-        "activation": "RaOT: activation-estimated alignment from one calibration pass, gated against the identity",
-        "weight": "weight-based matching (rotation-symmetry paper baseline, no data)",
-        "none": "no alignment (plain merge)",
-    }.get(settings.get("alignment"), settings.get("alignment"))
+    method = _method_description(settings.get("alignment"))
     scope = settings.get("scope") or []
     base = inputs.get("base") or {}
     return {

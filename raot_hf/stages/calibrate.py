@@ -32,6 +32,7 @@ from raot_hf.errors import RaotError
 from raot_hf.estimators import estimator_spec
 from raot_hf.estimators.activation import candidate_maps
 from raot_hf.estimators.builtin import residual_mode
+from raot_hf.merging import merge_rule_spec
 from raot_hf.stages.context import PairContext
 
 logger = logging.getLogger("raot_hf.stages.calibrate")
@@ -47,6 +48,11 @@ class CalibrationRun:
     fingerprint: dict[str, Any]
     check_inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
     check_reference: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+
+def _needs_grams(config) -> bool:
+    """Whether the merge rule reads Gram matrices of the layers' inputs (RegMean)."""
+    return merge_rule_spec(config.merge_rule).needs_grams
 
 
 def check_calibration_early(cal: CalibrationConfig, preprocessor) -> tuple[dict[str, Any], Any, str]:
@@ -100,7 +106,7 @@ def fit_phase(ctx: PairContext, run: CalibrationRun) -> CalibrationStatistics:
         run,
         "fit",
         # weight-based alignment and a linear or Fisher merge read nothing from the fit examples
-        forward=moments or cfg.merge_rule == "regmean",
+        forward=moments or _needs_grams(cfg),
         stream_full=rotation,
         moment_stride=run.config.moment_stride,
         moments=moments,
@@ -124,7 +130,7 @@ def heldout_phase(ctx: PairContext, run: CalibrationRun, stats: CalibrationStati
     schema = ctx.schema
     maps = candidate_maps(candidates, schema.num_heads, schema.head_size, device=ctx.stats_device)
     # nothing to score and no Grams to finish: the held-out examples need no forward
-    wanted = bool(maps) or ctx.config.merge_rule == "regmean"
+    wanted = bool(maps) or _needs_grams(ctx.config)
     heldout = run_phase(ctx, run, "heldout", candidates=maps, forward=wanted)
     stats.absorb(heldout)
     if not all(torch.isfinite(t).all() for t in stats.heldout.tensors()):
@@ -156,7 +162,7 @@ def run_phase(
     total = count_calibration_batches(run.dataset, run.config, **shard) if forward else 0
     if phase == "heldout":
         run.check_inputs, run.check_reference = [], []
-    grams = ctx.config.merge_rule == "regmean"
+    grams = _needs_grams(ctx.config)
     try:
         with StatisticsCollector(
             ctx.model_a, ctx.model_b, ctx.schema, phase=phase, grams=grams, **collector_options
