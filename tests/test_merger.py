@@ -255,3 +255,35 @@ def test_broken_exact_transform_raises(monkeypatch):
     pre, data = _data("bert")
     with pytest.raises(EquivalenceError, match="exact transform changed"):
         RaotMerger.from_models(a, b, preprocessor=pre, scope=("residual",)).merge(calibration=data)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_scramble_passes_the_check_and_a_broken_transform_still_raises(monkeypatch, dtype):
+    """Storing transformed 16-bit weights rounds them: the check tolerates 16 machine epsilons
+    (docs/design.md §5.5) — an exact scramble of a bf16 / fp16 Llama deviates by ~1 eps and
+    merges back to A within rounding; a transform that breaks the function still raises."""
+    from raot_hf import EquivalenceError
+    from raot_hf.stages import apply
+    from raot_hf.testing import output_deviation, tiny_text_dataset, tiny_tokenizer
+
+    eps = torch.finfo(dtype).eps
+    a = tiny_model("llama", "causal", dtype=dtype, seed=0)
+    b = clone(a)
+    scramble(b, seed=1)
+    pre, data = tiny_tokenizer(100), tiny_text_dataset(96, vocab_size=100)
+    result = RaotMerger.from_models(clone(a), b, preprocessor=pre).merge(calibration=data)
+    check = result.report["checks"][0]
+    assert check["threshold"] == 16 * eps and 0 < check["value"] < 4 * eps
+    assert output_deviation(a, result.model, example_inputs(a), relative=True) < 8 * eps
+
+    real = apply.transform_model
+
+    def forgets_a_writer(model, schema, transform, **kw):  # fault injection: layer 0's MLP output flips sign
+        real(model, schema, transform, **kw)
+        model.model.layers[0].mlp.down_proj.weight.data.neg_()
+
+    monkeypatch.setattr(apply, "transform_model", forgets_a_writer)
+    b = clone(a)
+    scramble(b, seed=1)
+    with pytest.raises(EquivalenceError, match="exact transform changed"):
+        RaotMerger.from_models(clone(a), b, preprocessor=pre).merge(calibration=data)

@@ -20,6 +20,22 @@ from raot_hf.symmetry import fold_model, transform_model
 logger = logging.getLogger("raot_hf.stages.apply")
 
 
+#: Tolerated B′ ≡ B deviation of a 16-bit model, in units of its dtype's machine epsilon: storing
+#: the transformed weights rounds them, and scrambles of tiny bf16 / fp16 models (2–16 layers;
+#: Llama, GPT-2, ViT) deviate by 0.3–2.3 eps (docs/design.md §5.5).
+HALF_PRECISION_EPS = 16
+
+
+def exactness_threshold(dtype: torch.dtype) -> float:
+    """The largest relative deviation an exact transform may show in ``dtype``: 1e-9 (float64),
+    1e-4 (float32), 16 machine epsilons for 16-bit floats (bf16 0.125, fp16 0.0156)."""
+    if dtype == torch.float64:
+        return 1e-9
+    if torch.finfo(dtype).bits <= 16:
+        return HALF_PRECISION_EPS * torch.finfo(dtype).eps
+    return 1e-4
+
+
 def _check_inputs(ctx: PairContext, run) -> tuple[list[dict], list[dict]]:
     """The check's inputs and B's outputs on them: the held-out rows kept by the calibration
     pass, or synthetic inputs (B runs on them now, before it is transformed)."""
@@ -62,7 +78,7 @@ def apply_and_check(ctx: PairContext, alignment: Alignment, run) -> list[dict[st
             if "residual" in actions and actions["residual"].perm is None and ctx.schema.norm == "pre":
                 fold_model(ctx.model_a, ctx.schema)
         value = deviation(ctx, reference, inputs, actions)
-        threshold = 1e-9 if next(ctx.model_b.parameters()).dtype == torch.float64 else 1e-4
+        threshold = exactness_threshold(next(ctx.model_b.parameters()).dtype)
         check = {
             "name": "B′ ≡ B on held-out inputs (max relative deviation)",
             "value": value,
