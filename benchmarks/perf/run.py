@@ -43,7 +43,19 @@ ROOT = HERE.parents[1]
 SHAPES = {
     "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
     "minilm-l6": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536),
+    # a Llama-shaped decoder of ~0.49 B parameters with grouped-query attention, bf16 on disk and in memory
+    "llama-0.5b": dict(
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        intermediate_size=4096,
+        family="llama",
+        dtype="bfloat16",
+    ),
 }
+# the same in float32 (CPUs without fast bf16 kernels: there bf16 forwards are several times slower)
+SHAPES["llama-0.5b-fp32"] = {**SHAPES["llama-0.5b"], "dtype": "float32"}
 VOCAB = 30522
 #: Targets of the issue: total ≤ 1.25 × floor; solve ≤ 10 s (base shape, 2 cores); peak RSS ≤ 3 × (A + B).
 TARGET_RATIO, TARGET_SOLVE_S, TARGET_RSS = 1.25, 10.0, 3.0
@@ -112,8 +124,8 @@ def worker_floor(args) -> dict:
         start = time.perf_counter()
         sampler.stage = "load"
         tokenizer = transformers.AutoTokenizer.from_pretrained(work / "A")
-        model_a = transformers.AutoModel.from_pretrained(work / "A").eval()
-        model_b = transformers.AutoModel.from_pretrained(work / "B").eval()
+        model_a = transformers.AutoModel.from_pretrained(work / "A", dtype="auto").eval()
+        model_b = transformers.AutoModel.from_pretrained(work / "B", dtype="auto").eval()
         times["load"] = time.perf_counter() - start
         sampler.stage, t = "forward", time.perf_counter()
         cal = _calibration_config(args)
@@ -199,10 +211,24 @@ def worker_merge(args) -> dict:
 # ----------------------------------------------------------------------------------- setup
 
 
+def _random_model(shape: str):
+    """A randomly initialised base model of ``shape`` (BERT unless the shape names a family)."""
+    import torch
+    import transformers
+
+    settings = dict(SHAPES[shape])
+    family, dtype = settings.pop("family", "bert"), settings.pop("dtype", "float32")
+    if family == "llama":
+        config = transformers.LlamaConfig(vocab_size=VOCAB, tie_word_embeddings=False, **settings)
+        model = transformers.LlamaModel(config)
+    else:
+        model = transformers.BertModel(transformers.BertConfig(vocab_size=VOCAB, **settings))
+    return model.to(getattr(torch, dtype)).eval()
+
+
 def prepare(workdir: Path, shape: str, examples: int, seq: int, seed: int = 0) -> None:
     """Random A, B = scramble(A) (safetensors), a shared tokenizer and a synthetic calibration set."""
     import torch
-    import transformers
 
     from raot_hf import scramble
     from raot_hf.testing import tiny_tokenizer
@@ -213,8 +239,7 @@ def prepare(workdir: Path, shape: str, examples: int, seq: int, seed: int = 0) -
     if marker.is_file() and json.loads(marker.read_text()) == spec:
         return
     torch.manual_seed(seed)
-    config = transformers.BertConfig(vocab_size=VOCAB, **SHAPES[shape])
-    model = transformers.BertModel(config).eval()
+    model = _random_model(shape)
     tokenizer = tiny_tokenizer(VOCAB)
     model.save_pretrained(workdir / "A")
     tokenizer.save_pretrained(workdir / "A")
