@@ -1,8 +1,8 @@
 """Time and peak memory of a merge against its floor (docs/design.md §7).
 
-For each shape (a BERT-base-shaped pair, an all-MiniLM-L6-v2-shaped pair: random weights, B a
-scrambled copy of A so that every transform is estimated, accepted and applied) this runs, each
-in a fresh subprocess:
+For each shape (a BERT-base-shaped pair, an all-MiniLM-L6-v2-shaped pair, a Llama-shaped 0.49 B
+decoder with grouped-query attention in bf16 or float32: random weights, B a scrambled copy of A
+so that every transform is estimated, accepted and applied) this runs, each in a fresh subprocess:
 
 * **floor** — load A and B, two plain forward passes (A, then B) over the calibration batches,
   save one model with ``save_pretrained``;
