@@ -145,45 +145,34 @@ def _minilm_base(seed=0, cache_dir=None):
     return minilm_path()
 
 
-def _finetuned_vit(seed, dataset, hidden_size=64, epochs=3, cache_dir=None):
-    """The digits ViT of ``seed`` (the base) fine-tuned on ``dataset`` ("digits" or "mnist5k",
-    resized to 8×8 by the base's processor); the head is the base's (both label spaces are 0–9)."""
+def _finetuned(family: str, base, seed, dataset, epochs, cache_dir, **extra):
+    """``base`` fine-tuned on ``dataset`` (:func:`benchmarks.zoo.finetune`), cached by all settings."""
     from benchmarks.zoo import cached_build, finetune
 
-    base = _zoo_vit(seed, "digits", hidden_size, cache_dir)
     params = {
-        "kind": "bench-finetuned-vit",
+        "kind": f"bench-finetuned-{family}",
         "base": Path(base).name,
         "dataset": dataset,
         "seed": seed,
         "epochs": epochs,
         "batch_size": 64,
-        "learning_rate": FINETUNE["vit"]["learning_rate"],
+        "learning_rate": FINETUNE[family]["learning_rate"],
+        **extra,
     }
-    return cached_build(
-        f"bench-vit-ft-{dataset}-base{seed}", params, lambda out: finetune(base, params, out), cache_dir
-    )
+    name = f"bench-{family}-ft-{dataset}-base{seed}"
+    return cached_build(name, params, lambda out: finetune(base, params, out), cache_dir)
+
+
+def _finetuned_vit(seed, dataset, hidden_size=64, epochs=3, cache_dir=None):
+    """The digits ViT of ``seed`` (the base) fine-tuned on ``dataset`` ("digits" or "mnist5k",
+    resized to 8×8 by the base's processor); the head is the base's (both label spaces are 0–9)."""
+    return _finetuned("vit", _zoo_vit(seed, "digits", hidden_size, cache_dir), seed, dataset, epochs, cache_dir)
 
 
 def _finetuned_bert(seed, dataset, epochs, cache_dir=None):
     """The sentiment BERT of ``seed`` (the base) fine-tuned on ``dataset`` with the base's
     tokenizer; for another task than the base's the classifier is re-initialized (seeded)."""
-    from benchmarks.zoo import cached_build, finetune
-
-    base = _zoo_bert(seed, cache_dir)
-    params = {
-        "kind": "bench-finetuned-bert",
-        "base": Path(base).name,
-        "dataset": dataset,
-        "seed": seed,
-        "epochs": epochs,
-        "max_length": 64,
-        "batch_size": 64,
-        "learning_rate": FINETUNE["bert"]["learning_rate"],
-    }
-    return cached_build(
-        f"bench-bert-ft-{dataset}-base{seed}", params, lambda out: finetune(base, params, out), cache_dir
-    )
+    return _finetuned("bert", _zoo_bert(seed, cache_dir), seed, dataset, epochs, cache_dir, max_length=64)
 
 
 BUILDERS = {

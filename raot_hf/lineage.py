@@ -38,7 +38,11 @@ class LineageEvidence:
     """Per-estimate identity affinities and the sibling verdict drawn from them."""
 
     affinities: list[dict] = field(default_factory=list)  # {"transform", "layer", "affinity", "needed"}
-    siblings: bool = False
+
+    @property
+    def siblings(self) -> bool:
+        """At least one estimate, and every one identity-dominated."""
+        return bool(self.affinities) and all(a["affinity"] >= a["needed"] for a in self.affinities)
 
     @property
     def smallest(self) -> float:
@@ -69,10 +73,10 @@ def identity_affinity(t: Transform) -> tuple[str, int | None, float, int] | None
     if isinstance(t, HeadAlignment):
         fixed = _fixed_fraction(t.perm)
         qk, vo = _normalised_traces(t.qk), _normalised_traces(t.vo)
-        # Grouped attention may carry fewer Q/K or V/O maps than query heads (one per KV head).
-        rotation = 0.5 * (qk.mean() + vo.mean()) if qk.numel() != fixed.numel() or vo.numel() != fixed.numel() else None
-        per_head = fixed * (rotation if rotation is not None else 0.5 * (qk + vo))
-        return "heads", t.layer, float(per_head.mean()), t.perm.numel() * t.qk.shape[-1]
+        # grouped attention may carry one Q/K or V/O map per KV head: then their mean trace
+        per_head = qk.shape == vo.shape == fixed.shape
+        rotation = 0.5 * (qk + vo) if per_head else 0.5 * (qk.mean() + vo.mean())
+        return "heads", t.layer, float((fixed * rotation).mean()), t.perm.numel() * t.qk.shape[-1]
     return None
 
 
@@ -88,5 +92,4 @@ def detect_siblings(
         kind, layer, affinity, size = measured
         needed = max(threshold, chance_multiple / max(size, 1))
         evidence.affinities.append({"transform": kind, "layer": layer, "affinity": affinity, "needed": needed})
-    evidence.siblings = bool(evidence.affinities) and all(a["affinity"] >= a["needed"] for a in evidence.affinities)
     return evidence

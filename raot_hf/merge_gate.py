@@ -121,18 +121,21 @@ class _GateRun:
     z: float
     floor: float
 
+    def __post_init__(self):
+        # the residual candidate's dense map, shared by every layer's block-local scores
+        self.stream = stream_matrix(self.merged.residual, self.merged.schema)
+
     def decide_layer(self, i: int, keys: list[tuple], per_layer: dict, rows: dict) -> tuple[dict, list[Transform]]:
         """Layer ``i``'s decisions, block-local: heads first, then the MLP given the heads'
         decision (the MLP reads what the attention wrote, so it is judged with the attention as
         it will be merged). Returns the decisions and the accepted transforms."""
         name = self.layer_names[i]
-        module = dict(self.model_a.named_modules())[name]
-        stream = stream_matrix(self.merged.residual, self.merged.schema)
+        module = self.model_a.get_submodule(name)
 
         def score(transforms):
             params = self.merged.merged(i, transforms)
             hidden = self.merged.schema.hidden_size
-            return layer_fidelity(module, name, params, self.chunks, i, stream, self.alpha, hidden)
+            return layer_fidelity(module, name, params, self.chunks, i, self.stream, self.alpha, hidden)
 
         chosen: list[Transform] = []
         base, decided = score(chosen), {}
@@ -178,9 +181,11 @@ def run_merge_gate(
     alpha: float,
     z: float,
     floor: float = 0.0,
+    layer_names: list[str] | None = None,
 ) -> MergeGateResult:
-    """Re-decide every transform by merge fidelity (see the module docstring)."""
-    layer_names = layer_module_names(model_a, schema)
+    """Re-decide every transform by merge fidelity (see the module docstring); ``layer_names``:
+    the layer modules' names when the caller has them already."""
+    layer_names = layer_names or layer_module_names(model_a, schema)
     rows = {(d.transform, d.layer): d for d in alignment_rows}
     n = sum(int(c.mask.shape[0]) for c in chunks)
     if n < MIN_GATE_EXAMPLES:
@@ -257,7 +262,7 @@ def as_siblings(result: MergeGateResult, evidence: LineageEvidence) -> MergeGate
     identity stands everywhere; the merge-fidelity comparison stays in the report as evidence."""
     why = f"siblings: every estimate is near the identity (smallest identity affinity {evidence.smallest:.3f})"
     decisions = [_reject(d, why) if d.applied else d for d in result.decisions]
-    info = dict(result.model_fidelity, siblings=evidence.to_dict(), passed=False)
+    info = dict(result.model_fidelity, passed=False)
     evidence_line = ""
     if "aligned" in info:
         evidence_line = (
@@ -292,11 +297,20 @@ def merge_gate(ctx, run, parts: list[Transform], stats, decisions: list[GateDeci
     ctx.timer.times["gate_capture"] = time.perf_counter() - start  # a part of the "gate" stage
     gate = cfg.gate
     result = run_merge_gate(
-        ctx.model_a, ctx.model_b, ctx.schema, parts, decisions, chunks, alpha=cfg.alpha, z=gate.z, floor=gate.min_gain
+        ctx.model_a,
+        ctx.model_b,
+        ctx.schema,
+        parts,
+        decisions,
+        chunks,
+        alpha=cfg.alpha,
+        z=gate.z,
+        floor=gate.min_gain,
+        layer_names=names,
     )
     if gate.sibling_check:
         evidence = detect_siblings(parts)
         result = as_siblings(result, evidence) if evidence.siblings else result
-        result.model_fidelity.setdefault("siblings", evidence.to_dict())
+        result.model_fidelity["siblings"] = evidence.to_dict()
     logger.info("merge gate: %s", result.verdict)
     return result.decisions, result.verdict, result.model_fidelity

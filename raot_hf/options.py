@@ -19,6 +19,7 @@ from typing import Any
 
 from raot_hf.calibration.settings import CalibrationConfig
 from raot_hf.errors import RaotError
+from raot_hf.sections import OptionSection
 
 GATE_OBJECTIVES = ("merge", "alignment")
 
@@ -56,29 +57,6 @@ def check_non_negative_int(name: str, value: Any) -> None:
     """Refuse anything but an integer ≥ 0 (booleans included)."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise RaotError(f"{name}={value!r} must be a non-negative integer")
-
-
-class OptionSection:
-    """Shared ``to_dict`` / ``from_dict`` of the option sections (``section`` names it in errors)."""
-
-    section = "options"
-
-    def to_dict(self) -> dict[str, Any]:
-        """The settings as a JSON-safe dict (the inverse of :meth:`from_dict`)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Any):
-        """Build the section from :meth:`to_dict` output; unknown keys are an error."""
-        if not isinstance(data, dict):
-            raise RaotError(f"{cls.section} options must be a dict of setting names to values, got {data!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(str(k) for k in set(data) - known)
-        if unknown:
-            raise RaotError(
-                f"unknown {cls.section} option(s) {', '.join(map(repr, unknown))}; valid: {', '.join(sorted(known))}"
-            )
-        return cls(**data)
 
 
 def _meta(help: str, legacy: str, **extra: Any) -> dict[str, Any]:

@@ -7,15 +7,15 @@ and :mod:`raot_hf.calibration.batches` (splitting, encoding and batching), and i
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from raot_hf.errors import RaotError
+from raot_hf.sections import OptionSection
 
 
 @dataclass
-class CalibrationConfig:
+class CalibrationConfig(OptionSection):
     """Where the calibration data comes from and how it is sampled and batched.
 
     ``source`` is a Hub dataset id, a local data file (csv/tsv/json/jsonl/parquet/arrow/txt),
@@ -26,6 +26,8 @@ class CalibrationConfig:
     cross moments from every s-th real token of each example only (see
     :class:`~raot_hf.calibration.collector.StatisticsCollector`): s times cheaper, 1/√s noisier.
     """
+
+    section, noun = "calibration", "setting"  # in from_dict errors: "unknown calibration setting(s) …"
 
     source: str | None = None
     config_name: str | None = None
@@ -50,21 +52,6 @@ class CalibrationConfig:
         _require_int("seed", self.seed, minimum=0)
         _require_int("heldout_every", self.heldout_every, minimum=2)
         _require_int("moment_stride", self.moment_stride, minimum=1)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return the settings as a JSON-safe dict (the inverse of :meth:`from_dict`)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CalibrationConfig:
-        """Build a config from :meth:`to_dict` output; unknown keys are an error."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(str(k) for k in set(data) - known)
-        if unknown:
-            raise RaotError(
-                f"unknown calibration setting(s) {', '.join(map(repr, unknown))}; valid: {', '.join(sorted(known))}"
-            )
-        return cls(**data)
 
 
 def _require_int(name: str, value: Any, *, minimum: int) -> None:

@@ -102,8 +102,8 @@ def weight_candidates(request: EstimationRequest) -> tuple[list[Transform], dict
         request.state_b,
         request.schema,
         scope=request.scope("mlp", "heads"),
-        rescale=cfg.weight.rescale,
-        match_heads=cfg.weight.match_heads,
+        rescale=request.options.rescale,
+        match_heads=request.options.match_heads,
         return_log=True,
         **({} if cfg.rotations else {"rotations": False}),
     )
@@ -115,9 +115,7 @@ def soft_ot_candidates(request: EstimationRequest) -> tuple[list[Transform], dic
     from raot_hf.estimators.soft_ot import estimate_soft_ot
 
     scope = request.scope("mlp", "heads")
-    t, log = estimate_soft_ot(
-        request.stats, request.schema, scope=scope, reg=request.config.soft_ot.reg, return_log=True
-    )
+    t, log = estimate_soft_ot(request.stats, request.schema, scope=scope, reg=request.options.reg, return_log=True)
     return list(t.transforms), {"soft_ot": log}
 
 

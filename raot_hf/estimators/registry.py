@@ -25,7 +25,8 @@ from raot_hf.errors import RaotError
 @dataclass
 class EstimationRequest:
     """Everything an estimator may read: the statistics (None without calibration), the schema,
-    both state dicts, the config and whether this process shows progress bars."""
+    both state dicts, the config, whether this process shows progress bars, and its own options
+    section of the config."""
 
     stats: Any
     schema: Any
@@ -33,6 +34,7 @@ class EstimationRequest:
     state_b: dict[str, torch.Tensor]
     config: Any
     progress: bool = True
+    options: Any = None  # the config section the registration names (e.g. ``config.weight``), if any
 
     def scope(self, *allowed: str) -> tuple[str, ...]:
         """The configured scope restricted to what this estimator can estimate."""

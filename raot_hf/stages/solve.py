@@ -24,9 +24,9 @@ def solve(ctx: PairContext, stats) -> tuple[list[Transform], dict[str, Any]]:
     logs: dict[str, Any] = {}
     with ctx.timer.stage("solve"):
         if ctx.dist.is_main or not shared:
-            request = EstimationRequest(
-                stats, ctx.schema, model_state(ctx.model_a), model_state(ctx.model_b), cfg, ctx.dist.is_main
-            )
+            states = model_state(ctx.model_a), model_state(ctx.model_b)
+            options = cfg.lookup(spec.options) if spec.options else None
+            request = EstimationRequest(stats, ctx.schema, *states, cfg, ctx.dist.is_main, options)
             with one_thread():
                 parts, logs = spec.fn(request)
         if shared:
