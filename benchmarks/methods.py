@@ -70,6 +70,11 @@ METHODS: tuple[Method, ...] = (
     ),
     Method("raot-nogate", "RaOT without the gate", {"alignment": "activation", "gate": False}),
     Method(
+        "raot-norope",
+        "RaOT with free Q/K head rotations, ignoring RoPE (inexact on RoPE models; ablation)",
+        {"alignment": "activation", "rope_restricted": False},
+    ),
+    Method(
         "raot-stride4",
         "RaOT with fit moments from every 4th token",
         {"alignment": "activation", "calibration": {"moment_stride": 4}},

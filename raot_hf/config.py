@@ -73,6 +73,10 @@ class RaotConfig:
       reported as such); ``permutation``.
     * ``rotations``: estimate within-head Q/K and V/O rotations (False: heads are matched by
       permutation only, R = I — with ``residual="permutation"`` the permutation-only baseline).
+    * ``rope_restricted``: on a RoPE model (Llama family) the Q/K maps are restricted to one 2×2
+      rotation per rotary pair, the maps that commute with the position rotations (exact). Off,
+      the Q/K map is a free orthogonal map per head: it does not commute with RoPE, so B′ no longer
+      computes B's function (reported as approximate, with its measured deviation; an ablation).
     * ``gate``: :class:`~raot_hf.options.GateOptions` — whether the identity competes with every
       estimate on held-out data (``gate.enabled``), its margin, floor and objective.
     * ``merge_rule``: a rule of :mod:`raot_hf.merging`'s registry — ``linear``, ``regmean`` (Grams
@@ -92,6 +96,13 @@ class RaotConfig:
     )
     residual: str = field(default="auto", metadata=_help("Residual map kind.", choices=RESIDUAL_MODES))
     rotations: bool = field(default=True, metadata=_help("Estimate within-head rotations (off: permutations only)."))
+    rope_restricted: bool = field(
+        default=True,
+        metadata=_help(
+            "RoPE models: Q/K maps rotate within rotary pairs only, the exact symmetry "
+            "(off: a free per-head rotation, inexact; an ablation)."
+        ),
+    )
     gate: GateOptions = field(default_factory=GateOptions)
     merge_rule: str = field(
         default="linear",

@@ -12,13 +12,27 @@ from raot_hf.symmetry.transforms import TransformSequence
 _F64 = torch.float64
 
 
-def _input_space(schema: ModelSchema, weight: str):
-    """The space whose vectors a Linear weight reads (its contravariant axis-1 member)."""
+def _input_space(schema: ModelSchema, weight: str, transposed: bool = False):
+    """The space whose vectors a Linear weight reads: its contravariant member on the input axis
+    (axis 1; axis 0 for a weight stored (in, out), GPT-2's ``Conv1D``)."""
+    axis = 0 if transposed else 1
     for space in schema.spaces.values():
         for m in space.members:
-            if m.name == weight and m.axis == 1 and not m.covariant and m.index is None:
+            if m.name == weight and m.axis == axis and not m.covariant and m.index is None:
                 return space
     return None
+
+
+def transposed_weights(model: torch.nn.Module, weights) -> set[str]:
+    """The names among ``weights`` whose module stores its weight (in, out) (``Conv1D``)."""
+    from transformers.pytorch_utils import Conv1D
+
+    out = set()
+    for name in weights:
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        if isinstance(module, Conv1D):
+            out.add(name)
+    return out
 
 
 def _unfold(g: torch.Tensor, s: torch.Tensor, n: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor):
@@ -46,6 +60,7 @@ def aligned_grams(
     becomes Mᵀ·G·M.
     """
     actions = applied.actions(schema) if len(applied) else {}
+    transposed = transposed_weights(model_a, stats.gram_keys)
     if folded is None:
         folded = "residual" in actions and actions["residual"].perm is None and schema.norm == "pre"
     fold_of: dict[str, tuple[str, str]] = {}
@@ -62,7 +77,7 @@ def aligned_grams(
             wn, bn = fold_of[weight]
             ga = _unfold(ga, gram.sum_a, gram.n, *_original_norm(model_a, wn, bn))
             gb = _unfold(gb, gram.sum_b, gram.n, *_original_norm(model_b, wn, bn))
-        space = _input_space(schema, weight)
+        space = _input_space(schema, weight, weight in transposed)
         if space is not None and space.name in actions:
             m = actions[space.name].dense(space.size)
             gb = m.T @ gb @ m

@@ -28,7 +28,7 @@ from raot_hf.stages.calibrate import CalibrationRun, fit_phase, heldout_phase, o
 from raot_hf.stages.combine import merge_weights
 from raot_hf.stages.context import PairContext
 from raot_hf.stages.decide import decide
-from raot_hf.stages.load import base_for, check_base_matches_rule, check_rule_fits, load_pair
+from raot_hf.stages.load import base_for, check_base_matches_rule, load_pair
 from raot_hf.stages.provenance import build_report
 from raot_hf.stages.solve import solve
 from raot_hf.symmetry import Transform
@@ -73,7 +73,6 @@ class RaotMerger:
         check_base_matches_rule(config, base_model is not None)
         model_a, model_b = model_a.eval(), model_b.eval()
         check_compatible(model_a.config, model_b.config, head_policy=config.head)
-        check_rule_fits(config, model_a.config.model_type)
         schema = schema_for(model_a)
         if schema_for(model_b).parameter_names() != schema.parameter_names():
             raise RaotError("A and B resolve to different parameter sets; load both with the same class.")

@@ -149,6 +149,7 @@ class RopeDecoderAdapter(Adapter):
             qk_structure="rope",
             stream_centered=False,
             causal=True,
+            norm_dtype="float32",
         )
 
     def _layer(self, ps: ParameterSet, p: str, i: int, config, residual: Space):

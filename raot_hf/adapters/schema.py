@@ -97,8 +97,8 @@ class LayerSchema:
     heads: HeadReadout
     context: str  # module whose *input* is the per-head context entering o
     mlp_hidden: str  # module whose *input* is the post-activation MLP units (fc2)
-    linears: tuple[str, ...]  # every Linear module of the layer (RegMean)
-    module: str | None = None  # the layer's own module (decoders, §8: GPT-2's Conv1D layers have no linears)
+    linears: tuple[str, ...]  # every Linear (or GPT-2 Conv1D) module of the layer (RegMean)
+    module: str | None = None  # the layer's own module (decoders, §8)
 
 
 @dataclass
@@ -130,6 +130,9 @@ class ModelSchema:
     qk_structure: str = "free"
     stream_centered: bool = True
     causal: bool = False
+    # The dtype the norms compute in whatever the model's dtype (transformers' RMSNorm: float32),
+    # or None (the model's own): B′ ≡ B is then checked at that precision (docs/design.md §8).
+    norm_dtype: str | None = None
 
     @property
     def residual(self) -> Space:

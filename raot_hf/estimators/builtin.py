@@ -15,7 +15,14 @@ from huggingface_hub.utils import tqdm
 
 from raot_hf.estimators.activation import estimate_head_alignment, estimate_mlp_permutation, estimate_residual_map
 from raot_hf.estimators.registry import EstimationRequest, finite, register_estimator
-from raot_hf.symmetry import HeadAlignment, MLPPermutation, ResidualPermutation, ResidualRotation, Transform
+from raot_hf.symmetry import (
+    HeadAlignment,
+    MLPPermutation,
+    ResidualPermutation,
+    ResidualRotation,
+    Transform,
+    UnrestrictedHeadAlignment,
+)
 
 #: What an estimate whose fit statistics are not finite is logged as; the identity stands in.
 SKIPPED = {"skipped": "NaN/Inf in the fit statistics: the identity stands in for the estimate"}
@@ -61,10 +68,13 @@ def _layer_candidates(request: EstimationRequest, i: int) -> tuple[list[Transfor
         logs[f"layers.{i}.mlp"] = log
     if "heads" in cfg.scope:
         if finite(fit.q[i], fit.k[i], fit.ctx[i]):
-            structure = {"num_kv_heads": schema.num_kv_heads, "rope": schema.qk_structure == "rope"}
+            rope = schema.qk_structure == "rope"
+            structure = {"num_kv_heads": schema.num_kv_heads, "rope": rope and cfg.rope_restricted}
             t, log = estimate_head_alignment(
                 fit.q[i], fit.k[i], fit.ctx[i], i, H, h, rotations=cfg.rotations, return_log=True, **structure
             )
+            if rope and not cfg.rope_restricted:  # the ablation: free Q/K maps, inexact under RoPE
+                t = UnrestrictedHeadAlignment(t.layer, t.perm, t.qk, t.vo)
         else:
             eye = torch.eye(h, dtype=torch.float64).expand(H, h, h)
             t, log = HeadAlignment(i, torch.arange(H), eye, eye), SKIPPED

@@ -48,6 +48,7 @@ from scipy.optimize import linear_sum_assignment
 
 from raot_hf.adapters.schema import ModelSchema, Space
 from raot_hf.errors import RaotError
+from raot_hf.estimators.weight_grouped import align_grouped_heads, check_grouped_options
 from raot_hf.symmetry.transforms import (
     HeadAlignment,
     HeadRescale,
@@ -306,6 +307,7 @@ def estimate_weight_alignment(
     the rotations' deviation from identity ‖R − I‖_F and the scales.
     """
     scope = _normalise_scope(scope)
+    check_grouped_options(schema, rescale)
     _check_inputs(state_a, state_b, schema, _spaces_needed(schema, scope, rescale))
     parts: list[Transform] = []
     layers_log: list[dict[str, Any]] = []
@@ -359,6 +361,7 @@ def _spaces_needed(schema: ModelSchema, scope: tuple[str, ...], rescale: bool) -
             need.append(schema.mlp_space(layer))
         if "heads" in scope or rescale:
             need += [schema.qk_space(layer), schema.vo_space(layer)]
+            need += [s for s in (schema.kv_space(layer, "k"), schema.kv_space(layer, "v")) if s is not None]
     return need
 
 
@@ -389,7 +392,16 @@ def _align_layer_heads(
     rotations: bool,
 ) -> dict[str, Any]:
     """One layer's head alignment (``align``) then per-head rescaling (``rescale``); appends the
-    transforms to ``parts`` and returns the layer's ``heads`` log with the distances after each."""
+    transforms to ``parts`` and returns the layer's ``heads`` log with the distances after each.
+    Grouped-query / RoPE layers go to :func:`align_grouped_heads` (one map per KV head)."""
+    if schema.kv_space(layer, "k") is not None:
+        if not align:
+            return {}
+        transform, log = align_grouped_heads(
+            state_a, state_b, schema, layer, match_heads=match_heads, rotations=rotations
+        )
+        parts.append(transform)
+        return log
     qk_a, qk_b = (space_features(s, schema.qk_space(layer)) for s in (state_a, state_b))
     vo_a, vo_b = (space_features(s, schema.vo_space(layer)) for s in (state_a, state_b))
     heads: dict[str, Any] = {

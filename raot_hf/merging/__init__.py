@@ -42,7 +42,8 @@ class MergeRuleSpec:
 
     * ``needs_base``: called with ``base=`` (the state dict of the model A and B were
       fine-tuned from); the merger then needs a base model.
-    * ``needs_grams``: called with ``grams_a=``, ``grams_b=`` and ``linear_weights=`` (RegMean).
+    * ``needs_grams``: called with ``grams_a=``, ``grams_b=``, ``linear_weights=`` and
+      ``transposed_weights=`` (the weights stored (in, out), GPT-2's ``Conv1D``) (RegMean).
     * ``needs_fisher``: called with ``fisher_a=`` and ``fisher_b=`` (diagonal Fishers).
     * ``per_tensor``: each output tensor depends only on the same-named inputs, so the merger
       may call the rule on a few tensors at a time (no merged copy of the whole model is held).

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -236,6 +236,7 @@ def merge_regmean(
     linear_weights: Mapping[str, str],
     alpha: float = 0.5,
     shrink: float = 0.9,
+    transposed_weights: Collection[str] = (),
     return_log: bool = False,
 ):
     """RegMean: per Linear layer, the weight that best reproduces both models' outputs on their inputs.
@@ -250,12 +251,25 @@ def merge_regmean(
     ``(1−α)·‖X̃_A·(W − W_A)ᵀ‖² + α·‖X̃_B·(W − W_B′)ᵀ‖²``; α=0.5 is plain RegMean, α=0 gives A.
     Systems are solved (Cholesky), never inverted; a singular one gets a tiny ridge towards the
     linear merge (see :func:`_solve_symmetric`), recorded in the log. Every other tensor
-    (biases, LayerNorms, embeddings) merges linearly with the same α.
+    (biases, LayerNorms, embeddings) merges linearly with the same α. Weights named in
+    ``transposed_weights`` are stored (in, out) — GPT-2's ``Conv1D`` — and solved as their
+    transpose.
     """
     check_compatible_states(state_a, state_b)
     alpha = _check_unit("alpha", alpha)
     shrink = _check_unit("shrink", shrink)
-    groups = _regmean_groups(state_a, linear_weights, grams_a, grams_b)
+    transposed = set(transposed_weights)
+
+    def as_linear(state: StateDict, name: str) -> torch.Tensor:  # (out, in)
+        w = _f64(state[name])
+        return w.T if name in transposed else w
+
+    groups = _regmean_groups(
+        {n: (w.T if n in transposed else w) for n, w in state_a.items() if n in linear_weights},
+        linear_weights,
+        grams_a,
+        grams_b,
+    )
     log = _new_log("regmean", {"alpha": alpha, "shrink": shrink, "ridge_relative": RIDGE_RELATIVE})
     if alpha in (0.0, 1.0):
         return _finish(_endpoint_state(state_a, state_b, alpha, log), log, return_log)
@@ -268,8 +282,8 @@ def merge_regmean(
         device = state_a[names[0]].device
         gram_a = (1.0 - alpha) * shrink_gram(grams_a[gram_key], shrink).to(device)
         gram_b = alpha * shrink_gram(grams_b[gram_key], shrink).to(device)
-        w_a = torch.cat([_f64(state_a[n]) for n in names], dim=0)
-        w_b = torch.cat([_f64(state_b[n]).to(device) for n in names], dim=0)
+        w_a = torch.cat([as_linear(state_a, n) for n in names], dim=0)
+        w_b = torch.cat([as_linear(state_b, n).to(device) for n in names], dim=0)
         rhs = gram_a @ w_a.T + gram_b @ w_b.T
         prior = ((1.0 - alpha) * w_a + alpha * w_b).T
         solution, info = _solve_symmetric(gram_a + gram_b, rhs, prior)
@@ -277,13 +291,14 @@ def merge_regmean(
             logger.warning("RegMean system %s is singular; solved with %s", gram_key, info["solver"])
         offset = 0
         for name in names:
-            rows = state_a[name].shape[0]
+            rows = state_a[name].shape[1 if name in transposed else 0]
             weight = solution[:, offset : offset + rows].T
             linear = prior[:, offset : offset + rows].T
             offset += rows
             change = float(torch.linalg.norm(weight - linear) / torch.linalg.norm(linear).clamp_min(1e-300))
             others = [n for n in names if n != name]
             _note(log, name, "regmean", gram=gram_key, shared_with=others, relative_change_vs_linear=change, **info)
+            weight = weight.T if name in transposed else weight
             merged[name] = weight.to(state_a[name].dtype).contiguous()
     merged = {key: merged[key] for key in state_a}
     return _finish(merged, log, return_log)

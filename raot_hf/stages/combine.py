@@ -15,7 +15,7 @@ import torch
 
 from raot_hf.calibration import iter_calibration_batches
 from raot_hf.errors import RaotError
-from raot_hf.grams import aligned_grams
+from raot_hf.grams import aligned_grams, transposed_weights
 from raot_hf.loading import adopt_head
 from raot_hf.merging import MergeRuleSpec, merge_heads, merge_rule_spec
 from raot_hf.results import Alignment
@@ -71,6 +71,7 @@ def rule_inputs(ctx: PairContext, spec: MergeRuleSpec, alignment: Alignment, sta
         grams_a, grams_b = aligned_grams(stats, ctx.schema, alignment.applied, ctx.model_a, ctx.model_b)
         inputs.update(grams_a=grams_a, grams_b=grams_b)
         inputs["linear_weights"] = _finite_gram_keys(stats.gram_keys, grams_a, grams_b)
+        inputs["transposed_weights"] = transposed_weights(ctx.model_a, inputs["linear_weights"])
     if spec.needs_fisher:
         inputs["fisher_a"], inputs["fisher_b"] = _fishers(ctx, run, trunk)
     if spec.needs_base:

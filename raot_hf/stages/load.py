@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from raot_hf.errors import RaotError
 from raot_hf.loading import (
     ModelSource,
     check_base_compatible,
@@ -39,15 +38,6 @@ def check_base_matches_rule(config, has_base: bool) -> None:
     check_base_use(config.merge_rule, needs_base, has_base, base_relative_rules())
 
 
-def check_rule_fits(config, model_type: str) -> None:
-    """Refuse, from the config alone, a merge rule the architecture cannot serve yet."""
-    if merge_rule_spec(config.merge_rule).needs_grams and model_type == "gpt2":
-        raise RaotError(
-            f"merge_rule={config.merge_rule!r} is not available for gpt2 yet (its Conv1D layers give no "
-            "RegMean Grams); use --merge-rule linear or fisher"
-        )
-
-
 @dataclass
 class LoadedPair:
     """What :func:`load_pair` read: the models, A's preprocessor, the sources, the base (if any),
@@ -69,7 +59,6 @@ def _check_before_weights(config, sources, src_base):
     src_a, src_b = sources
     cfg_a, cfg_b = load_config(src_a, "A"), load_config(src_b, "B")
     check_compatible(cfg_a, cfg_b, head_policy=config.head)
-    check_rule_fits(config, cfg_a.model_type)
     cfg_base = load_config(src_base, "base") if src_base else None
     if cfg_base is not None:
         check_base_compatible(cfg_a, cfg_base)

@@ -27,6 +27,7 @@ from raot_hf.symmetry.transforms import (
     SpaceAction,
     Transform,
     TransformSequence,
+    UnrestrictedHeadAlignment,
     is_exact,
 )
 
@@ -35,6 +36,7 @@ __all__ = [
     "load_transform",
     "save_transform",
     "HeadAlignment",
+    "UnrestrictedHeadAlignment",
     "HeadRescale",
     "MLPPermutation",
     "ResidualPermutation",

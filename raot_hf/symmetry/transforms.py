@@ -110,10 +110,13 @@ def _check_rope(blocks: torch.Tensor, layer: int) -> None:
         )
 
 
-def grouped_blocks(schema: ModelSchema, layer: int, perm: torch.Tensor, qk: torch.Tensor, vo: torch.Tensor):
+def grouped_blocks(
+    schema: ModelSchema, layer: int, perm: torch.Tensor, qk: torch.Tensor, vo: torch.Tensor, *, rope: bool = True
+):
     """For grouped-query attention (docs/design.md §8): the KV-head permutation and the per-KV-head
     Q/K and V/O maps implied by a per-query-head alignment, after checking that it moves whole
-    groups and gives every query head of a group its KV head's maps."""
+    groups and gives every query head of a group its KV head's maps (and, with ``rope`` on a RoPE
+    schema, that the Q/K maps commute with the position rotations)."""
     H, kv = schema.num_heads, schema.kv_heads
     group = H // kv
     kv_perm = (perm // group).view(kv, group)
@@ -130,7 +133,7 @@ def grouped_blocks(schema: ModelSchema, layer: int, perm: torch.Tensor, qk: torc
                 f"layer {layer}: the query heads of one KV head need one {name} map (they share its keys/values)"
             )
         maps.append(per_kv[:, 0])
-    if schema.qk_structure == "rope":
+    if rope and schema.qk_structure == "rope":
         _check_rope(maps[0], layer)
     return kv_perm[:, 0], maps[0], maps[1]
 
@@ -232,7 +235,7 @@ class HeadAlignment(Transform):
             schema.vo_space(self.layer).name: SpaceAction(matrix=block_matrix(self.perm, self.vo)),
         }
         if schema.kv_space(self.layer, "k") is not None:
-            kv_perm, qk_kv, vo_kv = grouped_blocks(schema, self.layer, self.perm, self.qk, self.vo)
+            kv_perm, qk_kv, vo_kv = grouped_blocks(schema, self.layer, self.perm, self.qk, self.vo, rope=self.exact)
             out[schema.kv_space(self.layer, "k").name] = SpaceAction(matrix=block_matrix(kv_perm, qk_kv))
             out[schema.kv_space(self.layer, "v").name] = SpaceAction(matrix=block_matrix(kv_perm, vo_kv))
         return out
@@ -255,6 +258,22 @@ class HeadAlignment(Transform):
         eye = torch.eye(self.qk.shape[-1], dtype=_F64)
         dev = max(float((self.qk - eye).abs().max()), float((self.vo - eye).abs().max()))
         return f"layer {self.layer} heads: {moved}/{len(self.perm)} heads moved, max |R − I| = {dev:.3g}"
+
+
+@dataclass
+class UnrestrictedHeadAlignment(HeadAlignment):
+    """A head alignment whose Q/K maps ignore RoPE: free orthogonal maps per head (an ablation).
+
+    On a model without rotary embeddings it acts exactly like :class:`HeadAlignment`. On a RoPE
+    model a Q/K map that is not one 2×2 rotation per rotary pair does not commute with the
+    position rotations, so B′ no longer computes B's function: the transform is labelled inexact
+    and the merge reports the measured B′ deviation (docs/design.md §8)."""
+
+    kind: ClassVar[str] = "head_alignment_unrestricted"
+    exact: ClassVar[bool] = False
+
+    def describe(self):
+        return super().describe() + " (Q/K maps not restricted to RoPE's commutant: approximate)"
 
 
 @dataclass
@@ -450,6 +469,8 @@ def is_exact(transform: Transform, schema: ModelSchema) -> bool:
     for t in _flatten(transform):
         if isinstance(t, ResidualRotation) and schema.residual.exact not in ("mean_fixing", "orthogonal"):
             return False
+        if isinstance(t, UnrestrictedHeadAlignment) and schema.qk_structure != "rope":
+            continue  # no position rotations to commute with: a free head rotation is exact
         if not t.exact:
             return False
     return True

@@ -1,0 +1,185 @@
+"""Tables and plots of the decoder benchmark (``results.json`` → ``RESULTS.md``, PNGs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.methods import BY_NAME
+
+
+def _by_pair(results: dict) -> dict[str, list[dict]]:
+    grouped: dict[str, list[dict]] = {}
+    for run in sorted(results["runs"], key=lambda r: (r["pair"], r["run"])):
+        grouped.setdefault(run["pair"], []).append(run)
+    return grouped
+
+
+def _fmt(values: list[float], digits: int = 2) -> str:
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{np.mean(values):.{digits}f} ± {np.std(values, ddof=1):.{digits}f}"
+
+
+def _method_values(runs: list[dict], method: str, get) -> list[float]:
+    out = []
+    for run in runs:
+        row = run["methods"].get(method)
+        if row and "error" not in row:
+            value = get(row)
+            if value is not None:
+                out.append(value)
+    return out
+
+
+def _exact_cell(runs: list[dict], method: str) -> str:
+    rows = [r["methods"][method] for r in runs if method in r["methods"] and "error" not in r["methods"][method]]
+    if not rows:
+        errors = {r["methods"][method]["error"] for r in runs if method in r["methods"]}
+        return "failed: " + "; ".join(sorted(errors))[:120] if errors else "–"
+    if all(r["exact"] for r in rows):
+        return "exact"
+    worst = max(r["deviation"] or 0.0 for r in rows)
+    return f"**inexact** (B′ dev. ≤ {worst:.2g})"
+
+
+def _gate_cell(runs: list[dict], method: str) -> str:
+    rows = [r["methods"][method] for r in runs if method in r["methods"] and "error" not in r["methods"][method]]
+    return ", ".join(f"{r['applied']}/{r['candidates']}" for r in rows) or "–"
+
+
+def pair_table(runs: list[dict]) -> list[str]:
+    """One row per method: perplexity at α = ½ on each corpus, barrier, exactness, gate."""
+    corpora = list(runs[0]["parents"]["a"])
+    methods = list(runs[0]["methods"])
+    head = ["method"] + [f"ppl {c} @ α=½" for c in corpora] + [f"barrier {c} (nats)" for c in corpora]
+    head += ["exactness", "applied / candidates"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for side in ("a", "b", "base"):
+        if side in runs[0]["parents"]:
+            cells = [_fmt([float(np.exp(r["parents"][side][c])) for r in runs]) for c in corpora]
+            lines.append(f"| parent {side.upper()} | " + " | ".join(cells + ["–"] * len(corpora) + ["", ""]) + " |")
+    for m in methods:
+        cells = [_fmt(_method_values(runs, m, lambda row, c=c: row["ppl"][c])) for c in corpora]
+        cells += [_fmt(_method_values(runs, m, lambda row, c=c: row.get("barrier", {}).get(c)), 3) for c in corpora]
+        lines.append(f"| {m} | " + " | ".join(cells + [_exact_cell(runs, m), _gate_cell(runs, m)]) + " |")
+    return lines
+
+
+def _paired(runs: list[dict], method: str, baseline: str, corpus: str) -> list[float]:
+    out = []
+    for r in runs:
+        a, b = r["methods"].get(method, {}), r["methods"].get(baseline, {})
+        if "ppl" in a and "ppl" in b:
+            out.append(a["ppl"][corpus] - b["ppl"][corpus])
+    return out
+
+
+def headline(grouped: dict[str, list[dict]]) -> list[str]:
+    """RaOT and the other methods against the plain average (paired by run; negative = better)."""
+    lines = [
+        "| pair | method | Δ ppl vs average (reviews) | verdict |",
+        "|---|---|---|---|",
+    ]
+    for name, runs in grouped.items():
+        for m in runs[0]["methods"]:
+            if m == "average":
+                continue
+            diffs = _paired(runs, m, "average", "reviews")
+            if not diffs:
+                continue
+            mean, std = float(np.mean(diffs)), float(np.std(diffs, ddof=1)) if len(diffs) > 1 else 0.0
+            verdict = "better" if mean + std < 0 else "worse" if mean - std > 0 else "within 1 std"
+            lines.append(f"| {name} | {m} | {mean:+.2f} ± {std:.2f} | {verdict} |")
+    return lines
+
+
+def _plot_barriers(grouped: dict[str, list[dict]], out: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = [n for n in grouped if "-d64" in n or "siblings" in n]
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.4), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        runs = grouped[name]
+        for m in ("average", "wm-rot", "act-perm", "raot", "raot-norope"):
+            curves = [r["methods"][m]["path_loss"]["reviews"] for r in runs if "path_loss" in r["methods"].get(m, {})]
+            if curves:
+                ax.plot([0, 0.25, 0.5, 0.75, 1], np.mean(curves, axis=0), marker="o", label=m)
+        ax.set_title(name)
+        ax.set_xlabel("α (A → B′)")
+        ax.set_ylabel("test loss, reviews (nats/token)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "decoder_barriers.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_widths(grouped: dict[str, list[dict]], out: Path) -> Path | None:
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for ax, arch in zip(axes, ("gpt2", "llama"), strict=True):
+        names = sorted((n for n in grouped if n.startswith(f"{arch}-seeds-d")), key=lambda n: int(n.rsplit("d", 1)[1]))
+        widths = [int(n.rsplit("d", 1)[1]) for n in names]
+        for m in ("average", "wm-rot", "act-perm", "raot", "regmean"):
+            means = [np.mean(_method_values(grouped[n], m, lambda r: r["ppl"]["reviews"]) or [np.nan]) for n in names]
+            ax.plot(widths, means, marker="o", label=m)
+        parents = [np.mean([np.exp(r["parents"]["a"]["reviews"]) for r in grouped[n]]) for n in names]
+        ax.plot(widths, parents, "k--", label="parent A")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{arch}: merge at α = ½")
+        ax.set_xlabel("width d")
+        ax.set_ylabel("held-out perplexity (reviews)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "decoder_widths.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(results: dict[str, Any], out: Path) -> None:
+    """Write ``RESULTS.md`` (and the plots) from ``results.json``'s runs."""
+    grouped = _by_pair(results)
+    lines = [
+        "# Decoder benchmark",
+        "",
+        f"Command: `{results.get('command', 'python -m benchmarks.decoders.run')}`. Mean ± std over runs "
+        "(3 per family). Perplexity is per token (the shared 1,024-token WordPiece) on 400 held-out texts; "
+        "the barrier is max over α of loss(α) minus the chord, on the path (1 − α)·A + α·B′. "
+        "Exactness: whether B′ computes B's function (the product's B′ ≡ B check; its deviation when not).",
+        "",
+        "Methods: " + "; ".join(f"`{m}` {BY_NAME[m].label}" for m in _methods_seen(grouped)) + ".",
+        "",
+        "## Against the plain average (paired by run; negative Δ = lower perplexity)",
+        "",
+        *headline(grouped),
+        "",
+    ]
+    for name, runs in grouped.items():
+        lines += [f"## {name}", "", *pair_table(runs), ""]
+    for plot in (_plot_barriers(grouped, out), _plot_widths(grouped, out)):
+        if plot is not None:
+            lines += [f"![{plot.stem}]({plot.name})", ""]
+    (out / "RESULTS.md").write_text("\n".join(lines))
+
+
+def _methods_seen(grouped: dict[str, list[dict]]) -> list[str]:
+    seen: list[str] = []
+    for runs in grouped.values():
+        for r in runs:
+            seen += [m for m in r["methods"] if m not in seen]
+    return seen

@@ -1,0 +1,187 @@
+"""Decoder evidence (issue 14): merge trained decoder pairs with every method, measure perplexity.
+
+For each run: build (or reuse) A, B and the siblings' base; merge with every method through
+``RaotMerger.from_pretrained``; measure held-out perplexity of the merge at α = ½ on each corpus
+and, for the linear rule, the test loss along (1 − α)·A + α·B′ (α ∈ {0, ¼, ½, ¾, 1}) and its
+barrier. B′ ≡ B is checked by the product; its deviation and the exactness flag are recorded.
+Writes ``results.json``, ``RESULTS.md`` and plots into ``--out`` (default
+``benchmarks/decoders/results``)::
+
+    python -m benchmarks.decoders.run --cache-dir benchmarks/.cache --workers 2
+    python -m benchmarks.decoders.run --pairs llama-siblings --workers 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import logging
+import math
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ALPHAS = [0.0, 0.25, 0.5, 0.75, 1.0]
+CALIBRATION_TEXTS = 256
+SEED_METHODS = ("average", "wm-perm", "wm-rot", "act-perm", "raot", "raot-norope", "regmean", "raot+regmean")
+SIBLING_METHODS = ("average", "raot", "raot-nosibcheck", "task-arithmetic", "ties", "dare-ties", "regmean")
+logger = logging.getLogger("benchmarks.decoders")
+
+
+def _methods_for(pair) -> list[str]:
+    if pair.siblings:
+        return list(SIBLING_METHODS)
+    # without RoPE the restriction is void: the ablation would repeat RaOT
+    return [m for m in SEED_METHODS if m != "raot-norope" or pair.arch == "llama"]
+
+
+def _losses(model, corpora) -> dict[str, float]:
+    from benchmarks.decoders.lm import evaluation_texts, mean_loss
+
+    return {c: mean_loss(model, evaluation_texts(c)) for c in corpora}
+
+
+def _merge(pair, method, dirs) -> tuple[Any, Any, float]:
+    from datasets import Dataset
+
+    from benchmarks.decoders.lm import MAX_LENGTH, corpus_split
+    from benchmarks.methods import base_keyword
+    from raot_hf import RaotMerger
+
+    options = dict(method.options)
+    options["calibration"] = {
+        "num_samples": CALIBRATION_TEXTS,
+        "max_length": MAX_LENGTH,
+        "batch_size": 32,
+        **options.get("calibration", {}),
+    }
+    if method.needs_base:
+        options[base_keyword()] = dirs["base"]
+    texts = corpus_split(pair.calibration_corpus, "calibration")[:CALIBRATION_TEXTS]
+    started = time.perf_counter()
+    merger = RaotMerger.from_pretrained(dirs["a"], dirs["b"], **options)
+    result = merger.merge(calibration=Dataset.from_dict({"text": list(texts)}))
+    return merger, result, time.perf_counter() - started
+
+
+def _path(pair, model_a, merger, result, parents) -> dict[str, Any]:
+    """Loss along the linear path from A (in the merge's parameterization) to B′, and barriers."""
+    from benchmarks.metrics import barrier, interpolate, matching_reference, path_check
+
+    reference = matching_reference(model_a, result, merger.schema)
+    scratch = copy.deepcopy(merger.model_b)
+    curves: dict[str, list[float]] = {c: [] for c in pair.corpora}
+    row: dict[str, Any] = {}
+    for alpha in ALPHAS:
+        if alpha == 0.0:
+            losses = {c: parents["a"][c] for c in pair.corpora}
+        else:
+            point = interpolate(reference, merger.model_b, alpha, scratch)
+            if alpha == 0.5:
+                row["path_check"] = path_check(point, result.model, merger.schema)
+            losses = _losses(point, pair.corpora)
+        for c in pair.corpora:
+            curves[c].append(losses[c])
+    row["path_loss"] = curves
+    row["barrier"] = {c: barrier(ALPHAS, curves[c]) for c in pair.corpora}
+    return row
+
+
+def _evaluate_method(pair, method, dirs, model_a, parents) -> dict[str, Any]:
+    merger, result, seconds = _merge(pair, method, dirs)
+    decisions = result.alignment.decisions
+    checks = result.report.get("checks") or [{}]
+    row: dict[str, Any] = {
+        "merge_seconds": seconds,
+        "loss": _losses(result.model, pair.corpora),
+        "exact": bool(result.alignment.exact),
+        "deviation": checks[0].get("value"),
+        "applied": sum(int(d.applied) for d in decisions),
+        "candidates": len(decisions),
+        "shares_basis": bool(result.alignment.shares_basis),
+        "verdict": None if result.alignment.verdict is None else str(result.alignment.verdict),
+    }
+    row["ppl"] = {c: math.exp(v) for c, v in row["loss"].items()}
+    if method.linear:
+        row.update(_path(pair, model_a, merger, result, parents))
+    return row
+
+
+def evaluate_run(pair_name: str, run: int, cache_dir: str | None) -> dict[str, Any]:
+    """Every method on run ``run`` of the named pair (runs in a worker process)."""
+    import transformers
+
+    from benchmarks.decoders.pairs import decoder_pairs, run_models
+    from benchmarks.methods import BY_NAME
+
+    pair = next(p for p in decoder_pairs() if p.name == pair_name)
+    dirs = run_models(pair, run, cache_dir)
+    models = {k: transformers.AutoModelForCausalLM.from_pretrained(v).eval() for k, v in dirs.items() if v}
+    parents = {k: _losses(m, pair.corpora) for k, m in models.items()}
+    out: dict[str, Any] = {
+        "pair": pair.name,
+        "run": run,
+        "models": {k: Path(v).name for k, v in dirs.items() if v},
+        "parents": parents,
+        "methods": {},
+    }
+    for name in _methods_for(pair):
+        try:
+            out["methods"][name] = _evaluate_method(pair, BY_NAME[name], dirs, models["a"], parents)
+        except Exception as exc:  # one failing method must not hide the others
+            logger.exception("%s run %d: %s failed", pair.name, run, name)
+            out["methods"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        gc.collect()
+    return out
+
+
+def _worker_init() -> None:
+    from benchmarks.run import _quiet_worker
+
+    _quiet_worker(1)
+
+
+def _build(pair_name: str, run: int, cache_dir: str | None) -> str:
+    from benchmarks.decoders.pairs import decoder_pairs, run_models
+
+    pair = next(p for p in decoder_pairs() if p.name == pair_name)
+    return str(run_models(pair, run, cache_dir)["a"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.decoders.pairs import decoder_pairs
+    from benchmarks.decoders.report import write_report
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", help="comma list (default: all): " + ", ".join(p.name for p in decoder_pairs()))
+    parser.add_argument("--runs", default="0,1,2")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--cache-dir")
+    parser.add_argument("--out", default=str(HERE / "results"))
+    args = parser.parse_args(argv)
+    pairs = [p for p in decoder_pairs() if not args.pairs or p.name in args.pairs.split(",")]
+    jobs = [(p.name, int(r)) for p in pairs for r in args.runs.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    results = json.loads(path.read_text()) if path.is_file() else {"runs": []}
+    started = time.perf_counter()
+    with ProcessPoolExecutor(args.workers, initializer=_worker_init) as pool:
+        list(pool.map(_build, *zip(*jobs), [args.cache_dir] * len(jobs)))  # train first (cached)
+        for row in pool.map(evaluate_run, *zip(*jobs), [args.cache_dir] * len(jobs)):
+            results["runs"] = [r for r in results["runs"] if (r["pair"], r["run"]) != (row["pair"], row["run"])]
+            results["runs"].append(row)
+            path.write_text(json.dumps(results, indent=1))
+            print(f"{row['pair']} run {row['run']}: done ({time.perf_counter() - started:.0f} s)", flush=True)
+    results["command"] = "python -m benchmarks.decoders.run " + " ".join(argv or [])
+    path.write_text(json.dumps(results, indent=1))
+    write_report(results, out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

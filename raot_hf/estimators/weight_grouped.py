@@ -1,0 +1,115 @@
+"""Weight-based head alignment for decoders: grouped-query attention and RoPE (docs/design.md §8).
+
+The rotation-symmetry paper's weight matching (:mod:`raot_hf.estimators.weight_based`) aligns
+each head by its own Procrustes. In a grouped-query layer the query heads of one KV head share
+its keys and values, so they must share one Q/K map and one V/O map; under RoPE the Q/K map
+must also commute with the position rotations (one 2×2 rotation per rotary pair). Here the
+cross blocks of a group — its query rows with its key rows, its ``o_proj`` columns with its
+value rows — are summed and fitted once per group, with the same fits as the activation-based
+decoder solver (:mod:`raot_hf.estimators.grouped`), on weights instead of moments.
+
+With ``match_heads`` the heads are also matched: within every (KV head of A, KV head of B) pair
+the query heads are assigned as the activation solver does, the pair is scored by its fitted
+overlap, and one exact assignment over those scores picks the KV correspondence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from scipy.optimize import linear_sum_assignment
+
+from raot_hf.adapters.schema import ModelSchema
+from raot_hf.errors import RaotError
+from raot_hf.estimators.grouped import _identity_fit, _match_groups, _orthogonal_fit, _rope_fit
+from raot_hf.symmetry.transforms import HeadAlignment
+
+_F64 = torch.float64
+
+
+def _diagonal_blocks(features_a: torch.Tensor, features_b: torch.Tensor, heads: int) -> torch.Tensor:
+    """(heads_a, heads_b, h, h) blocks ``N[i, j] = Z_Aⁱᵀ·Z_Bʲ`` (tr(N·R) is the overlap of A's
+    head i with B's head j moved by R)."""
+    h = features_a.shape[1] // heads
+    cross = features_a.T @ features_b
+    return cross.reshape(heads, h, heads, h).permute(0, 2, 1, 3).contiguous()
+
+
+def _group_cross(q_blocks, kv_blocks, ga: int, gb: int, tau: torch.Tensor) -> torch.Tensor:
+    """Summed cross block of KV head ``ga`` of A against ``gb`` of B: query (or output) head i of
+    the group against B's ``tau[i]``, plus the KV head's own rows."""
+    group = len(tau)
+    return q_blocks[ga * group + torch.arange(group), gb * group + tau].sum(0) + kv_blocks[ga, gb]
+
+
+def _within_group(blocks, ga: int, gb: int, group: int, fit_qk, fit_vo, match: bool) -> torch.Tensor:
+    """The query-head matching τ of a group pair (:func:`raot_hf.estimators.grouped._match_groups`
+    on the query and output blocks; the shared key and value rows do not depend on τ)."""
+    if not match or group == 1:
+        return torch.arange(group)
+    rows, cols = torch.arange(ga * group, (ga + 1) * group), torch.arange(gb * group, (gb + 1) * group)
+    ones = torch.ones(group, group, dtype=_F64)
+    tau = _match_groups(blocks["qk"], blocks["vo"], ones, ones, fit_qk, fit_vo, rows, cols)[0]
+    return tau
+
+
+def align_grouped_heads(
+    state_a: Mapping[str, torch.Tensor],
+    state_b: Mapping[str, torch.Tensor],
+    schema: ModelSchema,
+    layer: int,
+    *,
+    match_heads: bool,
+    rotations: bool,
+) -> tuple[HeadAlignment, dict[str, Any]]:
+    """One decoder layer's head alignment from weights: per-KV-head Q/K and V/O maps (RoPE-
+    restricted on a RoPE schema), and with ``match_heads`` a KV-head assignment. Returns the
+    transform and its log (the group scores under the chosen and the same-index matching)."""
+    from raot_hf.estimators.weight_based import space_features
+
+    H, kv = schema.num_heads, schema.kv_heads
+    group = H // kv
+    blocks = {}
+    for name in ("qk", "k", "vo", "v"):
+        space = schema.space(f"layers.{layer}.{name}")
+        fa, fb = space_features(state_a, space).stacked(), space_features(state_b, space).stacked()
+        blocks[name] = _diagonal_blocks(fa, fb, H if name in ("qk", "vo") else kv)
+    fit_qk = (_rope_fit if schema.qk_structure == "rope" else _orthogonal_fit) if rotations else _identity_fit
+    fit_vo = _orthogonal_fit if rotations else _identity_fit
+    score = torch.zeros(kv, kv, dtype=_F64)
+    maps = {}
+    for ga in range(kv):
+        for gb in range(kv) if match_heads else (ga,):
+            tau = _within_group(blocks, ga, gb, group, fit_qk, fit_vo, match_heads)
+            v_qk, r_qk = fit_qk(_group_cross(blocks["qk"], blocks["k"], ga, gb, tau))
+            v_vo, r_vo = fit_vo(_group_cross(blocks["vo"], blocks["v"], ga, gb, tau))
+            score[ga, gb] = v_qk + v_vo
+            maps[ga, gb] = (gb * group + tau, r_qk, r_vo)
+    kv_perm = torch.arange(kv)
+    if match_heads:
+        rows, cols = linear_sum_assignment(score.numpy(), maximize=True)
+        kv_perm[torch.from_numpy(rows)] = torch.from_numpy(cols)
+    chosen = [maps[g, int(kv_perm[g])] for g in range(kv)]
+    perm = torch.cat([c[0] for c in chosen])
+    qk = torch.stack([c[1] for c in chosen]).repeat_interleave(group, 0)
+    vo = torch.stack([c[2] for c in chosen]).repeat_interleave(group, 0)
+    ar = torch.arange(kv)
+    log = {
+        "kv_heads": kv,
+        "rope": schema.qk_structure == "rope",
+        "kv_perm": kv_perm.tolist(),
+        "group_score": score[ar, kv_perm].tolist(),
+        "group_score_same_index": score.diagonal().tolist(),
+    }
+    return HeadAlignment(layer, perm, qk, vo), log
+
+
+def check_grouped_options(schema: ModelSchema, rescale: bool) -> None:
+    """Refuse the paper's per-head rescaling on a grouped or RoPE schema (not implemented there)."""
+    if rescale and (schema.kv_space(0, "k") is not None):
+        raise RaotError(
+            f"weight-based rescaling is not implemented for {schema.model_type} (grouped-query / RoPE heads); "
+            "turn weight.rescale off (--no-weight-rescale)"
+        )
