@@ -262,6 +262,15 @@ CALIBRATION_CLI: dict[str, dict[str, Any]] = {
         "flag": "--moment-stride",
         "help": "Fit cross moments from every s-th token only (default 1: all; s>1 is s× cheaper, noisier).",
     },
+    "moment_precision": {
+        "flag": "--moment-precision",
+        "choices": ("auto", "float32", "bfloat16"),
+        "help": "Precision of the MLP cross moments' products (default auto: bf16 where the device runs it fast).",
+    },
+    "mlp_tokens_per_unit": {
+        "flag": "--mlp-tokens-per-unit",
+        "help": "Cap the fit tokens of each MLP cross moment at N per unit, random positions (default 0: all).",
+    },
 }
 _EXTERNAL_METADATA: dict[type, dict[str, dict[str, Any]]] = {CalibrationConfig: CALIBRATION_CLI}
 

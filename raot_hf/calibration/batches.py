@@ -93,6 +93,18 @@ def count_calibration_batches(
     return -(-len(ids) // config.batch_size)
 
 
+def count_calibration_examples(
+    dataset: datasets.Dataset,
+    config: CalibrationConfig,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    split: str | None = None,
+) -> int:
+    """Number of examples of ``split`` :func:`iter_calibration_batches` yields on this rank."""
+    return len(_split_ids(shard_example_ids(len(dataset), rank=rank, world_size=world_size), config, split))
+
+
 def iter_calibration_batches(
     dataset: datasets.Dataset,
     processor: Any,

@@ -195,6 +195,34 @@ class _Lockstep:
             thread.join()
 
 
+class _TokenBudget:
+    """Which fit rows enter the MLP cross moments under a budget of ``total`` tokens (docs/design.md
+    §4.3): each batch keeps its rows independently with probability p = remaining budget /
+    expected remaining rows (the rows still to come estimated from the rows per example seen so
+    far and the ``planned`` examples), drawn from a generator seeded by ``seed`` and the batch's
+    first example id — random positions, not a stride that aliases with sentence or patch
+    positions. ``total`` 0: every row (inactive)."""
+
+    def __init__(self, total: int, planned: int | None, seed: int):
+        self.total, self.planned, self.seed = int(total), planned, int(seed)
+        self.kept = self.rows_seen = self.examples_seen = 0
+
+    @property
+    def active(self) -> bool:
+        return self.total > 0 and bool(self.planned)
+
+    def draw(self, rows: int, examples: int, first_id: int) -> torch.Tensor:
+        """Indices (into this batch's ``rows`` moment rows) that enter the MLP cross moments."""
+        self.rows_seen += rows
+        self.examples_seen += examples
+        later = max(self.planned - self.examples_seen, 0) * self.rows_seen / max(self.examples_seen, 1)
+        p = min(1.0, max(self.total - self.kept, 0) / max(rows + later, 1))
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + first_id)
+        keep = (torch.rand(rows, generator=g) < p).nonzero().squeeze(1)
+        self.kept += int(keep.numel())
+        return keep
+
+
 class StatisticsCollector:
     """Runs A and B on the same batches and accumulates one phase's :class:`CalibrationStatistics`.
 
@@ -211,6 +239,10 @@ class StatisticsCollector:
     layers. ``device``: where the sums live (default: model A's device); batches are moved to
     each model's device. ``stream_full``: keep the stream's Σbᵀb in the fit moments.
     ``moments=False`` collects Grams only (weight-based alignment reads no fit moments).
+    ``mlp_product_dtype``: the dtype of the MLP cross moments' per-batch products
+    (:mod:`raot_hf.calibration.precision`). ``mlp_token_budget`` > 0 with ``planned_examples``
+    (this process's fit examples): about that many fit tokens enter each MLP cross moment, at
+    random positions seeded by ``seed`` (:class:`_TokenBudget`); every token enters the rest.
     """
 
     def __init__(
@@ -226,6 +258,10 @@ class StatisticsCollector:
         stream_full: bool = True,
         moment_stride: int = 1,
         moments: bool = True,
+        mlp_product_dtype: torch.dtype | None = None,
+        mlp_token_budget: int = 0,
+        planned_examples: int | None = None,
+        seed: int = 0,
     ):
         if phase not in ("fit", "heldout"):
             raise ValueError(f"phase must be 'fit' or 'heldout', got {phase!r}")
@@ -250,14 +286,22 @@ class StatisticsCollector:
         if phase == "fit" and not moments:
             self.stats.fit = SplitStatistics([], [], [], [], Moments.zeros(0, device=self.device))
         elif phase == "fit":
-            self.stats.fit = SplitStatistics.zeros(schema, device=self.device, stream_full=stream_full, quad_dtype=quad)
+            self.stats.fit = SplitStatistics.zeros(
+                schema,
+                device=self.device,
+                stream_full=stream_full,
+                quad_dtype=quad,
+                mlp_product_dtype=mlp_product_dtype,
+            )
         else:
             self.stats.heldout = HeldoutStatistics.zeros(schema, device=self.device)
         self._obs_a = _Observer(model_a, schema, gram_modules)
         self._obs_b = _Observer(model_b, schema, gram_modules)
         self._rows_index: torch.Tensor | None = None
         self._moment_index: torch.Tensor | None = None
+        self._mlp_rows: torch.Tensor | None = None
         self._shape: tuple[int, int] | None = None
+        self._budget = _TokenBudget(mlp_token_budget, planned_examples, seed) if phase == "fit" else None
 
     def close(self) -> None:
         self._obs_a.remove()
@@ -333,6 +377,11 @@ class StatisticsCollector:
             self._moment_index = sub.reshape(-1).nonzero().squeeze(1).to(x.device)
         else:
             self._moment_index = self._rows_index
+        self._mlp_rows = None
+        if self._budget is not None and self._budget.active:
+            examples = int(self._in_phase(self._batch).sum())
+            first = int(self._batch.example_ids.min())
+            self._mlp_rows = self._budget.draw(self._moment_index.numel(), examples, first).to(x.device)
         self._shape = (bsz, seq)
 
     def _rows(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -364,7 +413,7 @@ class StatisticsCollector:
             which = None
         if self.phase == "fit":
             target = self.stats.fit.stream if kind == "stream" else getattr(self.stats.fit, kind)[which]
-            target.update(a, b)
+            target.update(a, b, self._mlp_rows if kind == "mlp" else None)
             return
         target = self.stats.heldout.stream if kind == "stream" else getattr(self.stats.heldout, kind)[which]
         fmap = self.candidates.get((kind, which))

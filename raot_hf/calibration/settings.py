@@ -13,6 +13,8 @@ from typing import Any
 from raot_hf.errors import RaotError
 from raot_hf.sections import OptionSection
 
+MOMENT_PRECISIONS = ("auto", "float32", "bfloat16")
+
 
 @dataclass
 class CalibrationConfig(OptionSection):
@@ -25,6 +27,12 @@ class CalibrationConfig(OptionSection):
     are held out (scored by the gate, never fitted). ``moment_stride`` > 1 computes the fit
     cross moments from every s-th real token of each example only (see
     :class:`~raot_hf.calibration.collector.StatisticsCollector`): s times cheaper, 1/√s noisier.
+    ``moment_precision`` is the precision of the MLP cross moment's per-batch products: ``auto``
+    (bf16 inputs where the device multiplies bf16 fast, float32 elsewhere; float64 models keep
+    float64), ``float32`` or ``bfloat16`` (:mod:`raot_hf.calibration.precision`).
+    ``mlp_tokens_per_unit`` > 0 caps the fit tokens entering each MLP cross moment at that many
+    per MLP unit, drawn at random (seeded) positions; means and variances still use every token
+    (0, the default: every token).
     """
 
     section, noun = "calibration", "setting"  # in from_dict errors: "unknown calibration setting(s) …"
@@ -39,6 +47,8 @@ class CalibrationConfig(OptionSection):
     seed: int = 0
     heldout_every: int = 4
     moment_stride: int = 1
+    moment_precision: str = "auto"
+    mlp_tokens_per_unit: int = 0
 
     def __post_init__(self) -> None:
         for name in ("source", "config_name", "column"):
@@ -52,6 +62,12 @@ class CalibrationConfig(OptionSection):
         _require_int("seed", self.seed, minimum=0)
         _require_int("heldout_every", self.heldout_every, minimum=2)
         _require_int("moment_stride", self.moment_stride, minimum=1)
+        _require_int("mlp_tokens_per_unit", self.mlp_tokens_per_unit, minimum=0)
+        if self.moment_precision not in MOMENT_PRECISIONS:
+            raise RaotError(
+                f"calibration moment_precision must be one of {', '.join(MOMENT_PRECISIONS)}, "
+                f"got {self.moment_precision!r}"
+            )
 
 
 def _require_int(name: str, value: Any, *, minimum: int) -> None:

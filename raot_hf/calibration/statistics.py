@@ -46,8 +46,11 @@ def quadratic_dtype(param_dtype: torch.dtype) -> torch.dtype:
     return _F64 if param_dtype == _F64 else torch.float32
 
 
-def _accumulate_product(total: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
-    """``total += xᵀ·y`` with the product in x's dtype and the sum in total's."""
+def _accumulate_product(total: torch.Tensor, x: torch.Tensor, y: torch.Tensor, product_dtype=None) -> None:
+    """``total += xᵀ·y`` with the product in ``product_dtype`` (default x's dtype) and the sum in
+    total's (a bf16 product is summed in float32 across batches: docs/design.md §4.3)."""
+    if product_dtype is not None and product_dtype != x.dtype and x.dtype != _F64:
+        x, y = x.to(product_dtype), y.to(product_dtype)
     if x.dtype == total.dtype:
         total.addmm_(x.T, y)
     else:
@@ -76,7 +79,10 @@ class Moments:
     """Float64 sums over paired samples a (of A) and b (of B): count, Σa, Σb, Σa², Σb², Σaᵀb.
 
     ``full_a`` / ``full_b`` (Σaᵀa, Σbᵀb) are kept only where a rotation is scored: the
-    residual stream keeps Σbᵀb, which the gate needs to score B·O (Σaᵀa is never read)."""
+    residual stream keeps Σbᵀb, which the gate needs to score B·O (Σaᵀa is never read).
+    ``n_cross`` counts the rows in Σaᵀb, fewer than ``n`` under a token budget (the other sums
+    take every row); ``product_dtype`` is the dtype of Σaᵀb's per-batch products (None: the
+    rows' own; :mod:`raot_hf.calibration.precision`)."""
 
     n: torch.Tensor
     sum_a: torch.Tensor
@@ -86,9 +92,24 @@ class Moments:
     cross: torch.Tensor
     full_a: torch.Tensor | None = None
     full_b: torch.Tensor | None = None
+    n_cross: torch.Tensor | None = None
+    product_dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        if self.n_cross is None:
+            self.n_cross = self.n.clone()
 
     @classmethod
-    def zeros(cls, k: int, *, full: bool = False, full_a: bool | None = None, device=None, quad_dtype=_F64) -> Moments:
+    def zeros(
+        cls,
+        k: int,
+        *,
+        full: bool = False,
+        full_a: bool | None = None,
+        device=None,
+        quad_dtype=_F64,
+        product_dtype: torch.dtype | None = None,
+    ) -> Moments:
         """Zero sums for k-dimensional samples; ``full`` keeps Σbᵀb (and Σaᵀa unless ``full_a=False``).
         The k×k sums are kept in ``quad_dtype`` (see :func:`quadratic_dtype`), the rest in float64."""
         full_a = full if full_a is None else full_a
@@ -99,10 +120,12 @@ class Moments:
         def zq():
             return torch.zeros(k, k, dtype=quad_dtype, device=device)
 
-        return cls(z(()), z(k), z(k), z(k), z(k), zq(), zq() if full and full_a else None, zq() if full else None)
+        full_a_sum, full_b_sum = zq() if full and full_a else None, zq() if full else None
+        return cls(z(()), z(k), z(k), z(k), z(k), zq(), full_a_sum, full_b_sum, z(()), product_dtype)
 
-    def update(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Add paired rows ``a``, ``b`` (n × k each) to the sums."""
+    def update(self, a: torch.Tensor, b: torch.Tensor, cross_rows: torch.Tensor | None = None) -> None:
+        """Add paired rows ``a``, ``b`` (n × k each) to the sums; with ``cross_rows`` only those
+        rows enter Σaᵀb (a token budget), every row the other sums."""
         if a.shape[0] == 0:
             return
         dt = compute_dtype(a, b)
@@ -112,7 +135,9 @@ class Moments:
         self.sum_b += b.sum(0)
         self.sq_a += (a * a).sum(0)
         self.sq_b += (b * b).sum(0)
-        _accumulate_product(self.cross, a, b)
+        ca, cb = (a, b) if cross_rows is None else (a.index_select(0, cross_rows), b.index_select(0, cross_rows))
+        self.n_cross += ca.shape[0]
+        _accumulate_product(self.cross, ca, cb, self.product_dtype)
         if self.full_a is not None:
             _accumulate_product(self.full_a, a, a)
         if self.full_b is not None:
@@ -120,7 +145,7 @@ class Moments:
 
     def tensors(self) -> list[torch.Tensor]:
         full = [t for t in (self.full_a, self.full_b) if t is not None]
-        return [self.n, self.sum_a, self.sum_b, self.sq_a, self.sq_b, self.cross, *full]
+        return [self.n, self.sum_a, self.sum_b, self.sq_a, self.sq_b, self.cross, *full, self.n_cross]
 
     def correlation(self, eps: float = 1e-12) -> torch.Tensor:
         """Pearson correlation of every (a_i, b_j) pair; constant units correlate 0."""
@@ -128,7 +153,8 @@ class Moments:
         ma, mb = self.sum_a / n, self.sum_b / n
         sa = (self.sq_a / n - ma**2).clamp_min(0).sqrt()
         sb = (self.sq_b / n - mb**2).clamp_min(0).sqrt()
-        corr = self.cross.to(_F64, copy=True).div_(n)  # k×k work in place: three k×k buffers, not seven
+        # k×k work in place: three k×k buffers, not seven; Σaᵀb may hold fewer rows (a budget)
+        corr = self.cross.to(_F64, copy=True).div_(self.n_cross.clamp_min(1))
         corr.sub_(torch.outer(ma, mb))
         denom = torch.outer(sa, sb)
         constant = denom <= eps
@@ -254,13 +280,16 @@ class SplitStatistics:
     moment_tokens: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=_F64))  # of them, in moments
 
     @classmethod
-    def zeros(cls, schema: ModelSchema, *, device=None, stream_full: bool = True, quad_dtype=_F64) -> SplitStatistics:
+    def zeros(
+        cls, schema: ModelSchema, *, device=None, stream_full: bool = True, quad_dtype=_F64, mlp_product_dtype=None
+    ) -> SplitStatistics:
         """Zero sums for ``schema``; ``stream_full=False`` drops the stream's Σbᵀb (needed only to
-        score a residual rotation); k×k sums in ``quad_dtype``."""
+        score a residual rotation); k×k sums in ``quad_dtype``; the MLP cross moments' products
+        in ``mlp_product_dtype`` (None: the activations' dtype)."""
         L, d, f = schema.num_layers, schema.hidden_size, schema.intermediate_size
         kw = dict(device=device, quad_dtype=quad_dtype)
         return cls(
-            mlp=[Moments.zeros(f, **kw) for _ in range(L)],
+            mlp=[Moments.zeros(f, product_dtype=mlp_product_dtype, **kw) for _ in range(L)],
             q=[Moments.zeros(d, **kw) for _ in range(L)],
             k=[Moments.zeros(d, **kw) for _ in range(L)],
             ctx=[Moments.zeros(d, **kw) for _ in range(L)],

@@ -54,6 +54,9 @@ def model_card_context(report: dict[str, Any]) -> dict[str, Any]:
     arch = a.get("architecture", "")
     tag = next((t for suffix, t in _PIPELINE_TAGS.items() if arch.endswith(suffix)), None)
     method = _method_description(settings.get("alignment"))
+    precision = (report.get("calibration") or {}).get("moment_precision")
+    if method and precision:
+        method += f"; MLP cross moments from {precision['used']} products ({precision['why']})"
     scope = settings.get("scope") or []
     base = inputs.get("base") or {}
     return {

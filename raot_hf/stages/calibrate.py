@@ -25,7 +25,9 @@ from raot_hf.calibration import (
     iter_calibration_batches,
     load_calibration_dataset,
 )
+from raot_hf.calibration.batches import count_calibration_examples
 from raot_hf.calibration.collector import StatisticsCollector
+from raot_hf.calibration.precision import resolve_moment_precision
 from raot_hf.calibration.statistics import CalibrationStatistics
 from raot_hf.equivalence import select_primary
 from raot_hf.errors import RaotError
@@ -48,6 +50,7 @@ class CalibrationRun:
     fingerprint: dict[str, Any]
     check_inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
     check_reference: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    moment_precision: dict[str, str] | None = None  # requested, used and why (the fit phase sets it)
 
 
 def _needs_grams(config) -> bool:
@@ -95,6 +98,22 @@ def open_calibration(ctx: PairContext, calibration, early=None) -> CalibrationRu
     return CalibrationRun(dataset, cal_cfg, dataset_fingerprint(dataset, column))
 
 
+def moment_options(ctx: PairContext, run: CalibrationRun) -> dict:
+    """The MLP cross moments' product dtype and token budget for the fit phase (docs/design.md
+    §4.3); the resolved precision is recorded on ``run`` for the report."""
+    cal = run.config
+    dtype, why = resolve_moment_precision(cal.moment_precision, next(ctx.model_a.parameters()).dtype, ctx.stats_device)
+    run.moment_precision = {"requested": cal.moment_precision, "used": str(dtype).replace("torch.", ""), "why": why}
+    shard = {"rank": ctx.dist.rank, "world_size": ctx.dist.world_size, "split": "fit"}
+    budget = cal.mlp_tokens_per_unit * ctx.schema.intermediate_size // max(ctx.dist.world_size, 1)
+    return {
+        "mlp_product_dtype": dtype,
+        "mlp_token_budget": budget,
+        "planned_examples": count_calibration_examples(run.dataset, cal, **shard) if budget else None,
+        "seed": cal.seed,
+    }
+
+
 def fit_phase(ctx: PairContext, run: CalibrationRun) -> CalibrationStatistics:
     """A and B over the fit examples: the summed fit moments (and Grams)."""
     cfg = ctx.config
@@ -110,12 +129,15 @@ def fit_phase(ctx: PairContext, run: CalibrationRun) -> CalibrationStatistics:
         stream_full=rotation,
         moment_stride=run.config.moment_stride,
         moments=moments,
+        **moment_options(ctx, run),
     )
     run.fingerprint.update(
         {
             "fit_examples": stats.examples,
             "fit_tokens": int(stats.fit.tokens),
             "moment_tokens": int(stats.fit.moment_tokens),
+            "mlp_moment_tokens": [int(m.n_cross) for m in stats.fit.mlp],
+            "moment_precision": run.moment_precision,
             "config": run.config.to_dict(),
         }
     )
