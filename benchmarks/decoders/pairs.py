@@ -81,6 +81,13 @@ def finetuned(base: Path, seed: int, corpus: str, cache_dir: str | None) -> Path
     )
 
 
+def pretrained_specs(pair: DecoderPair) -> list[tuple[str, int, int, str]]:
+    """(arch, width, seed, corpus) of every from-scratch model the pair's runs need."""
+    corpus = "mixed" if pair.siblings else "reviews"
+    seeds = sorted({s for run in pair.runs for s in (run[:1] if pair.siblings else run)})
+    return [(pair.arch, pair.width, seed, corpus) for seed in seeds]
+
+
 def run_models(pair: DecoderPair, run: int, cache_dir: str | None) -> dict[str, Path | None]:
     """Directories of A, B and (siblings) the base of run ``run``, building what is missing."""
     seed_a, seed_b = pair.runs[run]

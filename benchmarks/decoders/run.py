@@ -145,11 +145,10 @@ def _worker_init() -> None:
     _quiet_worker(1)
 
 
-def _build(pair_name: str, run: int, cache_dir: str | None) -> str:
-    from benchmarks.decoders.pairs import decoder_pairs, run_models
+def _build(spec: tuple[str, int, int, str], cache_dir: str | None) -> str:
+    from benchmarks.decoders.pairs import pretrained
 
-    pair = next(p for p in decoder_pairs() if p.name == pair_name)
-    return str(run_models(pair, run, cache_dir)["a"])
+    return str(pretrained(*spec, cache_dir))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads(path.read_text()) if path.is_file() else {"runs": []}
     started = time.perf_counter()
     with ProcessPoolExecutor(args.workers, initializer=_worker_init) as pool:
-        list(pool.map(_build, *zip(*jobs), [args.cache_dir] * len(jobs)))  # train first (cached)
+        from benchmarks.decoders.pairs import pretrained_specs
+
+        specs = sorted({spec for p in pairs for spec in pretrained_specs(p)}, key=lambda s: -s[1])  # widest first
+        list(pool.map(_build, specs, [args.cache_dir] * len(specs)))  # train every parent once (cached)
         for row in pool.map(evaluate_run, *zip(*jobs), [args.cache_dir] * len(jobs)):
             results["runs"] = [r for r in results["runs"] if (r["pair"], r["run"]) != (row["pair"], row["run"])]
             results["runs"].append(row)
