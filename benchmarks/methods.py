@@ -84,6 +84,21 @@ METHODS: tuple[Method, ...] = (
         "RaOT with fit moments from every 8th token",
         {"alignment": "activation", "calibration": {"moment_stride": 8}},
     ),
+    Method(
+        "raot-fp32moments",
+        "RaOT with float32 MLP cross-moment products (the precision auto chooses on CPUs without fast bf16)",
+        {"alignment": "activation", "calibration": {"moment_precision": "float32"}},
+    ),
+    Method(
+        "raot-bf16moments",
+        "RaOT with bf16 MLP cross-moment products (what auto chooses where bf16 products are fast)",
+        {"alignment": "activation", "calibration": {"moment_precision": "bfloat16"}},
+    ),
+    Method(
+        "raot-budget16",
+        "RaOT with the MLP cross moments from at most 16 tokens per MLP unit (random positions)",
+        {"alignment": "activation", "calibration": {"mlp_tokens_per_unit": 16}},
+    ),
     Method("raot-heads", "RaOT ablation: attention heads only", {"alignment": "activation", "scope": ("heads",)}),
     Method("raot-mlp", "RaOT ablation: MLP units only", {"alignment": "activation", "scope": ("mlp",)}),
     Method("raot-nores", "RaOT ablation: residual stream off", {"alignment": "activation", "scope": ("mlp", "heads")}),
