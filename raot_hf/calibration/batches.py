@@ -80,19 +80,6 @@ def _split_ids(ids: range, config: CalibrationConfig, split: str | None) -> Sequ
     return [i for i in ids if (i % config.heldout_every == 0) == want]
 
 
-def count_calibration_batches(
-    dataset: datasets.Dataset,
-    config: CalibrationConfig,
-    *,
-    rank: int = 0,
-    world_size: int = 1,
-    split: str | None = None,
-) -> int:
-    """Number of batches :func:`iter_calibration_batches` yields on this rank (for progress bars)."""
-    ids = _split_ids(shard_example_ids(len(dataset), rank=rank, world_size=world_size), config, split)
-    return -(-len(ids) // config.batch_size)
-
-
 def count_calibration_examples(
     dataset: datasets.Dataset,
     config: CalibrationConfig,
@@ -103,6 +90,12 @@ def count_calibration_examples(
 ) -> int:
     """Number of examples of ``split`` :func:`iter_calibration_batches` yields on this rank."""
     return len(_split_ids(shard_example_ids(len(dataset), rank=rank, world_size=world_size), config, split))
+
+
+def count_calibration_batches(dataset: datasets.Dataset, config: CalibrationConfig, **shard: Any) -> int:
+    """Number of batches :func:`iter_calibration_batches` yields on this rank (for progress bars);
+    ``shard``: ``rank``, ``world_size`` and ``split`` as for :func:`count_calibration_examples`."""
+    return -(-count_calibration_examples(dataset, config, **shard) // config.batch_size)
 
 
 def iter_calibration_batches(
