@@ -107,6 +107,7 @@ def _calibration_config(args):
         max_length=args.seq,
         batch_size=args.batch_size,
         moment_stride=args.moment_stride,
+        moment_precision=args.moment_precision,
     )
 
 
@@ -198,6 +199,7 @@ def worker_merge(args) -> dict:
         "timings": dict(result.report["timings"]),
         "tokens": int(result.report["calibration"]["fit_tokens"] + result.report["calibration"]["heldout_tokens"]),
         "moment_tokens": int(result.report["calibration"]["moment_tokens"]),
+        "moment_precision": result.report["calibration"].get("moment_precision"),
         "applied": sum(d["applied"] for d in result.report["decisions"]),
         "decisions": len(result.report["decisions"]),
         "deviation": result.report["checks"][0]["value"],
@@ -262,7 +264,7 @@ def _run_worker(kind: str, args, workdir: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--workdir", str(workdir)]
     cmd += ["--examples", str(args.examples), "--seq", str(args.seq), "--batch-size", str(args.batch_size)]
     cmd += ["--threads", str(args.threads), "--moment-stride", str(args.moment_stride)]
-    cmd += ["--merge-rule", args.merge_rule]
+    cmd += ["--merge-rule", args.merge_rule, "--moment-precision", args.moment_precision]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -350,6 +352,9 @@ def render(results: dict, args) -> str:
             f"{(m['peak_rss'] - m['rss_after_import']) / size:.2f} × (A + B) (floor: "
             f"{(f['peak_rss'] - f['rss_after_import']) / size:.2f} ×). All totals (s): {r['all_totals']}."
         )
+        if m.get("moment_precision"):
+            mp = m["moment_precision"]
+            lines.append(f"  MLP cross moments: {mp['used']} products (requested {mp['requested']}; {mp['why']}).")
     return "\n".join(lines) + "\n"
 
 
@@ -368,6 +373,12 @@ def main(argv=None) -> None:
         "--merge-rules", default="linear", help="comma list: one merge run per merge rule (linear, regmean)"
     )
     parser.add_argument("--merge-rule", default="linear", help=argparse.SUPPRESS)  # for a worker
+    parser.add_argument(
+        "--moment-precisions",
+        default="auto",
+        help="comma list: one merge run per calibration moment_precision (auto, float32, bfloat16)",
+    )
+    parser.add_argument("--moment-precision", default="auto", help=argparse.SUPPRESS)  # for a worker
     parser.add_argument("--repeat", type=int, default=1, help="runs of each kind; the fastest is reported")
     parser.add_argument("--workdir", help="where models and data go (default: a temporary directory)")
     parser.add_argument("--out", default=str(HERE / "results.md"))
@@ -391,7 +402,8 @@ def main(argv=None) -> None:
             size = _checkpoint_bytes(work / "A") + _checkpoint_bytes(work / "B")
             strides = [int(x) for x in args.moment_strides.split(",") if x]
             rules = [x for x in args.merge_rules.split(",") if x]
-            variants = {f"merge{s}-{rule}": (s, rule) for s in strides for rule in rules}
+            precisions = [x for x in args.moment_precisions.split(",") if x]
+            variants = {f"merge{s}-{rule}-{p}": (s, rule, p) for s in strides for rule in rules for p in precisions}
             kinds = ["floor", *variants]
             runs: dict[str, list] = {kind: [] for kind in kinds}
             for rep in range(args.repeat):  # alternate, so that load from other jobs hits all alike
@@ -399,15 +411,16 @@ def main(argv=None) -> None:
                     print(f"[{shape}] {kind} ({rep + 1}/{args.repeat}) …", file=sys.stderr)
                     worker_args = argparse.Namespace(**vars(args))
                     if kind != "floor":
-                        worker_args.moment_stride, worker_args.merge_rule = variants[kind]
+                        worker_args.moment_stride, worker_args.merge_rule, worker_args.moment_precision = variants[kind]
                     x = _run_worker("floor" if kind == "floor" else "merge", worker_args, work)
                     x["load_average"] = os.getloadavg()[0]
                     runs[kind].append(x)
                     print(f"[{shape}] {kind}: {x['total_s']:.1f} s, peak {_mib(x['peak_rss'])}", file=sys.stderr)
             # the fastest run of each kind is the least disturbed by other jobs on the machine
             best = {kind: min(xs, key=lambda x: x["total_s"]) for kind, xs in runs.items()}
-            for kind, (stride, rule) in variants.items():
+            for kind, (stride, rule, precision) in variants.items():
                 details = ([f"moment_stride={stride}"] if stride != 1 else []) + ([rule] if rule != "linear" else [])
+                details += [f"moments {precision}"] if precision != "auto" else []
                 label = ", ".join([shape, *details])
                 results[label] = {
                     "floor": best["floor"],
