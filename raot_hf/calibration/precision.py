@@ -9,7 +9,7 @@ across batches stay float32. The head and stream moments feed continuous rotatio
 float32; float64 models keep float64 everywhere (the exactness tests run there).
 
 ``auto`` decides per device: on CUDA, bf16 where the GPU has bf16 tensor cores (compute
-capability ≥ 8.0); on a CPU, a micro-benchmark once per process (a 512³ product in each dtype,
+capability ≥ 8.0); on a CPU, a micro-benchmark once per process (a 256³ product in each dtype,
 best of three) picks bf16 only when it runs at least :data:`MIN_SPEEDUP` times faster — CPUs
 with AMX or AVX-512 BF16 do; CPUs with AVX2 only run bf16 products far slower than float32.
 """
@@ -26,7 +26,7 @@ logger = logging.getLogger("raot_hf.calibration.precision")
 
 #: How much faster a bf16 product must be than float32 for ``auto`` to choose it on a CPU.
 MIN_SPEEDUP = 1.5
-_BENCH_SIZE = 512
+_BENCH_SIZE = 256
 
 
 def _best_time(fn, repeats: int = 3) -> float:
@@ -41,7 +41,7 @@ def _best_time(fn, repeats: int = 3) -> float:
 
 @functools.lru_cache(maxsize=8)
 def cpu_bf16_speedup(threads: int) -> float:
-    """float32 time / bf16 time of a 512³ CPU matrix product with ``threads`` threads (cached)."""
+    """float32 time / bf16 time of a 256³ CPU matrix product with ``threads`` threads (cached)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(_BENCH_SIZE, _BENCH_SIZE, generator=g)
     y = torch.randn(_BENCH_SIZE, _BENCH_SIZE, generator=g)
