@@ -19,6 +19,7 @@ peak RSS (``VmHWM``) against the sum of the two checkpoints' sizes, writes
                                                                      # all tokens, and every 8th
     python benchmarks/perf/run.py --shapes minilm-l6                 # one shape
     python benchmarks/perf/run.py --shapes bert-base --merge-rules linear,regmean  # the two rules
+    python benchmarks/perf/run.py --examples 512 --moment-precisions auto,float32 --budgets 0,16 --repeat 2
 
 Time is wall-clock on a shared machine: run it when the machine is quiet (the report prints
 the load average) and with ``--repeat 2`` or more.
@@ -108,6 +109,7 @@ def _calibration_config(args):
         batch_size=args.batch_size,
         moment_stride=args.moment_stride,
         moment_precision=args.moment_precision,
+        mlp_tokens_per_unit=args.mlp_tokens_per_unit,
     )
 
 
@@ -200,6 +202,7 @@ def worker_merge(args) -> dict:
         "tokens": int(result.report["calibration"]["fit_tokens"] + result.report["calibration"]["heldout_tokens"]),
         "moment_tokens": int(result.report["calibration"]["moment_tokens"]),
         "moment_precision": result.report["calibration"].get("moment_precision"),
+        "mlp_moment_tokens": result.report["calibration"].get("mlp_moment_tokens"),
         "applied": sum(d["applied"] for d in result.report["decisions"]),
         "decisions": len(result.report["decisions"]),
         "deviation": result.report["checks"][0]["value"],
@@ -265,6 +268,7 @@ def _run_worker(kind: str, args, workdir: Path) -> dict:
     cmd += ["--examples", str(args.examples), "--seq", str(args.seq), "--batch-size", str(args.batch_size)]
     cmd += ["--threads", str(args.threads), "--moment-stride", str(args.moment_stride)]
     cmd += ["--merge-rule", args.merge_rule, "--moment-precision", args.moment_precision]
+    cmd += ["--mlp-tokens-per-unit", str(args.mlp_tokens_per_unit)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -354,7 +358,11 @@ def render(results: dict, args) -> str:
         )
         if m.get("moment_precision"):
             mp = m["moment_precision"]
-            lines.append(f"  MLP cross moments: {mp['used']} products (requested {mp['requested']}; {mp['why']}).")
+            kept = m.get("mlp_moment_tokens") or []
+            tokens = f", {min(kept):,}–{max(kept):,} of {m['moment_tokens']:,} fit tokens per layer" if kept else ""
+            lines.append(
+                f"  MLP cross moments: {mp['used']} products (requested {mp['requested']}; {mp['why']}){tokens}."
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -379,6 +387,10 @@ def main(argv=None) -> None:
         help="comma list: one merge run per calibration moment_precision (auto, float32, bfloat16)",
     )
     parser.add_argument("--moment-precision", default="auto", help=argparse.SUPPRESS)  # for a worker
+    parser.add_argument(
+        "--budgets", default="0", help="comma list: one merge run per mlp_tokens_per_unit (0 = every token)"
+    )
+    parser.add_argument("--mlp-tokens-per-unit", type=int, default=0, help=argparse.SUPPRESS)  # for a worker
     parser.add_argument("--repeat", type=int, default=1, help="runs of each kind; the fastest is reported")
     parser.add_argument("--workdir", help="where models and data go (default: a temporary directory)")
     parser.add_argument("--out", default=str(HERE / "results.md"))
@@ -403,7 +415,14 @@ def main(argv=None) -> None:
             strides = [int(x) for x in args.moment_strides.split(",") if x]
             rules = [x for x in args.merge_rules.split(",") if x]
             precisions = [x for x in args.moment_precisions.split(",") if x]
-            variants = {f"merge{s}-{rule}-{p}": (s, rule, p) for s in strides for rule in rules for p in precisions}
+            budgets = [int(x) for x in args.budgets.split(",") if x]
+            variants = {
+                f"merge{s}-{rule}-{p}-{b}": (s, rule, p, b)
+                for s in strides
+                for rule in rules
+                for p in precisions
+                for b in budgets
+            }
             kinds = ["floor", *variants]
             runs: dict[str, list] = {kind: [] for kind in kinds}
             for rep in range(args.repeat):  # alternate, so that load from other jobs hits all alike
@@ -411,16 +430,22 @@ def main(argv=None) -> None:
                     print(f"[{shape}] {kind} ({rep + 1}/{args.repeat}) …", file=sys.stderr)
                     worker_args = argparse.Namespace(**vars(args))
                     if kind != "floor":
-                        worker_args.moment_stride, worker_args.merge_rule, worker_args.moment_precision = variants[kind]
+                        (
+                            worker_args.moment_stride,
+                            worker_args.merge_rule,
+                            worker_args.moment_precision,
+                            worker_args.mlp_tokens_per_unit,
+                        ) = variants[kind]
                     x = _run_worker("floor" if kind == "floor" else "merge", worker_args, work)
                     x["load_average"] = os.getloadavg()[0]
                     runs[kind].append(x)
                     print(f"[{shape}] {kind}: {x['total_s']:.1f} s, peak {_mib(x['peak_rss'])}", file=sys.stderr)
             # the fastest run of each kind is the least disturbed by other jobs on the machine
             best = {kind: min(xs, key=lambda x: x["total_s"]) for kind, xs in runs.items()}
-            for kind, (stride, rule, precision) in variants.items():
+            for kind, (stride, rule, precision, budget) in variants.items():
                 details = ([f"moment_stride={stride}"] if stride != 1 else []) + ([rule] if rule != "linear" else [])
                 details += [f"moments {precision}"] if precision != "auto" else []
+                details += [f"≤ {budget} tokens per MLP unit"] if budget else []
                 label = ", ".join([shape, *details])
                 results[label] = {
                     "floor": best["floor"],
