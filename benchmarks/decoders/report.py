@@ -117,7 +117,7 @@ def _plot_barriers(grouped: dict[str, list[dict]], out: Path) -> Path | None:
         ax.set_title(name)
         ax.set_xlabel("α (A → B′)")
         ax.set_ylabel("test loss, reviews (nats/token)")
-    axes[0][0].legend(fontsize=7)
+        ax.legend(fontsize=6)
     fig.tight_layout()
     path = out / "decoder_barriers.png"
     fig.savefig(path, dpi=110)
@@ -157,7 +157,8 @@ def write_report(results: dict[str, Any], out: Path) -> None:
     lines = [
         "# Decoder benchmark",
         "",
-        f"Command: `{results.get('command', 'python -m benchmarks.decoders.run')}`. Mean ± std over runs "
+        f"Command: `{results.get('command', 'python -m benchmarks.decoders.run')}` "
+        f"({results.get('note', '')}). Mean ± std over runs "
         "(3 per family). Perplexity is per token (the shared 1,024-token WordPiece) on 400 held-out texts; "
         "the barrier is max over α of loss(α) minus the chord, on the path (1 − α)·A + α·B′. "
         "Exactness: whether B′ computes B's function (the product's B′ ≡ B check; its deviation when not).",
@@ -170,11 +171,33 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         "",
     ]
     for name, runs in grouped.items():
-        lines += [f"## {name}", "", *pair_table(runs), ""]
+        lines += [f"## {name}", "", *pair_table(runs), *_notes(runs), ""]
     for plot in (_plot_barriers(grouped, out), _plot_widths(grouped, out)):
         if plot is not None:
             lines += [f"![{plot.stem}]({plot.name})", ""]
     (out / "RESULTS.md").write_text("\n".join(lines))
+
+
+def _notes(runs: list[dict]) -> list[str]:
+    """What a reader must know about a pair's table: the gate's verdicts (runs where RaOT said
+    "shares a basis"), and for an inexact method that its path ends at B′, not at B."""
+    out = []
+    verdicts = [r["methods"]["raot"] for r in runs if "verdict" in r["methods"].get("raot", {})]
+    if verdicts:
+        shared = sum(bool(v["shares_basis"]) for v in verdicts)
+        out.append("")
+        out.append(f'RaOT\'s verdict: "shares a basis" in {shared} of {len(verdicts)} runs.')
+    for m in runs[0]["methods"]:
+        rows = [r["methods"][m] for r in runs if "exact" in r["methods"].get(m, {})]
+        if rows and not all(row["exact"] for row in rows) and all("path_loss" in row for row in rows):
+            b_prime = [float(np.exp(row["path_loss"]["reviews"][-1])) for row in rows]
+            b = [float(np.exp(r["parents"]["b"]["reviews"])) for r in runs]
+            out.append("")
+            out.append(
+                f"`{m}` is inexact: B′ is not B (perplexity of B′ {_fmt(b_prime)} against B's {_fmt(b)}), "
+                "so its path ends at B′ and its barrier is not comparable with the exact rows'."
+            )
+    return out
 
 
 def _methods_seen(grouped: dict[str, list[dict]]) -> list[str]:

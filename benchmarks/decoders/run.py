@@ -19,6 +19,7 @@ import gc
 import json
 import logging
 import math
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -161,7 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--cache-dir")
     parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--report-only", action="store_true", help="re-render RESULTS.md and plots from results.json")
     args = parser.parse_args(argv)
+    if args.report_only:
+        write_report(json.loads((Path(args.out) / "results.json").read_text()), Path(args.out))
+        return 0
     pairs = [p for p in decoder_pairs() if not args.pairs or p.name in args.pairs.split(",")]
     jobs = [(p.name, int(r)) for p in pairs for r in args.runs.split(",")]
     out = Path(args.out)
@@ -179,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             results["runs"].append(row)
             path.write_text(json.dumps(results, indent=1))
             print(f"{row['pair']} run {row['run']}: done ({time.perf_counter() - started:.0f} s)", flush=True)
-    results["command"] = "python -m benchmarks.decoders.run " + " ".join(argv or [])
+    results["command"] = " ".join(["python -m benchmarks.decoders.run", *(sys.argv[1:] if argv is None else argv)])
     path.write_text(json.dumps(results, indent=1))
     write_report(results, out)
     return 0
