@@ -18,7 +18,10 @@ def test_resolution_rules(monkeypatch):
     assert resolve_moment_precision("bfloat16", torch.float32, "cpu")[0] == torch.bfloat16
     monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda threads: 5.0)
     dtype, why = resolve_moment_precision("auto", torch.float32, "cpu")
-    assert dtype == torch.bfloat16 and "5.00×" in why
+    assert dtype == torch.bfloat16 and "at least" in why
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda threads: 1.49)
+    dtype, why = resolve_moment_precision("auto", torch.float32, "cpu")
+    assert dtype == torch.float32 and "less than" in why
     monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda threads: 0.1)
     assert resolve_moment_precision("auto", torch.bfloat16, "cpu")[0] == torch.float32
 
