@@ -51,16 +51,19 @@ def aligned_grams(
     model_b: torch.nn.Module,
     *,
     folded: bool | None = None,
+    transposed: set[str] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Grams of A and of B′ keyed like ``stats.grams``.
 
     Inputs were recorded before any folding. If the models are now folded (a pre-LN residual
     rotation was applied), a reader's input became z = (y − β)/γ of its LayerNorm, so each Gram
     is re-expressed through the recorded sums; then B's Gram of an input space acted on by M
-    becomes Mᵀ·G·M.
+    becomes Mᵀ·G·M. ``transposed``: the weights stored (in, out) (default: found in ``model_a``,
+    :func:`transposed_weights`).
     """
     actions = applied.actions(schema) if len(applied) else {}
-    transposed = transposed_weights(model_a, stats.gram_keys)
+    if transposed is None:
+        transposed = transposed_weights(model_a, stats.gram_keys)
     if folded is None:
         folded = "residual" in actions and actions["residual"].perm is None and schema.norm == "pre"
     fold_of: dict[str, tuple[str, str]] = {}

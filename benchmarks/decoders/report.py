@@ -8,21 +8,17 @@ from typing import Any
 import numpy as np
 
 from benchmarks.methods import BY_NAME
+from benchmarks.report import _by_pair as by_pair
+from benchmarks.report import _fmt as fmt
 
 
 def _by_pair(results: dict) -> dict[str, list[dict]]:
-    grouped: dict[str, list[dict]] = {}
-    for run in sorted(results["runs"], key=lambda r: (r["pair"], r["run"])):
-        grouped.setdefault(run["pair"], []).append(run)
-    return grouped
+    """Runs grouped by pair, pairs and runs in order."""
+    return {name: sorted(runs, key=lambda r: r["run"]) for name, runs in sorted(by_pair(results).items())}
 
 
 def _fmt(values: list[float], digits: int = 2) -> str:
-    if not values:
-        return "–"
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{np.mean(values):.{digits}f} ± {np.std(values, ddof=1):.{digits}f}"
+    return fmt(values, digits)
 
 
 def _method_values(runs: list[dict], method: str, get) -> list[float]:

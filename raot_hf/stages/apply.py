@@ -26,9 +26,13 @@ logger = logging.getLogger("raot_hf.stages.apply")
 HALF_PRECISION_EPS = 16
 
 
-def exactness_threshold(dtype: torch.dtype) -> float:
+def exactness_threshold(dtype: torch.dtype, norm_dtype: str | None = None) -> float:
     """The largest relative deviation an exact transform may show in ``dtype``: 1e-9 (float64),
-    1e-4 (float32), 16 machine epsilons for 16-bit floats (bf16 0.125, fp16 0.0156)."""
+    1e-4 (float32), 16 machine epsilons for 16-bit floats (bf16 0.125, fp16 0.0156). Norms that
+    compute in ``norm_dtype`` whatever the model's dtype (the schema's; transformers' RMSNorm:
+    float32) bound the precision: the looser of the two thresholds applies."""
+    if norm_dtype is not None:
+        return max(exactness_threshold(dtype), exactness_threshold(getattr(torch, norm_dtype)))
     if dtype == torch.float64:
         return 1e-9
     if torch.finfo(dtype).bits <= 16:
@@ -78,9 +82,7 @@ def apply_and_check(ctx: PairContext, alignment: Alignment, run) -> list[dict[st
             if "residual" in actions and actions["residual"].perm is None and ctx.schema.norm == "pre":
                 fold_model(ctx.model_a, ctx.schema)
         value = deviation(ctx, reference, inputs, actions)
-        threshold = exactness_threshold(next(ctx.model_b.parameters()).dtype)
-        if ctx.schema.norm_dtype is not None:  # a norm computing in float32 bounds the precision
-            threshold = max(threshold, exactness_threshold(getattr(torch, ctx.schema.norm_dtype)))
+        threshold = exactness_threshold(next(ctx.model_b.parameters()).dtype, ctx.schema.norm_dtype)
         check = {
             "name": "B′ ≡ B on held-out inputs (max relative deviation)",
             "value": value,

@@ -68,10 +68,12 @@ def rule_inputs(ctx: PairContext, spec: MergeRuleSpec, alignment: Alignment, sta
     if spec.needs_grams:
         if stats is None or not stats.grams:
             raise RaotError(f"merge_rule={cfg.merge_rule!r} needs calibration data for its Gram matrices")
-        grams_a, grams_b = aligned_grams(stats, ctx.schema, alignment.applied, ctx.model_a, ctx.model_b)
-        inputs.update(grams_a=grams_a, grams_b=grams_b)
+        transposed = transposed_weights(ctx.model_a, stats.gram_keys)
+        grams_a, grams_b = aligned_grams(
+            stats, ctx.schema, alignment.applied, ctx.model_a, ctx.model_b, transposed=transposed
+        )
+        inputs.update(grams_a=grams_a, grams_b=grams_b, transposed_weights=transposed)
         inputs["linear_weights"] = _finite_gram_keys(stats.gram_keys, grams_a, grams_b)
-        inputs["transposed_weights"] = transposed_weights(ctx.model_a, inputs["linear_weights"])
     if spec.needs_fisher:
         inputs["fisher_a"], inputs["fisher_b"] = _fishers(ctx, run, trunk)
     if spec.needs_base:

@@ -149,10 +149,14 @@ class Transform:
         if cls.kind:
             Transform._types[cls.kind] = cls
 
-    exact: ClassVar[bool] = True
+    exact: ClassVar[bool] = True  # exact on every schema (see :meth:`exact_for`)
 
     def actions(self, schema: ModelSchema) -> dict[str, SpaceAction]:
         raise NotImplementedError
+
+    def exact_for(self, schema: ModelSchema) -> bool:
+        """Whether this transform leaves the function of a model with ``schema`` unchanged."""
+        return self.exact
 
     def to_dict(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -272,6 +276,9 @@ class UnrestrictedHeadAlignment(HeadAlignment):
     kind: ClassVar[str] = "head_alignment_unrestricted"
     exact: ClassVar[bool] = False
 
+    def exact_for(self, schema):
+        return schema.qk_structure != "rope"  # no position rotations to commute with: exact
+
     def describe(self):
         return super().describe() + " (Q/K maps not restricted to RoPE's commutant: approximate)"
 
@@ -367,7 +374,7 @@ class ResidualRotation(Transform):
 
     Exact for pre-LN models once LayerNorms are folded into their readers; for post-LN models
     LayerNorm γ sits in the stream and is refit per coordinate — an approximation that is
-    reported as such (:attr:`exact` is decided against the schema by :func:`is_exact`).
+    reported as such (:meth:`exact_for` decides it against the schema).
     """
 
     matrix: torch.Tensor
@@ -375,6 +382,9 @@ class ResidualRotation(Transform):
 
     def __post_init__(self):
         self.matrix = _tensor(self.matrix)
+
+    def exact_for(self, schema):
+        return schema.residual.exact in ("mean_fixing", "orthogonal")
 
     def actions(self, schema):
         d = schema.hidden_size
@@ -466,11 +476,4 @@ class TransformSequence(Transform):
 
 def is_exact(transform: Transform, schema: ModelSchema) -> bool:
     """Whether ``transform`` leaves the function of a model with ``schema`` exactly unchanged."""
-    for t in _flatten(transform):
-        if isinstance(t, ResidualRotation) and schema.residual.exact not in ("mean_fixing", "orthogonal"):
-            return False
-        if isinstance(t, UnrestrictedHeadAlignment) and schema.qk_structure != "rope":
-            continue  # no position rotations to commute with: a free head rotation is exact
-        if not t.exact:
-            return False
-    return True
+    return all(t.exact_for(schema) for t in _flatten(transform))
