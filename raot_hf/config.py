@@ -73,6 +73,9 @@ class RaotConfig:
       reported as such); ``permutation``.
     * ``rotations``: estimate within-head Q/K and V/O rotations (False: heads are matched by
       permutation only, R = I — with ``residual="permutation"`` the permutation-only baseline).
+    * ``head_scales``: with the rotations, estimate the positive scales of the head group (s on q with
+      1/s on k — one per rotary pair under RoPE — and c on v with 1/c on o), so the estimator
+      inverts rotations *and* scales (docs/design.md §4.4); off, head maps are orthogonal only.
     * ``rope_restricted``: on a RoPE model (Llama family) the Q/K maps are restricted to one 2×2
       rotation per rotary pair, the maps that commute with the position rotations (exact). Off,
       the Q/K map is a free orthogonal map per head: it does not commute with RoPE, so B′ no longer
@@ -96,6 +99,13 @@ class RaotConfig:
     )
     residual: str = field(default="auto", metadata=_help("Residual map kind.", choices=RESIDUAL_MODES))
     rotations: bool = field(default=True, metadata=_help("Estimate within-head rotations (off: permutations only)."))
+    head_scales: bool = field(
+        default=True,
+        metadata=_help(
+            "Estimate per-head scales with the head rotations: Q/K (per rotary pair under RoPE) and V/O "
+            "(off: orthogonal head maps only)."
+        ),
+    )
     rope_restricted: bool = field(
         default=True,
         metadata=_help(

@@ -88,7 +88,12 @@ class DistributedContext:
 
         device = self._collective_device()
         examples = torch.tensor(float(stats.examples), dtype=torch.float64)
-        tensors = [*stats.tensors(), examples]
+        # co-moments are centered at each process's own means: they travel as raw float64 sums
+        # (this process's C + ΣaΣbᵀ/n) and are re-centered at the global means after the sum
+        moments = stats.moments()
+        local = [(m.xsum_a.clone(), m.xsum_b.clone(), m.n_cross.clone()) for m in moments]
+        centered = {id(m.comoment) for m in moments}
+        tensors = [t for t in (*stats.tensors(), examples) if id(t) not in centered]
         small = [t for t in tensors if t.numel() <= _BUCKET_ELEMENTS]
         large = [t for t in tensors if t.numel() > _BUCKET_ELEMENTS]
         for start in range(0, len(small), 4096):
@@ -105,6 +110,11 @@ class DistributedContext:
             dist.all_reduce(buf, op=dist.ReduceOp.SUM)
             if buf is not t:
                 t.copy_(buf)
+        for m, (xa, xb, n) in zip(moments, local, strict=True):
+            raw = torch.outer(xa, xb).div_(n.clamp_min(1)).add_(m.comoment.to(torch.float64)).to(device)
+            dist.all_reduce(raw, op=dist.ReduceOp.SUM)
+            raw = raw.to(m.comoment.device).sub_(torch.outer(m.xsum_a, m.xsum_b).div_(m.n_cross.clamp_min(1)))
+            m.comoment.copy_(raw)
         stats.examples = round(float(examples))
 
     def broadcast_object(self, obj: Any) -> Any:

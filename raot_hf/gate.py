@@ -59,8 +59,12 @@ def decide(
     is_identity: bool,
     enabled: bool = True,
     description: str = "",
+    sign_test: bool = False,
 ) -> GateDecision:
-    """Decide whether one estimated transform earns its place."""
+    """Decide whether one estimated transform earns its place. ``sign_test``: also accept when the
+    gains are positive on so many of the n paired examples that a sign test rejects "no gain" at
+    the t-test's own level (docs/design.md §5.2) — heavy-tailed gains (one example that the
+    unaligned merge ruins) inflate the standard error without making the estimate worse."""
     gains = gains.to(torch.float64).flatten()
     n = gains.numel()
     gain = float(gains.mean()) if n else 0.0
@@ -78,6 +82,21 @@ def decide(
         applied, reason = True, "gate disabled"
     elif gain > margin and gain > 0:
         applied, reason = True, f"gain {gain:.3g} > margin {margin:.3g}"
+    elif sign_test and gain > max(min_gain, 0.0) and sign_test_p(gains) <= one_sided_level(z):
+        positive = int((gains > 0).sum())
+        applied, reason = True, f"gain {gain:.3g} on {positive}/{n} examples (sign test p = {sign_test_p(gains):.2g})"
     else:
         applied, reason = False, f"gain {gain:.3g} ≤ margin {margin:.3g}"
     return GateDecision(transform, layer, identity, identity + gain, gain, stderr, margin, applied, reason, description)
+
+
+def one_sided_level(z: float) -> float:
+    """The one-sided false-accept rate of a z-standard-error margin: 1 − Φ(z) (z = 3: 0.00135)."""
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def sign_test_p(gains: torch.Tensor) -> float:
+    """One-sided sign-test p-value of "no gain": P(Binomial(n, ½) ≥ k), k the positive gains (a
+    zero counts against the estimate)."""
+    n, k = gains.numel(), int((gains > 0).sum())
+    return sum(math.comb(n, j) for j in range(k, n + 1)) / 2.0**n

@@ -11,10 +11,12 @@
   in for the forward, each layer's just before it runs and A's restored right after — up to
   its last layer.
 
-Fidelity of an output ``m`` to a parent's ``y`` is ``1 − ‖m − y‖² / ‖y − x‖²`` summed over real
-tokens, ``x`` the stream entering the block (one layer, or all layers): the part of the output
-the block computes — its input passes through the residual connection and would swamp the
-score. The score of a merged block is ``(1−α)``·that to A plus ``α``·that to B′.
+Fidelity of an output ``m`` to a parent's ``y`` is ``1 − Σ_t w_t‖m_t − y_t‖² / Σ_t w_t‖y_t − x_t‖²``
+over real tokens t, ``x`` the stream entering the block (one layer, or all layers): the part of
+the output the block computes — its input passes through the residual connection and would
+swamp the score. Each token weighs ``w_t = 1/rms(y_t)²``, as the next norm reads it, so that a
+few massive-activation tokens do not decide the score. The score of a merged block is
+``(1−α)``·that to A plus ``α``·that to B′.
 """
 
 from __future__ import annotations
@@ -137,8 +139,10 @@ def _rse(out: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, start: torch.
     """Per-example squared error of ``out`` to ``ref`` over real tokens, in float64, relative to
     ``‖ref‖²`` — or, for one layer, to ``‖ref − start‖²``, the part of the output the layer
     computes (its input passes through the residual connection and would swamp the score)."""
-    m = mask.to(out.device, torch.float64)[..., None]
     ref = ref.to(torch.float64)
+    # each real token weighs by 1/‖ref_t‖²: the next norm reads every token at its own scale, so a
+    # handful of massive-activation tokens must not swamp the score (docs/design.md §5.3)
+    m = mask.to(out.device, torch.float64)[..., None] / ref.pow(2).mean(-1, keepdim=True).clamp_min(1e-30)
     num = ((out.to(torch.float64) - ref) ** 2 * m).sum(dim=(1, 2))
     scale = ref if start is None else ref - start.to(torch.float64)
     return num / (scale**2 * m).sum(dim=(1, 2)).clamp_min(1e-30)

@@ -75,6 +75,7 @@ def _paired(
         min_tokens=0,
         is_identity=False,
         description=description,
+        sign_test=True,
     )
     d.objective = "merge"
     d.fidelity_identity, d.fidelity_estimate = float(without.mean()), float(with_.mean())
@@ -126,26 +127,42 @@ class _GateRun:
         self.stream = stream_matrix(self.merged.residual, self.merged.schema)
 
     def decide_layer(self, i: int, keys: list[tuple], per_layer: dict, rows: dict) -> tuple[dict, list[Transform]]:
-        """Layer ``i``'s decisions, block-local: heads first, then the MLP given the heads'
-        decision (the MLP reads what the attention wrote, so it is judged with the attention as
-        it will be merged). Returns the decisions and the accepted transforms."""
+        """Layer ``i``'s decisions, block-local, each estimate judged *given the others*: the
+        layer merged with every estimate against the same without that one (the MLP reads what
+        the attention wrote and the attention's error reaches the MLP's output, so each is judged
+        with the other aligned as it will be merged). A rejected estimate — the one with the
+        smallest gain first — is dropped and the rest are judged again without it (backward
+        elimination: at most four layer configurations for heads and MLP). Returns the decisions
+        and the accepted transforms."""
         name = self.layer_names[i]
         module = self.model_a.get_submodule(name)
+        scores: dict[tuple, torch.Tensor] = {}
 
-        def score(transforms):
-            params = self.merged.merged(i, transforms)
-            hidden = self.merged.schema.hidden_size
-            return layer_fidelity(module, name, params, self.chunks, i, self.stream, self.alpha, hidden)
+        def score(chosen: tuple) -> torch.Tensor:
+            if chosen not in scores:
+                transforms = [t for key in chosen for t in per_layer[key]]
+                params = self.merged.merged(i, transforms)
+                hidden = self.merged.schema.hidden_size
+                scores[chosen] = layer_fidelity(module, name, params, self.chunks, i, self.stream, self.alpha, hidden)
+            return scores[chosen]
 
-        chosen: list[Transform] = []
-        base, decided = score(chosen), {}
-        for key in keys:
-            with_ = score(chosen + per_layer[key])
-            d = _paired(key[0], i, with_, base, z=self.z, description=rows[key].description, alignment=rows[key])
-            decided[key] = d
-            if d.applied:
-                chosen, base = chosen + per_layer[key], with_
-        return decided, chosen
+        chosen, decided = tuple(keys), {}
+        while chosen:
+            for key in chosen:  # a prefix first, so the merged parameters of the longer set are reused
+                score(tuple(k for k in chosen if k != key))
+            with_ = score(chosen)
+            for key in chosen:
+                without = score(tuple(k for k in chosen if k != key))
+                description = rows[key].description
+                decided[key] = _paired(
+                    key[0], i, with_, without, z=self.z, description=description, alignment=rows[key]
+                )
+            rejected = [key for key in chosen if not decided[key].applied]
+            if not rejected:
+                break
+            worst = min(rejected, key=lambda k: decided[k].gain)
+            chosen = tuple(k for k in chosen if k != worst)
+        return decided, [t for key in chosen for t in per_layer[key]]
 
     def fidelity(self, layer_transforms: dict[int, list[Transform]] | None) -> torch.Tensor:
         return model_fidelity(self.model_a, self.layer_names, self.merged, self.chunks, layer_transforms, self.alpha)

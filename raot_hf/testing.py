@@ -148,6 +148,118 @@ def tiny_model(model_type: str, head: str = "base", *, seed: int = 0, dtype=torc
     return model.to(dtype).eval()
 
 
+def _decoder_parts(model: torch.nn.Module):
+    """(base module, embedding, layers, names) of a decoder: the layer modules and, per layer, the
+    attention output, MLP input (gate/up or c_fc) and MLP output modules."""
+    if model.config.model_type == "gpt2":
+        base = getattr(model, "transformer", model)
+        names = {"o": "attn.c_proj", "fc1": ("mlp.c_fc",), "fc2": "mlp.c_proj"}
+        return base, base.wte, base.h, names, base.wpe
+    base = getattr(model, "model", model)
+    names = {"o": "self_attn.o_proj", "fc1": ("mlp.gate_proj", "mlp.up_proj"), "fc2": "mlp.down_proj"}
+    return base, base.embed_tokens, base.layers, names, None
+
+
+def _unit_rows(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """A weight as (out, in) rows, whatever its storage (GPT-2's Conv1D stores (in, out))."""
+    return weight.T if transposed else weight
+
+
+@torch.no_grad()
+def trained_like(
+    model: torch.nn.Module,
+    *,
+    seed: int = 0,
+    qk_gain: float = 2.0,
+    massive: float | None = None,
+    triggers: tuple[int, ...] = (2, 3),
+) -> torch.nn.Module:
+    """Make a tiny random model compute like a trained one, in place, and return it.
+
+    Every matrix gets unit gain (entries N(0, 1/fan-in); embeddings N(0, 1)), so each layer
+    changes the stream as much as a trained layer does; queries and keys are scaled by
+    ``qk_gain``, so attention is peaked (a maximum probability of ~0.75 at 2, against nearly
+    uniform attention at the default init, where a wrong Q/K map barely changes the logits).
+
+    ``massive`` (decoders only): the **massive activations** of pretrained LLMs (Sun et al.
+    2024) — layer 1's MLP unit 0 writes ``massive`` into two stream dimensions on the
+    ``triggers`` tokens only (by default ids 2 and 3, the test tokenizer's [CLS] and [SEP]: the
+    first and the last token of every text), against a median stream entry of ~1. The
+    triggers' embeddings point along one direction that no other token, position or earlier
+    writer has a component along, and unit 0 of layer 1 reads that direction only."""
+    from transformers.pytorch_utils import Conv1D
+
+    g = torch.Generator().manual_seed(int(seed) + 7919)
+    stored_in_out = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Conv1D)}  # GPT-2
+    for name, p in model.named_parameters():
+        if p.ndim != 2:
+            continue
+        if (
+            isinstance(model.get_submodule(name.rsplit(".", 1)[0]), torch.nn.Embedding)
+            or p.ndim == 2
+            and ("position_embeddings" in name or "cls_token" in name)
+        ):
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+            continue
+        fan_in = p.shape[0] if name in stored_in_out else p.shape[1]
+        p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) / fan_in**0.5)
+    d = model.config.hidden_size
+    for name, p in model.named_parameters():
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            p.mul_(qk_gain)
+        elif name.endswith("c_attn.weight"):  # GPT-2: q and k are the first 2·d output columns
+            p[:, : 2 * d].mul_(qk_gain)
+    if massive is not None:
+        _plant_massive_activation(model, float(massive), tuple(triggers), g)
+    return model
+
+
+def _plant_massive_activation(model, amplitude: float, triggers: tuple[int, ...], g: torch.Generator) -> None:
+    if model.config.model_type not in _DECODERS:
+        raise RaotError("massive activations are planted in decoders only (gpt2, llama, mistral, qwen2)")
+    if model.config.num_hidden_layers < 2:
+        raise RaotError("massive activations need at least 2 layers (layer 1's MLP writes them)")
+    conv1d = model.config.model_type == "gpt2"
+    _, emb, layers, names, wpe = _decoder_parts(model)
+    d = emb.weight.shape[1]
+    direction = torch.randn(d, generator=g, dtype=torch.float64)
+    if conv1d:  # LayerNorm centers each token: a direction with a mean would pick up every token's
+        direction -= direction.mean()
+    direction /= direction.norm()
+    off = torch.eye(d, dtype=torch.float64) - torch.outer(direction, direction)
+    w = emb.weight
+    w.copy_(w.double() @ off)
+    if wpe is not None:
+        wpe.weight.copy_(wpe.weight.double() @ off)
+    for t in triggers:
+        w[t] = d**0.5 * direction
+    # nothing before layer 1's MLP writes along the direction (writers' output rows projected off)
+    writers = [(layers[0], names["o"]), (layers[0], names["fc2"]), (layers[1], names["o"])]
+    for layer, mod in writers:
+        lin = layer.get_submodule(mod)
+        rows = _unit_rows(lin.weight, conv1d)
+        rows.copy_(off @ rows.double())
+        if lin.bias is not None:
+            lin.bias.copy_(lin.bias.double() @ off)
+    for norm in model.modules():  # LayerNorm shifts would give every token a component
+        if isinstance(getattr(norm, "bias", None), torch.nn.Parameter) and type(norm).__name__ == "LayerNorm":
+            norm.bias.copy_(norm.bias.double() @ off)
+    mlp_in = [layers[1].get_submodule(m) for m in names["fc1"]]
+    for lin in mlp_in:
+        _unit_rows(lin.weight, conv1d)[0] = 4.0 * direction
+        if lin.bias is not None:
+            lin.bias[0] = 0.0
+    out = layers[1].get_submodule(names["fc2"])
+    column = torch.zeros(d, dtype=torch.float64)
+    column[[1, d // 2]] = 1.0
+    _unit_rows(out.weight, conv1d)[:, 0] = column
+    # scale unit 0's output so the triggers' stream reaches ``amplitude``
+    ids = torch.tensor([[triggers[0], *range(5, 9)]])
+    hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[2]
+    reached = float(hidden[0, 0, [1, d // 2]].abs().max())
+    _unit_rows(out.weight, conv1d)[:, 0] = column * (amplitude / max(reached, 1e-12))
+
+
 def clone(model: torch.nn.Module) -> torch.nn.Module:
     """A deep copy of ``model``."""
     return copy.deepcopy(model)

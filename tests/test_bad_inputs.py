@@ -404,3 +404,49 @@ def test_out_below_a_file_is_refused(zoo, tmp_path):
     res = _merge(zoo / "a", zoo / "a2", "--alignment", "none", out=blocker / "sub" / "merged")
     assert res.exit_code == 2 and "is not a directory" in res.stderr, res.output
     assert blocker.read_text() == "x"
+
+
+def test_text_the_tokenizer_cannot_read_is_refused_before_any_forward(tmp_path):
+    """A word-level tokenizer saved beside a Qwen2 config is reloaded by AutoTokenizer as Qwen2's
+    byte-level class, which encodes "w5 w17 …" to no tokens: every example would be the same
+    [CLS] [SEP], nothing is identified, and the gate cannot notice (a merge went through at a
+    relative error of 0.44). Refused in one line, from the CLI's early check too; and data that
+    encodes every text alike is refused as well."""
+    from raot_hf import scramble
+    from raot_hf.testing import clone
+
+    a = tiny_model("qwen2", "causal", dtype=torch.float32)
+    b = clone(a)
+    scramble(b, seed=1)
+    for name, model in (("a", a), ("b", b)):
+        model.save_pretrained(tmp_path / name)
+        tiny_tokenizer(100).save_pretrained(tmp_path / name)
+    merger = RaotMerger.from_pretrained(tmp_path / "a", tmp_path / "b")
+    assert type(merger.preprocessor).__name__ == "Qwen2Tokenizer"
+    called = []
+    merger.model_b.register_forward_hook(lambda *_: called.append(1))
+    with pytest.raises(RaotError, match="no tokens at all") as err:
+        merger.merge(calibration=tiny_text_dataset(64, vocab_size=100))
+    assert "\n" not in str(err.value) and not called
+    tiny_text_dataset(32, vocab_size=100).to_csv(tmp_path / "cal.csv")
+    out = CliRunner().invoke(
+        main,
+        [
+            "merge",
+            str(tmp_path / "a"),
+            str(tmp_path / "b"),
+            "--calibration",
+            str(tmp_path / "cal.csv"),
+            "--out",
+            str(tmp_path / "m"),
+        ],
+    )
+    assert out.exit_code != 0 and "no tokens at all" in out.output and not (tmp_path / "m").exists()
+    import datasets
+
+    same = datasets.Dataset.from_dict({"text": ["w5 w6 w7"] * 40})
+    bert = RaotMerger.from_models(
+        tiny_model("bert", "sequence"), tiny_model("bert", "sequence", seed=1), preprocessor=tiny_tokenizer()
+    )
+    with pytest.raises(RaotError, match="same ids"):
+        bert.merge(calibration=same)

@@ -275,16 +275,16 @@ def test_recovery_through_data_aware_rules(rule):
 
 def test_grouped_rope_solver_inverts_a_group_symmetry():
     """The decoder head solver on synthetic activations: B's heads are A's moved by a random
-    GQA + RoPE symmetry; the estimate maps B's q, (expanded) k and context back onto A's."""
+    GQA + RoPE symmetry with its scales (per rotary pair on Q/K, per KV head on V/O); the estimate
+    maps B's q, (expanded) k and context back onto A's."""
     from raot_hf.calibration.statistics import Moments
     from raot_hf.estimators.activation import candidate_maps, estimate_head_alignment
-    from raot_hf.symmetry.group import random_grouped_heads
 
     schema = schema_for(tiny_model("llama", "causal"))
     H, kv, h = schema.num_heads, schema.kv_heads, schema.head_size
     g = torch.Generator().manual_seed(4)
-    truth = random_grouped_heads(schema, 0, g)
-    move = candidate_maps([truth], H, h)
+    truth = [t for t in random_group_element(schema, seed=4, kinds=("heads", "rescale")).transforms if t.layer == 0]
+    move = candidate_maps(truth, H, h)
     n = 400
     expand = torch.tensor([(i // (H // kv)) * h + c for i in range(H) for c in range(h)])
     scale = torch.linspace(0.5, 2.0, H * h, dtype=torch.float64)  # anisotropic, so the fit is identifiable
@@ -294,13 +294,16 @@ def test_grouped_rope_solver_inverts_a_group_symmetry():
         "ctx": torch.randn(n, H * h, generator=g, dtype=torch.float64) * scale,
     }
     b = {site: move[(site, 0)](x) for site, x in a.items()}
+    assert (truth[1].qk_scale - 1).abs().min() > 1e-3  # every rotary pair scaled
     moments = {}
     for site in a:
         moments[site] = Moments.zeros(H * h)
         moments[site].update(a[site], b[site])
     estimate = estimate_head_alignment(moments["q"], moments["k"], moments["ctx"], 0, H, h, num_kv_heads=kv, rope=True)
-    estimate.actions(schema)  # a valid group element: whole groups, shared maps, pair rotations
-    back = candidate_maps([estimate], H, h)
+    assert [type(t).__name__ for t in estimate] == ["HeadAlignment", "HeadRescale"]
+    for t in estimate:
+        t.actions(schema)  # a valid group element: whole groups, shared maps and scales, pair rotations
+    back = candidate_maps(estimate, H, h)
     for site in a:
         assert torch.allclose(back[(site, 0)](b[site]), a[site], atol=1e-8), site
 

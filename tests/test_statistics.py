@@ -41,7 +41,7 @@ def _old_head_gains(q, k, ctx, t: HeadAlignment, H, h):
     def energy(sq):
         return sq.reshape(H, h).sum(-1)
 
-    n_qk, n_vo = blocks(q.cross + k.cross), blocks(ctx.cross)
+    n_qk, n_vo = blocks(q.raw_cross() + k.raw_cross()), blocks(ctx.raw_cross())
     z_qk = torch.outer(energy(q.sq_a + k.sq_a), energy(q.sq_b + k.sq_b)).sqrt()
     z_vo = torch.outer(energy(ctx.sq_a), energy(ctx.sq_b)).sqrt()
     ar = torch.arange(H)
@@ -68,7 +68,8 @@ def test_heldout_sums_score_candidates_like_full_moments(model_type, head):
         else (tiny_tokenizer(), tiny_text_dataset(24))
     )
     batches = list(iter_calibration_batches(data, pre, CalibrationConfig(batch_size=8)))
-    candidates = list(random_group_element(schema, seed=5, residual="rotation").transforms)
+    kinds = ("mlp", "heads", "residual")  # orthogonal head maps: the full-moment formula below has no scales
+    candidates = list(random_group_element(schema, seed=5, kinds=kinds, residual="rotation").transforms)
     full = _collect(a, b, schema, _as_split(batches, False)).fit
     maps = candidate_maps(candidates, schema.num_heads, schema.head_size)
     sums = _collect(a, b, schema, _as_split(batches, True), phase="heldout", candidates=maps).heldout
@@ -116,5 +117,6 @@ def test_quadratic_sums_in_activation_precision():
         a, b = tiny_model("bert", "sequence", dtype=dtype, seed=0), tiny_model("bert", "sequence", dtype=dtype, seed=1)
         batches = iter_calibration_batches(tiny_text_dataset(8), tiny_tokenizer(), CalibrationConfig(batch_size=8))
         stats = _collect(a, b, schema_for(a), batches).fit
-        assert stats.mlp[0].cross.dtype == quadratic_dtype(dtype) == dtype
+        assert stats.mlp[0].comoment.dtype == quadratic_dtype(dtype) == dtype
+        assert stats.q[0].comoment.dtype == stats.stream.comoment.dtype == torch.float64  # rotation sites
         assert stats.mlp[0].sum_a.dtype == stats.mlp[0].sq_a.dtype == torch.float64

@@ -118,6 +118,18 @@ class _Observer:
         self.handles.clear()
 
 
+def stream_samples(x: torch.Tensor, centered: bool) -> torch.Tensor:
+    """Stream rows as the next norm reads them (docs/design.md §4.2): the mean axis projected out
+    for LayerNorm streams (RMSNorm streams keep it, §8), then each token scaled to unit RMS, so
+    that every token counts once — a few massive-activation tokens (10³ against a median of 1)
+    neither dominate the moments nor exhaust their float precision. Both steps commute with the
+    stream's exact maps (mean-fixing rotations for LayerNorm, all of O(d) for RMSNorm), so the
+    estimate of an exact symmetry stays exact."""
+    if centered:
+        x = x - x.mean(-1, keepdim=True)
+    return x / x.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(torch.finfo(x.dtype).tiny)
+
+
 class _Aborted(Exception):
     """Raised inside A's forward when B's side has failed and A must stop."""
 
@@ -407,9 +419,7 @@ class StatisticsCollector:
             return
         a, b = self._rows(x_a, self._moment_index), self._rows(x_b, self._moment_index)
         if kind == "stream":
-            if self.schema.stream_centered:  # project out the mean axis (§4); RMSNorm streams keep it (§8)
-                a = a - a.mean(-1, keepdim=True)
-                b = b - b.mean(-1, keepdim=True)
+            a, b = stream_samples(a, self.schema.stream_centered), stream_samples(b, self.schema.stream_centered)
             which = None
         if self.phase == "fit":
             target = self.stats.fit.stream if kind == "stream" else getattr(self.stats.fit, kind)[which]

@@ -76,28 +76,41 @@ def _moved(obj, device):
 
 @dataclass
 class Moments:
-    """Float64 sums over paired samples a (of A) and b (of B): count, Σa, Σb, Σa², Σb², Σaᵀb.
+    """Sums over paired samples a (of A) and b (of B): count, Σa, Σb, Σa², Σb² (float64, per
+    coordinate) and the k×k **co-moment** C = Σ(a − ā)ᵀ(b − b̄) of the rows in the cross moment.
 
-    ``full_a`` / ``full_b`` (Σaᵀa, Σbᵀb) are kept only where a rotation is scored: the
+    The co-moment is accumulated stably (docs/design.md §4.3): each batch's rows are centered at
+    the batch's own means (in float64) before their product, and batches are combined with
+    Chan's update C += C_batch + (n₀·m/(n₀ + m))·δaᵀδb, δ the difference of the batch's means from
+    the running ones. A raw sum Σaᵀb − n·ā·b̄ cancels catastrophically when a unit's mean is
+    large against its spread (a tiny random model's MLP units: mean/std ≈ 30, so bfloat16 or even
+    float32 products gave correlations above 1); centered products keep the error relative to the
+    spread. :meth:`raw_cross` gives Σaᵀb back in float64.
+
+    ``full_a`` / ``full_b`` (raw Σaᵀa, Σbᵀb) are kept only where a rotation is scored: the
     residual stream keeps Σbᵀb, which the gate needs to score B·O (Σaᵀa is never read).
-    ``n_cross`` counts the rows in Σaᵀb, fewer than ``n`` under a token budget (the other sums
-    take every row); ``product_dtype`` is the dtype of Σaᵀb's per-batch products (None: the
-    rows' own; :mod:`raot_hf.calibration.precision`)."""
+    ``n_cross`` counts the rows in C and ``xsum_a`` / ``xsum_b`` sum them — fewer than ``n``
+    under a token budget (the other sums take every row); ``product_dtype`` is the dtype of C's
+    per-batch products (None: the rows' own; :mod:`raot_hf.calibration.precision`)."""
 
     n: torch.Tensor
     sum_a: torch.Tensor
     sum_b: torch.Tensor
     sq_a: torch.Tensor
     sq_b: torch.Tensor
-    cross: torch.Tensor
+    comoment: torch.Tensor
     full_a: torch.Tensor | None = None
     full_b: torch.Tensor | None = None
     n_cross: torch.Tensor | None = None
+    xsum_a: torch.Tensor | None = None
+    xsum_b: torch.Tensor | None = None
     product_dtype: torch.dtype | None = None
 
     def __post_init__(self):
         if self.n_cross is None:
             self.n_cross = self.n.clone()
+        if self.xsum_a is None:
+            self.xsum_a, self.xsum_b = self.sum_a.clone(), self.sum_b.clone()
 
     @classmethod
     def zeros(
@@ -121,31 +134,55 @@ class Moments:
             return torch.zeros(k, k, dtype=quad_dtype, device=device)
 
         full_a_sum, full_b_sum = zq() if full and full_a else None, zq() if full else None
-        return cls(z(()), z(k), z(k), z(k), z(k), zq(), full_a_sum, full_b_sum, z(()), product_dtype)
+        return cls(z(()), z(k), z(k), z(k), z(k), zq(), full_a_sum, full_b_sum, z(()), z(k), z(k), product_dtype)
 
     def update(self, a: torch.Tensor, b: torch.Tensor, cross_rows: torch.Tensor | None = None) -> None:
         """Add paired rows ``a``, ``b`` (n × k each) to the sums; with ``cross_rows`` only those
-        rows enter Σaᵀb (a token budget), every row the other sums."""
+        rows enter the co-moment (a token budget), every row the other sums."""
         if a.shape[0] == 0:
             return
-        dt = compute_dtype(a, b)
-        a, b = a.to(dt), b.to(dt)
+        dt = _F64 if self.product_dtype == _F64 else compute_dtype(a, b)
+        a64, b64 = a.to(_F64), b.to(_F64)  # per-coordinate sums are O(n·k): float64 costs nothing
         self.n += a.shape[0]
-        self.sum_a += a.sum(0)
-        self.sum_b += b.sum(0)
-        self.sq_a += (a * a).sum(0)
-        self.sq_b += (b * b).sum(0)
-        ca, cb = (a, b) if cross_rows is None else (a.index_select(0, cross_rows), b.index_select(0, cross_rows))
-        self.n_cross += ca.shape[0]
-        _accumulate_product(self.cross, ca, cb, self.product_dtype)
+        self.sum_a += a64.sum(0)
+        self.sum_b += b64.sum(0)
+        self.sq_a += (a64 * a64).sum(0)
+        self.sq_b += (b64 * b64).sum(0)
+        if cross_rows is not None:
+            a64, b64 = a64.index_select(0, cross_rows), b64.index_select(0, cross_rows)
+        self._add_comoment(a64, b64, dt)
         if self.full_a is not None:
-            _accumulate_product(self.full_a, a, a)
+            _accumulate_product(self.full_a, a.to(dt), a.to(dt), self.product_dtype)
         if self.full_b is not None:
-            _accumulate_product(self.full_b, b, b)
+            _accumulate_product(self.full_b, b.to(dt), b.to(dt), self.product_dtype)
+
+    def _add_comoment(self, a64: torch.Tensor, b64: torch.Tensor, dt: torch.dtype) -> None:
+        """Chan's pairwise update of the co-moment with one batch's rows (float64 in)."""
+        m = a64.shape[0]
+        if m == 0:
+            return
+        ma, mb = a64.mean(0), b64.mean(0)
+        n0 = float(self.n_cross)
+        if n0 > 0:
+            da, db = ma - self.xsum_a / n0, mb - self.xsum_b / n0
+            shift = torch.outer(da, db).mul_(n0 * m / (n0 + m))
+            self.comoment += shift.to(self.comoment.dtype)
+        _accumulate_product(self.comoment, (a64 - ma).to(dt), (b64 - mb).to(dt), self.product_dtype)
+        self.n_cross += m
+        self.xsum_a += a64.sum(0)
+        self.xsum_b += b64.sum(0)
 
     def tensors(self) -> list[torch.Tensor]:
         full = [t for t in (self.full_a, self.full_b) if t is not None]
-        return [self.n, self.sum_a, self.sum_b, self.sq_a, self.sq_b, self.cross, *full, self.n_cross]
+        return [
+            self.n, self.sum_a, self.sum_b, self.sq_a, self.sq_b, self.comoment, *full,
+            self.n_cross, self.xsum_a, self.xsum_b,
+        ]  # fmt: skip
+
+    def raw_cross(self) -> torch.Tensor:
+        """Σaᵀb over the cross rows, in float64: C + (Σa)(Σb)ᵀ / n."""
+        outer = torch.outer(self.xsum_a, self.xsum_b).div_(self.n_cross.clamp_min(1))
+        return outer.add_(self.comoment.to(_F64))
 
     def correlation(self, eps: float = 1e-12) -> torch.Tensor:
         """Pearson correlation of every (a_i, b_j) pair; constant units correlate 0."""
@@ -153,9 +190,8 @@ class Moments:
         ma, mb = self.sum_a / n, self.sum_b / n
         sa = (self.sq_a / n - ma**2).clamp_min(0).sqrt()
         sb = (self.sq_b / n - mb**2).clamp_min(0).sqrt()
-        # k×k work in place: three k×k buffers, not seven; Σaᵀb may hold fewer rows (a budget)
-        corr = self.cross.to(_F64, copy=True).div_(self.n_cross.clamp_min(1))
-        corr.sub_(torch.outer(ma, mb))
+        # k×k work in place: three k×k buffers, not seven; C may hold fewer rows (a budget)
+        corr = self.comoment.to(_F64, copy=True).div_(self.n_cross.clamp_min(1))
         denom = torch.outer(sa, sb)
         constant = denom <= eps
         corr.div_(denom.clamp_min_(eps))
@@ -229,8 +265,7 @@ class PairedDiagonal:
         """Add paired rows ``a`` (A), ``b`` (B) and ``t`` (B under the candidate), n × k each."""
         if a.shape[0] == 0:
             return
-        dt = compute_dtype(a, b, t)
-        a, b, t = a.to(dt), b.to(dt), t.to(dt)
+        a, b, t = a.to(_F64), b.to(_F64), t.to(_F64)  # O(n·k) sums whose differences the gains take
         self.n += a.shape[0]
         for total, value in (
             (self.sum_a, a),
@@ -284,16 +319,24 @@ class SplitStatistics:
         cls, schema: ModelSchema, *, device=None, stream_full: bool = True, quad_dtype=_F64, mlp_product_dtype=None
     ) -> SplitStatistics:
         """Zero sums for ``schema``; ``stream_full=False`` drops the stream's Σbᵀb (needed only to
-        score a residual rotation); k×k sums in ``quad_dtype``; the MLP cross moments' products
-        in ``mlp_product_dtype`` (None: the activations' dtype)."""
+        score a residual rotation); the MLP's k×k sums in ``quad_dtype`` and its cross moments'
+        products in ``mlp_product_dtype`` (None: the activations' dtype).
+
+        The head and stream moments feed continuous maps (rotations and scales), whose accuracy
+        is set by the small singular values of the cross moments: their per-batch products and
+        sums are float64 whatever the model's dtype (docs/design.md §4.3). They are 4·d² per layer
+        against the MLP's f² = 16·d², whose correlations feed a discrete assignment."""
         L, d, f = schema.num_layers, schema.hidden_size, schema.intermediate_size
-        kw = dict(device=device, quad_dtype=quad_dtype)
+        exact = dict(device=device, quad_dtype=_F64, product_dtype=_F64)
         return cls(
-            mlp=[Moments.zeros(f, product_dtype=mlp_product_dtype, **kw) for _ in range(L)],
-            q=[Moments.zeros(d, **kw) for _ in range(L)],
-            k=[Moments.zeros(d, **kw) for _ in range(L)],
-            ctx=[Moments.zeros(d, **kw) for _ in range(L)],
-            stream=Moments.zeros(d, full=stream_full, full_a=False, **kw),
+            mlp=[
+                Moments.zeros(f, product_dtype=mlp_product_dtype, device=device, quad_dtype=quad_dtype)
+                for _ in range(L)
+            ],
+            q=[Moments.zeros(d, **exact) for _ in range(L)],
+            k=[Moments.zeros(d, **exact) for _ in range(L)],
+            ctx=[Moments.zeros(d, **exact) for _ in range(L)],
+            stream=Moments.zeros(d, full=stream_full, full_a=False, **exact),
             tokens=torch.zeros((), dtype=_F64, device=device),
             moment_tokens=torch.zeros((), dtype=_F64, device=device),
         )
@@ -352,6 +395,13 @@ class CalibrationStatistics:
         for key in sorted(self.grams):
             out += self.grams[key].tensors()
         return out
+
+    def moments(self) -> list[Moments]:
+        """Every :class:`Moments` of the fit split (the co-moments a distributed sum re-centers)."""
+        if self.fit is None:
+            return []
+        fit = self.fit
+        return [fit.stream, *fit.mlp, *fit.q, *fit.k, *fit.ctx]
 
     def absorb(self, other: CalibrationStatistics) -> None:
         """Add the other phase's statistics: its held-out sums (or fit moments), Grams and examples."""

@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from scipy.optimize import linear_sum_assignment
 
 from raot_hf.calibration.statistics import Moments, PairedDiagonal
+from raot_hf.estimators.head_fit import assign, matched_scales, normalised_blocks, procrustes
 from raot_hf.symmetry.group import mean_axis_basis
 from raot_hf.symmetry.transforms import (
     HeadAlignment,
+    HeadRescale,
     MLPPermutation,
     ResidualPermutation,
     ResidualRotation,
@@ -27,19 +28,11 @@ from raot_hf.symmetry.transforms import (
 _F64 = torch.float64
 
 
-def _assign(score: torch.Tensor) -> torch.Tensor:
-    """Exact maximum-weight assignment: returns perm with row i matched to column perm[i]."""
-    rows, cols = linear_sum_assignment(score.detach().cpu().numpy(), maximize=True)
-    perm = torch.empty(score.shape[0], dtype=torch.long)
-    perm[torch.as_tensor(rows)] = torch.as_tensor(cols)
-    return perm
-
-
 # -- MLP units (§4: correlation + exact assignment) -----------------------------------------------
 def estimate_mlp_permutation(stats: Moments, layer: int, *, return_log: bool = False):
     """P maximising Σᵢ corr(a_i, b_P(i)) over units of one layer's MLP."""
     corr = stats.correlation()
-    perm = _assign(corr)
+    perm = assign(corr)
     if not return_log:
         return MLPPermutation(layer, perm)
     ar = torch.arange(len(perm))
@@ -59,31 +52,7 @@ def mlp_gains(sums: PairedDiagonal) -> tuple[torch.Tensor, float]:
     return sums.correlation(transformed=True) - ident, float(ident.mean())
 
 
-# -- Heads: joint assignment and rotations (§4) --------------------------------------------------
-def _blocks(m: torch.Tensor, H: int, h: int) -> torch.Tensor:
-    """(H·h)² → (H, H, h, h): block [i, j] = rows of head i (A), columns of head j (B)."""
-    return m.reshape(H, h, H, h).permute(0, 2, 1, 3)
-
-
-def _head_energy(sq: torch.Tensor, H: int, h: int) -> torch.Tensor:
-    return sq.reshape(H, h).sum(-1)
-
-
-def _pair_terms(q: Moments, k: Moments, ctx: Moments, H: int, h: int):
-    """Cross blocks N_ij = Σ(X_Aⁱ)ᵀX_Bʲ and the pairwise normalisers of QK and VO."""
-    n_qk = _blocks(q.cross.to(_F64) + k.cross, H, h)
-    n_vo = _blocks(ctx.cross.to(_F64), H, h)
-    e_qk = torch.outer(_head_energy(q.sq_a + k.sq_a, H, h), _head_energy(q.sq_b + k.sq_b, H, h))
-    e_vo = torch.outer(_head_energy(ctx.sq_a, H, h), _head_energy(ctx.sq_b, H, h))
-    return n_qk, n_vo, e_qk.clamp_min(1e-300).sqrt(), e_vo.clamp_min(1e-300).sqrt()
-
-
-def _procrustes(n: torch.Tensor) -> torch.Tensor:
-    """argmax over orthogonal R of tr(N·R): with N = UΣVᵀ, R = V·Uᵀ (batched)."""
-    u, _, vh = torch.linalg.svd(n)
-    return vh.transpose(-1, -2) @ u.transpose(-1, -2)
-
-
+# -- Heads: joint assignment, rotations and scales (§4) -----------------------------------------
 def estimate_head_alignment(
     q: Moments,
     k: Moments,
@@ -93,51 +62,56 @@ def estimate_head_alignment(
     head_size: int,
     *,
     rotations: bool = True,
+    scales: bool = True,
     return_log: bool = False,
     num_kv_heads: int | None = None,
     rope: bool = False,
 ):
-    """Head correspondence and within-head Q/K and V/O rotations as one exact assignment.
+    """Head correspondence, within-head Q/K and V/O rotations and per-head scales as one exact
+    assignment.
 
     With ``num_kv_heads`` (grouped-query attention) or ``rope``, the decoder solver runs
-    instead (:func:`estimate_grouped_heads`, docs/design.md §8).
+    instead (:func:`~raot_hf.estimators.grouped.estimate_grouped_heads`, docs/design.md §8).
 
-    Every pair (i of A, j of B) is scored by the cosine of its rotation-optimal fit —
-    ‖N_ij‖_* normalised by the pair's energies, for QK and for VO — and one assignment on
-    that H×H score gives π; the SVDs of the matched pairs give the rotations. With
-    ``rotations=False`` pairs are scored under R = I (trace, not nuclear norm) and only π is
-    estimated — the permutation-only baseline.
+    Every pair (i of A, j of B) is scored by the cosine of its rotation-optimal fit — the nuclear
+    norm of the scale-invariant cross blocks (:func:`~raot_hf.estimators.head_fit.normalised_blocks`),
+    for QK and for VO — and one assignment on that H×H score gives π; the SVDs of the matched
+    pairs give the rotations, their energies the scales (``scales``: a :class:`HeadRescale` follows
+    the alignment). Returns the list of transforms (and a log). With ``rotations=False`` pairs
+    are scored under R = I (trace, not nuclear norm), only π is estimated and no scale — the
+    permutation-only baseline.
     """
     H, h = num_heads, head_size
     if rope or (num_kv_heads is not None and num_kv_heads != num_heads):
         from raot_hf.estimators.grouped import estimate_grouped_heads
 
-        return estimate_grouped_heads(
-            q, k, ctx, layer, H, num_kv_heads or H, h, rope=rope, rotations=rotations, return_log=return_log
-        )
-    n_qk, n_vo, z_qk, z_vo = _pair_terms(q, k, ctx, H, h)
+        kw = dict(rope=rope, rotations=rotations, scales=scales, return_log=return_log)
+        return estimate_grouped_heads(q, k, ctx, layer, H, num_kv_heads or H, h, **kw)
+    c_qk, c_vo = normalised_blocks(q, k, ctx, H, h, rope=False)
     ar = torch.arange(H)
     if rotations:
-        nuc_qk = torch.linalg.svdvals(n_qk).sum(-1)
-        nuc_vo = torch.linalg.svdvals(n_vo).sum(-1)
-        score = 0.5 * (nuc_qk / z_qk + nuc_vo / z_vo)
-        perm = _assign(score)
-        r_qk = _procrustes(n_qk[ar, perm])
-        r_vo = _procrustes(n_vo[ar, perm])
+        score = 0.5 * (torch.linalg.svdvals(c_qk).sum(-1) + torch.linalg.svdvals(c_vo).sum(-1))
+        perm = assign(score)
+        r_qk, r_vo = procrustes(c_qk[ar, perm]), procrustes(c_vo[ar, perm])
     else:
-        score = 0.5 * (n_qk.diagonal(dim1=-2, dim2=-1).sum(-1) / z_qk + n_vo.diagonal(dim1=-2, dim2=-1).sum(-1) / z_vo)
-        perm = _assign(score)
+        score = 0.5 * (c_qk.diagonal(dim1=-2, dim2=-1).sum(-1) + c_vo.diagonal(dim1=-2, dim2=-1).sum(-1))
+        perm = assign(score)
         r_qk = r_vo = torch.eye(h, dtype=_F64).expand(H, h, h).clone()
-    transform = HeadAlignment(layer, perm, r_qk, r_vo)
+    parts: list[Transform] = [HeadAlignment(layer, perm, r_qk, r_vo)]
+    if rotations and scales:
+        fitted = [matched_scales(q, k, ctx, ar[i : i + 1], perm[i : i + 1], H, h, rope=False) for i in range(H)]
+        parts.append(HeadRescale(layer, torch.cat([a for a, _ in fitted]), torch.stack([c for _, c in fitted])))
     if not return_log:
-        return transform
+        return parts
     log = {
         "heads": H,
         "perm": perm.tolist(),
         "fit_pair_score_matched": score[ar, perm].tolist(),
         "fit_pair_score_same_index": score.diagonal().tolist(),
     }
-    return transform, log
+    if len(parts) > 1:
+        log["qk_scale"], log["vo_scale"] = parts[1].qk_scale.tolist(), parts[1].vo_scale.tolist()
+    return parts, log
 
 
 def head_gains(
@@ -178,18 +152,18 @@ def estimate_residual_map(stats: Moments, *, mode: str = "rotation", return_log:
     O(d), for RMSNorm streams (uncentered moments, docs/design.md §8). ``permutation``: assignment
     on the centered-stream correlation.
     """
-    d = stats.cross.shape[0]
+    d = stats.comoment.shape[0]
     if mode == "orthogonal":
-        transform = ResidualRotation(_procrustes(stats.cross.to(_F64)))
+        transform = ResidualRotation(procrustes(stats.raw_cross()))
     elif mode == "rotation":
         b = mean_axis_basis(d)
-        r = _procrustes(b.T @ stats.cross.to(_F64) @ b)
+        r = procrustes(b.T @ stats.raw_cross() @ b)
         u = torch.full((d, 1), d**-0.5, dtype=_F64)
         o = u @ u.T + b @ r @ b.T
         transform = ResidualRotation(o)
     elif mode == "permutation":
         # new coordinate j of B′ takes B's coordinate perm[j], matched to A's coordinate j
-        transform = ResidualPermutation(_assign(stats.correlation()))
+        transform = ResidualPermutation(assign(stats.correlation()))
     else:
         raise ValueError(f"mode must be 'rotation', 'orthogonal' or 'permutation', got {mode!r}")
     if not return_log:
@@ -201,8 +175,8 @@ def _fit_residual_gains(stats: Moments, transform) -> torch.Tensor:
     """Per-coordinate gain of the map on the fit moments (for the log): the cosine between A's
     coordinate j and B′'s (B′ = B·O) over centered stream samples,
     (M·O)_jj / √(S_A,jj · (Oᵀ·S_B·O)_jj), minus the identity's."""
-    d = stats.cross.shape[0]
-    cross = stats.cross.to(_F64)
+    d = stats.comoment.shape[0]
+    cross = stats.raw_cross()
     ea = stats.sq_a.clamp_min(1e-300)
     if isinstance(transform, ResidualPermutation):
         mapped = cross[torch.arange(d), transform.perm]
@@ -249,8 +223,9 @@ def candidate_maps(
     ``("q", layer)``, ``("k", layer)``, ``("ctx", layer)``, ``("stream", None)``).
 
     MLP: B′ unit j = B unit perm[j]. Heads: B′ head i = (B head π(i))·R_i, with R_qk for q and k
-    and R_vo for the context. Stream: B′ = B·O (or B's coordinates permuted). Other transforms
-    (rescaling, soft transport) are not scored and get no map. ``device``: that of the rows the
+    and R_vo for the context, then scaled by a following :class:`HeadRescale` (q by a, k by 1/a, the
+    context by c). Stream: B′ = B·O (or B's coordinates permuted). Soft transport plans are not
+    scored and get no map. ``device``: that of the rows the
     maps will see; each matrix is converted to the rows' dtype once, on first use."""
     H, h = num_heads, head_size
     maps: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
@@ -265,12 +240,20 @@ def candidate_maps(
             b.shape
         )
 
+    def scaled(inner, factor: torch.Tensor):
+        factor = _per_dtype(factor.to(device))
+        return lambda b: (b if inner is None else inner(b)) * factor(b.dtype)
+
     for t in transforms:
         if isinstance(t, MLPPermutation):
             maps[("mlp", t.layer)] = permute(t.perm)
         elif isinstance(t, HeadAlignment):
             maps[("q", t.layer)] = maps[("k", t.layer)] = rotate_heads(t.perm, t.qk)
             maps[("ctx", t.layer)] = rotate_heads(t.perm, t.vo)
+        elif isinstance(t, HeadRescale):  # after the layer's alignment: q ← a·q, k ← k/a, ctx ← c·ctx
+            qk, vo = t.per_dim(h)
+            for site, factor in (("q", qk), ("k", 1 / qk), ("ctx", vo)):
+                maps[(site, t.layer)] = scaled(maps.get((site, t.layer)), factor)
         elif isinstance(t, ResidualPermutation):
             maps[("stream", None)] = permute(t.perm)
         elif isinstance(t, ResidualRotation):

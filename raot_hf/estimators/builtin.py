@@ -17,6 +17,7 @@ from raot_hf.estimators.activation import estimate_head_alignment, estimate_mlp_
 from raot_hf.estimators.registry import EstimationRequest, finite, register_estimator
 from raot_hf.symmetry import (
     HeadAlignment,
+    HeadRescale,
     MLPPermutation,
     ResidualPermutation,
     ResidualRotation,
@@ -51,6 +52,8 @@ def is_identity(t: Transform) -> bool:
         )
     if isinstance(t, ResidualRotation):
         return torch.allclose(t.matrix, torch.eye(len(t.matrix), dtype=torch.float64), atol=1e-12)
+    if isinstance(t, HeadRescale):
+        return bool(torch.all(t.qk_scale == 1)) and bool(torch.all(t.vo_scale == 1))
     return False
 
 
@@ -70,15 +73,26 @@ def _layer_candidates(request: EstimationRequest, i: int) -> tuple[list[Transfor
         if finite(fit.q[i], fit.k[i], fit.ctx[i]):
             rope = schema.qk_structure == "rope"
             structure = {"num_kv_heads": schema.num_kv_heads, "rope": rope and cfg.rope_restricted}
-            t, log = estimate_head_alignment(
-                fit.q[i], fit.k[i], fit.ctx[i], i, H, h, rotations=cfg.rotations, return_log=True, **structure
+            fitted, log = estimate_head_alignment(
+                fit.q[i],
+                fit.k[i],
+                fit.ctx[i],
+                i,
+                H,
+                h,
+                rotations=cfg.rotations,
+                scales=cfg.head_scales,
+                return_log=True,
+                **structure,
             )
+            t, *rescale = fitted
             if rope and not cfg.rope_restricted:  # the ablation: free Q/K maps, inexact under RoPE
                 t = UnrestrictedHeadAlignment(t.layer, t.perm, t.qk, t.vo)
+            parts += [t, *rescale]
         else:
             eye = torch.eye(h, dtype=torch.float64).expand(H, h, h)
-            t, log = HeadAlignment(i, torch.arange(H), eye, eye), SKIPPED
-        parts.append(t)
+            parts.append(HeadAlignment(i, torch.arange(H), eye, eye))
+            log = SKIPPED
         logs[f"layers.{i}.heads"] = log
     return parts, logs
 

@@ -1,13 +1,14 @@
-"""The decoder head solver: grouped-query attention and RoPE (docs/design.md §8).
+"""The decoder head solver: grouped-query attention and RoPE (docs/design.md §8.3).
 
 Keys are observed per query head (each query head sees its KV head's keys), so the moments
 are those of the encoders' solver, (H·h)² each. The group structure enters the solve: a KV
 head of A is matched to a KV head of B together with a matching of their query heads and one
-Q/K and one V/O map for the whole group, estimated from the cross blocks summed over the
-group's matched query heads. Under RoPE the Q/K map is restricted to one 2×2 rotation per
-rotary pair (dims p and p + h/2): the pair-restricted Procrustes maximises
-tr(N_p·R(φ)) = a·cos φ + b·sin φ with a = N_pp + N_qq, b = N_qp − N_pq (q = p + h/2), so
-φ = atan2(b, a) and the optimum is √(a² + b²).
+Q/K and one V/O map for the whole group, estimated from the scale-invariant cross blocks
+(:func:`~raot_hf.estimators.head_fit.normalised_blocks`) summed over the group's matched query
+heads. Under RoPE the Q/K map is restricted to one 2×2 rotation per rotary pair (dims p and
+p + h/2): the pair-restricted Procrustes maximises tr(N_p·R(φ)) = a·cos φ + b·sin φ with
+a = N_pp + N_qq, b = N_qp − N_pq (q = p + h/2), so φ = atan2(b, a) and the optimum is √(a² + b²);
+the pair's scale follows from its energies (:func:`~raot_hf.estimators.head_fit.matched_scales`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from raot_hf.calibration.statistics import Moments
-from raot_hf.estimators.activation import _assign, _blocks, _head_energy, _procrustes
-from raot_hf.symmetry.transforms import HeadAlignment, rope_blocks
+from raot_hf.estimators.head_fit import assign, matched_scales, normalised_blocks, procrustes
+from raot_hf.symmetry.transforms import HeadAlignment, HeadRescale, Transform, rope_blocks
 
 _F64 = torch.float64
 _REFINE_STEPS = 3
@@ -37,7 +38,7 @@ def _rope_fit(n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _orthogonal_fit(n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.linalg.svdvals(n).sum(-1), _procrustes(n)
+    return torch.linalg.svdvals(n).sum(-1), procrustes(n)
 
 
 def _identity_fit(n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,23 +46,22 @@ def _identity_fit(n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return n.diagonal(dim1=-2, dim2=-1).sum(-1), eye
 
 
-def _match_groups(n_qk, n_vo, z_qk, z_vo, fit_qk, fit_vo, rows, cols):
+def _match_groups(c_qk, c_vo, fit_qk, fit_vo, rows, cols):
     """Query heads ``rows`` of A against ``cols`` of B (one KV head each): the matching τ, the
-    two group maps and their objective values Σᵢ tr(N_iτ(i)·R), alternating an assignment under
+    two group maps and their objective values Σᵢ tr(C_iτ(i)·R), alternating an assignment under
     fixed maps with the group Procrustes under a fixed matching."""
-    pair = 0.5 * (fit_qk(n_qk[rows][:, cols])[0] / z_qk + fit_vo(n_vo[rows][:, cols])[0] / z_vo)
-    tau = _assign(pair)
+    pair = 0.5 * (fit_qk(c_qk[rows][:, cols])[0] + fit_vo(c_vo[rows][:, cols])[0])
+    tau = assign(pair)
     for _ in range(_REFINE_STEPS):
-        v_qk, r_qk = fit_qk(n_qk[rows, cols[tau]].sum(0))
-        v_vo, r_vo = fit_vo(n_vo[rows, cols[tau]].sum(0))
-        lin = 0.5 * (_trace(n_qk[rows][:, cols], r_qk) / z_qk + _trace(n_vo[rows][:, cols], r_vo) / z_vo)
-        new = _assign(lin)
+        v_qk, r_qk = fit_qk(c_qk[rows, cols[tau]].sum(0))
+        v_vo, r_vo = fit_vo(c_vo[rows, cols[tau]].sum(0))
+        new = assign(0.5 * (_trace(c_qk[rows][:, cols], r_qk) + _trace(c_vo[rows][:, cols], r_vo)))
         if torch.equal(new, tau):
             break
         tau = new
     else:
-        v_qk, r_qk = fit_qk(n_qk[rows, cols[tau]].sum(0))
-        v_vo, r_vo = fit_vo(n_vo[rows, cols[tau]].sum(0))
+        v_qk, r_qk = fit_qk(c_qk[rows, cols[tau]].sum(0))
+        v_vo, r_vo = fit_vo(c_vo[rows, cols[tau]].sum(0))
     return tau, r_qk, r_vo, v_qk, v_vo
 
 
@@ -76,20 +76,21 @@ def estimate_grouped_heads(
     *,
     rope: bool,
     rotations: bool = True,
+    scales: bool = True,
     return_log: bool = False,
 ):
-    """KV-head assignment, query-head matching within groups and per-group maps (docs/design.md §8).
+    """KV-head assignment, query-head matching within groups, per-group maps and scales
+    (docs/design.md §8.3).
 
-    Every (KV head of A, KV head of B) pair is scored by the cosine of its best group fit —
-    Σ over matched query heads of tr(N·R), normalised by the groups' energies, for QK and VO —
-    and one exact assignment on that score picks the KV correspondence. ``rotations=False``
-    keeps every map the identity (the permutation-only baseline)."""
+    Every (KV head of A, KV head of B) pair is scored by the mean cosine of its best group fit —
+    Σ over matched query heads of tr(C·R) over the group size, for QK and VO — and one exact
+    assignment on that score picks the KV correspondence. ``scales``: a :class:`HeadRescale`
+    follows the alignment (per rotary pair on Q/K under RoPE, per KV head on V/O). Returns the
+    list of transforms (and a log). ``rotations=False`` keeps every map the identity and
+    estimates no scale (the permutation-only baseline)."""
     H, kv, h = num_heads, num_kv_heads, head_size
     group = H // kv
-    n_qk = _blocks(q.cross.to(_F64) + k.cross.to(_F64), H, h)
-    n_vo = _blocks(ctx.cross.to(_F64), H, h)
-    e_qk_a, e_qk_b = _head_energy(q.sq_a + k.sq_a, H, h), _head_energy(q.sq_b + k.sq_b, H, h)
-    e_vo_a, e_vo_b = _head_energy(ctx.sq_a, H, h), _head_energy(ctx.sq_b, H, h)
+    c_qk, c_vo = normalised_blocks(q, k, ctx, H, h, rope=rope)
     fit_qk = (_rope_fit if rope else _orthogonal_fit) if rotations else _identity_fit
     fit_vo = _orthogonal_fit if rotations else _identity_fit
     score = torch.zeros(kv, kv, dtype=_F64)
@@ -98,21 +99,25 @@ def estimate_grouped_heads(
         rows = torch.arange(ga * group, (ga + 1) * group)
         for gb in range(kv):
             cols = torch.arange(gb * group, (gb + 1) * group)
-            z_qk = torch.outer(e_qk_a[rows], e_qk_b[cols]).clamp_min(1e-300).sqrt()
-            z_vo = torch.outer(e_vo_a[rows], e_vo_b[cols]).clamp_min(1e-300).sqrt()
-            tau, r_qk, r_vo, v_qk, v_vo = _match_groups(n_qk, n_vo, z_qk, z_vo, fit_qk, fit_vo, rows, cols)
-            zg_qk = (e_qk_a[rows].sum() * e_qk_b[cols].sum()).clamp_min(1e-300).sqrt()
-            zg_vo = (e_vo_a[rows].sum() * e_vo_b[cols].sum()).clamp_min(1e-300).sqrt()
-            score[ga, gb] = 0.5 * (v_qk / zg_qk + v_vo / zg_vo)
+            tau, r_qk, r_vo, v_qk, v_vo = _match_groups(c_qk, c_vo, fit_qk, fit_vo, rows, cols)
+            score[ga, gb] = 0.5 * (v_qk + v_vo) / group
             plans[ga, gb] = (cols[tau], r_qk, r_vo)
-    kv_perm = _assign(score)
+    kv_perm = assign(score)
     chosen = [plans[g, int(kv_perm[g])] for g in range(kv)]
     perm = torch.cat([c[0] for c in chosen])
     qk = torch.stack([c[1] for c in chosen]).repeat_interleave(group, 0)
     vo = torch.stack([c[2] for c in chosen]).repeat_interleave(group, 0)
-    transform = HeadAlignment(layer, perm, qk, vo)
+    parts: list[Transform] = [HeadAlignment(layer, perm, qk, vo)]
+    if rotations and scales:
+        fitted = [
+            matched_scales(q, k, ctx, torch.arange(g * group, (g + 1) * group), c[0], H, h, rope=rope)
+            for g, c in enumerate(chosen)
+        ]
+        qk_scale = torch.stack([a if rope else a[0] for a, _ in fitted]).repeat_interleave(group, 0)
+        vo_scale = torch.stack([c for _, c in fitted]).repeat_interleave(group, 0)
+        parts.append(HeadRescale(layer, qk_scale, vo_scale))
     if not return_log:
-        return transform
+        return parts
     ar = torch.arange(kv)
     log = {
         "heads": H,
@@ -123,4 +128,6 @@ def estimate_grouped_heads(
         "fit_group_score_matched": score[ar, kv_perm].tolist(),
         "fit_group_score_same_index": score.diagonal().tolist(),
     }
-    return transform, log
+    if len(parts) > 1:
+        log["qk_scale"], log["vo_scale"] = parts[1].qk_scale.tolist(), parts[1].vo_scale.tolist()
+    return parts, log

@@ -106,8 +106,8 @@ def _head_similarity(q: Moments, k: Moments, ctx: Moments, num_heads: int, head_
         z = torch.outer(energy(sq_a), energy(sq_b)).clamp_min(1e-300).sqrt()
         return trace_blocks(cross) / z
 
-    qk = cosine(q.cross + k.cross, q.sq_a + k.sq_a, q.sq_b + k.sq_b)
-    vo = cosine(ctx.cross, ctx.sq_a, ctx.sq_b)
+    qk = cosine(q.raw_cross() + k.raw_cross(), q.sq_a + k.sq_a, q.sq_b + k.sq_b)
+    vo = cosine(ctx.raw_cross(), ctx.sq_a, ctx.sq_b)
     return (0.5 * (qk + vo)).T
 
 

@@ -50,9 +50,7 @@ def _within_group(blocks, ga: int, gb: int, group: int, fit_qk, fit_vo, match: b
     if not match or group == 1:
         return torch.arange(group)
     rows, cols = torch.arange(ga * group, (ga + 1) * group), torch.arange(gb * group, (gb + 1) * group)
-    ones = torch.ones(group, group, dtype=_F64)
-    tau = _match_groups(blocks["qk"], blocks["vo"], ones, ones, fit_qk, fit_vo, rows, cols)[0]
-    return tau
+    return _match_groups(blocks["qk"], blocks["vo"], fit_qk, fit_vo, rows, cols)[0]
 
 
 def align_grouped_heads(

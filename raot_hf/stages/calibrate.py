@@ -25,7 +25,7 @@ from raot_hf.calibration import (
     iter_calibration_batches,
     load_calibration_dataset,
 )
-from raot_hf.calibration.batches import count_calibration_examples
+from raot_hf.calibration.batches import check_tokenizer_reads_text, count_calibration_examples
 from raot_hf.calibration.collector import StatisticsCollector
 from raot_hf.calibration.precision import resolve_moment_precision
 from raot_hf.calibration.statistics import CalibrationStatistics
@@ -64,6 +64,7 @@ def check_calibration_early(cal: CalibrationConfig, preprocessor) -> tuple[dict[
     and its column, which the pass reuses (the data is read and announced once)."""
     dataset = load_calibration_dataset(cal)
     column = check_column(dataset, cal.column, detect_modality(preprocessor), model_label="model A")
+    check_tokenizer_reads_text(dataset, column, preprocessor)
     return cal.to_dict(), dataset, column
 
 
@@ -94,6 +95,7 @@ def open_calibration(ctx: PairContext, calibration, early=None) -> CalibrationRu
         dataset = load_calibration_dataset(data if data is not None else cal_cfg, config=cal_cfg)
         column = cal_cfg.column
     column = check_column(dataset, column, detect_modality(ctx.preprocessor), model_label="model A")
+    check_tokenizer_reads_text(dataset, column, ctx.preprocessor)
     cal_cfg = CalibrationConfig.from_dict({**cal_cfg.to_dict(), "column": column})
     return CalibrationRun(dataset, cal_cfg, dataset_fingerprint(dataset, column))
 

@@ -41,8 +41,9 @@ def _ungated(kind: str, layer: int | None, applied: bool, reason: str, t: Transf
     return GateDecision(kind, layer, nan, nan, nan, nan, nan, applied, reason, t.describe())
 
 
-def _scored(ctx: PairContext, t: Transform, stats) -> GateDecision:
-    """The held-out alignment-objective decision of one exact candidate."""
+def _scored(ctx: PairContext, t: Transform, stats, unchanged: bool) -> GateDecision:
+    """The held-out alignment-objective decision of one exact candidate (``unchanged``: it and
+    whatever follows it — a layer's head scales — leave B as it is)."""
     cfg, ho = ctx.config, stats.heldout
     H, h = ctx.schema.num_heads, ctx.schema.head_size
     kind, layer = _kind_and_layer(t)
@@ -62,7 +63,7 @@ def _scored(ctx: PairContext, t: Transform, stats) -> GateDecision:
         min_gain=gate.min_gain,
         heldout_tokens=int(ho.tokens),
         min_tokens=gate.min_heldout_tokens,
-        is_identity=is_identity(t),
+        is_identity=unchanged,
         enabled=gate.enabled,
         description=t.describe(),
     )
@@ -72,6 +73,7 @@ def alignment_decisions(ctx: PairContext, parts: list[Transform], stats) -> list
     """One row per candidate (head rescales follow their layer's heads): the alignment objective's
     decision, or why the candidate is not gated (soft transport, no calibration data)."""
     decisions = []
+    scaled = {t.layer for t in parts if isinstance(t, HeadRescale) and not is_identity(t)}
     for t in parts:
         if isinstance(t, HeadRescale):
             continue
@@ -79,10 +81,12 @@ def alignment_decisions(ctx: PairContext, parts: list[Transform], stats) -> list
             space = ctx.schema.space(t.space)
             reason = "soft transport baseline: not a symmetry, not gated"
             decisions.append(_ungated(_SPACE_KIND[space.kind], space.layer, True, reason, t))
-        elif stats is None:
-            decisions.append(_ungated(*_kind_and_layer(t), not is_identity(t), "no calibration: gate skipped", t))
+            continue
+        identity = is_identity(t) and not (isinstance(t, HeadAlignment) and t.layer in scaled)
+        if stats is None:
+            decisions.append(_ungated(*_kind_and_layer(t), not identity, "no calibration: gate skipped", t))
         else:
-            decisions.append(_scored(ctx, t, stats))
+            decisions.append(_scored(ctx, t, stats, identity))
     return decisions
 
 

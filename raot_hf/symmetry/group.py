@@ -54,7 +54,7 @@ def mean_fixing(rotation: torch.Tensor) -> torch.Tensor:
 def random_group_element(
     schema: ModelSchema,
     seed: int = 0,
-    kinds: Iterable[str] = ("mlp", "heads", "residual"),
+    kinds: Iterable[str] = SCRAMBLE_KINDS,
     residual: str = "auto",
 ) -> TransformSequence:
     """A random exact symmetry of a model with ``schema``.
@@ -125,7 +125,7 @@ def scramble(
     model: torch.nn.Module,
     seed: int = 0,
     *,
-    kinds: Iterable[str] = ("mlp", "heads", "residual"),
+    kinds: Iterable[str] = SCRAMBLE_KINDS,
     residual: str = "auto",
 ) -> TransformSequence:
     """Apply a random exact symmetry to ``model`` in place and return it as a transform.

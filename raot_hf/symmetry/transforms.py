@@ -302,6 +302,15 @@ class HeadRescale(Transform):
         if (self.qk_scale <= 0).any() or (self.vo_scale <= 0).any():
             raise RaotError(f"layer {self.layer} head rescale: scales must be positive")
 
+    def per_dim(self, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Q/K and V/O scales per dimension of the (query-head) spaces: a (H,) scale covers its
+        head's h dims, a (H, h/2) one each rotary pair's two dims (p and p + h/2)."""
+
+        def spread(s):
+            return s.repeat_interleave(h) if s.ndim == 1 else torch.cat([s, s], -1).reshape(-1)
+
+        return spread(self.qk_scale), spread(self.vo_scale)
+
     def actions(self, schema):
         h = schema.head_size
 
@@ -309,7 +318,8 @@ class HeadRescale(Transform):
             return s.repeat_interleave(h) if s.ndim == 1 else torch.cat([s, s], -1).reshape(-1)
 
         def diag(s):
-            return SpaceAction(matrix=torch.diag(per_dim(s)), orthogonal=False)
+            d = per_dim(s)
+            return SpaceAction(matrix=torch.diag(d), orthogonal=False, contra=torch.diag(1 / d))
 
         if self.qk_scale.ndim == 2 and self.qk_scale.shape[1:] != (h // 2,):
             raise RaotError(f"layer {self.layer} per-pair Q/K scales: expected (heads, {h // 2}) values")
@@ -340,6 +350,13 @@ class HeadRescale(Transform):
     @classmethod
     def _from_dict(cls, d):
         return cls(d["layer"], d["qk_scale"], d["vo_scale"])
+
+    def describe(self):
+        qk, vo = self.qk_scale, self.vo_scale
+        return (
+            f"layer {self.layer} head scales: Q/K {float(qk.min()):.3g}–{float(qk.max()):.3g}, "
+            f"V/O {float(vo.min()):.3g}–{float(vo.max()):.3g}"
+        )
 
 
 @dataclass

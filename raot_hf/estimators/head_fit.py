@@ -1,0 +1,112 @@
+"""The pieces both head solvers share (docs/design.md §4.4, §8.3): the exact assignment, the
+(H·h)² → head-block view of a moment, the Procrustes solution, the scale-invariant pair blocks
+and the per-head (per rotary pair under RoPE) scales of a matched pair.
+
+A head pair (i of A, j of B) is scored on *normalised* cross blocks: q, k and the context each
+divided by the pair's energies, so that B = g·A for any element g of the head group — a
+permutation, rotations and positive scales (s on q with 1/s on k, c on v with 1/c on o) — gives
+the true match the value 1 and every other pair less (Cauchy–Schwarz). Under RoPE the
+normalisation is per rotary pair (dims p and p + h/2), because the admissible Q/K map is a
+complex scalar per pair (§8.2), and the pairs are weighted by their share of the head's energy.
+"""
+
+from __future__ import annotations
+
+import torch
+from scipy.optimize import linear_sum_assignment
+
+from raot_hf.calibration.statistics import Moments
+
+_F64 = torch.float64
+_TINY = 1e-300
+
+
+def assign(score: torch.Tensor) -> torch.Tensor:
+    """Exact maximum-weight assignment: returns perm with row i matched to column perm[i]."""
+    rows, cols = linear_sum_assignment(score.detach().cpu().numpy(), maximize=True)
+    perm = torch.empty(score.shape[0], dtype=torch.long)
+    perm[torch.as_tensor(rows)] = torch.as_tensor(cols)
+    return perm
+
+
+def blocks(m: torch.Tensor, H: int, h: int) -> torch.Tensor:
+    """(H·h)² → (H, H, h, h): block [i, j] = rows of head i (A), columns of head j (B)."""
+    return m.reshape(H, h, H, h).permute(0, 2, 1, 3)
+
+
+def procrustes(n: torch.Tensor) -> torch.Tensor:
+    """argmax over orthogonal R of tr(N·R): with N = UΣVᵀ, R = V·Uᵀ (batched)."""
+    u, _, vh = torch.linalg.svd(n)
+    return vh.transpose(-1, -2) @ u.transpose(-1, -2)
+
+
+def group_energy(sq: torch.Tensor, H: int, h: int, rope: bool) -> torch.Tensor:
+    """(H, g) summed squares per energy group: each rotary pair (dims p, p + h/2; g = h/2) under
+    RoPE, else the whole head (g = 1)."""
+    e = sq.to(_F64).reshape(H, h)
+    if rope:
+        half = h // 2
+        return e[:, :half] + e[:, half:]
+    return e.sum(-1, keepdim=True)
+
+
+def _per_dim(e: torch.Tensor, h: int) -> torch.Tensor:
+    """(H, g) group energies → (H, h): each dimension carries its group's energy."""
+    return e.expand(-1, h) if e.shape[1] == 1 else torch.cat([e, e], -1)
+
+
+def _normalised(m: Moments, H: int, h: int, rope: bool) -> torch.Tensor:
+    """Cross blocks of one site divided by √(E_A·E_B) of the row's and the column's group."""
+    ea = _per_dim(group_energy(m.sq_a, H, h, rope), h)
+    eb = _per_dim(group_energy(m.sq_b, H, h, rope), h)
+    z = (ea[:, None, :, None] * eb[None, :, None, :]).clamp_min(_TINY).sqrt()
+    return blocks(m.raw_cross(), H, h) / z
+
+
+def pair_weights(q: Moments, k: Moments, H: int, h: int) -> torch.Tensor:
+    """(H, H, h/2) weights of the rotary pairs of each head pair, summing to 1: the pair's
+    scale-invariant energy (E_q,A·E_k,A·E_q,B·E_k,B)^¼ over the head pair's total (a pair
+    nearly dead in either model counts little)."""
+    eqa, eka = group_energy(q.sq_a, H, h, True), group_energy(k.sq_a, H, h, True)
+    eqb, ekb = group_energy(q.sq_b, H, h, True), group_energy(k.sq_b, H, h, True)
+    g = ((eqa * eka)[:, None, :] * (eqb * ekb)[None, :, :]).clamp_min(0).pow(0.25)
+    return g / g.sum(-1, keepdim=True).clamp_min(_TINY)
+
+
+def normalised_blocks(q: Moments, k: Moments, ctx: Moments, H: int, h: int, *, rope: bool):
+    """(C_qk, C_vo), each (H, H, h, h): C_qk = ½·(N_q/√(E_q,A·E_q,B) + N_k/√(E_k,A·E_k,B)) per
+    energy group (rotary pairs weighted by :func:`pair_weights` under RoPE), C_vo = N_ctx/√(…)
+    per head. Their best-rotation values (nuclear norm, or Σ over pairs of the pair optimum)
+    lie in [0, 1] and are 1 for the true match of an exact symmetry, scales included."""
+    c_qk = 0.5 * (_normalised(q, H, h, rope) + _normalised(k, H, h, rope))
+    if rope:
+        w = pair_weights(q, k, H, h)
+        c_qk = c_qk * torch.cat([w, w], -1)[..., None]
+    return c_qk, _normalised(ctx, H, h, False)
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den where both are positive and finite, else 1 (no evidence: no scale)."""
+    ok = (num > 0) & (den > 0) & torch.isfinite(num) & torch.isfinite(den)
+    return torch.where(ok, num / den.clamp_min(_TINY), torch.ones_like(num))
+
+
+def matched_scales(
+    q: Moments, k: Moments, ctx: Moments, rows: torch.Tensor, cols: torch.Tensor, H: int, h: int, *, rope: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scales that undo B's for A's query heads ``rows`` matched to B's ``cols`` (one KV group,
+    or one head): ``(qk_scale, vo_scale)`` with qk_scale of shape (g,) (g = h/2 under RoPE, else
+    1) and vo_scale a scalar, to act on B′ *after* the rotations (q ← a·q, k ← k/a, v ← c·v).
+
+    Energy balance: B's q energy is s²·A's and its k energy A's/s², so
+    s⁴ = (E_q,B/E_q,A)·(E_k,A/E_k,B) and a = 1/s; the context carries v's scale, so
+    c = √(E_ctx,A/E_ctx,B). Exact on an exact symmetry; on independent models it gives B′ A's
+    ratio of query to key energy and A's context energy."""
+    eqa = group_energy(q.sq_a, H, h, rope)[rows].sum(0)
+    eka = group_energy(k.sq_a, H, h, rope)[rows].sum(0)
+    eqb = group_energy(q.sq_b, H, h, rope)[cols].sum(0)
+    ekb = group_energy(k.sq_b, H, h, rope)[cols].sum(0)
+    s4 = _ratio(eqb, eqa) * _ratio(eka, ekb)
+    eva = group_energy(ctx.sq_a, H, h, False)[rows].sum()
+    evb = group_energy(ctx.sq_b, H, h, False)[cols].sum()
+    return s4.pow(-0.25), _ratio(eva, evb).sqrt()
