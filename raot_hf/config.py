@@ -24,6 +24,7 @@ from raot_hf.options import (
     LEGACY_KEYS,
     SECTIONS,
     BaseRuleOptions,
+    CorrectionOptions,
     FisherOptions,
     GateOptions,
     RegMeanOptions,
@@ -90,6 +91,8 @@ class RaotConfig:
     * ``head``: classifier head policy — keep ``a``'s, ``b``'s, or ``average`` (needs equal label spaces).
     * ``dtype``: the dtype the models load in; ``seed``: dare_ties' masks, the Fisher's examples
       and the functional check's inputs; ``check_batches``: held-out batches kept for the B′ ≡ B check.
+    * ``correction``: :class:`~raot_hf.options.CorrectionOptions` — a post-merge correction of the
+      merged model, layer by layer (``lsq``, ``repair``; docs/design.md §6.7).
     * ``calibration``: :class:`~raot_hf.calibration.settings.CalibrationConfig`.
     """
 
@@ -128,6 +131,7 @@ class RaotConfig:
     regmean: RegMeanOptions = field(default_factory=RegMeanOptions)
     fisher: FisherOptions = field(default_factory=FisherOptions)
     base_rules: BaseRuleOptions = field(default_factory=BaseRuleOptions)
+    correction: CorrectionOptions = field(default_factory=CorrectionOptions)
     dtype: str = field(default="auto", metadata=_help("Dtype the models load in (default auto).", choices=DTYPES))
     seed: int = field(
         default=0, metadata=_help("Seed of dare_ties' masks, the Fisher's examples and the check inputs (default 0).")
@@ -196,7 +200,8 @@ class RaotConfig:
         """Whether this merge reads calibration data (an activation estimate, RegMean's Grams or a Fisher)."""
         spec = merge_rule_spec(self.merge_rule)
         reads_data = self.alignment != "none" and estimator_spec(self.alignment).needs_statistics
-        return reads_data and bool(self.scope) or spec.needs_grams or spec.needs_fisher
+        corrects = self.correction.method != "none"
+        return reads_data and bool(self.scope) or spec.needs_grams or spec.needs_fisher or corrects
 
     def lookup(self, path: str) -> Any:
         """The value of the dotted field ``path``, e.g. ``cfg.lookup("base_rules.density")``."""

@@ -30,6 +30,7 @@ from raot_hf.stages.context import PairContext
 from raot_hf.stages.decide import decide
 from raot_hf.stages.load import base_for, check_base_matches_rule, load_pair
 from raot_hf.stages.provenance import build_report
+from raot_hf.stages.quality import merge_quality, parent_outputs, quality_inputs
 from raot_hf.stages.solve import solve
 from raot_hf.symmetry import Transform
 
@@ -213,9 +214,17 @@ class RaotMerger:
             refuse_moved_b(alignment.decisions, self.config.merge_rule)
         if not merge_rule_spec(self.config.merge_rule).needs_grams:
             stats = None  # only RegMean reads statistics after the gate: free them before apply/merge
+        if (
+            run is None and self.config.correction.method != "none"
+        ):  # no statistics pass ran, but the correction reads data
+            run = open_calibration(self.pair, calibration, self.early_calibration)
         self.merged = True  # from here on A and B change
         checks = apply_and_check(self.pair, alignment, run)
+        quality_set = quality_inputs(self.pair, run)
+        parents = parent_outputs(self.pair, quality_set)  # A before the merge writes into it; B′
         merge_log = merge_weights(self.pair, alignment, stats, run)
+        quality = merge_quality(self.pair, quality_set, parents)
         fingerprint = run.fingerprint if run is not None else None
-        report = build_report(self.pair, (self.source_a, self.source_b), alignment, fingerprint, checks, merge_log)
+        sources = (self.source_a, self.source_b)
+        report = build_report(self.pair, sources, alignment, fingerprint, checks, merge_log, quality)
         return MergeResult(self.model_a, report, alignment, self.preprocessor, self.source_a.name_or_path)

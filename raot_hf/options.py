@@ -221,6 +221,45 @@ class BaseRuleOptions(OptionSection):
             raise RaotError(f"density={self.density} must lie in (0, 1] (the fraction of each task vector kept)")
 
 
+CORRECTION_METHODS = ("none", "lsq", "repair")
+
+
+@dataclass
+class CorrectionOptions(OptionSection):
+    """A correction of the merged model after the merge rule (docs/design.md §6.7), layer by layer
+    on ``examples`` fit examples: ``lsq`` refits every Linear to the parents' outputs on the
+    merged model's own inputs (``shrink``: RegMean's off-diagonal scale, towards the rule's merged
+    weight); ``repair`` resets value channels and MLP pre-activations to the interpolation of the
+    parents' statistics; ``none`` (default) runs no pass."""
+
+    section = "correction"
+
+    method: str = field(
+        default="none",
+        metadata=_meta(
+            "Post-merge correction: lsq (merged-input least squares), repair (REPAIR statistics) or none.",
+            "correction_method",
+            flag="--correction",
+            choices=CORRECTION_METHODS,
+        ),
+    )
+    examples: int = field(
+        default=64, metadata=_meta("Fit examples the correction pass runs on (default 64).", "correction_examples")
+    )
+    shrink: float = field(
+        default=0.99,
+        metadata=_meta("lsq: off-diagonal scale of the merged inputs' Gram (default 0.99).", "correction_shrink"),
+    )
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        check_choice("correction_method", self.method, CORRECTION_METHODS)
+        if self.examples < 1:
+            raise RaotError(f"correction_examples={self.examples} must be ≥ 1 (fit examples the correction runs on)")
+        if not 0.0 <= self.shrink <= 1.0:
+            raise RaotError(f"correction_shrink={self.shrink} must lie in [0, 1]")
+
+
 #: Option sections of RaotConfig by field name (calibration is a section too; its class lives
 #: with the calibration data code).
 SECTIONS: dict[str, type] = {
@@ -230,6 +269,7 @@ SECTIONS: dict[str, type] = {
     "regmean": RegMeanOptions,
     "fisher": FisherOptions,
     "base_rules": BaseRuleOptions,
+    "correction": CorrectionOptions,
     "calibration": CalibrationConfig,
 }
 

@@ -104,12 +104,14 @@ def alignment_summary(decisions: Sequence[Any]) -> str:
     return f"{n} of {len(decisions)} transforms applied ({', '.join(kinds)})"
 
 
-def summary_with_verdict(summary: str, verdict: str | None) -> str:
+def summary_with_verdict(summary: str, verdict: str | None, quality: str | None = None) -> str:
     """The card's summary paragraph, then the one-line basis verdict with its evidence
-    (docs/design.md §5) when there is one."""
-    if not verdict:
-        return summary
-    return f"{summary}\n\n**Basis verdict:** {verdict}."
+    (docs/design.md §5) and the label-free check of the merged model (§6.8), when there are."""
+    if verdict:
+        summary = f"{summary}\n\n**Basis verdict:** {verdict}."
+    if quality:
+        summary = f"{summary}\n\n**How the merge follows its parents:** {quality}"
+    return summary
 
 
 # ------------------------------------------------------------------------- markdown pieces

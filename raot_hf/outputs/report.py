@@ -11,6 +11,7 @@ import torch
 
 from raot_hf.options import cli_options, setting_at
 from raot_hf.outputs.card import summary_with_verdict
+from raot_hf.outputs.quality import describe_quality
 from raot_hf.version import __version__
 
 REPORT_NAME = "raot_report.json"
@@ -72,7 +73,9 @@ def model_card_context(report: dict[str, Any]) -> dict[str, Any]:
         "scope": ", ".join(scope) if scope else "none",
         "gate_rows": _gate_rows(report.get("decisions", [])),
         "checks": _check_rows(report.get("checks", [])),
-        "summary": summary_with_verdict(report.get("summary", ""), report.get("verdict")),
+        "summary": summary_with_verdict(
+            report.get("summary", ""), report.get("verdict"), describe_quality(report.get("quality"))
+        ),
         "command": report.get("command") or _command(a.get("id"), b.get("id"), settings, base.get("id")),
         "pipeline_tag": tag,
         "version": report.get("raot_hf_version", __version__),
@@ -108,8 +111,21 @@ def _check_rows(checks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+_CORRECTIONS = {"lsq": "merged-input least squares", "repair": "REPAIR statistics"}
+
+
 def _rule_description(settings: dict[str, Any], merge_log: dict[str, Any]) -> str | None:
-    """The rule's name, with the options it read for a base-relative rule (e.g. ``ties (density 0.2, …)``)."""
+    """The rule's name (with the options a base-relative rule read, e.g. ``ties (density 0.2, …)``),
+    and the post-merge correction when one ran."""
+    described = _rule_with_options(settings, merge_log)
+    correction = merge_log.get("correction") if merge_log else None
+    if not correction:
+        return described
+    how = _CORRECTIONS.get(correction["method"], correction["method"])
+    return f"{described}, then corrected layer by layer ({how} on {correction['examples']} calibration examples)"
+
+
+def _rule_with_options(settings: dict[str, Any], merge_log: dict[str, Any]) -> str | None:
     rule = settings.get("merge_rule")
     fields = _base_rule_options(rule)
     if not fields:
@@ -124,29 +140,27 @@ def _rule_description(settings: dict[str, Any], merge_log: dict[str, Any]) -> st
 
 
 def _command(a: str | None, b: str | None, settings: dict[str, Any], base: str | None = None) -> str:
-    """The ``raot-hf merge`` command line that reproduces a merge run from Python."""
+    """The ``raot-hf merge`` command line that reproduces a merge run from Python: every option
+    whose value differs from its default, by its generated flag."""
     from raot_hf.config import RaotConfig
 
-    cal = (settings.get("calibration") or {}).get("source")
+    defaults = RaotConfig().to_dict()
     parts = ["raot-hf merge", str(a), str(b)]
     if base:
         parts += ["--base", str(base)]
-    flags = {".".join(option.path): option.flag for option in cli_options(RaotConfig)}
-    for key in _base_rule_options(settings.get("merge_rule")):
-        parts += [flags[key], str(setting_at(settings, key))]
-    if cal:
-        parts += ["--calibration", str(cal)]
-    parts += [
-        "--alignment",
-        str(settings.get("alignment")),
-        "--merge-rule",
-        str(settings.get("merge_rule")),
-        "--alpha",
-        str(settings.get("alpha")),
-        "--out",
-        "OUT",
-    ]
-    return " ".join(parts)
+    essential = {"alignment", "merge_rule", "alpha", "calibration.source"}
+    for option in cli_options(RaotConfig):
+        key = ".".join(option.path)
+        value = setting_at(settings, key)
+        if value is None or (value == setting_at(defaults, key) and key not in essential):
+            continue
+        if option.kind is bool:
+            parts.append(option.flag if value else "--no-" + option.flag[2:])
+        elif isinstance(value, (list, tuple)):
+            parts += [option.flag, ",".join(map(str, value)) or "none"]
+        else:
+            parts += [option.flag, str(value)]
+    return " ".join([*parts, "--out", "OUT"])
 
 
 def _json_default(value: Any) -> Any:

@@ -150,13 +150,18 @@ def merge_weights(ctx: PairContext, alignment: Alignment, stats, run) -> dict[st
     """Merge A and B′ into A's module; returns the rule's log for the report."""
     cfg = ctx.config
     spec = merge_rule_spec(cfg.merge_rule)
-    with ctx.timer.stage("merge"):
+    corrected = cfg.correction.method != "none"
+    with ctx.timer.stage("correction" if corrected else "merge"):
         state_a, state_b = model_state(ctx.model_a), model_state(ctx.model_b)
         head = sorted(ctx.schema.head_params)
         trunk_a = {k: v for k, v in state_a.items() if k not in head}
         trunk_b = {k: v for k, v in state_b.items() if k not in head}
         inputs = rule_inputs(ctx, spec, alignment, stats, run, set(trunk_a))
-        if spec.per_tensor:
+        if corrected:  # the rule's merge, corrected layer by layer (docs/design.md §6.7)
+            from raot_hf.stages.correct import corrected_merge
+
+            log, merged = corrected_merge(ctx, spec, trunk_a, trunk_b, inputs, run), {}
+        elif spec.per_tensor:
             log, merged = merge_in_place(ctx, spec, trunk_a, trunk_b, inputs), {}
         else:
             merged, log = spec.fn(trunk_a, trunk_b, alpha=cfg.alpha, return_log=True, **inputs)

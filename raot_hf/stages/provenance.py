@@ -46,6 +46,7 @@ def build_report(
     fingerprint: dict | None,
     checks: list[dict],
     merge_log: dict | None,
+    quality: dict | None = None,
 ) -> dict[str, Any]:
     """The report dict: inputs (with file hashes), settings, calibration fingerprint, gate
     decisions and verdict, applied transforms, merge log, checks, timings and versions."""
@@ -71,6 +72,7 @@ def build_report(
         },
         "applied_exact": alignment.exact,
         "merge": merge_log,
+        "quality": quality,
         "estimator_logs": alignment.logs,
         "checks": checks,
         "timings": dict(ctx.timer.times),

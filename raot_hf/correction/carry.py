@@ -1,0 +1,136 @@
+"""The sequential pass behind the post-merge corrections (docs/design.md §6.7): A, B′ and the
+merged model M run side by side over a few calibration examples, **one layer at a time**, each on
+its own hidden states carried from the layer before.
+
+Only the merged layer being corrected is ever built: M's layers are A's modules computing with
+merged parameters (``torch.func.functional_call``), so A's own parameters serve A's forward until
+its layer has been passed and the corrected merged layer is written into it — no third copy of
+the model. The layer calls (attention masks, rotary position embeddings, DeBERTa's relative
+embeddings) are captured once, at layer 0's input, from each model's own forward; the hidden
+states are replaced as the pass moves on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch.func import functional_call
+
+from raot_hf.errors import RaotError
+
+
+class _Stop(Exception):
+    """Ends a forward at layer 0's input."""
+
+
+def _first_tensor(x) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else x[0]
+
+
+@dataclass
+class LayerCall:
+    """A layer's call without its hidden states: the other positional args and the kwargs."""
+
+    args: tuple
+    kwargs: dict
+    hidden_in_kwargs: bool
+
+    def __call__(self, module: torch.nn.Module, hidden: torch.Tensor, params: dict | None = None) -> torch.Tensor:
+        """Run ``module`` (with ``params`` swapped in, if given) on ``hidden``; returns the layer's output states."""
+        if self.hidden_in_kwargs:
+            args, kwargs = self.args, {**self.kwargs, "hidden_states": hidden}
+        else:
+            args, kwargs = (hidden, *self.args), self.kwargs
+        out = module(*args, **kwargs) if params is None else functional_call(module, params, args, kwargs)
+        return _first_tensor(out)
+
+
+@dataclass
+class Carried:
+    """One chunk of correction examples: the real-token mask, and per model ("a", "b", "m") the
+    layer call and the hidden states entering the current layer."""
+
+    mask: torch.Tensor  # (rows, seq) bool
+    calls: dict[str, LayerCall]
+    hidden: dict[str, torch.Tensor]
+
+
+@torch.no_grad()
+def layer0_call(model: torch.nn.Module, layer0: str, inputs: dict, params: dict | None = None):
+    """Run ``model`` (with ``params`` swapped in) up to layer 0 and return its call and its input states."""
+    module = model.get_submodule(layer0)
+    seen: dict = {}
+
+    def hook(_m, args, kwargs):
+        seen["args"], seen["kwargs"] = args, dict(kwargs)
+        raise _Stop
+
+    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    if "use_cache" in _forward_parameters(model):
+        inputs = {**inputs, "use_cache": False}
+    try:
+        if params is None:
+            model(**inputs)
+        else:
+            functional_call(model, params, (), inputs)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    if "args" not in seen:
+        raise RaotError("layer 0 did not run during the correction pass; report this")
+    args, kwargs = seen["args"], seen["kwargs"]
+    if args:
+        return LayerCall(tuple(args[1:]), kwargs, False), args[0]
+    return LayerCall((), {k: v for k, v in kwargs.items() if k != "hidden_states"}, True), kwargs["hidden_states"]
+
+
+def _forward_parameters(model) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(model.forward).parameters)
+
+
+@contextmanager
+def recording(module: torch.nn.Module, names: list[str], on_call: Callable[[str, torch.Tensor, torch.Tensor], None]):
+    """Within the block, every call of the submodules ``names`` of ``module`` (relative names)
+    reports ``(name, input, output)`` to ``on_call``."""
+    handles = []
+    for name in names:
+        sub = module.get_submodule(name)
+        handles.append(sub.register_forward_hook(lambda _m, args, out, n=name: on_call(n, args[0], out)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The real-token rows of an activation (…, seq, k) as (n, k) float64."""
+    return x.reshape(*mask.shape, x.shape[-1])[mask.to(x.device)].to(torch.float64)
+
+
+def capture(model_a, model_b, layer0: str, batches: Iterator, merged_rest: dict, examples: int) -> list[Carried]:
+    """Layer 0's calls and input states of A, B′ and M (A's module with the merged non-layer
+    parameters ``merged_rest``) over the first ``examples`` rows of ``batches``."""
+    chunks, taken = [], 0
+    for batch in batches:
+        keep = min(examples - taken, len(batch))
+        if keep <= 0:
+            break
+        inputs = {k: v[:keep] for k, v in batch.inputs.items()}
+        mask = batch.token_mask[:keep] if batch.token_mask is not None else None
+        calls, hidden = {}, {}
+        for key, model, params in (("a", model_a, None), ("b", model_b, None), ("m", model_a, merged_rest)):
+            device = next(model.parameters()).device
+            call, h = layer0_call(model, layer0, {k: v.to(device) for k, v in inputs.items()}, params)
+            calls[key], hidden[key] = call, h
+        if mask is None:  # images: every position the model produces is real
+            mask = torch.ones(hidden["a"].shape[:2], dtype=torch.bool)
+        chunks.append(Carried(mask.to(torch.bool), calls, hidden))
+        taken += keep
+    return chunks

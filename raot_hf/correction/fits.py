@@ -1,0 +1,265 @@
+"""The two post-merge corrections of one layer (docs/design.md §6.7), each a plain function of a
+:class:`~raot_hf.correction.layer.LayerPass` and the layer's merged parameters, returning the
+corrected parameters and a log.
+
+* :func:`least_squares_layer` — every Linear of the layer, in the order the layer calls them,
+  refitted to the parents' outputs on the merged model's own inputs;
+* :func:`repair_layer` — REPAIR for Transformers: the value channels, then the MLP's
+  pre-activations, given the α-interpolation of the parents' mean and spread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from raot_hf.correction.layer import LayerPass, site_groups
+
+_F64 = torch.float64
+
+
+@dataclass(frozen=True)
+class Site:
+    """A module of the layer whose output a correction changes: its weight and bias (full names),
+    whether the weight is stored (in, out) (GPT-2's ``Conv1D``) and the output channels it owns
+    (``index``, None for all)."""
+
+    module: str  # relative to the layer
+    weight: str
+    bias: str | None
+    transposed: bool
+    index: torch.Tensor | None = None
+    kind: str = "linear"
+
+
+def _as_in_out(w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """A weight as (in, out), float64."""
+    w = w.to(_F64)
+    return w if transposed else w.T
+
+
+# ------------------------------------------------------------------------------ least squares
+
+
+@dataclass
+class _Normal:
+    """Σ x̃ᵀx̃, Σ x̃ᵀȳ and Σ‖y‖² of one Linear, x̃ = [x, 1] where it has a bias, ȳ the α-mix of
+    the parents' outputs."""
+
+    gram: torch.Tensor | None = None
+    cross: torch.Tensor | None = None
+    target: float = 0.0
+    tokens: int = 0
+
+    def add(self, x: torch.Tensor, y_mix: torch.Tensor, target: float) -> None:
+        g, c = x.T @ x, x.T @ y_mix
+        self.gram = g if self.gram is None else self.gram + g
+        self.cross = c if self.cross is None else self.cross + c
+        self.target += target
+        self.tokens += x.shape[0]
+
+
+def _augment(x: torch.Tensor, bias: bool) -> torch.Tensor:
+    return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], 1) if bias else x
+
+
+def _objective(w: torch.Tensor, n: _Normal) -> float:
+    """Σ_p w_p‖x̃·W − y_p‖² relative to Σ_p w_p‖y_p‖² (the fit's error, 0 when it reproduces both)."""
+    value = (w * (n.gram @ w)).sum() - 2 * (w * n.cross).sum() + n.target
+    return float(value / max(n.target, 1e-300))
+
+
+def _solve(n: _Normal, prior: torch.Tensor, shrink: float) -> torch.Tensor:
+    """argmin over W of shrink·‖X̃W − Ȳ‖² + (1 − shrink)·‖D^½(W − W_prior)‖², D = diag(X̃ᵀX̃):
+    RegMean's shrinkage towards the rule's merged weight."""
+    d = n.gram.diagonal().clamp_min(1e-12 * float(n.gram.diagonal().max().clamp_min(1e-300)))
+    lhs = shrink * n.gram + (1 - shrink) * torch.diag(d)
+    rhs = shrink * n.cross + (1 - shrink) * d[:, None] * prior
+    factor, info = torch.linalg.cholesky_ex(lhs)
+    if int(info) != 0:  # singular (dead inputs): a tiny ridge, then least squares
+        lhs = lhs + 1e-8 * float(d.mean()) * torch.eye(len(d), dtype=_F64)
+        return torch.linalg.lstsq(lhs, rhs).solution
+    return torch.cholesky_solve(rhs, factor)
+
+
+def _write(params: dict, site: Site, w: torch.Tensor) -> None:
+    """Put the solution W̃ (in [+1], out) back as the module's weight (and bias)."""
+    weight = params[site.weight]
+    core = w[:-1] if site.bias is not None else w
+    params[site.weight] = (core if site.transposed else core.T).to(weight.dtype).contiguous()
+    if site.bias is not None:
+        params[site.bias] = w[-1].to(params[site.bias].dtype)
+
+
+def least_squares_layer(
+    layer: LayerPass, params: dict, sites: list[Site], *, alpha: float, shrink: float
+) -> tuple[dict, list[torch.Tensor], dict]:
+    """Refit every Linear of the layer to ``(1−α)·Y_A + α·Y_B′`` on M's inputs, group by group in
+    call order (docs/design.md §6.7). Returns the parameters, M's layer outputs, and the log."""
+    by_module = {s.module: s for s in sites}
+    mixed: dict[tuple[int, str], torch.Tensor] = {}
+    energy: dict[tuple[int, str], float] = {}
+
+    def parent(side, i, name, _x, y):
+        w = (1 - alpha) if side == "a" else alpha
+        key = (i, name)
+        mixed[key] = mixed.get(key, 0) + w * y.to(torch.float32)
+        energy[key] = energy.get(key, 0.0) + w * float(y.pow(2).sum())
+
+    layer.parents(list(by_module), parent)
+    params = dict(params)
+    log = {}
+    for group in site_groups(layer, params, list(by_module)):
+        normals = {name: _Normal() for name in group}
+
+        def merged(i, name, x, _y, normals=normals):
+            site = by_module[name]
+            normals[name].add(_augment(x, site.bias is not None), mixed[(i, name)].to(_F64), energy[(i, name)])
+
+        layer.merged(params, group, merged)
+        for name in group:
+            site, n = by_module[name], normals[name]
+            prior = _as_in_out(params[site.weight], site.transposed)
+            if site.bias is not None:
+                prior = torch.cat([prior, params[site.bias].to(_F64)[None]], 0)
+            w = _solve(n, prior, shrink)
+            log[name] = {"error_before": _objective(prior, n), "error_after": _objective(w, n), "tokens": n.tokens}
+            _write(params, site, w)
+    outputs = layer.merged(params, [], lambda *_: None)
+    return params, outputs, log
+
+
+def least_squares_readers(
+    chunks, norms: tuple, params: dict, sites: list[tuple[Site, tuple, tuple]], *, alpha: float, shrink: float
+) -> tuple[dict, dict]:
+    """The Linears that read the final stream through the final norm (an untied LM head), refitted
+    like a layer's: on M's final states through M's norm, to the α-mix of the parents' outputs.
+    ``norms``: the final norm module of A, of B′, and its merged parameters (relative names);
+    ``sites``: each reader with A's and B′'s (weight, bias)."""
+    from torch.func import functional_call
+
+    from raot_hf.correction.carry import rows
+
+    norm_a, norm_b, norm_params = norms
+    params = dict(params)
+    log = {}
+    for site, weights_a, weights_b in sites:
+        n = _Normal()
+        for c in chunks:
+            with torch.no_grad():
+                xa, xb = rows(norm_a(c.hidden["a"]), c.mask), rows(norm_b(c.hidden["b"]), c.mask)
+                xm = rows(functional_call(norm_a, norm_params, (c.hidden["m"],)), c.mask)
+            ya, yb = _linear_out(xa, site, weights_a), _linear_out(xb, site, weights_b)
+            target = (1 - alpha) * float(ya.pow(2).sum()) + alpha * float(yb.pow(2).sum())
+            n.add(_augment(xm, site.bias is not None), (1 - alpha) * ya + alpha * yb, target)
+        prior = _as_in_out(params[site.weight], site.transposed)
+        if site.bias is not None:
+            prior = torch.cat([prior, params[site.bias].to(_F64)[None]], 0)
+        w = _solve(n, prior, shrink)
+        log[site.module] = {"error_before": _objective(prior, n), "error_after": _objective(w, n), "tokens": n.tokens}
+        _write(params, site, w)
+    return params, log
+
+
+def _linear_out(x: torch.Tensor, site: Site, weights: tuple) -> torch.Tensor:
+    """A Linear's output rows in float64 from (weight, bias) as stored."""
+    w, b = weights
+    y = x @ _as_in_out(w, site.transposed)
+    return y if b is None else y + b.to(_F64)
+
+
+# ---------------------------------------------------------------------------------- REPAIR
+
+
+@dataclass
+class _Moments:
+    n: int = 0
+    total: torch.Tensor | None = None
+    squares: torch.Tensor | None = None
+
+    def add(self, y: torch.Tensor) -> None:
+        s, q = y.sum(0), y.pow(2).sum(0)
+        self.total = s if self.total is None else self.total + s
+        self.squares = q if self.squares is None else self.squares + q
+        self.n += y.shape[0]
+
+    def mean(self) -> torch.Tensor:
+        return self.total / max(self.n, 1)
+
+    def std(self) -> torch.Tensor:
+        return (self.squares / max(self.n, 1) - self.mean() ** 2).clamp_min(0).sqrt()
+
+    def rms(self) -> torch.Tensor:
+        return (self.squares / max(self.n, 1)).sqrt()
+
+
+def _channels(y: torch.Tensor, site: Site) -> torch.Tensor:
+    return y if site.index is None else y.index_select(1, site.index.to(y.device))
+
+
+def _affine(site: Site, target: tuple, merged: _Moments) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per channel: the scale t and (with a bias) the new shift that give M's channel the target
+    statistics — mean and spread with a bias; the RMS without one (nothing to shift with)."""
+    if site.bias is None:
+        t = target[0] / merged.rms().clamp_min(1e-30)
+        shift = None
+    else:
+        mean, std = target
+        t = std / merged.std().clamp_min(1e-30)
+        shift = mean - t * merged.mean()
+    usable = torch.isfinite(t) & (t > 0)
+    t = torch.where(usable, t, torch.ones_like(t))
+    if shift is not None:
+        shift = torch.where(usable, shift, torch.zeros_like(shift))
+    return t, shift
+
+
+def _fold(params: dict, site: Site, t: torch.Tensor, shift: torch.Tensor | None) -> None:
+    """z ← t·z + shift on the site's channels, folded into its weight and bias."""
+    w = params[site.weight].to(_F64).clone()
+    idx = site.index if site.index is not None else torch.arange(t.numel())
+    if site.transposed:
+        w[:, idx] *= t[None, :]
+    else:
+        w[idx] *= t[:, None]
+    params[site.weight] = w.to(params[site.weight].dtype)
+    if site.bias is not None:
+        b = params[site.bias].to(_F64).clone()
+        b[idx] = t * b[idx] + shift  # the new pre-activation: t·(W x + b − μ_M) + μ*
+        params[site.bias] = b.to(params[site.bias].dtype)
+
+
+def repair_layer(layer: LayerPass, params: dict, sites: list[Site], *, alpha: float) -> tuple[dict, list, dict]:
+    """REPAIR (Jordan et al. 2023) inside one Transformer layer: the value channels first, then
+    the MLP's pre-activations given them, each reset to the α-interpolation of A's and B′'s
+    statistics (docs/design.md §6.7). Returns the parameters, M's layer outputs and the log."""
+    by_module = {s.module: s for s in sites}
+    parents = {(side, s.module): _Moments() for side in "ab" for s in sites}
+
+    def parent(side, _i, name, _x, y):
+        parents[(side, name)].add(_channels(y, by_module[name]))
+
+    layer.parents(list(by_module), parent)
+    params = dict(params)
+    log = {}
+    for kind in ("v", "mlp"):
+        group = [s.module for s in sites if s.kind == kind]
+        if not group:
+            continue
+        merged = {name: _Moments() for name in group}
+        layer.merged(params, group, lambda _i, name, _x, y, m=merged: m[name].add(_channels(y, by_module[name])))
+        for name in group:
+            site, a, b = by_module[name], parents[("a", name)], parents[("b", name)]
+            if site.bias is None:
+                target = ((1 - alpha) * a.rms() + alpha * b.rms(),)
+            else:
+                target = ((1 - alpha) * a.mean() + alpha * b.mean(), (1 - alpha) * a.std() + alpha * b.std())
+            t, shift = _affine(site, target, merged[name])
+            _fold(params, site, t, shift)
+            log[name] = {"channels": int(t.numel()), "scale_min": float(t.min()), "scale_max": float(t.max())}
+    outputs = layer.merged(params, [], lambda *_: None)
+    return params, outputs, log
+
+
+__all__ = ["Site", "least_squares_layer", "least_squares_readers", "repair_layer"]

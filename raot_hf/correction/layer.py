@@ -1,0 +1,104 @@
+"""One layer of the sequential correction pass (docs/design.md §6.7): A's and B′'s layer run once
+on their carried states (their module outputs kept), M's layer runs with the merged parameters as
+often as the correction needs, and every model's states move on to the next layer.
+
+A *site* is a module of the layer whose input rows (n × in) and output rows (n × out) over the
+chunk's real tokens a correction reads; the engine hands them to a callback, so nothing larger
+than one chunk's activations is held, except the parents' outputs at the sites a fit needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from raot_hf.correction.carry import Carried, recording, rows
+
+SiteCallback = Callable[[int, str, torch.Tensor, torch.Tensor], None]
+
+
+def _relative(params: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    n = len(prefix) + 1
+    return {k[n:]: v for k, v in params.items() if k.startswith(prefix + ".")}
+
+
+def _per_token(x: torch.Tensor, chunk: Carried) -> bool:
+    """Whether a module's input has one row per position of the chunk (DeBERTa's relative-position
+    projections read the relative embeddings instead, and are not corrected)."""
+    return x.shape[:-1].numel() == chunk.mask.numel()
+
+
+@dataclass
+class LayerPass:
+    """Layer ``prefix`` (its module in A and in B′) over the carried ``chunks``."""
+
+    chunks: list[Carried]
+    prefix: str
+    module_a: torch.nn.Module
+    module_b: torch.nn.Module
+    next_a: list[torch.Tensor] = field(default_factory=list)
+    next_b: list[torch.Tensor] = field(default_factory=list)
+
+    def parents(self, sites: list[str], on_site: Callable[[str, int, str, torch.Tensor, torch.Tensor], None]) -> None:
+        """Run A's and B′'s layer on every chunk (``on_site(side, chunk, site, x, y)`` at each site);
+        their outputs are the states entering the next layer."""
+        for side, module, out in (("a", self.module_a, self.next_a), ("b", self.module_b, self.next_b)):
+            out.clear()
+            for i, c in enumerate(self.chunks):
+
+                def report(name, x, y, side=side, i=i, c=c):
+                    if _per_token(x, c):
+                        on_site(side, i, name, rows(x, c.mask), rows(y, c.mask))
+
+                with torch.no_grad(), recording(module, sites, report):
+                    out.append(c.calls[side](module, c.hidden[side]))
+
+    def merged(self, params: dict[str, torch.Tensor], sites: list[str], on_site: SiteCallback) -> list[torch.Tensor]:
+        """Run M's layer (A's module with the merged ``params``, full names) on every chunk; returns
+        its outputs (``on_site(chunk, site, x, y)`` at each site)."""
+        rel, outs = _relative(params, self.prefix), []
+        for i, c in enumerate(self.chunks):
+
+            def report(name, x, y, i=i, c=c):
+                if _per_token(x, c):
+                    on_site(i, name, rows(x, c.mask), rows(y, c.mask))
+
+            with torch.no_grad(), recording(self.module_a, sites, report):
+                outs.append(c.calls["m"](self.module_a, c.hidden["m"], rel))
+        return outs
+
+    def advance(self, merged_out: list[torch.Tensor]) -> None:
+        """Every model's states move on to the next layer (call after :meth:`parents`)."""
+        for c, a, b, m in zip(self.chunks, self.next_a, self.next_b, merged_out, strict=True):
+            c.hidden = {"a": a, "b": b, "m": m}
+
+
+@torch.no_grad()
+def site_groups(layer: LayerPass, params: dict, sites: list[str]) -> list[list[str]]:
+    """``sites`` in the order the layer first calls them, those reading one input tensor together
+    (q, k and v; gate and up): a group is fitted on inputs produced by the groups before it,
+    already corrected. Sites whose input is not per token (DeBERTa's relative-position
+    projections read the relative embeddings) are left out."""
+    c = layer.chunks[0]
+    order: list[tuple[str, int]] = []
+    seen: set[str] = set()
+
+    def note(name, x, _y):
+        if name not in seen and _per_token(x, c):
+            seen.add(name)
+            order.append((name, x.data_ptr()))
+
+    rel = _relative(params, layer.prefix)
+    with recording(layer.module_a, sites, note):
+        c.calls["m"](layer.module_a, c.hidden["m"], rel)
+    groups: list[list[str]] = []
+    last = None
+    for name, ptr in order:
+        if groups and ptr == last:
+            groups[-1].append(name)
+        else:
+            groups.append([name])
+        last = ptr
+    return groups

@@ -1,0 +1,162 @@
+"""Stage: merge with a post-merge correction, layer by layer (docs/design.md §6.7).
+
+Called by the combine stage in place of writing the rule's merge at once when
+``correction.method`` is not ``none``: the rule merges the non-layer trunk and each layer as
+before, and each merged layer is corrected on the carried states of A, B′ and M before it is
+written into A's module (A's own layer serves A's forward until then, so no copy of A is made).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from huggingface_hub.utils import tqdm
+
+from raot_hf.adapters.schema import ModelSchema
+from raot_hf.calibration import iter_calibration_batches
+from raot_hf.correction import LayerPass, Site, capture, least_squares_layer, least_squares_readers, repair_layer
+from raot_hf.errors import RaotError
+from raot_hf.merge_fidelity import layer_module_names
+from raot_hf.merging import MergeRuleSpec
+from raot_hf.stages.context import PairContext
+from raot_hf.symmetry import load_state
+
+logger = logging.getLogger("raot_hf.stages.correct")
+
+
+def _stored_in_out(model: torch.nn.Module, module: str) -> bool:
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(model.get_submodule(module), Conv1D)
+
+
+def linear_sites(model, schema: ModelSchema, index: int, prefix: str) -> list[Site]:
+    """Every Linear of layer ``index`` (the schema's ``linears``) as a least-squares site."""
+    params = dict(model.named_parameters())
+    sites = []
+    for module in schema.layers[index].linears:
+        if not module.startswith(prefix + ".") or f"{module}.weight" not in params:
+            continue
+        bias = f"{module}.bias" if f"{module}.bias" in params else None
+        sites.append(Site(module[len(prefix) + 1 :], f"{module}.weight", bias, _stored_in_out(model, module)))
+    return sites
+
+
+def repair_sites(model, schema: ModelSchema, index: int, prefix: str) -> tuple[list[Site], list[str]]:
+    """The modules whose outputs REPAIR resets in layer ``index``: the value rows ("v", per KV head
+    under grouped-query attention) and the MLP's pre-activations ("mlp": fc1, or gate and up).
+    A space whose members are not a module's own weight and bias (DeBERTa v1's ``v_bias`` added
+    after the fused projection) cannot be folded and is skipped, with the reason."""
+    params = dict(model.named_parameters())
+    spaces = (("v", schema.kv_space(index, "v") or schema.vo_space(index)), ("mlp", schema.mlp_space(index)))
+    sites, skipped = [], []
+    for kind, space in spaces:
+        members = [m for m in space.members if m.covariant and m.role in ("v", "fc1")]
+        weights = [m for m in members if m.name.endswith(".weight") and params[m.name].ndim == 2]
+        found = []
+        for m in weights:
+            module = m.name[: -len(".weight")]
+            bias = f"{module}.bias" if f"{module}.bias" in params else None
+            found.append(Site(module[len(prefix) + 1 :], m.name, bias, m.axis == 1, m.index_tensor(), kind))
+        owned = {s.weight for s in found} | {s.bias for s in found if s.bias}
+        if any(m.name not in owned for m in members) or not found:
+            skipped.append(f"{space.name}: its parameters are not one module's weight and bias; not corrected")
+            continue
+        sites += found
+    return sites, skipped
+
+
+def final_readers(model_a, model_b, schema: ModelSchema, rest: dict):
+    """The trunk Linears that read the final norm's output (an untied causal-LM head: the head
+    policy's classifiers and tied heads are left alone), with that norm: ``((norm of A, norm of
+    B′, merged norm parameters), [(site, A's weights, B′'s weights)])``, or None."""
+    params_a, params_b = dict(model_a.named_parameters()), dict(model_b.named_parameters())
+    for fold in schema.folds:
+        readers = [(w, b) for w, b in fold.readers if w in rest]
+        if not readers or fold.norm_weight not in rest:  # layers' norms are not in the non-layer trunk
+            continue
+        module = fold.norm_weight[: -len(".weight")]
+        norm_params = {k[len(module) + 1 :]: v for k, v in rest.items() if k.startswith(module + ".")}
+        sites = []
+        for w, b in readers:
+            reader = w[: -len(".weight")]
+            site = Site(reader, w, b, _stored_in_out(model_a, reader))
+            pair = [(p[w], p[b] if b else None) for p in (params_a, params_b)]
+            sites.append((site, pair[0], pair[1]))
+        return (model_a.get_submodule(module), model_b.get_submodule(module), norm_params), sites
+    return None
+
+
+def _rule(spec: MergeRuleSpec, alpha: float, inputs: dict, trunk_a: dict, trunk_b: dict, merged_all: dict | None):
+    """The rule's merge of a subset of the trunk: per tensor, or sliced from a whole-trunk merge."""
+
+    def merge(keys: list[str]) -> tuple[dict, dict]:
+        if merged_all is not None:
+            return {k: merged_all[k] for k in keys}, {}
+        kw = dict(inputs)
+        if "base" in kw:
+            kw["base"] = {k: kw["base"][k] for k in keys if k in kw["base"]}
+        return spec.fn({k: trunk_a[k] for k in keys}, {k: trunk_b[k] for k in keys}, alpha=alpha, return_log=True, **kw)
+
+    return merge
+
+
+@torch.no_grad()
+def corrected_merge(ctx: PairContext, spec: MergeRuleSpec, trunk_a: dict, trunk_b: dict, inputs: dict, run) -> dict:
+    """The rule's merge, corrected layer by layer, written into A's module; returns the rule's log
+    (summed over the calls) with the correction's under ``"correction"``."""
+    from raot_hf.stages.combine import _add_chunk_log
+
+    cfg = ctx.config
+    method = cfg.correction.method
+    if run is None:
+        raise RaotError(f"correction {method!r} needs calibration data; pass calibration=... (or --calibration)")
+    names = layer_module_names(ctx.model_a, ctx.schema)
+    merged_all = None
+    log: dict[str, Any] = {"rule": spec.name, "settings": {}, "counts": {}}
+    if not spec.per_tensor:  # RegMean, Fisher: the whole trunk at once (as without correction)
+        merged_all, rule_log = spec.fn(trunk_a, trunk_b, alpha=cfg.alpha, return_log=True, **inputs)
+        rule_log.pop("params", None)
+        _add_chunk_log(log, rule_log)
+    merge = _rule(spec, cfg.alpha, inputs, trunk_a, trunk_b, merged_all)
+    in_layer = tuple(n + "." for n in names)
+    rest, part = merge([k for k in trunk_a if not k.startswith(in_layer)])
+    _add_chunk_log(log, part)
+    batches = iter_calibration_batches(run.dataset, ctx.preprocessor, run.config, split="fit")
+    chunks = capture(ctx.model_a, ctx.model_b, names[0], batches, rest, cfg.correction.examples)
+    layers, skipped = [], []
+    for i, name in enumerate(tqdm(names, desc=f"correction ({method})", disable=not ctx.dist.is_main)):
+        merged, part = merge([k for k in trunk_a if k.startswith(name + ".")])
+        _add_chunk_log(log, part)
+        layer = LayerPass(chunks, name, ctx.model_a.get_submodule(name), ctx.model_b.get_submodule(name))
+        if method == "lsq":
+            sites = linear_sites(ctx.model_a, ctx.schema, i, name)
+            merged, outputs, fits = least_squares_layer(
+                layer, merged, sites, alpha=cfg.alpha, shrink=cfg.correction.shrink
+            )
+        else:
+            sites, why = repair_sites(ctx.model_a, ctx.schema, i, name)
+            skipped += why
+            merged, outputs, fits = repair_layer(layer, merged, sites, alpha=cfg.alpha)
+        layer.advance(outputs)
+        load_state(ctx.model_a, merged)
+        layers.append({"layer": i, "sites": fits})
+    readers = final_readers(ctx.model_a, ctx.model_b, ctx.schema, rest) if method == "lsq" else None
+    if readers is not None:  # an untied LM head reads the final stream: refitted like the layers' Linears
+        norms, sites = readers
+        rest, fits = least_squares_readers(chunks, norms, rest, sites, alpha=cfg.alpha, shrink=cfg.correction.shrink)
+        layers.append({"layer": "final", "sites": fits})
+    load_state(ctx.model_a, rest)  # A's own non-layer parameters served its forward until now
+    tokens = int(sum(int(c.mask.sum()) for c in chunks))
+    log["correction"] = {
+        "method": method,
+        "examples": int(sum(c.mask.shape[0] for c in chunks)),
+        "tokens": tokens,
+        "layers": layers,
+        "skipped": skipped,
+        **({"shrink": cfg.correction.shrink} if method == "lsq" else {}),
+    }
+    logger.info("correction %s: %d layers on %d tokens", method, len(layers), tokens)
+    return log

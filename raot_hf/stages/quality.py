@@ -1,0 +1,119 @@
+"""Stage: how closely the merged model follows its parents, without labels (docs/design.md §6.8).
+
+On a few held-out calibration examples (those the B′ ≡ B check replays) A and B′ run before the
+merge writes into A, the merged model after. For outputs over classes or a vocabulary (logits),
+the report gets the agreement of the merged model's predictions with A's and with B′'s, the
+parents' agreement with each other (what "agreeing" can mean for this pair), and the mean
+KL(parent ‖ merged) per predicted position; for a base model's hidden states, the relative
+squared error to each parent. A user sees whether the merge is usable before evaluating it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from raot_hf.equivalence import primary_outputs
+from raot_hf.stages.context import PairContext, on_device_of
+
+_LOGITS = ("logits", "start_logits", "end_logits", "cls_logits")
+
+
+def quality_inputs(ctx: PairContext, run) -> list[dict[str, torch.Tensor]]:
+    """The held-out rows the check replays; without a held-out phase, the first held-out rows."""
+    if run is None:
+        return []
+    if run.check_inputs:
+        return list(run.check_inputs)
+    from raot_hf.calibration import iter_calibration_batches
+
+    rows = max(1, run.config.batch_size // run.config.heldout_every)
+    for batch in iter_calibration_batches(run.dataset, ctx.preprocessor, run.config, split="heldout"):
+        return [{k: v[:rows] for k, v in batch.inputs.items()}]
+    return []
+
+
+def parent_outputs(ctx: PairContext, inputs: list[dict]) -> list[tuple[dict, dict]]:
+    """A's and B′'s primary outputs on ``inputs`` (call after B is aligned, before the merge)."""
+    return [
+        (
+            primary_outputs(ctx.model_a, on_device_of(ctx.model_a, x)),
+            primary_outputs(ctx.model_b, on_device_of(ctx.model_b, x)),
+        )
+        for x in inputs
+    ]
+
+
+def _positions(x: dict, out: torch.Tensor) -> torch.Tensor:
+    """The rows of a logits tensor that are predictions: every example, or every real token."""
+    flat = out.reshape(-1, out.shape[-1]).to("cpu", torch.float64)
+    mask = x.get("attention_mask")
+    if out.ndim == 3 and mask is not None and mask.numel() * out.shape[-1] == out.numel():
+        return flat[mask.reshape(-1).bool().cpu()]
+    return flat
+
+
+def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
+    return (p_log.exp() * (p_log - q_log)).sum(-1)
+
+
+def _same_labels(ctx: PairContext, side: str) -> bool:
+    """Whether a parent's classes are the merged model's (a classifier's head policy may have
+    given the merge the other parent's label space)."""
+    parent = ctx.model_a if side == "a" else ctx.model_b
+    merged_labels = getattr(ctx.model_a.config, "id2label", None)
+    return side == "a" or getattr(parent.config, "id2label", None) == merged_labels
+
+
+def _logit_figures(logits: dict[str, list[torch.Tensor]], comparable: dict[str, bool]) -> dict[str, Any]:
+    m = torch.cat(logits["m"]).log_softmax(-1)
+    out: dict[str, Any] = {"positions": int(m.shape[0])}
+    parents = {}
+    for side in "ab":
+        if not comparable[side]:
+            continue
+        p = torch.cat(logits[side]).log_softmax(-1)
+        parents[side] = p
+        out[f"agreement_{side}"] = float((m.argmax(-1) == p.argmax(-1)).double().mean())
+        out[f"kl_{side}"] = float(_kl(p, m).mean())
+    if len(parents) == 2:
+        out["parents_agreement"] = float((parents["a"].argmax(-1) == parents["b"].argmax(-1)).double().mean())
+    return out
+
+
+def merge_quality(ctx: PairContext, inputs: list[dict], parents: list[tuple[dict, dict]]) -> dict[str, Any] | None:
+    """The label-free figures of the merged model (A's module after the merge) against A and B′
+    (a parent whose label space is not the merged model's is left out)."""
+    if not inputs:
+        return None
+    logits: dict[str, list[torch.Tensor]] = {"a": [], "b": [], "m": []}
+    hidden: dict[str, list[torch.Tensor]] = {"a": [], "b": [], "m": []}
+    comparable = {side: _same_labels(ctx, side) for side in "ab"}
+    examples = 0
+    for x, (out_a, out_b) in zip(inputs, parents, strict=True):
+        out_m = primary_outputs(ctx.model_a, on_device_of(ctx.model_a, x))
+        examples += int(next(iter(x.values())).shape[0])
+        key = next((k for k in _LOGITS if k in out_m), None)
+        if key is not None:
+            logits["m"].append(_positions(x, out_m[key]))
+            for side, out in (("a", out_a), ("b", out_b)):
+                comparable[side] &= key in out and out[key].shape == out_m[key].shape
+                if comparable[side]:
+                    logits[side].append(_positions(x, out[key]))
+        elif "last_hidden_state" in out_m:
+            mask = x.get("attention_mask")
+            for side, out in (("a", out_a), ("b", out_b), ("m", out_m)):
+                h = out["last_hidden_state"].to("cpu", torch.float64)
+                hidden[side].append(h[mask.bool().cpu()] if mask is not None else h.reshape(-1, h.shape[-1]))
+    report: dict[str, Any] = {"examples": examples}
+    if logits["m"]:
+        report.update(_logit_figures(logits, comparable))
+    elif hidden["m"]:
+        a, b, m = (torch.cat(hidden[s]) for s in "abm")
+        report.update(
+            positions=int(m.shape[0]),
+            error_a=float((m - a).pow(2).sum() / a.pow(2).sum().clamp_min(1e-300)),
+            error_b=float((m - b).pow(2).sum() / b.pow(2).sum().clamp_min(1e-300)),
+        )
+    return report

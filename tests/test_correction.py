@@ -1,0 +1,163 @@
+"""Post-merge corrections, layer by layer (docs/design.md §6.7), and the label-free check of the
+merged model (§6.8)."""
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from raot_hf import RaotConfig, RaotError, RaotMerger, scramble
+from raot_hf.cli import main
+from raot_hf.testing import (
+    clone,
+    example_inputs,
+    output_deviation,
+    tiny_image_dataset,
+    tiny_image_processor,
+    tiny_model,
+    tiny_text_dataset,
+    tiny_tokenizer,
+    trained_like,
+)
+
+ARCHITECTURES = [
+    ("bert", "sequence"),
+    ("deberta", "sequence"),
+    ("deberta-v2", "sequence"),
+    ("vit", "image"),
+    ("gpt2", "causal"),
+    ("llama", "causal"),
+    ("qwen2", "causal"),
+]
+DECODERS = ("gpt2", "llama", "qwen2")
+
+
+def _model(model_type, head, seed=0):
+    shape = dict(hidden_size=32, num_heads=4, num_layers=3, intermediate_size=64)
+    if model_type in DECODERS:
+        shape["vocab_size"] = 100
+    return trained_like(tiny_model(model_type, head, seed=seed, **shape), seed=seed).float()
+
+
+def _data(model_type, n=96):
+    if model_type == "vit":
+        return tiny_image_processor(), tiny_image_dataset(n)
+    vocab = 100 if model_type in DECODERS else 40
+    return tiny_tokenizer(vocab), tiny_text_dataset(n, vocab_size=vocab)
+
+
+@pytest.mark.parametrize("method", ["lsq", "repair"])
+@pytest.mark.parametrize("model_type,head", ARCHITECTURES)
+def test_a_correction_keeps_a_scrambled_copy_equal_to_a(model_type, head, method):
+    """B = scramble(A): the merge is A, so every layer's refit (or statistics reset) must leave it A."""
+    a = _model(model_type, head)
+    b = clone(a)
+    scramble(b, seed=1)
+    reference = clone(a)
+    pre, data = _data(model_type)
+    result = RaotMerger.from_models(a, b, preprocessor=pre, correction={"method": method}).merge(calibration=data)
+    assert all(d.applied for d in result.alignment.decisions)
+    assert output_deviation(reference, result.model, example_inputs(reference), relative=True) <= 1e-5
+    correction = result.report["merge"]["correction"]
+    assert correction["method"] == method and len(correction["layers"]) >= 3 and correction["tokens"] > 0
+
+
+def _independent_pair(model_type="llama", head="causal"):
+    return _model(model_type, head, seed=0), _model(model_type, head, seed=1)
+
+
+def test_least_squares_fits_every_linear_better_and_the_merge_follows_its_parents_closer():
+    """On independently trained parents every refitted Linear reproduces the parents' mixed
+    outputs better than the rule's merge did, on the merged model's own inputs, and the merged
+    model's output distribution moves closer to both parents (KL)."""
+    pre, data = _data("llama", 160)
+    results = {}
+    for method in ("none", "lsq"):
+        a, b = _independent_pair()
+        merger = RaotMerger.from_models(a, b, preprocessor=pre, correction={"method": method, "examples": 96})
+        results[method] = merger.merge(calibration=data).report
+    fits = [site for layer in results["lsq"]["merge"]["correction"]["layers"] for site in layer["sites"].values()]
+    assert len(fits) == 3 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the untied LM head
+    assert all(f["error_after"] < f["error_before"] for f in fits)
+    plain, corrected = results["none"]["quality"], results["lsq"]["quality"]
+    assert corrected["kl_a"] + corrected["kl_b"] < plain["kl_a"] + plain["kl_b"]
+
+
+def test_repair_gives_each_unit_the_interpolated_statistics():
+    """After REPAIR, layer 0's MLP pre-activations (gate and up, no bias: their RMS) of the merged
+    model equal the α-interpolation of A's and B′'s on the correction examples."""
+    from raot_hf.calibration import iter_calibration_batches
+    from raot_hf.stages.calibrate import open_calibration
+
+    a, b = _independent_pair()
+    reference_a, reference_b = clone(a), clone(b)
+    pre, data = _data("llama", 96)
+    merger = RaotMerger.from_models(a, b, preprocessor=pre, alignment="none", correction={"method": "repair"})
+    run = open_calibration(merger.pair, data)
+    batches = list(iter_calibration_batches(run.dataset, pre, run.config, split="fit"))
+    merged = merger.merge(calibration=data).model
+
+    def rms(model):
+        seen = []
+        hook = model.model.layers[0].mlp.up_proj.register_forward_hook(lambda _m, _i, y: seen.append(y))
+        with torch.no_grad():
+            for batch in batches:  # the correction's 64 examples: two batches of 32
+                model(**batch.inputs)
+        hook.remove()
+        rows = torch.cat([y[batch.token_mask.bool()] for y, batch in zip(seen, batches, strict=True)])
+        return rows.double().pow(2).mean(0).sqrt()
+
+    assert sum(len(batch) for batch in batches) == 72 and len(batches[0]) == 32
+    batches = batches[:2]
+    target = 0.5 * rms(reference_a) + 0.5 * rms(reference_b)
+    assert torch.allclose(rms(merged), target, rtol=1e-4)
+    assert not torch.allclose(rms(reference_a), target, rtol=1e-2)  # the reset did something
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"correction": {"method": "bogus"}}, "correction_method"),
+        ({"correction": {"examples": 0}}, "correction_examples"),
+        ({"correction": {"shrink": 1.5}}, "correction_shrink"),
+        ({"correction_method": "lsq", "correction_examples": -3}, "correction_examples"),
+    ],
+)
+def test_bad_correction_options_are_refused_in_one_line(options, match):
+    with pytest.raises(RaotError, match=match) as err:
+        RaotConfig.from_dict(options)
+    assert "\n" not in str(err.value)
+
+
+def test_the_cli_flag_runs_the_correction_and_the_card_says_so(tmp_path):
+    a = _model("bert", "sequence")
+    b = clone(a)
+    scramble(b, seed=1)
+    for name, model in (("a", a), ("b", b)):
+        model.save_pretrained(tmp_path / name)
+        tiny_tokenizer().save_pretrained(tmp_path / name)
+    tiny_text_dataset(64).to_csv(tmp_path / "cal.csv")
+    args = ["-q", "merge", str(tmp_path / "a"), str(tmp_path / "b"), "--calibration", str(tmp_path / "cal.csv")]
+    out = CliRunner().invoke(
+        main, [*args, "--correction", "lsq", "--correction-examples", "16", "--out", str(tmp_path / "m")]
+    )
+    assert out.exit_code == 0, out.output
+    card = (tmp_path / "m" / "README.md").read_text()
+    assert "corrected layer by layer (merged-input least squares on 16 calibration examples)" in card
+    assert "How the merge follows its parents" in card
+    # from Python, the card's reproduction line is generated from the options that differ from the defaults
+    merger = RaotMerger.from_pretrained(tmp_path / "a", tmp_path / "b", correction={"method": "repair"})
+    merger.merge(calibration=str(tmp_path / "cal.csv")).save_pretrained(tmp_path / "m2")
+    card = (tmp_path / "m2" / "README.md").read_text()
+    reproduction = card[card.index("## Reproduction") :]
+    assert "--correction repair" in reproduction and "--correction-examples" not in reproduction, reproduction
+
+
+def test_quality_figures_are_one_for_a_scrambled_copy():
+    """The label-free check on held-out examples: a merge that is A agrees with A everywhere."""
+    a = _model("llama", "causal")
+    b = clone(a)
+    scramble(b, seed=1)
+    pre, data = _data("llama")
+    quality = RaotMerger.from_models(a, b, preprocessor=pre).merge(calibration=data).report["quality"]
+    assert quality["agreement_a"] == quality["agreement_b"] == quality["parents_agreement"] == 1.0
+    assert quality["kl_a"] < 1e-8 and quality["positions"] > quality["examples"] > 0
