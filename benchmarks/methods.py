@@ -26,8 +26,9 @@ class Method:
 
     @property
     def linear(self) -> bool:
-        """Whether the merge is the linear rule (the loss-barrier path applies)."""
-        return self.options.get("merge_rule", "linear") == "linear"
+        """Whether the merge is the linear rule, uncorrected (the loss-barrier path applies)."""
+        corrected = self.options.get("correction", {}).get("method", "none") != "none"
+        return self.options.get("merge_rule", "linear") == "linear" and not corrected
 
     @property
     def aligned(self) -> bool:
@@ -110,6 +111,47 @@ METHODS: tuple[Method, ...] = (
         "rules",
     ),
     Method("raot+regmean", "RegMean after RaOT", {"alignment": "activation", "merge_rule": "regmean"}, "rules"),
+    Method(
+        "raot+lsq",
+        "RaOT, then merged-input least squares layer by layer (post-merge correction)",
+        {"alignment": "activation", "correction": {"method": "lsq"}},
+        "rules",
+    ),
+    Method(
+        "raot+repair",
+        "RaOT, then REPAIR statistics layer by layer (post-merge correction)",
+        {"alignment": "activation", "correction": {"method": "repair"}},
+        "rules",
+    ),
+    Method(
+        "raot+regmean+lsq",
+        "RegMean after RaOT, then merged-input least squares layer by layer",
+        {"alignment": "activation", "merge_rule": "regmean", "correction": {"method": "lsq"}},
+        "rules",
+    ),
+    Method(
+        "raot+lsq-all",
+        "RaOT, then merged-input least squares on every fit example (up to 1,024)",
+        {"alignment": "activation", "correction": {"method": "lsq", "examples": 1024}},
+        "rules",
+    ),
+    Method(
+        "raot+refine",
+        "RaOT, then the learned alignment (200 label-free gradient steps on the continuous symmetries)",
+        {"alignment": "activation", "refine": {"steps": 200}},
+    ),
+    Method(
+        "raot+refine+lsq",
+        "RaOT, the learned alignment, then merged-input least squares layer by layer",
+        {"alignment": "activation", "refine": {"steps": 200}, "correction": {"method": "lsq"}},
+        "rules",
+    ),
+    Method(
+        "lsq",
+        "merged-input least squares layer by layer, no alignment",
+        {"alignment": "none", "correction": {"method": "lsq"}},
+        "rules",
+    ),
     Method(
         "fisher",
         "Fisher averaging (label-free diagonal), no alignment",

@@ -27,6 +27,7 @@ from raot_hf.options import (
     CorrectionOptions,
     FisherOptions,
     GateOptions,
+    RefineOptions,
     RegMeanOptions,
     SoftOTOptions,
     WeightMatchingOptions,
@@ -93,6 +94,8 @@ class RaotConfig:
       and the functional check's inputs; ``check_batches``: held-out batches kept for the B′ ≡ B check.
     * ``correction``: :class:`~raot_hf.options.CorrectionOptions` — a post-merge correction of the
       merged model, layer by layer (``lsq``, ``repair``; docs/design.md §6.7).
+    * ``refine``: :class:`~raot_hf.options.RefineOptions` — learned alignment: gradient steps on the
+      continuous symmetries of B′, label-free, early-stopped, competing with the estimate (§5.6).
     * ``calibration``: :class:`~raot_hf.calibration.settings.CalibrationConfig`.
     """
 
@@ -132,6 +135,7 @@ class RaotConfig:
     fisher: FisherOptions = field(default_factory=FisherOptions)
     base_rules: BaseRuleOptions = field(default_factory=BaseRuleOptions)
     correction: CorrectionOptions = field(default_factory=CorrectionOptions)
+    refine: RefineOptions = field(default_factory=RefineOptions)
     dtype: str = field(default="auto", metadata=_help("Dtype the models load in (default auto).", choices=DTYPES))
     seed: int = field(
         default=0, metadata=_help("Seed of dare_ties' masks, the Fisher's examples and the check inputs (default 0).")

@@ -31,6 +31,7 @@ from raot_hf.stages.decide import decide
 from raot_hf.stages.load import base_for, check_base_matches_rule, load_pair
 from raot_hf.stages.provenance import build_report
 from raot_hf.stages.quality import merge_quality, parent_outputs, quality_inputs
+from raot_hf.stages.refine import refine_and_check
 from raot_hf.stages.solve import solve
 from raot_hf.symmetry import Transform
 
@@ -220,6 +221,7 @@ class RaotMerger:
             run = open_calibration(self.pair, calibration, self.early_calibration)
         self.merged = True  # from here on A and B change
         checks = apply_and_check(self.pair, alignment, run)
+        checks += refine_and_check(self.pair, alignment, run)
         quality_set = quality_inputs(self.pair, run)
         parents = parent_outputs(self.pair, quality_set)  # A before the merge writes into it; B′
         merge_log = merge_weights(self.pair, alignment, stats, run)

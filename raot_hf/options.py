@@ -260,6 +260,39 @@ class CorrectionOptions(OptionSection):
             raise RaotError(f"correction_shrink={self.shrink} must lie in [0, 1]")
 
 
+@dataclass
+class RefineOptions(OptionSection):
+    """Learned alignment (docs/design.md §5.6): ``steps`` gradient steps (0: off) on the continuous
+    symmetries of B′ — the stream rotation and each applied layer's Q/K and V/O maps and scales,
+    parametrised on their groups — minimising the half-way merge's label-free error to its
+    parents on ``examples`` fit examples (Adam, learning rate ``lr``); the held-out gate set is
+    scored every ``eval_every`` steps, the best step kept, and the refinement applied only if it
+    beats the estimated alignment there."""
+
+    section = "refine"
+
+    steps: int = field(default=0, metadata=_meta("Learned alignment: gradient steps (default 0: off).", "refine_steps"))
+    lr: float = field(
+        default=0.01, metadata=_meta("Learned alignment: Adam's learning rate (default 0.01).", "refine_lr")
+    )
+    examples: int = field(
+        default=64, metadata=_meta("Learned alignment: fit examples it descends on (default 64).", "refine_examples")
+    )
+    eval_every: int = field(
+        default=10,
+        metadata=_meta("Learned alignment: steps between held-out scores (default 10).", "refine_eval_every"),
+    )
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        check_non_negative_int("refine_steps", self.steps)
+        if not self.lr > 0:
+            raise RaotError(f"refine_lr={self.lr} must be > 0 (Adam's learning rate)")
+        for name, value in (("refine_examples", self.examples), ("refine_eval_every", self.eval_every)):
+            if value < 1:
+                raise RaotError(f"{name}={value} must be ≥ 1")
+
+
 #: Option sections of RaotConfig by field name (calibration is a section too; its class lives
 #: with the calibration data code).
 SECTIONS: dict[str, type] = {
@@ -270,6 +303,7 @@ SECTIONS: dict[str, type] = {
     "fisher": FisherOptions,
     "base_rules": BaseRuleOptions,
     "correction": CorrectionOptions,
+    "refine": RefineOptions,
     "calibration": CalibrationConfig,
 }
 

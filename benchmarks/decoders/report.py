@@ -52,18 +52,31 @@ def pair_table(runs: list[dict]) -> list[str]:
     """One row per method: perplexity at α = ½ on each corpus, barrier, exactness, gate."""
     corpora = list(runs[0]["parents"]["a"])
     methods = list(runs[0]["methods"])
-    head = ["method"] + [f"ppl {c} @ α=½" for c in corpora] + [f"barrier {c} (nats)" for c in corpora]
+    head = ["method"] + [f"ppl {c} @ α=½" for c in corpora] + [f"ppl / parents' {c}" for c in corpora]
+    head += [f"barrier {c} (nats)" for c in corpora]
     head += ["exactness", "applied / candidates"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for side in ("a", "b", "base"):
         if side in runs[0]["parents"]:
             cells = [_fmt([float(np.exp(r["parents"][side][c])) for r in runs]) for c in corpora]
-            lines.append(f"| parent {side.upper()} | " + " | ".join(cells + ["–"] * len(corpora) + ["", ""]) + " |")
+            lines.append(f"| parent {side.upper()} | " + " | ".join(cells + ["–"] * 2 * len(corpora) + ["", ""]) + " |")
     for m in methods:
         cells = [_fmt(_method_values(runs, m, lambda row, c=c: row["ppl"][c])) for c in corpora]
+        cells += [_fmt(_ratios(runs, m, c), 3) for c in corpora]
         cells += [_fmt(_method_values(runs, m, lambda row, c=c: row.get("barrier", {}).get(c)), 3) for c in corpora]
         lines.append(f"| {m} | " + " | ".join(cells + [_exact_cell(runs, m), _gate_cell(runs, m)]) + " |")
     return lines
+
+
+def _ratios(runs: list[dict], method: str, corpus: str) -> list[float]:
+    """Per run: the merge's perplexity over the mean of the parents' (A's and B's)."""
+    out = []
+    for r in runs:
+        row = r["methods"].get(method, {})
+        if "ppl" in row:
+            parents = [float(np.exp(r["parents"][side][corpus])) for side in ("a", "b")]
+            out.append(row["ppl"][corpus] / float(np.mean(parents)))
+    return out
 
 
 def _paired(runs: list[dict], method: str, baseline: str, corpus: str) -> list[float]:
@@ -75,17 +88,18 @@ def _paired(runs: list[dict], method: str, baseline: str, corpus: str) -> list[f
     return out
 
 
-def headline(grouped: dict[str, list[dict]]) -> list[str]:
-    """RaOT and the other methods against the plain average (paired by run; negative = better)."""
+def headline(grouped: dict[str, list[dict]], baseline: str = "average") -> list[str]:
+    """Every method against ``baseline`` (paired by run; negative = better)."""
     lines = [
-        "| pair | method | Δ ppl vs average (reviews) | verdict |",
+        f"| pair | method | Δ ppl vs {baseline} (reviews) | verdict |",
         "|---|---|---|---|",
     ]
     for name, runs in grouped.items():
-        for m in runs[0]["methods"]:
-            if m == "average":
+        methods = sorted({m for r in runs for m in r["methods"]}, key=list(BY_NAME).index)
+        for m in methods:
+            if m == baseline:
                 continue
-            diffs = _paired(runs, m, "average", "reviews")
+            diffs = _paired(runs, m, baseline, "reviews")
             if not diffs:
                 continue
             mean, std = float(np.mean(diffs)), float(np.std(diffs, ddof=1)) if len(diffs) > 1 else 0.0
@@ -153,8 +167,8 @@ def write_report(results: dict[str, Any], out: Path) -> None:
     lines = [
         "# Decoder benchmark",
         "",
-        f"Command: `{results.get('command', 'python -m benchmarks.decoders.run')}` "
-        f"({results.get('note', '')}). Mean ± std over runs "
+        "Commands: " + "; ".join(f"`{c}`" for c in results.get("commands", [results.get("command", "")])) + ". "
+        "Mean ± std over runs "
         "(3 per family). Perplexity is per token (the shared 1,024-token WordPiece) on 400 held-out texts; "
         "the barrier is max over α of loss(α) minus the chord, on the path (1 − α)·A + α·B′. "
         "Exactness: whether B′ computes B's function (the product's B′ ≡ B check; its deviation when not).",
@@ -166,6 +180,18 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         *headline(grouped),
         "",
     ]
+    corrected = [
+        m for m in ("raot+lsq", "raot+repair", "raot+regmean+lsq", "raot+lsq-all") if m in _methods_seen(grouped)
+    ]
+    for baseline in ("raot", "raot+regmean") if corrected else ():
+        lines += [
+            f"## The post-merge corrections against {baseline} (paired by run)",
+            "",
+            f"| pair | method | Δ ppl vs {baseline} (reviews) | verdict |",
+            "|---|---|---|---|",
+        ]
+        lines += [row for row in headline(grouped, baseline)[2:] if row.split(" | ")[1] in corrected]
+        lines.append("")
     for name, runs in grouped.items():
         lines += [f"## {name}", "", *pair_table(runs), *_notes(runs), ""]
     for plot in (_plot_barriers(grouped, out), _plot_widths(grouped, out)):

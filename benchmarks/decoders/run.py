@@ -28,8 +28,34 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ALPHAS = [0.0, 0.25, 0.5, 0.75, 1.0]
 CALIBRATION_TEXTS = 256
-SEED_METHODS = ("average", "wm-perm", "wm-rot", "act-perm", "raot", "raot-norope", "regmean", "raot+regmean")
-SIBLING_METHODS = ("average", "raot", "raot-nosibcheck", "task-arithmetic", "ties", "dare-ties", "regmean")
+SEED_METHODS = (
+    "average",
+    "wm-perm",
+    "wm-rot",
+    "act-perm",
+    "raot",
+    "raot-norope",
+    "regmean",
+    "raot+regmean",
+    "raot+lsq",
+    "raot+repair",
+    "raot+regmean+lsq",
+    "raot+lsq-all",
+    "lsq",
+    "raot+refine",
+    "raot+refine+lsq",
+)
+SIBLING_METHODS = (
+    "average",
+    "raot",
+    "raot-nosibcheck",
+    "task-arithmetic",
+    "ties",
+    "dare-ties",
+    "regmean",
+    "raot+lsq",
+    "raot+repair",
+)
 logger = logging.getLogger("benchmarks.decoders")
 
 
@@ -112,8 +138,8 @@ def _evaluate_method(pair, method, dirs, model_a, parents) -> dict[str, Any]:
     return row
 
 
-def evaluate_run(pair_name: str, run: int, cache_dir: str | None) -> dict[str, Any]:
-    """Every method on run ``run`` of the named pair (runs in a worker process)."""
+def evaluate_run(pair_name: str, run: int, cache_dir: str | None, only: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Every method (or those in ``only``) on run ``run`` of the named pair (runs in a worker process)."""
     import transformers
 
     from benchmarks.decoders.pairs import decoder_pairs, run_models
@@ -131,6 +157,8 @@ def evaluate_run(pair_name: str, run: int, cache_dir: str | None) -> dict[str, A
         "methods": {},
     }
     for name in _methods_for(pair):
+        if only and name not in only:
+            continue
         try:
             out["methods"][name] = _evaluate_method(pair, BY_NAME[name], dirs, models["a"], parents)
         except Exception as exc:  # one failing method must not hide the others
@@ -163,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir")
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--report-only", action="store_true", help="re-render RESULTS.md and plots from results.json")
+    parser.add_argument("--methods", help="comma list: run only these, folding them into --out's results.json")
     args = parser.parse_args(argv)
+    only = tuple(m for m in (args.methods or "").split(",") if m)
     if args.report_only:
         write_report(json.loads((Path(args.out) / "results.json").read_text()), Path(args.out))
         return 0
@@ -179,12 +209,19 @@ def main(argv: list[str] | None = None) -> int:
 
         specs = sorted({spec for p in pairs for spec in pretrained_specs(p)}, key=lambda s: -s[1])  # widest first
         list(pool.map(_build, specs, [args.cache_dir] * len(specs)))  # train every parent once (cached)
-        for row in pool.map(evaluate_run, *zip(*jobs), [args.cache_dir] * len(jobs)):
+        for row in pool.map(evaluate_run, *zip(*jobs), [args.cache_dir] * len(jobs), [only] * len(jobs)):
+            old = next((r for r in results["runs"] if (r["pair"], r["run"]) == (row["pair"], row["run"])), None)
+            if only and old is not None:  # fold the rerun methods into the run's row, keep the others
+                row = {**old, "methods": {**old["methods"], **row["methods"]}}
             results["runs"] = [r for r in results["runs"] if (r["pair"], r["run"]) != (row["pair"], row["run"])]
             results["runs"].append(row)
             path.write_text(json.dumps(results, indent=1))
             print(f"{row['pair']} run {row['run']}: done ({time.perf_counter() - started:.0f} s)", flush=True)
-    results["command"] = " ".join(["python -m benchmarks.decoders.run", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["python -m benchmarks.decoders.run", *(sys.argv[1:] if argv is None else argv)])
+    if only:  # a partial rerun: the commands that produced the table
+        results["commands"] = [*results.get("commands", [results.get("command", "")]), command]
+    else:
+        results["command"], results["commands"] = command, [command]
     path.write_text(json.dumps(results, indent=1))
     write_report(results, out)
     return 0
