@@ -113,6 +113,8 @@ def _jsonable(value):
 
 
 def _finite(x) -> float | None:
+    if x is None:
+        return None
     x = float(x)
     return x if np.isfinite(x) else None
 

@@ -14,36 +14,102 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import asdict, dataclass
+from enum import Enum
 
 import torch
 
 logger = logging.getLogger("raot_hf.gate")
 
 
+class Status(str, Enum):
+    """Why a decision stands as it does (data, not a sentence: :attr:`GateDecision.reason` is the
+    human-readable line)."""
+
+    ACCEPTED = "accepted"  # the paired test passed: applied
+    BELOW_MARGIN = "below_margin"  # scored, and the test did not pass
+    IDENTITY = "identity"  # the estimate is the identity: nothing to decide
+    NONFINITE = "nonfinite"  # NaN/Inf statistics: the identity stands
+    TOO_FEW_TOKENS = "too_few_tokens"
+    TOO_FEW_EXAMPLES = "too_few_examples"  # the merge gate's set is too small to test on
+    GATE_DISABLED = "gate_disabled"  # applied without a test (gate=False)
+    UNGATED = "ungated"  # soft transport plans, or no calibration data: applied as estimated
+    SIBLINGS = "siblings"  # every estimate near the identity: the identity stands (§5.4)
+    VETOED = "vetoed"  # accepted per layer, then the model-level check failed
+
+
+#: The statuses whose estimates the merge gate scores again (the rest keep their reason).
+SCORED = (Status.ACCEPTED, Status.BELOW_MARGIN)
+
+
+@dataclass(frozen=True)
+class PairedTest:
+    """One paired test of gains g₁…g_n against zero (docs/design.md §5.2)."""
+
+    mean: float
+    stderr: float | None
+    margin: float
+    n: int
+    positive: int
+    passed: bool
+    reason: str
+
+
+def paired_test(gains: torch.Tensor, *, z: float, floor: float = 0.0, sign_test: bool = False) -> PairedTest:
+    """Pass iff the mean gain exceeds ``max(z·se, floor)`` and 0 (with a single gain: 0.05), or —
+    ``sign_test`` — the mean exceeds the floor and the gains are positive on so many of the n
+    examples that P(Binomial(n, ½) ≥ k) ≤ 1 − Φ(z): heavy-tailed gains (one example that the
+    unaligned merge ruins) inflate the standard error without making the estimate worse."""
+    gains = gains.to(torch.float64).flatten()
+    n = gains.numel()
+    mean = float(gains.mean()) if n else 0.0
+    stderr = float(gains.std(unbiased=True) / math.sqrt(n)) if n > 1 else None
+    margin = max(z * stderr if stderr is not None else 0.05, floor)
+    positive = int((gains > 0).sum())
+    if mean > margin and mean > 0:
+        return PairedTest(mean, stderr, margin, n, positive, True, f"gain {mean:.3g} > margin {margin:.3g}")
+    if sign_test and n > 1 and mean > max(floor, 0.0) and sign_test_p(gains) <= one_sided_level(z):
+        why = f"gain {mean:.3g} on {positive}/{n} examples (sign test p = {sign_test_p(gains):.2g})"
+        return PairedTest(mean, stderr, margin, n, positive, True, why)
+    return PairedTest(mean, stderr, margin, n, positive, False, f"gain {mean:.3g} ≤ margin {margin:.3g}")
+
+
 @dataclass
 class GateDecision:
-    """One row of the gate table."""
+    """One row of the gate table. ``identity``/``estimate``/``gain``/``stderr``/``margin`` are the
+    deciding objective's (None where nothing was scored); ``fidelity_*`` are set under the merge
+    objective, ``alignment_gain`` is the alignment objective's gain kept as a diagnostic there."""
 
     transform: str  # "mlp" | "heads" | "residual"
     layer: int | None
-    identity: float  # held-out objective under the identity
-    estimate: float  # held-out objective under the estimate
-    gain: float
-    stderr: float
-    margin: float
+    identity: float | None  # held-out objective under the identity
+    estimate: float | None  # held-out objective under the estimate
+    gain: float | None
+    stderr: float | None
+    margin: float | None
     applied: bool
     reason: str
     description: str = ""
     # which objective decided: "alignment" (identity/estimate/gain are the alignment objective,
     # per unit) or "merge" (they are the merged computation's fidelity, per gate example, §5)
     objective: str = "alignment"
-    fidelity_identity: float = float("nan")
-    fidelity_estimate: float = float("nan")
-    alignment_gain: float = float("nan")  # diagnostic under the merge objective
+    fidelity_identity: float | None = None
+    fidelity_estimate: float | None = None
+    alignment_gain: float | None = None  # diagnostic under the merge objective
     examples: int = 0
+    status: str = Status.BELOW_MARGIN.value
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def scored(self) -> bool:
+        """Whether a paired test decided it (the merge gate re-decides these)."""
+        return self.status in {s.value for s in SCORED}
+
+
+def unscored(kind: str, layer: int | None, applied: bool, status: Status, reason: str, description: str = ""):
+    """A decision no test made (ungated, identity, no data …)."""
+    return GateDecision(kind, layer, None, None, None, None, None, applied, reason, description, status=status.value)
 
 
 def decide(
@@ -59,35 +125,27 @@ def decide(
     is_identity: bool,
     enabled: bool = True,
     description: str = "",
-    sign_test: bool = False,
 ) -> GateDecision:
-    """Decide whether one estimated transform earns its place. ``sign_test``: also accept when the
-    gains are positive on so many of the n paired examples that a sign test rejects "no gain" at
-    the t-test's own level (docs/design.md §5.2) — heavy-tailed gains (one example that the
-    unaligned merge ruins) inflate the standard error without making the estimate worse."""
-    gains = gains.to(torch.float64).flatten()
-    n = gains.numel()
-    gain = float(gains.mean()) if n else 0.0
-    stderr = float(gains.std(unbiased=True) / math.sqrt(n)) if n > 1 else float("nan")
-    # With a single unit there is no spread to learn noise from: demand a clear 0.05 gain.
-    margin = max(z * stderr if n > 1 else 0.05, min_gain)
-    if not math.isfinite(gain):
-        applied, reason = False, "non-finite statistics (NaN/Inf in activations)"
-    elif is_identity:
-        applied, reason = False, "estimate is the identity"
-    elif heldout_tokens < min_tokens:
-        applied, reason = False, f"too few held-out tokens ({heldout_tokens} < {min_tokens})"
-        logger.warning("%s%s: %s; keeping the identity", transform, "" if layer is None else f" {layer}", reason)
-    elif not enabled:
-        applied, reason = True, "gate disabled"
-    elif gain > margin and gain > 0:
-        applied, reason = True, f"gain {gain:.3g} > margin {margin:.3g}"
-    elif sign_test and gain > max(min_gain, 0.0) and sign_test_p(gains) <= one_sided_level(z):
-        positive = int((gains > 0).sum())
-        applied, reason = True, f"gain {gain:.3g} on {positive}/{n} examples (sign test p = {sign_test_p(gains):.2g})"
-    else:
-        applied, reason = False, f"gain {gain:.3g} ≤ margin {margin:.3g}"
-    return GateDecision(transform, layer, identity, identity + gain, gain, stderr, margin, applied, reason, description)
+    """Decide whether one estimated transform earns its place (the alignment objective's gate)."""
+    test = paired_test(gains, z=z, floor=min_gain)
+    where = "" if layer is None else f" {layer}"
+    if not math.isfinite(test.mean):
+        return unscored(
+            transform, layer, False, Status.NONFINITE, "non-finite statistics (NaN/Inf in activations)", description
+        )
+    if is_identity:
+        return unscored(transform, layer, False, Status.IDENTITY, "estimate is the identity", description)
+    if heldout_tokens < min_tokens:
+        reason = f"too few held-out tokens ({heldout_tokens} < {min_tokens})"
+        logger.warning("%s%s: %s; keeping the identity", transform, where, reason)
+        return unscored(transform, layer, False, Status.TOO_FEW_TOKENS, reason, description)
+    status = Status.GATE_DISABLED if not enabled else Status.ACCEPTED if test.passed else Status.BELOW_MARGIN
+    applied = status in (Status.GATE_DISABLED, Status.ACCEPTED)
+    reason = "gate disabled" if not enabled else test.reason
+    return GateDecision(
+        transform, layer, identity, identity + test.mean, test.mean, test.stderr, test.margin, applied, reason,
+        description, status=status.value,
+    )  # fmt: skip
 
 
 def one_sided_level(z: float) -> float:

@@ -7,6 +7,7 @@ import torch
 
 from raot_hf.adapters.schema import ModelSchema
 from raot_hf.calibration.statistics import CalibrationStatistics, Gram
+from raot_hf.symmetry.apply import needs_folding
 from raot_hf.symmetry.transforms import TransformSequence
 
 _F64 = torch.float64
@@ -52,6 +53,7 @@ def aligned_grams(
     *,
     folded: bool | None = None,
     transposed: set[str] | None = None,
+    unfolded_norms: tuple[dict, dict] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Grams of A and of B′ keyed like ``stats.grams``.
 
@@ -59,13 +61,14 @@ def aligned_grams(
     rotation was applied), a reader's input became z = (y − β)/γ of its LayerNorm, so each Gram
     is re-expressed through the recorded sums; then B's Gram of an input space acted on by M
     becomes Mᵀ·G·M. ``transposed``: the weights stored (in, out) (default: found in ``model_a``,
-    :func:`transposed_weights`).
+    :func:`transposed_weights`). ``unfolded_norms``: A's and B's norm affines from before the fold
+    (:func:`raot_hf.symmetry.norm_affines`); without them the models' current ones are used.
     """
     actions = applied.actions(schema) if len(applied) else {}
     if transposed is None:
         transposed = transposed_weights(model_a, stats.gram_keys)
     if folded is None:
-        folded = "residual" in actions and actions["residual"].perm is None and schema.norm == "pre"
+        folded = needs_folding(schema, actions)
     fold_of: dict[str, tuple[str, str]] = {}
     if folded:
         for fold in schema.folds:
@@ -78,8 +81,9 @@ def aligned_grams(
         ga, gb = gram.a.to(torch.float64, copy=True), gram.b.to(torch.float64, copy=True)
         if weight in fold_of:
             wn, bn = fold_of[weight]
-            ga = _unfold(ga, gram.sum_a, gram.n, *_original_norm(model_a, wn, bn))
-            gb = _unfold(gb, gram.sum_b, gram.n, *_original_norm(model_b, wn, bn))
+            norms_a, norms_b = unfolded_norms or ({}, {})
+            ga = _unfold(ga, gram.sum_a, gram.n, *_original_norm(model_a, norms_a, wn, bn))
+            gb = _unfold(gb, gram.sum_b, gram.n, *_original_norm(model_b, norms_b, wn, bn))
         space = _input_space(schema, weight, weight in transposed)
         if space is not None and space.name in actions:
             m = actions[space.name].dense(space.size)
@@ -88,10 +92,9 @@ def aligned_grams(
     return grams_a, grams_b
 
 
-def _original_norm(model: torch.nn.Module, weight: str, bias: str | None):
-    """The LayerNorm affine recorded before folding (see :func:`raot_hf.symmetry.fold_model`);
-    an RMSNorm (``bias`` None) has a zero shift."""
-    saved = getattr(model, "_raot_unfolded_norms", {})
+def _original_norm(model: torch.nn.Module, saved: dict, weight: str, bias: str | None):
+    """The norm's affine from before the fold (``saved``), else the model's current one; an
+    RMSNorm (``bias`` None) has a zero shift."""
     params = dict(model.named_parameters())
     gamma = saved[weight] if weight in saved else params[weight].detach()
     if bias is None:

@@ -33,11 +33,11 @@ from torch.func import functional_call
 from raot_hf.adapters.schema import ModelSchema
 from raot_hf.errors import RaotError
 from raot_hf.symmetry import (
-    ResidualRotation,
     Transform,
     apply_transform,
     fold_layernorms,
     model_state,
+    needs_folding,
 )
 
 
@@ -162,7 +162,7 @@ class MergedParameters:
     def __init__(self, model_a, model_b, schema: ModelSchema, layer_names, residual: Transform | None, alpha: float):
         self.schema, self.alpha, self.residual = schema, alpha, residual
         self.layer_names = layer_names
-        self.fold = isinstance(residual, ResidualRotation) and schema.norm == "pre"
+        self.fold = residual is not None and needs_folding(schema, residual.actions(schema))
         head = set(schema.head_params)
         state_a, state_b = model_state(model_a), model_state(model_b)
         prefixes = tuple(n + "." for n in layer_names)

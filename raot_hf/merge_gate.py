@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from raot_hf.adapters.schema import ModelSchema
-from raot_hf.gate import GateDecision, decide
+from raot_hf.gate import GateDecision, Status, paired_test
 from raot_hf.lineage import LineageEvidence, detect_siblings
 from raot_hf.merge_fidelity import (
     GateChunk,
@@ -64,29 +64,33 @@ MIN_GATE_EXAMPLES = 4
 def _paired(
     kind, layer, with_, without, *, z, description, alignment: GateDecision | None, floor: float = 0.0
 ) -> GateDecision:
-    d = decide(
+    """The merge objective's decision: the per-example fidelity gains of an estimate, one paired
+    test (§5.2, with the sign test)."""
+    test = paired_test(with_ - without, z=z, floor=floor, sign_test=True)
+    identity = float(without.mean())
+    status = Status.ACCEPTED if test.passed else Status.BELOW_MARGIN
+    return GateDecision(
         kind,
         layer,
-        with_ - without,
-        float(without.mean()),
-        z=z,
-        min_gain=floor,
-        heldout_tokens=1,
-        min_tokens=0,
-        is_identity=False,
-        description=description,
-        sign_test=True,
+        identity,
+        identity + test.mean,
+        test.mean,
+        test.stderr,
+        test.margin,
+        test.passed,
+        test.reason,
+        description,
+        objective="merge",
+        fidelity_identity=identity,
+        fidelity_estimate=float(with_.mean()),
+        alignment_gain=None if alignment is None else alignment.gain,
+        examples=int(with_.numel()),
+        status=status.value,
     )
-    d.objective = "merge"
-    d.fidelity_identity, d.fidelity_estimate = float(without.mean()), float(with_.mean())
-    d.examples = int(with_.numel())
-    if alignment is not None:
-        d.alignment_gain = alignment.gain
-    return d
 
 
-def _reject(d: GateDecision, reason: str) -> GateDecision:
-    return dataclasses.replace(d, applied=False, reason=reason)
+def _reject(d: GateDecision, reason: str, status: Status) -> GateDecision:
+    return dataclasses.replace(d, applied=False, reason=reason, status=status.value)
 
 
 @dataclass
@@ -98,7 +102,7 @@ class MergeGateResult:
 
 def _eligible(d: GateDecision) -> bool:
     """Alignment-gate rows the merge gate re-decides (the rest keep their reason: identity, NaN, tokens)."""
-    return d.applied or d.reason.startswith("gain ")
+    return d.applied or d.scored
 
 
 def _per_layer(parts: list[Transform]) -> dict[tuple, list[Transform]]:
@@ -209,7 +213,7 @@ def run_merge_gate(
         reason = f"too few gate examples ({n} < {MIN_GATE_EXAMPLES})"
         logger.warning("merge gate: %s; keeping the identity for every transform", reason)
         verdict = f"A and B share a basis by default: {reason}, the identity stands"
-        return MergeGateResult([_reject(d, reason) for d in alignment_rows], verdict, {})
+        return MergeGateResult([_reject(d, reason, Status.TOO_FEW_EXAMPLES) for d in alignment_rows], verdict, {})
     residual = next((t for t in parts if isinstance(t, (ResidualPermutation, ResidualRotation))), None)
     res_row = rows.get(("residual", None))
     if residual is not None and (res_row is None or not _eligible(res_row)):
@@ -239,12 +243,12 @@ def _result(rows: dict, decided: dict, check: GateDecision, passed: bool, has_re
     for key, d in rows.items():
         if key == ("residual", None) and has_residual:
             d = dataclasses.replace(check, transform="residual", description=d.description, alignment_gain=d.gain)
-            d.applied = passed
-            d.reason = d.reason if passed else f"model-level check: {check.reason}"
+            if not passed:
+                d = _reject(d, f"model-level check: {check.reason}", Status.BELOW_MARGIN)
         elif key in decided:
             d = decided[key]
             if d.applied and not passed:
-                d = _reject(d, f"vetoed by the model-level check ({check.reason})")
+                d = _reject(d, f"vetoed by the model-level check ({check.reason})", Status.VETOED)
         out.append(d)
     fi, fa, k, margin = check.fidelity_identity, check.fidelity_estimate, check.examples, check.margin
     if passed:
@@ -278,7 +282,7 @@ def as_siblings(result: MergeGateResult, evidence: LineageEvidence) -> MergeGate
     """Detection, not repair (docs/design.md §5.4): every estimate is identity-dominated, so the
     identity stands everywhere; the merge-fidelity comparison stays in the report as evidence."""
     why = f"siblings: every estimate is near the identity (smallest identity affinity {evidence.smallest:.3f})"
-    decisions = [_reject(d, why) if d.applied else d for d in result.decisions]
+    decisions = [_reject(d, why, Status.SIBLINGS) if d.applied else d for d in result.decisions]
     info = dict(result.model_fidelity, passed=False)
     evidence_line = ""
     if "aligned" in info:

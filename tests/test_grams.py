@@ -8,7 +8,7 @@ from raot_hf import schema_for
 from raot_hf.calibration import CalibrationConfig, iter_calibration_batches
 from raot_hf.calibration.collector import StatisticsCollector
 from raot_hf.grams import aligned_grams
-from raot_hf.symmetry import fold_model, random_group_element, transform_model
+from raot_hf.symmetry import fold_model, norm_affines, random_group_element, transform_model
 from raot_hf.testing import (
     tiny_image_dataset,
     tiny_image_processor,
@@ -38,11 +38,13 @@ def test_transformed_grams_match_measured(model_type, head):
     schema = schema_for(a)
     before = _collect(a, b, schema, pre, data)
     transform = random_group_element(schema, seed=3)  # includes a residual rotation for ViT (folds)
+    norms = (norm_affines(a, schema), norm_affines(b, schema))  # what the fold removes
     transform_model(b, schema, transform)
     if model_type == "vit":
         fold_model(a, schema)
+    assert not hasattr(a, "_raot_unfolded_norms") and not hasattr(b, "_raot_unfolded_norms")
     after = _collect(a, b, schema, pre, data)
-    grams_a, grams_b = aligned_grams(before, schema, transform, a, b)
+    grams_a, grams_b = aligned_grams(before, schema, transform, a, b, unfolded_norms=norms)
     for key, gram in after.grams.items():
         scale = gram.b.abs().max()
         assert torch.allclose(grams_b[key], gram.b, atol=1e-9 * scale), key

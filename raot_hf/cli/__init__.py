@@ -3,7 +3,6 @@ Python API takes (``merge``, ``inspect``, ``push``, ``demo``, ``selfcheck``)."""
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import sys
@@ -11,8 +10,9 @@ from pathlib import Path
 
 import click
 
+from raot_hf.cli.errors import friendly_errors
 from raot_hf.config import RaotConfig
-from raot_hf.errors import EquivalenceError, RaotError
+from raot_hf.errors import RaotError
 from raot_hf.options import CliOption, cli_options
 from raot_hf.version import __version__
 
@@ -23,32 +23,6 @@ def _quiet() -> bool:
     """True under ``raot-hf -q``: a successful command prints nothing."""
     ctx = click.get_current_context(silent=True)
     return bool(ctx and ctx.meta.get("raot_hf.quiet"))
-
-
-def friendly_errors(fn):
-    """Turn user errors into one line on stderr and exit code 2 (tracebacks only with --debug)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        debug = kwargs.get("debug", False)
-        try:
-            return fn(*args, **kwargs)
-        except (RaotError, EquivalenceError) as exc:
-            if debug:
-                raise
-            click.echo(f"Error: {exc}", err=True)
-            sys.exit(2)
-        except OSError as exc:  # disk full, permissions, network: the environment, not a bug
-            if debug:
-                raise
-            reason = " ".join(str(exc).split()) or type(exc).__name__
-            click.echo(f"Error: {reason} (rerun with --debug for the traceback)", err=True)
-            sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("Interrupted: no output was written.", err=True)
-            sys.exit(130)
-
-    return wrapper
 
 
 def _config_option(option: CliOption):

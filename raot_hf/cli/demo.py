@@ -12,7 +12,7 @@ import time
 
 import click
 
-from raot_hf.cli import friendly_errors
+from raot_hf.cli.errors import friendly_errors
 
 
 @click.command("demo")

@@ -24,6 +24,7 @@ from scipy.optimize import linear_sum_assignment
 from raot_hf.adapters.schema import ModelSchema
 from raot_hf.errors import RaotError
 from raot_hf.estimators.grouped import _identity_fit, _match_groups, _orthogonal_fit, _rope_fit
+from raot_hf.estimators.weight_features import space_features
 from raot_hf.symmetry.transforms import HeadAlignment
 
 _F64 = torch.float64
@@ -65,8 +66,6 @@ def align_grouped_heads(
     """One decoder layer's head alignment from weights: per-KV-head Q/K and V/O maps (RoPE-
     restricted on a RoPE schema), and with ``match_heads`` a KV-head assignment. Returns the
     transform and its log (the group scores under the chosen and the same-index matching)."""
-    from raot_hf.estimators.weight_based import space_features
-
     H, kv = schema.num_heads, schema.kv_heads
     group = H // kv
     blocks = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from raot_hf.errors import RaotError
 from raot_hf.merging.base_rules import (
@@ -110,6 +111,19 @@ def get_merge_rule(name: str) -> Callable:
     return merge_rule_spec(name).fn
 
 
+def add_rule_log(total: dict[str, Any], part: dict[str, Any]) -> None:
+    """Sum one chunk's rule log into ``total`` (counts and totals add, lists such as ``not_in_base`` extend)."""
+    for key, value in part.get("settings", {}).items():
+        if isinstance(value, list):
+            total["settings"].setdefault(key, []).extend(value)
+        else:
+            total["settings"][key] = value
+    for method, n in part.get("counts", {}).items():
+        total["counts"][method] = total["counts"].get(method, 0) + n
+    for name, n in part.get("totals", {}).items():  # entry counts of the base-relative rules
+        total.setdefault("totals", {})[name] = total.get("totals", {}).get(name, 0) + n
+
+
 register_merge_rule("linear", merge_linear, per_tensor=True)
 register_merge_rule("regmean", merge_regmean, needs_grams=True, options={"shrink": "regmean.shrink"})
 register_merge_rule("fisher", merge_fisher, needs_fisher=True)
@@ -137,6 +151,7 @@ register_merge_rule(
 
 __all__ = [
     "HEAD_POLICIES",
+    "add_rule_log",
     "MAX_RELATIVE_TASK_NORM",
     "MergeRuleSpec",
     "available_merge_rules",

@@ -79,12 +79,16 @@ def gate_table_text(decisions: Sequence[Any]) -> str:
         f"{'align.gain':>10}  applied"
     )
     lines = [head, "-" * len(head)]
+
+    def num(x):
+        return f"{'–':>10}" if x is None or x != x else f"{x:>10.4f}"
+
     for d in decisions:
         layer = "-" if d.layer is None else str(d.layer)
         diagnostic = d.alignment_gain if d.objective == "merge" else d.gain
         lines.append(
-            f"{d.transform:<10} {layer:>5} {d.identity:>10.4f} {d.estimate:>10.4f} {d.gain:>10.4f} "
-            f"{d.margin:>10.4f} {diagnostic:>10.4f}  {'yes' if d.applied else 'no'} ({d.reason})"
+            f"{d.transform:<10} {layer:>5} {num(d.identity)} {num(d.estimate)} {num(d.gain)} "
+            f"{num(d.margin)} {num(diagnostic)}  {'yes' if d.applied else 'no'} ({d.reason})"
         )
     return "\n".join(lines)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
-from raot_hf.gate import decide
+from raot_hf.gate import paired_test
 from raot_hf.merge_fidelity import _rse, capture_layers, layer_module_names
 from raot_hf.refine.parameters import RefineParameters, as_transforms, dense_actions, transformed
 from raot_hf.symmetry import HeadAlignment, ResidualRotation, Transform, model_state
@@ -166,13 +166,9 @@ def refine_alignment(ctx, alignment, run) -> tuple[list[Transform], dict[str, An
         for t, b in zip(p.tensors(), best, strict=True):
             t.copy_(b)
         refined = objective.errors(heldout)
-    gate = ctx.config.gate
-    verdict = decide(
-        "refine", None, unrefined - refined, float(unrefined.mean()), z=gate.z, heldout_tokens=1,
-        min_tokens=0, is_identity=False, sign_test=True, description="refined vs estimated alignment",
-    )  # fmt: skip
+    verdict = paired_test(unrefined - refined, z=ctx.config.gate.z, sign_test=True)
     log = {
-        "applied": verdict.applied,
+        "applied": verdict.passed,
         "reason": verdict.reason,
         "layers": layers,
         "stream": stream,
@@ -185,7 +181,7 @@ def refine_alignment(ctx, alignment, run) -> tuple[list[Transform], dict[str, An
         "seconds": time.perf_counter() - started,
     }
     logger.info("refinement: held-out error %.4f → %.4f (%s)", unrefined.mean(), refined.mean(), verdict.reason)
-    return (as_transforms(p) if verdict.applied else []), log
+    return (as_transforms(p) if verdict.passed else []), log
 
 
 __all__ = ["RefineParameters", "refine_alignment"]

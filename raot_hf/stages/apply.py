@@ -15,7 +15,7 @@ from raot_hf.equivalence import example_inputs, primary_outputs
 from raot_hf.errors import EquivalenceError
 from raot_hf.results import Alignment
 from raot_hf.stages.context import PairContext, on_device_of
-from raot_hf.symmetry import fold_model, transform_model
+from raot_hf.symmetry import fold_model, needs_folding, norm_affines, transform_model
 
 logger = logging.getLogger("raot_hf.stages.apply")
 
@@ -78,8 +78,10 @@ def apply_and_check(ctx: PairContext, alignment: Alignment, run) -> list[dict[st
         inputs, reference = _check_inputs(ctx, run)
         actions = alignment.applied.actions(ctx.schema) if len(alignment.applied) else {}
         if len(alignment.applied):
+            if needs_folding(ctx.schema, actions):  # both parents fold: record what the fold removes
+                ctx.unfolded_norms = (norm_affines(ctx.model_a, ctx.schema), norm_affines(ctx.model_b, ctx.schema))
             transform_model(ctx.model_b, ctx.schema, alignment.applied)
-            if "residual" in actions and actions["residual"].perm is None and ctx.schema.norm == "pre":
+            if needs_folding(ctx.schema, actions):
                 fold_model(ctx.model_a, ctx.schema)
         value = deviation(ctx, reference, inputs, actions)
         threshold = exactness_threshold(next(ctx.model_b.parameters()).dtype, ctx.schema.norm_dtype)

@@ -17,9 +17,10 @@ from raot_hf.calibration import iter_calibration_batches
 from raot_hf.errors import RaotError
 from raot_hf.grams import aligned_grams, transposed_weights
 from raot_hf.loading import adopt_head
-from raot_hf.merging import MergeRuleSpec, merge_heads, merge_rule_spec
+from raot_hf.merging import MergeRuleSpec, add_rule_log, merge_heads, merge_rule_spec
 from raot_hf.results import Alignment
 from raot_hf.stages.context import PairContext
+from raot_hf.stages.correct import corrected_merge
 from raot_hf.symmetry import load_state, model_state
 
 logger = logging.getLogger("raot_hf.stages.combine")
@@ -70,7 +71,13 @@ def rule_inputs(ctx: PairContext, spec: MergeRuleSpec, alignment: Alignment, sta
             raise RaotError(f"merge_rule={cfg.merge_rule!r} needs calibration data for its Gram matrices")
         transposed = transposed_weights(ctx.model_a, stats.gram_keys)
         grams_a, grams_b = aligned_grams(
-            stats, ctx.schema, alignment.applied, ctx.model_a, ctx.model_b, transposed=transposed
+            stats,
+            ctx.schema,
+            alignment.applied,
+            ctx.model_a,
+            ctx.model_b,
+            transposed=transposed,
+            unfolded_norms=ctx.unfolded_norms,
         )
         inputs.update(grams_a=grams_a, grams_b=grams_b, transposed_weights=transposed)
         inputs["linear_weights"] = _finite_gram_keys(stats.gram_keys, grams_a, grams_b)
@@ -79,19 +86,6 @@ def rule_inputs(ctx: PairContext, spec: MergeRuleSpec, alignment: Alignment, sta
     if spec.needs_base:
         inputs["base"] = ctx.base.state
     return inputs
-
-
-def _add_chunk_log(total: dict[str, Any], part: dict[str, Any]) -> None:
-    """Sum one chunk's rule log into ``total`` (counts and totals add, lists such as ``not_in_base`` extend)."""
-    for key, value in part.get("settings", {}).items():
-        if isinstance(value, list):
-            total["settings"].setdefault(key, []).extend(value)
-        else:
-            total["settings"][key] = value
-    for method, n in part.get("counts", {}).items():
-        total["counts"][method] = total["counts"].get(method, 0) + n
-    for name, n in part.get("totals", {}).items():  # entry counts of the base-relative rules
-        total.setdefault("totals", {})[name] = total.get("totals", {}).get(name, 0) + n
 
 
 def _chunks(trunk: dict[str, torch.Tensor]):
@@ -123,7 +117,7 @@ def merge_in_place(ctx: PairContext, spec: MergeRuleSpec, trunk_a: dict, trunk_b
             **inputs,
         )
         load_state(ctx.model_a, part)
-        _add_chunk_log(log, part_log)
+        add_rule_log(log, part_log)
         del part
     return log
 
@@ -158,8 +152,6 @@ def merge_weights(ctx: PairContext, alignment: Alignment, stats, run) -> dict[st
         trunk_b = {k: v for k, v in state_b.items() if k not in head}
         inputs = rule_inputs(ctx, spec, alignment, stats, run, set(trunk_a))
         if corrected:  # the rule's merge, corrected layer by layer (docs/design.md §6.7)
-            from raot_hf.stages.correct import corrected_merge
-
             log, merged = corrected_merge(ctx, spec, trunk_a, trunk_b, inputs, run), {}
         elif spec.per_tensor:
             log, merged = merge_in_place(ctx, spec, trunk_a, trunk_b, inputs), {}

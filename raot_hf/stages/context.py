@@ -57,6 +57,8 @@ class PairContext:
     dist: DistributedContext
     timer: StageTimer = field(default_factory=StageTimer)
     base: BaseModel | None = None
+    # A's and B's norm affines from before a fold (the apply stage records them; RegMean reads them)
+    unfolded_norms: tuple[dict, dict] | None = None
 
     @property
     def stats_device(self) -> torch.device:

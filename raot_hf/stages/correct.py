@@ -19,7 +19,7 @@ from raot_hf.calibration import iter_calibration_batches
 from raot_hf.correction import LayerPass, Site, capture, least_squares_layer, least_squares_readers, repair_layer
 from raot_hf.errors import RaotError
 from raot_hf.merge_fidelity import layer_module_names
-from raot_hf.merging import MergeRuleSpec
+from raot_hf.merging import MergeRuleSpec, add_rule_log
 from raot_hf.stages.context import PairContext
 from raot_hf.symmetry import load_state
 
@@ -107,8 +107,6 @@ def _rule(spec: MergeRuleSpec, alpha: float, inputs: dict, trunk_a: dict, trunk_
 def corrected_merge(ctx: PairContext, spec: MergeRuleSpec, trunk_a: dict, trunk_b: dict, inputs: dict, run) -> dict:
     """The rule's merge, corrected layer by layer, written into A's module; returns the rule's log
     (summed over the calls) with the correction's under ``"correction"``."""
-    from raot_hf.stages.combine import _add_chunk_log
-
     cfg = ctx.config
     method = cfg.correction.method
     if run is None:
@@ -119,17 +117,17 @@ def corrected_merge(ctx: PairContext, spec: MergeRuleSpec, trunk_a: dict, trunk_
     if not spec.per_tensor:  # RegMean, Fisher: the whole trunk at once (as without correction)
         merged_all, rule_log = spec.fn(trunk_a, trunk_b, alpha=cfg.alpha, return_log=True, **inputs)
         rule_log.pop("params", None)
-        _add_chunk_log(log, rule_log)
+        add_rule_log(log, rule_log)
     merge = _rule(spec, cfg.alpha, inputs, trunk_a, trunk_b, merged_all)
     in_layer = tuple(n + "." for n in names)
     rest, part = merge([k for k in trunk_a if not k.startswith(in_layer)])
-    _add_chunk_log(log, part)
+    add_rule_log(log, part)
     batches = iter_calibration_batches(run.dataset, ctx.preprocessor, run.config, split="fit")
     chunks = capture(ctx.model_a, ctx.model_b, names[0], batches, rest, cfg.correction.examples)
     layers, skipped = [], []
     for i, name in enumerate(tqdm(names, desc=f"correction ({method})", disable=not ctx.dist.is_main)):
         merged, part = merge([k for k in trunk_a if k.startswith(name + ".")])
-        _add_chunk_log(log, part)
+        add_rule_log(log, part)
         layer = LayerPass(chunks, name, ctx.model_a.get_submodule(name), ctx.model_b.get_submodule(name))
         if method == "lsq":
             sites = linear_sites(ctx.model_a, ctx.schema, i, name)

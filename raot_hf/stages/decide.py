@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from raot_hf.estimators import estimator_spec, is_identity
 from raot_hf.estimators.activation import head_gains, mlp_gains, residual_gains
-from raot_hf.gate import GateDecision
+from raot_hf.gate import GateDecision, Status, unscored
 from raot_hf.gate import decide as decide_one
 from raot_hf.merge_gate import merge_gate
 from raot_hf.results import Alignment
@@ -37,8 +37,8 @@ def _kind_and_layer(t: Transform) -> tuple[str, int | None]:
 
 
 def _ungated(kind: str, layer: int | None, applied: bool, reason: str, t: Transform) -> GateDecision:
-    nan = float("nan")
-    return GateDecision(kind, layer, nan, nan, nan, nan, nan, applied, reason, t.describe())
+    status = Status.UNGATED if applied else Status.IDENTITY
+    return unscored(kind, layer, applied, status, reason, t.describe())
 
 
 def _scored(ctx: PairContext, t: Transform, stats, unchanged: bool) -> GateDecision:

@@ -7,6 +7,8 @@ from raot_hf.symmetry.apply import (
     is_folded,
     load_state,
     model_state,
+    needs_folding,
+    norm_affines,
     transform_model,
 )
 from raot_hf.symmetry.group import (
@@ -50,6 +52,8 @@ __all__ = [
     "fold_model",
     "is_exact",
     "is_folded",
+    "needs_folding",
+    "norm_affines",
     "load_state",
     "mean_axis_basis",
     "mean_fixing",

@@ -75,7 +75,7 @@ def apply_transform(
     moment of its normalized input) refines γ′ of post-LN norms under a rotation.
     """
     actions = transform.actions(schema)
-    if "residual" in actions and actions["residual"].perm is None and schema.norm == "pre":
+    if needs_folding(schema, actions):
         _require_folded(state, schema)
     for space_name, action in actions.items():
         inverse_t = action.inverse_transpose()
@@ -88,6 +88,20 @@ def apply_transform(
             else:
                 state[member.name] = _contract(state[member.name], member, action if member.covariant else inverse_t)
     return state
+
+
+def needs_folding(schema: ModelSchema, actions: Mapping[str, SpaceAction]) -> bool:
+    """Whether ``actions`` rotate a pre-LN residual stream, so that its LayerNorms must be folded
+    into their readers first (docs/design.md §3.3) — the one place this condition is written."""
+    return schema.norm == "pre" and "residual" in actions and actions["residual"].perm is None
+
+
+def norm_affines(model: torch.nn.Module, schema: ModelSchema) -> dict[str, torch.Tensor]:
+    """Copies of the foldable norms' affine parameters (γ, β): what a fold removes, and what
+    RegMean needs to re-express Grams recorded before it (docs/design.md §6.2)."""
+    params = dict(model.named_parameters())
+    names = [n for f in schema.folds for n in (f.norm_weight, f.norm_bias) if n and n in params]
+    return {n: params[n].detach().clone() for n in names}
 
 
 def _require_folded(state: Mapping[str, torch.Tensor], schema: ModelSchema) -> None:
@@ -178,11 +192,8 @@ def transform_model(model: torch.nn.Module, schema: ModelSchema, transform: Tran
     names = schema.parameter_names() | {n for f in schema.folds for n in (f.norm_weight, f.norm_bias) if n}
     names |= {n for f in schema.folds for r in f.readers for n in r if n}
     state = _parameters_in_place(model, names)
-    actions = transform.actions(schema)
-    rotates = "residual" in actions and actions["residual"].perm is None
-    if rotates and schema.norm == "pre" and not is_folded(state, schema):
+    if needs_folding(schema, transform.actions(schema)) and not is_folded(state, schema):
         logger.debug("folding pre-LN LayerNorms before a residual rotation")
-        _remember_norms(model, state, schema)
         fold_layernorms(state, schema)
     apply_transform(state, schema, transform, **kw)
     return model
@@ -194,17 +205,5 @@ def fold_model(model: torch.nn.Module, schema: ModelSchema) -> torch.nn.Module:
     names = {n for f in schema.folds for n in (f.norm_weight, f.norm_bias) if n}
     names |= {n for f in schema.folds for r in f.readers for n in r if n}
     state = _parameters_in_place(model, names)
-    if not is_folded(state, schema):
-        _remember_norms(model, state, schema)
     fold_layernorms(state, schema)
     return model
-
-
-def _remember_norms(model: torch.nn.Module, state: Mapping[str, torch.Tensor], schema: ModelSchema) -> None:
-    """Keep the LayerNorm affines a fold removes (RegMean re-expresses recorded Grams with them)."""
-    saved = {}
-    for f in schema.folds:
-        saved[f.norm_weight] = state[f.norm_weight].detach().clone()
-        if f.norm_bias is not None:
-            saved[f.norm_bias] = state[f.norm_bias].detach().clone()
-    model._raot_unfolded_norms = saved
