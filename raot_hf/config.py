@@ -18,7 +18,7 @@ from typing import Any
 from raot_hf.calibration.settings import CalibrationConfig
 from raot_hf.errors import RaotError
 from raot_hf.estimators import available_estimators, estimator_spec
-from raot_hf.merging import available_merge_rules, merge_rule_spec
+from raot_hf.merging import HEAD_POLICIES, available_merge_rules, merge_rule_spec
 from raot_hf.options import (
     GATE_OBJECTIVES,
     LEGACY_KEYS,
@@ -41,7 +41,6 @@ from raot_hf.version import __version__
 ALIGNMENTS = (*available_estimators(), "none")
 SCOPES = ("mlp", "heads", "residual")
 RESIDUAL_MODES = ("auto", "permutation", "rotation")
-HEAD_POLICIES = ("a", "b", "average")
 #: The merge rules registered when this module was imported (validation reads the live registry).
 MERGER_RULES = tuple(available_merge_rules())
 DTYPES = ("float32", "float64", "bfloat16", "float16", "auto")

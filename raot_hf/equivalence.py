@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import torch
 
-#: Decoder families: their example inputs carry the pad token on the padded (right) tail.
-DECODER_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
+from raot_hf.adapters import is_decoder, modality_of
 
 
 def primary_outputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -41,7 +40,7 @@ def example_inputs(model: torch.nn.Module, batch: int = 3, seq: int = 9, seed: i
     """Random inputs for ``model``: token ids with a padded tail, or pixel values."""
     g = torch.Generator().manual_seed(seed)
     cfg = model.config
-    if cfg.model_type in ("vit", "deit"):
+    if modality_of(cfg.model_type) == "image":
         size = cfg.image_size
         px = torch.randn(batch, cfg.num_channels, size, size, generator=g)
         return {"pixel_values": px.to(next(model.parameters()).dtype)}
@@ -49,12 +48,41 @@ def example_inputs(model: torch.nn.Module, batch: int = 3, seq: int = 9, seed: i
     mask = torch.ones(batch, seq, dtype=torch.long)
     if batch > 1:
         mask[-1, seq // 2 :] = 0
-    if cfg.model_type in DECODER_MODEL_TYPES and cfg.pad_token_id is not None:
+    if is_decoder(cfg.model_type) and cfg.pad_token_id is not None:  # padded on the right, as calibration
         ids = ids.masked_fill(mask == 0, cfg.pad_token_id)  # right padding, as the calibration batches
     out = {"input_ids": ids, "attention_mask": mask}
     if getattr(cfg, "type_vocab_size", 0):
         out["token_type_ids"] = torch.randint(0, cfg.type_vocab_size, (batch, seq), generator=g)
     return out
+
+
+def compare_outputs(
+    reference: dict[str, torch.Tensor],
+    candidate: dict[str, torch.Tensor],
+    mask: torch.Tensor | None = None,
+    stream_map: torch.Tensor | None = None,
+    relative: bool = False,
+) -> float:
+    """Max abs (or relative: over the reference's largest real entry) difference between two sets
+    of primary outputs, padding positions ignored; ``stream_map`` (d×d) maps the reference's
+    ``last_hidden_state`` into the candidate's basis (base models' output lives in the stream).
+    The one comparison behind the B′ ≡ B check and :func:`output_deviation`."""
+    worst = 0.0
+    for key, r in reference.items():
+        r = r.detach().to("cpu", torch.float64)
+        c = candidate[key].detach().to("cpu", torch.float64)
+        if key == "last_hidden_state" and stream_map is not None:
+            r = r @ stream_map.to("cpu", torch.float64)
+        diff = (r - c).abs()
+        if mask is not None and diff.ndim >= 2 and diff.shape[:2] == tuple(mask.shape):
+            m = mask.to("cpu", torch.float64)
+            m = m[..., None] if diff.ndim == 3 else m
+            diff, scale = diff * m, (r.abs() * m).max()
+        else:
+            scale = r.abs().max()
+        d = float(diff.max())
+        worst = max(worst, d / max(float(scale), 1e-30) if relative else d)
+    return worst
 
 
 def output_deviation(
@@ -64,27 +92,7 @@ def output_deviation(
     stream_map: torch.Tensor | None = None,
     relative: bool = False,
 ) -> float:
-    """Max abs (or relative) difference between the primary outputs of two models.
-
-    ``stream_map`` (d×d) maps the reference's ``last_hidden_state`` into the candidate's
-    basis for base models, whose output lives in the residual stream. Padding positions are
-    ignored.
-    """
-    ref = primary_outputs(reference, inputs)
-    cand = primary_outputs(candidate, inputs)
-    mask = inputs.get("attention_mask")
-    worst = 0.0
-    for key, r in ref.items():
-        c = cand[key]
-        if key == "last_hidden_state" and stream_map is not None:
-            r = r.to(torch.float64) @ stream_map.to(torch.float64)
-        r, c = r.to(torch.float64), c.to(torch.float64)
-        diff = (r - c).abs()
-        if mask is not None and diff.ndim >= 2 and diff.shape[:2] == mask.shape:
-            diff = diff * mask[..., None].to(diff.dtype) if diff.ndim == 3 else diff * mask
-            scale = (r.abs() * (mask[..., None] if r.ndim == 3 else mask)).max()
-        else:
-            scale = r.abs().max()
-        d = float(diff.max())
-        worst = max(worst, d / max(float(scale), 1e-30) if relative else d)
-    return worst
+    """Max abs (or relative) difference between the primary outputs of two models on ``inputs``
+    (:func:`compare_outputs`)."""
+    ref, cand = primary_outputs(reference, inputs), primary_outputs(candidate, inputs)
+    return compare_outputs(ref, cand, inputs.get("attention_mask"), stream_map, relative)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import transformers
 
-from raot_hf.adapters import get_adapter, supported_model_types
+from raot_hf.adapters import get_adapter, is_decoder, supported_model_types
 from raot_hf.errors import RaotError
 
 logger = logging.getLogger("raot_hf.loading")
@@ -65,7 +65,7 @@ def load_config(source: ModelSource, label: str):
             ) from None
         raise RaotError(f"cannot read the config of model {label} ({source.name_or_path}): {msg}") from None
     adapter = get_adapter(config.model_type)  # an unsupported architecture fails here, before any weights
-    if config.model_type in DECODER_MODEL_TYPES and adapter.check_config is not None:
+    if is_decoder(config.model_type) and adapter.check_config is not None:
         adapter.check_config(config)  # decoder layouts the schema cannot describe (§8), also before weights
     if source.is_local:  # pickle-only, missing or corrupt weight files: refused before either parent loads
         _check_local_weights(source, label)
@@ -209,7 +209,6 @@ _SHAPE_KEYS = (
 
 
 # Decoders (docs/design.md §8): what fixes the head groups, RoPE and the attention pattern.
-DECODER_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
 _DECODER_KEYS = (
     "num_key_value_heads",
     "head_dim",
@@ -233,7 +232,7 @@ _DECODER_KEYS = (
 
 
 def _kind(model_type: str) -> str:
-    return "a decoder" if model_type in DECODER_MODEL_TYPES else "an encoder"
+    return "a decoder" if is_decoder(model_type) else "an encoder"
 
 
 def check_compatible(config_a, config_b, *, head_policy: str = "a") -> None:
@@ -245,7 +244,7 @@ def check_compatible(config_a, config_b, *, head_policy: str = "a") -> None:
             f"A is a {config_a.model_type} model and B a {config_b.model_type} model{detail}; "
             "merge two checkpoints of one architecture."
         )
-    decoder = config_a.model_type in DECODER_MODEL_TYPES
+    decoder = is_decoder(config_a.model_type)
     for key in _SHAPE_KEYS + (_DECODER_KEYS if decoder else ()):
         va, vb = getattr(config_a, key, None), getattr(config_b, key, None)
         if va != vb:

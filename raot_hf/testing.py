@@ -42,7 +42,7 @@ _CONFIGS = {
 }
 
 # Decoders (docs/design.md §8): class prefix and config overrides; GQA with 8 query / 2 KV heads.
-# Keyed like raot_hf.equivalence.DECODER_MODEL_TYPES (example_inputs pads these on the right).
+# The decoder adapters' model types (raot_hf.adapters.is_decoder; example_inputs pads them on the right).
 _DECODERS = {
     "gpt2": ("GPT2Config", "GPT2", {}),
     "llama": ("LlamaConfig", "Llama", {}),

@@ -278,9 +278,9 @@ def test_half_precision_scramble_passes_the_check_and_a_broken_transform_still_r
 
     real = apply.transform_model
 
-    def forgets_a_writer(model, schema, transform, **kw):  # fault injection: layer 0's MLP output flips sign
+    def forgets_a_writer(model, schema, transform, **kw):  # fault injection: the embedding's sign flips
         real(model, schema, transform, **kw)
-        model.model.layers[0].mlp.down_proj.weight.data.neg_()
+        model.model.embed_tokens.weight.data.neg_()
 
     monkeypatch.setattr(apply, "transform_model", forgets_a_writer)
     b = clone(a)

@@ -45,6 +45,16 @@ def get_adapter(model_type: str) -> Adapter:
     return _REGISTRY[model_type]
 
 
+def is_decoder(model_type: str) -> bool:
+    """Whether ``model_type``'s adapter is a causal decoder (False for unsupported types)."""
+    return model_type in _REGISTRY and _REGISTRY[model_type].decoder
+
+
+def modality_of(model_type: str) -> str:
+    """What ``model_type`` reads — ``"text"`` or ``"image"`` (text for unsupported types)."""
+    return _REGISTRY[model_type].modality if model_type in _REGISTRY else "text"
+
+
 def schema_for(model: torch.nn.Module) -> ModelSchema:
     """Resolve ``model`` (a loaded transformers model) onto the common schema."""
     config = getattr(model, "config", None)
@@ -67,6 +77,8 @@ __all__ = [
     "ModelSchema",
     "Space",
     "get_adapter",
+    "is_decoder",
+    "modality_of",
     "register_adapter",
     "schema_for",
     "supported_model_types",

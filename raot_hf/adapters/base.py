@@ -74,6 +74,8 @@ class Adapter:
     embedding_module: str = "embeddings"
     heads: dict[str, HeadTemplate] = field(default_factory=dict)
     check_config: Callable[[object], None] | None = None
+    decoder: bool = False  # a causal decoder (right-padded calibration, generation)
+    modality: str = "text"  # "text" | "image": what its calibration data is
 
     # -- resolution ---------------------------------------------------------------------------
     def head_for(self, model: torch.nn.Module) -> tuple[str, HeadTemplate]:

@@ -144,6 +144,7 @@ GPT2 = GPT2Adapter(
         "LMHeadModel": HeadTemplate(stream_readers=("lm_head",)),
         "ForSequenceClassification": HeadTemplate(stream_readers=("score",)),
     },
+    decoder=True,
     check_config=check_gpt2_config,
 )
 ADAPTERS = (GPT2,)

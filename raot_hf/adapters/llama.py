@@ -212,6 +212,7 @@ def _adapter(name: str) -> RopeDecoderAdapter:
         final_norm="norm",
         heads=_HEADS,
         check_config=check_rope_config,
+        decoder=True,
     )
 
 

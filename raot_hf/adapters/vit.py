@@ -37,6 +37,7 @@ VIT = Adapter(
         "Model": HeadTemplate(stream_readers=("pooler.dense",), reads_final_norm=False),
         "ForImageClassification": HeadTemplate(stream_readers=("classifier",)),
     },
+    modality="image",
 )
 
 # DeiT: ViT's layout under another prefix, plus a distillation token and a teacher head.

@@ -240,7 +240,7 @@ def _selfcheck_one(mt: str) -> tuple[float, float, float]:
     import torch
 
     from raot_hf import scramble
-    from raot_hf.adapters import schema_for
+    from raot_hf.adapters import modality_of, schema_for
     from raot_hf.merger import RaotMerger
     from raot_hf.symmetry import random_group_element, transform_model
     from raot_hf.testing import (
@@ -257,7 +257,7 @@ def _selfcheck_one(mt: str) -> tuple[float, float, float]:
     )
 
     decoder = mt in DECODER_TYPES
-    head = "image" if mt in ("vit", "deit") else "causal" if decoder else "sequence"
+    head = "image" if modality_of(mt) == "image" else "causal" if decoder else "sequence"
     model = tiny_model(mt, head)
     schema = schema_for(model)
     t = random_group_element(schema, seed=0, kinds=("mlp", "heads", "residual", "rescale"))
@@ -267,7 +267,7 @@ def _selfcheck_one(mt: str) -> tuple[float, float, float]:
     a = tiny_model(mt, head, dtype=torch.float32)
     b = clone(a)
     scramble(b, seed=1)
-    if mt in ("vit", "deit"):
+    if modality_of(mt) == "image":
         pre, data = tiny_image_processor(), tiny_image_dataset(96)
     else:
         pre, data = (

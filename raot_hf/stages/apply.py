@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from raot_hf.equivalence import example_inputs, primary_outputs
+from raot_hf.equivalence import compare_outputs, example_inputs, primary_outputs
 from raot_hf.errors import EquivalenceError
 from raot_hf.results import Alignment
 from raot_hf.stages.context import PairContext, on_device_of
@@ -59,15 +59,7 @@ def deviation(ctx: PairContext, reference, inputs, actions) -> float:
     worst = 0.0
     for ref, x in zip(reference, inputs, strict=True):
         cand = primary_outputs(ctx.model_b, on_device_of(ctx.model_b, x))
-        mask = x.get("attention_mask")
-        for key, r in ref.items():
-            r = r.to("cpu", torch.float64)
-            if key == "last_hidden_state" and stream is not None:
-                r = r @ stream.to("cpu", torch.float64)
-            diff = (r - cand[key].to("cpu", torch.float64)).abs()
-            if mask is not None and key == "last_hidden_state":
-                diff = diff * mask[..., None]
-            worst = max(worst, float(diff.max() / r.abs().max().clamp_min(1e-30)))
+        worst = max(worst, compare_outputs(ref, cand, x.get("attention_mask"), stream, relative=True))
     return worst
 
 
