@@ -9,7 +9,7 @@ the ablation is the gate.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -195,6 +195,19 @@ METHODS: tuple[Method, ...] = (
     ),
 )
 
+
+def _pinned(method: Method) -> Method:
+    """Every row but ``default`` states its post-merge correction (none unless it names one), so
+    the alignment rows stay alignment-only whatever the product's default is."""
+    if method.name == "default" or "correction" in method.options:
+        return method
+    return replace(method, options={**method.options, "correction": {"method": "none"}})
+
+
+METHODS = (
+    Method("default", "the product's defaults (RaOT, linear, correction auto)", {}, "rules"),
+    *(_pinned(m) for m in METHODS),
+)
 BY_NAME = {m.name: m for m in METHODS}
 
 #: Methods whose barrier curves are drawn (the full set is in results.json).

@@ -203,7 +203,7 @@ class RaotConfig:
         """Whether this merge reads calibration data (an activation estimate, RegMean's Grams or a Fisher)."""
         spec = merge_rule_spec(self.merge_rule)
         reads_data = self.alignment != "none" and estimator_spec(self.alignment).needs_statistics
-        corrects = self.correction.method != "none"
+        corrects = self.correction.method not in ("none", "auto")  # auto runs only where data is at hand
         return reads_data and bool(self.scope) or spec.needs_grams or spec.needs_fisher or corrects
 
     def lookup(self, path: str) -> Any:

@@ -215,9 +215,7 @@ class RaotMerger:
             refuse_moved_b(alignment.decisions, self.config.merge_rule)
         if not merge_rule_spec(self.config.merge_rule).needs_grams:
             stats = None  # only RegMean reads statistics after the gate: free them before apply/merge
-        if (
-            run is None and self.config.correction.method != "none"
-        ):  # no statistics pass ran, but the correction reads data
+        if run is None and self.config.correction.method not in ("none", "auto"):  # the correction reads data
             run = open_calibration(self.pair, calibration, self.early_calibration)
         self.merged = True  # from here on A and B change
         checks = apply_and_check(self.pair, alignment, run)

@@ -221,7 +221,7 @@ class BaseRuleOptions(OptionSection):
             raise RaotError(f"density={self.density} must lie in (0, 1] (the fraction of each task vector kept)")
 
 
-CORRECTION_METHODS = ("none", "lsq", "repair")
+CORRECTION_METHODS = ("auto", "none", "lsq", "repair")
 
 
 @dataclass
@@ -230,14 +230,17 @@ class CorrectionOptions(OptionSection):
     on ``examples`` fit examples: ``lsq`` refits every Linear to the parents' outputs on the
     merged model's own inputs (``shrink``: RegMean's off-diagonal scale, towards the rule's merged
     weight); ``repair`` resets value channels and MLP pre-activations to the interpolation of the
-    parents' statistics; ``none`` (default) runs no pass."""
+    parents' statistics; ``none`` runs no pass; ``auto`` (default) is ``lsq`` when the gate moved B
+    (the parents differ in basis) and ``none`` when they share one (fine-tuned siblings keep the
+    plain merge their rules define) or the rule is base-relative."""
 
     section = "correction"
 
     method: str = field(
-        default="none",
+        default="auto",
         metadata=_meta(
-            "Post-merge correction: lsq (merged-input least squares), repair (REPAIR statistics) or none.",
+            "Post-merge correction: auto (lsq when the gate moved B, else none), lsq (merged-input least "
+            "squares), repair (REPAIR statistics) or none.",
             "correction_method",
             flag="--correction",
             choices=CORRECTION_METHODS,

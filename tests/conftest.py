@@ -10,7 +10,10 @@ import torch  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One intra-op thread: the test models are tiny, so a second thread buys little, and on a shared
+# machine a thread waiting for a descheduled core stalls every small op (on 2 cores beside two
+# CPU-bound jobs, 100 steps of a tiny BERT fine-tune took 47 s with two threads, 0.8 s with one).
+torch.set_num_threads(1)
 
 
 @pytest.fixture

@@ -92,6 +92,7 @@ def test_same_merge_twice_is_byte_identical(pairs, tmp_path, model_type, extra):
     assert report_1["decisions"] and any(d["applied"] for d in report_1["decisions"])  # a real alignment ran
 
 
+@pytest.mark.slow
 def test_a_fresh_process_writes_the_same_bytes(pairs, tmp_path):
     """A second interpreter (another hash seed, cold caches) reproduces the in-process merge."""
     extra = ["--merge-rule", "regmean"]

@@ -18,6 +18,8 @@ from raot_hf.stages.solve import solve
 from raot_hf.symmetry import model_state
 from raot_hf.testing import clone, tiny_model, tiny_text_dataset, tiny_tokenizer
 
+pytestmark = pytest.mark.slow
+
 WORLD = 2
 
 

@@ -60,6 +60,7 @@ def _state(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow  # the siblings fixture fine-tunes two models
 def test_alignment_objective_improves_but_merged_fidelity_worsens_is_rejected(siblings):
     a, b = siblings
     pre, data = _data("bert", 256)
@@ -81,6 +82,7 @@ def test_alignment_objective_improves_but_merged_fidelity_worsens_is_rejected(si
     assert new.model_fidelity["examples"] == 16 and not new.model_fidelity["passed"]
 
 
+@pytest.mark.slow  # the siblings fixture fine-tunes two models
 def test_siblings_merge_equals_the_plain_average(siblings):
     a, b = siblings
     pre, data = _data("bert", 256)

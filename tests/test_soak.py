@@ -21,6 +21,8 @@ from raot_hf.testing import (
     tiny_tokenizer,
 )
 
+pytestmark = pytest.mark.slow
+
 WARMUP, TOTAL = 3, 20
 #: Resident-memory growth allowed between merge 3 and merge 20. Each merge allocates a few MB
 #: (two models of ≤ 0.5 MB, their statistics, a calibration set, written shards) that glibc

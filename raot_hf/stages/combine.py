@@ -140,11 +140,29 @@ def _merged_heads(ctx: PairContext, state_a: dict, state_b: dict, head: list[str
     )
 
 
+def correction_method(ctx: PairContext, alignment: Alignment, spec: MergeRuleSpec, run) -> tuple[str, str]:
+    """The post-merge correction this merge runs (docs/design.md §6.7), and why: ``auto`` is
+    ``lsq`` when the gate moved B (the parents differ in basis) and there is calibration data,
+    ``none`` when they share a basis (siblings keep the merge their rule defines) or the rule
+    measures task vectors against a base."""
+    requested = ctx.config.correction.method
+    if requested != "auto":
+        return requested, "requested"
+    if spec.needs_base:
+        return "none", "auto: a base-relative rule merges siblings; no correction"
+    if run is None:
+        return "none", "auto: no calibration data"
+    if not any(d.applied for d in alignment.decisions):
+        return "none", "auto: A and B share a basis (nothing applied); no correction"
+    return "lsq", "auto: the gate moved B (the parents differ in basis)"
+
+
 def merge_weights(ctx: PairContext, alignment: Alignment, stats, run) -> dict[str, Any]:
     """Merge A and B′ into A's module; returns the rule's log for the report."""
     cfg = ctx.config
     spec = merge_rule_spec(cfg.merge_rule)
-    corrected = cfg.correction.method != "none"
+    method, why = correction_method(ctx, alignment, spec, run)
+    corrected = method != "none"
     with ctx.timer.stage("correction" if corrected else "merge"):
         state_a, state_b = model_state(ctx.model_a), model_state(ctx.model_b)
         head = sorted(ctx.schema.head_params)
@@ -152,7 +170,7 @@ def merge_weights(ctx: PairContext, alignment: Alignment, stats, run) -> dict[st
         trunk_b = {k: v for k, v in state_b.items() if k not in head}
         inputs = rule_inputs(ctx, spec, alignment, stats, run, set(trunk_a))
         if corrected:  # the rule's merge, corrected layer by layer (docs/design.md §6.7)
-            log, merged = corrected_merge(ctx, spec, trunk_a, trunk_b, inputs, run), {}
+            log, merged = corrected_merge(ctx, spec, trunk_a, trunk_b, inputs, run, method), {}
         elif spec.per_tensor:
             log, merged = merge_in_place(ctx, spec, trunk_a, trunk_b, inputs), {}
         else:
@@ -161,6 +179,8 @@ def merge_weights(ctx: PairContext, alignment: Alignment, stats, run) -> dict[st
         if head:
             merged.update(_merged_heads(ctx, state_a, state_b, head))
         load_state(ctx.model_a, merged)
+    if cfg.correction.method == "auto":
+        log.setdefault("correction", {"method": "none"})["auto"] = why
     counts = ", ".join(f"{n} {m}" for m, n in sorted(log["counts"].items()))
     logger.info("%s merge (alpha=%g): %s; written into A", spec.name, cfg.alpha, counts)
     return log

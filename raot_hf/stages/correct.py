@@ -104,11 +104,13 @@ def _rule(spec: MergeRuleSpec, alpha: float, inputs: dict, trunk_a: dict, trunk_
 
 
 @torch.no_grad()
-def corrected_merge(ctx: PairContext, spec: MergeRuleSpec, trunk_a: dict, trunk_b: dict, inputs: dict, run) -> dict:
-    """The rule's merge, corrected layer by layer, written into A's module; returns the rule's log
-    (summed over the calls) with the correction's under ``"correction"``."""
+def corrected_merge(
+    ctx: PairContext, spec: MergeRuleSpec, trunk_a: dict, trunk_b: dict, inputs: dict, run, method: str
+) -> dict:
+    """The rule's merge, corrected layer by layer (``method``: ``lsq`` or ``repair``), written into
+    A's module; returns the rule's log (summed over the calls) with the correction's under
+    ``"correction"``."""
     cfg = ctx.config
-    method = cfg.correction.method
     if run is None:
         raise RaotError(f"correction {method!r} needs calibration data; pass calibration=... (or --calibration)")
     names = layer_module_names(ctx.model_a, ctx.schema)
