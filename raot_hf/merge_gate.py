@@ -271,6 +271,9 @@ def _alignment_verdict(decisions: list[GateDecision], why: str, *, gated: bool =
     n = sum(d.applied for d in decisions)
     if not decisions:
         return "no alignment requested"
+    untestable = {Status.TOO_FEW_TOKENS.value, Status.TOO_FEW_EXAMPLES.value, Status.NONFINITE.value}
+    if n == 0 and all(d.status in untestable for d in decisions):
+        return f"no basis verdict: no estimate could be tested ({decisions[0].reason}); the identity stands"
     if not gated:
         return f"no basis verdict ({why}): {n} of {len(decisions)} estimates applied unchecked"
     if n == 0:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from raot_hf.gate import GateDecision
+from raot_hf.gate import GateDecision, Status
 from raot_hf.symmetry import TransformSequence
 
 
@@ -26,8 +26,13 @@ class Alignment:
 
     @property
     def shares_basis(self) -> bool:
-        """True when the gate rejected every transform: the pair already shares a basis."""
-        return bool(self.decisions) and not any(d.applied for d in self.decisions)
+        """True when the gate rejected every transform: the pair already shares a basis. False
+        when nothing could be tested (too few held-out tokens or examples, NaN statistics): then
+        there is no verdict, only the identity by default."""
+        if not self.decisions or any(d.applied for d in self.decisions):
+            return False
+        untestable = {Status.TOO_FEW_TOKENS.value, Status.TOO_FEW_EXAMPLES.value, Status.NONFINITE.value}
+        return not all(d.status in untestable for d in self.decisions)
 
     def table(self) -> str:
         """The gate table as aligned plain text."""

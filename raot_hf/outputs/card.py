@@ -70,6 +70,9 @@ __all__ = [
 
 # ------------------------------------------------------------------- gate decisions as text
 
+#: Decision statuses that mean "not tested" (raot_hf.gate.Status values): no basis verdict.
+UNTESTABLE = ("too_few_tokens", "too_few_examples", "nonfinite")
+
 
 def gate_table_text(decisions: Sequence[Any]) -> str:
     """The gate table as aligned plain text: one row per :class:`~raot_hf.gate.GateDecision`,
@@ -99,6 +102,12 @@ def alignment_summary(decisions: Sequence[Any]) -> str:
     if not decisions:
         return "no alignment requested: plain merge in the parents' own bases"
     n = sum(d.applied for d in decisions)
+    untested = [d for d in decisions if getattr(d, "status", None) in UNTESTABLE]
+    if n == 0 and untested and len(untested) == len(decisions):
+        return (
+            f"none of the {len(decisions)} estimated transforms could be tested ({untested[0].reason}): "
+            "the identity stands; calibrate on more data for a verdict"
+        )
     if n == 0:
         return (
             f"the gate rejected all {len(decisions)} estimated transforms: "
