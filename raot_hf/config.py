@@ -1,10 +1,13 @@
 """One typed options object for the Python API and the CLI; round-trips through JSON.
 
 The top level says what to align and how to merge; each method's own options live in a
-section (:mod:`raot_hf.options`): ``gate``, ``weight``, ``soft_ot``, ``regmean``, ``fisher``,
-``base_rules`` and ``calibration``. The flat keys of earlier versions (``gate_z``,
-``regmean_shrink``, ``gate=False`` …) are still read by :meth:`RaotConfig.from_dict`,
-:meth:`RaotConfig.replace` and hence ``RaotMerger.from_pretrained(a, b, **options)``.
+section defined beside the method's code and registered with it
+(:func:`raot_hf.sections.register_section`): the built-in ``gate``, ``weight``, ``soft_ot``,
+``regmean``, ``fisher``, ``base_rules``, ``correction``, ``refine`` and ``calibration`` are typed
+fields; a section registered later (a merge rule or estimator added from outside the package) is
+held the same way, read as ``config.<section>`` and written to JSON beside the others. The flat
+keys of earlier versions (``gate_z``, ``regmean_shrink``, ``gate=False`` …) are still read by
+:meth:`RaotConfig.from_dict`, :meth:`RaotConfig.replace` and hence ``RaotMerger.from_pretrained(a, b, **options)``.
 Field metadata (``help``, ``flag``, ``choices``) generates the ``raot-hf merge`` / ``inspect``
 options (:func:`raot_hf.options.cli_options`).
 """
@@ -16,29 +19,30 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from raot_hf.calibration.settings import CalibrationConfig
+from raot_hf.correction import CorrectionOptions
 from raot_hf.errors import RaotError
 from raot_hf.estimators import available_estimators, estimator_spec
+from raot_hf.estimators.soft_ot import SoftOTOptions
+from raot_hf.estimators.weight_based import WeightMatchingOptions
+from raot_hf.gate import GATE_OBJECTIVES, GateOptions
 from raot_hf.merging import HEAD_POLICIES, available_merge_rules, merge_rule_spec
-from raot_hf.options import (
-    GATE_OBJECTIVES,
-    LEGACY_KEYS,
-    SECTIONS,
-    BaseRuleOptions,
-    CorrectionOptions,
-    FisherOptions,
-    GateOptions,
-    RefineOptions,
-    RegMeanOptions,
-    SoftOTOptions,
-    WeightMatchingOptions,
-    check_choice,
-    check_field_types,
-    check_non_negative_int,
-)
+from raot_hf.merging.base_rules import BaseRuleOptions
+from raot_hf.merging.rules import FisherOptions, RegMeanOptions
+from raot_hf.options import check_choice, check_field_types, check_non_negative_int, legacy_keys
+from raot_hf.refine import RefineOptions
+from raot_hf.sections import registered_sections
 from raot_hf.version import __version__
 
-#: The registered estimators (raot_hf.estimators.registry), and "none".
+#: The estimators registered when this module was imported, and "none" (validation and the CLI read
+#: the live registry: :func:`alignments`).
 ALIGNMENTS = (*available_estimators(), "none")
+
+
+def alignments() -> tuple[str, ...]:
+    """The registered estimators now, and "none"."""
+    return (*available_estimators(), "none")
+
+
 SCOPES = ("mlp", "heads", "residual")
 RESIDUAL_MODES = ("auto", "permutation", "rotation")
 #: The merge rules registered when this module was imported (validation reads the live registry).
@@ -98,7 +102,7 @@ class RaotConfig:
     * ``calibration``: :class:`~raot_hf.calibration.settings.CalibrationConfig`.
     """
 
-    alignment: str = field(default="activation", metadata=_help("Estimator (default activation).", choices=ALIGNMENTS))
+    alignment: str = field(default="activation", metadata=_help("Estimator (default activation).", choices=alignments))
     scope: tuple[str, ...] = field(
         default=SCOPES, metadata=_help("Comma list of mlp,heads,residual, or 'none' (default all).")
     )
@@ -144,6 +148,20 @@ class RaotConfig:
     )
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     version: str = field(default=__version__, metadata={"cli": False})
+    #: Registered sections that are not typed fields (added from outside the package), by name.
+    extra: dict[str, Any] = field(default_factory=dict, metadata={"cli": False}, repr=False)
+
+    @classmethod
+    def extra_sections(cls) -> dict[str, type]:
+        """The registered sections that are not typed fields (each gets its CLI flags too)."""
+        typed = {f.name for f in fields(cls)}
+        return {name: sec for name, sec in registered_sections().items() if name not in typed}
+
+    def __getattr__(self, name: str) -> Any:
+        extra = self.__dict__.get("extra") or {}
+        if name in extra:
+            return extra[name]
+        raise AttributeError(f"{type(self).__name__} has no option {name!r}")
 
     def __post_init__(self) -> None:
         self._normalise_sections()
@@ -171,17 +189,27 @@ class RaotConfig:
 
     def _normalise_sections(self) -> None:
         """Sections given as dicts become their option objects; ``gate=True/False`` (the flat
-        key of earlier versions) becomes ``gate.enabled``."""
-        for name, cls in SECTIONS.items():
-            value = getattr(self, name)
+        key of earlier versions) becomes ``gate.enabled``; every registered section that is not a
+        typed field is held in ``extra`` (its defaults unless given)."""
+        typed = {f.name for f in fields(self)}
+        unknown = sorted(set(self.extra) - set(registered_sections()))
+        if unknown:
+            raise RaotError(f"unknown options section(s) {', '.join(map(repr, unknown))}; registered: "
+                            f"{', '.join(registered_sections())}")  # fmt: skip
+        for name, cls in registered_sections().items():
+            value = getattr(self, name) if name in typed else self.extra.get(name, cls())
             if isinstance(value, cls):
-                continue
-            if isinstance(value, dict):
-                setattr(self, name, cls.from_dict(value))
+                pass
+            elif isinstance(value, dict):
+                value = cls.from_dict(value)
             elif name == "gate":
-                setattr(self, name, GateOptions(enabled=value))
+                value = GateOptions(enabled=value)
             else:
                 raise RaotError(f"{name}={value!r} must be a {cls.__name__} or a dict of its settings")
+            if name in typed:
+                setattr(self, name, value)
+            else:
+                self.extra[name] = value
 
     def _check_base_relative(self) -> None:
         """Base-relative rules need A, B and the base in one basis (docs/design.md §6): refuse the
@@ -214,8 +242,11 @@ class RaotConfig:
         return value
 
     def to_dict(self) -> dict[str, Any]:
-        """The options as a nested JSON-safe dict: one dict per section (the inverse of :meth:`from_dict`)."""
+        """The options as a nested JSON-safe dict: one dict per section, the registered extra
+        sections beside the typed ones (the inverse of :meth:`from_dict`)."""
         d = asdict(self)
+        extra = d.pop("extra", {})
+        d.update({name: section.to_dict() for name, section in self.extra.items()} if extra is not None else {})
         d["scope"] = list(self.scope)
         return d
 
@@ -225,16 +256,19 @@ class RaotConfig:
         unknown keys are an error that lists the valid ones."""
         if not isinstance(data, dict):
             raise RaotError(f"options must be a dict of option names to values, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(str(k) for k in set(data) - known - set(LEGACY_KEYS))
+        typed = {f.name for f in fields(cls)} - {"extra"}
+        known = typed | set(registered_sections())
+        legacy = legacy_keys()
+        unknown = sorted(str(k) for k in set(data) - known - set(legacy))
         if unknown:
             raise RaotError(
                 f"unknown option(s) {', '.join(map(repr, unknown))}; valid: {', '.join(sorted(known))} "
-                f"(flat keys also read: {', '.join(sorted(LEGACY_KEYS))})"
+                f"(flat keys also read: {', '.join(sorted(legacy))})"
             )
         data = _fold_legacy_keys({}, data)
         data.pop("version", None)
-        return cls(**data)
+        extra = {k: data.pop(k) for k in list(data) if k not in typed}
+        return cls(**data, extra=extra)
 
     def to_json(self) -> str:
         """:meth:`to_dict` as indented JSON with sorted keys."""
@@ -261,24 +295,25 @@ class RaotConfig:
 
 
 def _is_section_value(name: str, value: Any) -> bool:
-    return isinstance(value, (dict, SECTIONS[name]))
+    return isinstance(value, (dict, registered_sections()[name]))
 
 
 def _fold_legacy_keys(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     """``base`` updated by ``changes``: fields and whole sections replace, then each flat key of
-    earlier versions (:data:`raot_hf.options.LEGACY_KEYS`) sets its field inside its section.
+    earlier versions (:func:`raot_hf.options.legacy_keys`) sets its field inside its section.
     ``gate`` is both: a dict or GateOptions is the section, anything else ``gate.enabled``."""
     out = dict(base)
     legacy = {}
+    flat, sections = legacy_keys(), registered_sections()
     for key, value in changes.items():
-        if key in LEGACY_KEYS and not (key in SECTIONS and _is_section_value(key, value)):
+        if key in flat and not (key in sections and _is_section_value(key, value)):
             legacy[key] = value
         else:
             out[key] = value
     for key, value in legacy.items():
-        section, name = LEGACY_KEYS[key]
+        section, name = flat[key]
         current = out.get(section, {})
-        if isinstance(current, SECTIONS[section]):
+        if isinstance(current, sections[section]):
             current = current.to_dict()
         if isinstance(current, dict):  # anything else is a malformed section its validation reports
             out[section] = {**current, name: value}

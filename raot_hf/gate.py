@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 
 import torch
+
+from raot_hf.errors import RaotError
+from raot_hf.options import check_choice, check_field_types, check_non_negative_int, meta
+from raot_hf.sections import OptionSection, register_section
 
 logger = logging.getLogger("raot_hf.gate")
 
@@ -158,3 +162,66 @@ def sign_test_p(gains: torch.Tensor) -> float:
     zero counts against the estimate)."""
     n, k = gains.numel(), int((gains > 0).sum())
     return sum(math.comb(n, j) for j in range(k, n + 1)) / 2.0**n
+
+
+GATE_OBJECTIVES = ("merge", "alignment")
+
+
+@register_section
+@dataclass
+class GateOptions(OptionSection):
+    """The gate: the identity competes with every estimate on held-out data.
+
+    ``z``: margin in standard errors of the per-unit gains (3 ⇒ a one-sided false-accept rate
+    of ~0.1% per transform); ``min_gain``: floor on the mean gain (objectives are cosines or
+    correlations in [−1, 1]: below 0.01 the bases already agree); ``min_heldout_tokens``: below
+    it an estimate loses to the identity with a warning. ``objective``: ``merge`` decides each
+    transform by the merged computation's fidelity to A and B′ on ``examples`` held-out
+    examples (docs/design.md §5), ``alignment`` by the alignment objective's held-out gain alone
+    (the earlier gate, an ablation). ``sibling_check`` (merge objective): when every estimate
+    is identity-dominated the parents are fine-tuned siblings and the gate keeps the identity
+    everywhere (docs/design.md §5.4); False lets the merge-fidelity comparison repair drift.
+    """
+
+    section = "gate"
+
+    enabled: bool = field(
+        default=True,
+        metadata=meta("Let the identity compete with every estimate (default on).", "gate", flag="--gate"),
+    )
+    objective: str = field(
+        default="merge",
+        metadata=meta(
+            "What the gate scores: merged fidelity to A and B′ (default merge) or the alignment objective.",
+            "gate_objective",
+            choices=GATE_OBJECTIVES,
+        ),
+    )
+    z: float = field(default=3.0, metadata=meta("Gate margin in standard errors (default 3).", "gate_z"))
+    min_gain: float = field(default=0.01, metadata=meta("Gate floor on the mean gain (default 0.01).", "gate_min_gain"))
+    min_heldout_tokens: int = field(
+        default=64,
+        metadata=meta("Below this, estimates lose to the identity.", "min_heldout_tokens", flag="--min-heldout-tokens"),
+    )
+    examples: int = field(
+        default=16, metadata=meta("Held-out examples the merge gate scores (default 16).", "gate_examples")
+    )
+    sibling_check: bool = field(
+        default=True,
+        metadata=meta(
+            "Keep the identity when every estimate is near it: fine-tuned siblings (default on).",
+            "sibling_check",
+            flag="--sibling-check",
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if not 0.0 <= self.min_gain <= 2.0:
+            raise RaotError(f"gate_min_gain={self.min_gain} must lie in [0, 2] (a gain in cosine units)")
+        check_choice("gate_objective", self.objective, GATE_OBJECTIVES)
+        if self.examples < 4:
+            raise RaotError(f"gate_examples={self.examples} must be ≥ 4 (held-out examples the merge gate scores)")
+        if self.z < 0:
+            raise RaotError(f"gate_z={self.z} must be ≥ 0 (standard errors of margin)")
+        check_non_negative_int("min_heldout_tokens", self.min_heldout_tokens)

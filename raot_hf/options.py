@@ -14,14 +14,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from raot_hf.calibration.settings import CalibrationConfig
 from raot_hf.errors import RaotError
-from raot_hf.sections import OptionSection
-
-GATE_OBJECTIVES = ("merge", "alignment")
+from raot_hf.sections import registered_sections
 
 
 def check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
@@ -59,264 +57,31 @@ def check_non_negative_int(name: str, value: Any) -> None:
         raise RaotError(f"{name}={value!r} must be a non-negative integer")
 
 
-def _meta(help: str, legacy: str, **extra: Any) -> dict[str, Any]:
-    return {"help": help, "legacy": legacy, **extra}
+def meta(help: str, legacy: str | None = None, **extra: Any) -> dict[str, Any]:
+    """A section field's metadata: its help line, the flat key it had before sections existed
+    (``legacy``; messages use it), and CLI extras (``flag``, ``choices``, ``cli=False``)."""
+    return {"help": help, **({"legacy": legacy} if legacy else {}), **extra}
 
 
-@dataclass
-class GateOptions(OptionSection):
-    """The gate: the identity competes with every estimate on held-out data.
-
-    ``z``: margin in standard errors of the per-unit gains (3 ⇒ a one-sided false-accept rate
-    of ~0.1% per transform); ``min_gain``: floor on the mean gain (objectives are cosines or
-    correlations in [−1, 1]: below 0.01 the bases already agree); ``min_heldout_tokens``: below
-    it an estimate loses to the identity with a warning. ``objective``: ``merge`` decides each
-    transform by the merged computation's fidelity to A and B′ on ``examples`` held-out
-    examples (docs/design.md §5), ``alignment`` by the alignment objective's held-out gain alone
-    (the earlier gate, an ablation). ``sibling_check`` (merge objective): when every estimate
-    is identity-dominated the parents are fine-tuned siblings and the gate keeps the identity
-    everywhere (docs/design.md §5.4); False lets the merge-fidelity comparison repair drift.
-    """
-
-    section = "gate"
-
-    enabled: bool = field(
-        default=True,
-        metadata=_meta("Let the identity compete with every estimate (default on).", "gate", flag="--gate"),
-    )
-    objective: str = field(
-        default="merge",
-        metadata=_meta(
-            "What the gate scores: merged fidelity to A and B′ (default merge) or the alignment objective.",
-            "gate_objective",
-            choices=GATE_OBJECTIVES,
-        ),
-    )
-    z: float = field(default=3.0, metadata=_meta("Gate margin in standard errors (default 3).", "gate_z"))
-    min_gain: float = field(
-        default=0.01, metadata=_meta("Gate floor on the mean gain (default 0.01).", "gate_min_gain")
-    )
-    min_heldout_tokens: int = field(
-        default=64,
-        metadata=_meta(
-            "Below this, estimates lose to the identity.", "min_heldout_tokens", flag="--min-heldout-tokens"
-        ),
-    )
-    examples: int = field(
-        default=16, metadata=_meta("Held-out examples the merge gate scores (default 16).", "gate_examples")
-    )
-    sibling_check: bool = field(
-        default=True,
-        metadata=_meta(
-            "Keep the identity when every estimate is near it: fine-tuned siblings (default on).",
-            "sibling_check",
-            flag="--sibling-check",
-        ),
-    )
-
-    def __post_init__(self) -> None:
-        check_field_types(self)
-        if not 0.0 <= self.min_gain <= 2.0:
-            raise RaotError(f"gate_min_gain={self.min_gain} must lie in [0, 2] (a gain in cosine units)")
-        check_choice("gate_objective", self.objective, GATE_OBJECTIVES)
-        if self.examples < 4:
-            raise RaotError(f"gate_examples={self.examples} must be ≥ 4 (held-out examples the merge gate scores)")
-        if self.z < 0:
-            raise RaotError(f"gate_z={self.z} must be ≥ 0 (standard errors of margin)")
-        check_non_negative_int("min_heldout_tokens", self.min_heldout_tokens)
+def __getattr__(name: str) -> Any:
+    """``SECTIONS`` (section name → class) and ``LEGACY_KEYS`` (flat key → (section, field)),
+    read from the live section registry (:func:`raot_hf.sections.register_section`)."""
+    if name == "SECTIONS":
+        return registered_sections()
+    if name == "LEGACY_KEYS":
+        return legacy_keys()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-@dataclass
-class WeightMatchingOptions(OptionSection):
-    """Options of the data-free ``weight`` estimator (the rotation-symmetry paper's baseline)."""
+def legacy_keys() -> dict[str, tuple[str, str]]:
+    """The flat keys of RaotConfig before the sections existed → (section, field); still read."""
+    return {
+        f.metadata["legacy"]: (name, f.name)
+        for name, cls in registered_sections().items()
+        for f in dataclasses.fields(cls)
+        if "legacy" in f.metadata
+    }
 
-    section = "weight"
-
-    rescale: bool = field(default=False, metadata=_meta("Weight-based estimator: rescale heads.", "weight_rescale"))
-    match_heads: bool = field(
-        default=True,
-        metadata=_meta(
-            "Weight-based estimator: assign heads by their Procrustes score first (default on).", "weight_match_heads"
-        ),
-    )
-
-    def __post_init__(self) -> None:
-        check_field_types(self)
-
-
-@dataclass
-class SoftOTOptions(OptionSection):
-    """Options of the ``soft_ot`` baseline (Sinkhorn plans on MLP units and heads; not a
-    symmetry, so B′ only approximates B and the report says so)."""
-
-    section = "soft_ot"
-
-    reg: float = field(
-        default=0.05, metadata=_meta("Entropic regularisation of --alignment soft_ot (default 0.05).", "soft_ot_reg")
-    )
-
-    def __post_init__(self) -> None:
-        check_field_types(self)
-        if not self.reg > 0:
-            raise RaotError(f"soft_ot_reg={self.reg} must be > 0 (Sinkhorn's entropic regularisation)")
-
-
-@dataclass
-class RegMeanOptions(OptionSection):
-    """Options of ``merge_rule="regmean"``: ``shrink`` scales the Grams' off-diagonal."""
-
-    section = "regmean"
-
-    shrink: float = field(default=0.9, metadata=_meta("RegMean off-diagonal scale (default 0.9).", "regmean_shrink"))
-
-    def __post_init__(self) -> None:
-        check_field_types(self)
-        if not 0.0 <= self.shrink <= 1.0:
-            raise RaotError(f"regmean_shrink={self.shrink} must lie in [0, 1]")
-
-
-@dataclass
-class FisherOptions(OptionSection):
-    """Options of ``merge_rule="fisher"``: examples for the label-free diagonal Fisher."""
-
-    section = "fisher"
-
-    samples: int = field(
-        default=64, metadata=_meta("Examples for the Fisher of --merge-rule fisher (default 64).", "fisher_samples")
-    )
-
-    def __post_init__(self) -> None:
-        check_field_types(self)
-        check_non_negative_int("fisher_samples", self.samples)
-
-
-@dataclass
-class BaseRuleOptions(OptionSection):
-    """Options of the base-relative rules ``task_arithmetic``, ``ties`` and ``dare_ties``.
-
-    ``density``: fraction of each task vector that ``ties`` keeps (top magnitudes; 0.2 is the
-    TIES paper's k) and ``dare_ties`` keeps at random (seeded by the config's ``seed``);
-    ``task_scale``: λ in ``base + λ·((1−α)·τ_A + α·τ_B)`` (with α = ½, 1 averages the task
-    vectors, 2 sums them).
-    """
-
-    section = "base_rules"
-
-    density: float = field(
-        default=0.2,
-        metadata=_meta(
-            "ties / dare_ties: fraction of each task vector kept (default 0.2).", "density", flag="--density"
-        ),
-    )
-    task_scale: float = field(
-        default=1.0,
-        metadata=_meta(
-            "Base-relative rules: λ in base + λ·((1−α)·τA + α·τB) (default 1).", "task_scale", flag="--task-scale"
-        ),
-    )
-
-    def __post_init__(self) -> None:
-        check_field_types(self)
-        if not 0.0 < self.density <= 1.0:
-            raise RaotError(f"density={self.density} must lie in (0, 1] (the fraction of each task vector kept)")
-
-
-CORRECTION_METHODS = ("auto", "none", "lsq", "repair")
-
-
-@dataclass
-class CorrectionOptions(OptionSection):
-    """A correction of the merged model after the merge rule (docs/design.md §6.7), layer by layer
-    on ``examples`` fit examples: ``lsq`` refits every Linear to the parents' outputs on the
-    merged model's own inputs (``shrink``: RegMean's off-diagonal scale, towards the rule's merged
-    weight); ``repair`` resets value channels and MLP pre-activations to the interpolation of the
-    parents' statistics; ``none`` runs no pass; ``auto`` (default) is ``lsq`` when the gate moved B
-    (the parents differ in basis) and ``none`` when they share one (fine-tuned siblings keep the
-    plain merge their rules define) or the rule is base-relative."""
-
-    section = "correction"
-
-    method: str = field(
-        default="auto",
-        metadata=_meta(
-            "Post-merge correction: auto (lsq when the gate moved B, else none), lsq (merged-input least "
-            "squares), repair (REPAIR statistics) or none.",
-            "correction_method",
-            flag="--correction",
-            choices=CORRECTION_METHODS,
-        ),
-    )
-    examples: int = field(
-        default=64, metadata=_meta("Fit examples the correction pass runs on (default 64).", "correction_examples")
-    )
-    shrink: float = field(
-        default=0.99,
-        metadata=_meta("lsq: off-diagonal scale of the merged inputs' Gram (default 0.99).", "correction_shrink"),
-    )
-
-    def __post_init__(self) -> None:
-        check_field_types(self)
-        check_choice("correction_method", self.method, CORRECTION_METHODS)
-        if self.examples < 1:
-            raise RaotError(f"correction_examples={self.examples} must be ≥ 1 (fit examples the correction runs on)")
-        if not 0.0 <= self.shrink <= 1.0:
-            raise RaotError(f"correction_shrink={self.shrink} must lie in [0, 1]")
-
-
-@dataclass
-class RefineOptions(OptionSection):
-    """Learned alignment (docs/design.md §5.6): ``steps`` gradient steps (0: off) on the continuous
-    symmetries of B′ — the stream rotation and each applied layer's Q/K and V/O maps and scales,
-    parametrised on their groups — minimising the half-way merge's label-free error to its
-    parents on ``examples`` fit examples (Adam, learning rate ``lr``); the held-out gate set is
-    scored every ``eval_every`` steps, the best step kept, and the refinement applied only if it
-    beats the estimated alignment there."""
-
-    section = "refine"
-
-    steps: int = field(default=0, metadata=_meta("Learned alignment: gradient steps (default 0: off).", "refine_steps"))
-    lr: float = field(
-        default=0.01, metadata=_meta("Learned alignment: Adam's learning rate (default 0.01).", "refine_lr")
-    )
-    examples: int = field(
-        default=64, metadata=_meta("Learned alignment: fit examples it descends on (default 64).", "refine_examples")
-    )
-    eval_every: int = field(
-        default=10,
-        metadata=_meta("Learned alignment: steps between held-out scores (default 10).", "refine_eval_every"),
-    )
-
-    def __post_init__(self) -> None:
-        check_field_types(self)
-        check_non_negative_int("refine_steps", self.steps)
-        if not self.lr > 0:
-            raise RaotError(f"refine_lr={self.lr} must be > 0 (Adam's learning rate)")
-        for name, value in (("refine_examples", self.examples), ("refine_eval_every", self.eval_every)):
-            if value < 1:
-                raise RaotError(f"{name}={value} must be ≥ 1")
-
-
-#: Option sections of RaotConfig by field name (calibration is a section too; its class lives
-#: with the calibration data code).
-SECTIONS: dict[str, type] = {
-    "gate": GateOptions,
-    "weight": WeightMatchingOptions,
-    "soft_ot": SoftOTOptions,
-    "regmean": RegMeanOptions,
-    "fisher": FisherOptions,
-    "base_rules": BaseRuleOptions,
-    "correction": CorrectionOptions,
-    "refine": RefineOptions,
-    "calibration": CalibrationConfig,
-}
-
-#: The flat keys of RaotConfig before the sections existed → (section, field); still read.
-LEGACY_KEYS: dict[str, tuple[str, str]] = {
-    f.metadata["legacy"]: (name, f.name)
-    for name, cls in SECTIONS.items()
-    if cls is not CalibrationConfig
-    for f in dataclasses.fields(cls)
-}
 
 #: CLI metadata of CalibrationConfig's fields (that class keeps plain fields): today's flags.
 CALIBRATION_CLI: dict[str, dict[str, Any]] = {
@@ -387,6 +152,9 @@ def cli_options(cls: type, prefix: tuple[str, ...] = ()) -> list[CliOption]:
     """Every option field of the dataclass ``cls``, recursively into its sections, as a
     :class:`CliOption` (fields with ``cli=False`` metadata are skipped)."""
     out: list[CliOption] = []
+    extra = cls.extra_sections() if not prefix and hasattr(cls, "extra_sections") else {}
+    for name, section in extra.items():  # sections registered beside a method, not typed fields
+        out += cli_options(section, (name,))
     for f in dataclasses.fields(cls):
         meta = field_metadata(cls, f)
         if meta.get("cli", True) is False:

@@ -31,3 +31,39 @@ class OptionSection:
             names, valid = ", ".join(map(repr, unknown)), ", ".join(sorted(known))
             raise RaotError(f"unknown {cls.section} {cls.noun}(s) {names}; valid: {valid}")
         return cls(**data)
+
+
+# ------------------------------------------------------------------------------- the registry
+
+_SECTIONS: dict[str, type] = {}
+
+
+def register_section(cls: type) -> type:
+    """Register an options section (a dataclass subclass of :class:`OptionSection` whose every
+    field has a default) under its ``section`` name: :class:`raot_hf.RaotConfig` then holds one
+    (``config.<section>``), reads and writes it in JSON, and the CLI offers a flag per field
+    (``--<section>-<field>`` unless the field's metadata names one). Registering the same class
+    again is a no-op; another class under a taken name is refused."""
+    if not (isinstance(cls, type) and issubclass(cls, OptionSection) and dataclasses.is_dataclass(cls)):
+        raise TypeError(f"an options section must be a dataclass subclass of OptionSection, got {cls!r}")
+    name = cls.section
+    if not isinstance(name, str) or not name.isidentifier() or name == OptionSection.section:
+        raise TypeError(f"{cls.__name__}.section must name the section (an identifier), got {name!r}")
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise TypeError(f"options section {name!r}: every field needs a default ({', '.join(missing)} has none)")
+    if name in _SECTIONS and _SECTIONS[name] is not cls:
+        raise RaotError(
+            f"options section {name!r} is already registered by {_SECTIONS[name].__name__}; pick another name"
+        )
+    _SECTIONS[name] = cls
+    return cls
+
+
+def registered_sections() -> dict[str, type]:
+    """Section name → options class, in registration order."""
+    return dict(_SECTIONS)

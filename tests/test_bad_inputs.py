@@ -223,7 +223,7 @@ def test_remote_code_is_never_run_by_default(zoo, tmp_path):
     assert inspect.signature(RaotMerger.from_pretrained).parameters["trust_remote_code"].default is False
     assert ModelSource("x").trust_remote_code is False
     for command in ("merge", "inspect"):
-        context = main.commands[command].make_context(
+        context = main.get_command(None, command).make_context(
             command, ["a", "b", "--out", "o"][: 4 if command == "merge" else 2]
         )
         assert context.params["trust_remote_code"] is False and context.params["allow_pickle"] is False

@@ -174,7 +174,7 @@ def test_relative_task_norm_separates_fine_tunes_from_other_initialisations():
 def test_registry_config_and_cli_read_one_source():
     assert set(base_relative_rules()) == {"task_arithmetic", "ties", "dare_ties"}
     assert merge_rule_spec("dare_ties").options["seed"] == "seed"
-    choices = next(p for p in main.commands["merge"].params if p.name == "merge_rule").type.choices
+    choices = next(p for p in main.get_command(None, "merge").params if p.name == "merge_rule").type.choices
     assert sorted(choices) == available_merge_rules()
     cfg = RaotConfig(merge_rule="dare_ties", base_rules={"density": 0.5, "task_scale": 2.0})
     assert RaotConfig.from_json(cfg.to_json()) == cfg

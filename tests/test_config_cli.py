@@ -19,7 +19,7 @@ from raot_hf.cli import build_config, main
 from raot_hf.config import RaotConfig
 from raot_hf.errors import RaotError
 from raot_hf.merger import RaotMerger
-from raot_hf.options import GateOptions
+from raot_hf.gate import GateOptions
 from raot_hf.testing import tiny_model, tiny_tokenizer
 
 COMMANDS = ("merge", "inspect")
@@ -111,8 +111,11 @@ VALUE_FOR_TYPE = {click.INT: "5", click.FLOAT: "0.125", click.STRING: "mlp"}
 def _field_paths(cls, prefix=()):
     """Every RaotConfig field, recursively into its sections, as a dotted path (no ``version``:
     the stamp of the writing version, not an option)."""
+    if not prefix:  # sections registered beside a method, held outside the typed fields
+        for name, section in cls.extra_sections().items():
+            yield from _field_paths(section, (name,))
     for f in dataclasses.fields(cls):
-        if f.name == "version" and not prefix:
+        if f.name in ("version", "extra") and not prefix:
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if dataclasses.is_dataclass(default):
@@ -128,12 +131,12 @@ def _flat(cfg: RaotConfig) -> dict:
 def _parse(command: str, args: list[str]) -> RaotConfig:
     """The RaotConfig ``raot-hf <command> a b <args>`` builds (nothing runs)."""
     extra = ["--out", "o"] if command == "merge" else []
-    ctx = main.commands[command].make_context(command, ["a", "b", *extra, *args])
+    ctx = main.get_command(None, command).make_context(command, ["a", "b", *extra, *args])
     return build_config(ctx.params)
 
 
 def _config_params(command: str) -> list[click.Option]:
-    return [p for p in main.commands[command].params if p.name not in NOT_CONFIG]
+    return [p for p in main.get_command(None, command).params if p.name not in NOT_CONFIG]
 
 
 def _invocations(param: click.Option) -> list[list[str]]:
@@ -182,7 +185,7 @@ def test_each_flag_value_lands_in_its_field(command):
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_flags_keep_their_names_and_meanings(command):
-    opts = {opt: p for p in main.commands[command].params for opt in (*p.opts, *p.secondary_opts)}
+    opts = {opt: p for p in main.get_command(None, command).params for opt in (*p.opts, *p.secondary_opts)}
     for flag, path in {**FLAGS_BEFORE, **FLAGS_ADDED}.items():
         assert flag in opts, flag
         param = opts[flag]
@@ -283,7 +286,7 @@ def test_readme_command_lines_still_parse():
     commands = _readme_commands()
     assert len(commands) >= 3
     for words in commands:
-        command = main.commands[words[0]]
+        command = main.get_command(None, words[0])
         known = {opt for p in command.params for opt in (*p.opts, *p.secondary_opts)}
         help_text = command.get_help(click.Context(command, info_name=words[0]))
         for flag in (w for w in words if w.startswith("--")):

@@ -70,3 +70,49 @@ def test_a_second_merge_is_refused(scrambled_mlp):
     for again in (merger.merge, merger.align):
         with pytest.raises(RaotError, match="already merged.*build a new one"):
             again()
+
+
+def test_a_rule_registered_from_outside_brings_its_own_option_and_flag(tmp_path, monkeypatch):
+    """One options section and one registration line: the config holds the section, its JSON
+    round-trips, the CLI offers ``--<section>-<field>``, and the rule receives the value."""
+    from dataclasses import dataclass, field
+
+    from click.testing import CliRunner
+
+    import raot_hf.sections as section_table
+    from raot_hf import RaotConfig
+    from raot_hf.cli import main
+    from raot_hf.options import meta
+    from raot_hf.sections import OptionSection
+    from raot_hf.testing import tiny_tokenizer
+
+    monkeypatch.setattr(rule_table, "_RULES", dict(rule_table._RULES))
+    monkeypatch.setattr(section_table, "_SECTIONS", dict(section_table._SECTIONS))
+
+    @dataclass
+    class ScaleOptions(OptionSection):
+        section = "scale_b"
+        factor: float = field(default=1.0, metadata=meta("scale_b: the factor on B′'s tensors (default 1)."))
+
+    def scale_b(state_a, state_b, *, alpha, factor, return_log=False):
+        merged = {k: v * factor if v.is_floating_point() else v.clone() for k, v in state_b.items()}
+        return merged, {"rule": "scale_b", "settings": {"factor": factor}, "counts": {"scaled": len(merged)}}
+
+    register_merge_rule("scale_b", scale_b, per_tensor=True, config=ScaleOptions)  # the one registration line
+    config = RaotConfig.from_dict({"merge_rule": "scale_b", "scale_b": {"factor": 3.0}})
+    assert config.scale_b.factor == 3.0 and RaotConfig.from_json(config.to_json()) == config
+    a = tiny_model("bert", "sequence", seed=0)
+    b = tiny_model("bert", "sequence", seed=1)
+    for name, model in (("a", a), ("b", b)):
+        model.save_pretrained(tmp_path / name)
+        tiny_tokenizer().save_pretrained(tmp_path / name)
+    args = ["merge", str(tmp_path / "a"), str(tmp_path / "b"), "--alignment", "none", "--merge-rule", "scale_b"]
+    out = CliRunner().invoke(main, [*args, "--scale-b-factor", "2", "--out", str(tmp_path / "m")])
+    assert out.exit_code == 0, out.output
+    merged = type(a).from_pretrained(tmp_path / "m")
+    key = "bert.encoder.layer.0.output.dense.weight"
+    assert torch.allclose(model_state(merged)[key].double(), 2 * model_state(b)[key].double(), rtol=1e-6)
+    import json
+
+    report = json.loads((tmp_path / "m" / "raot_report.json").read_text())
+    assert report["settings"]["scale_b"] == {"factor": 2.0}

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from raot_hf.errors import RaotError
-from raot_hf.sections import OptionSection
+from raot_hf.sections import OptionSection, register_section
 
 MOMENT_PRECISIONS = ("auto", "float32", "bfloat16")
 
 
+@register_section
 @dataclass
 class CalibrationConfig(OptionSection):
     """Where the calibration data comes from and how it is sampled and batched.

@@ -115,7 +115,20 @@ def _merger(options: dict):
     )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _LiveGroup(click.Group):
+    """The ``raot-hf`` group: ``merge`` and ``inspect`` are built when they are invoked, from the
+    registries as they are then — a merge rule or estimator registered after import (with its
+    own options section) has its choice and its flags."""
+
+    def get_command(self, ctx, name):
+        builder = _LIVE_COMMANDS.get(name)
+        return builder() if builder is not None else super().get_command(ctx, name)
+
+    def list_commands(self, ctx):
+        return sorted({*super().list_commands(ctx), *_LIVE_COMMANDS})
+
+
+@click.group(cls=_LiveGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="raot-hf")
 @click.option("-v", "--verbose", count=True, help="Every INFO log line (-vv: debug).")
 @click.option("-q", "--quiet", is_flag=True, help="Errors only: no stage lines, progress bars or results.")
@@ -128,70 +141,83 @@ def main(ctx: click.Context, verbose: int, quiet: bool) -> None:
     ctx.call_on_close(configure(verbose, quiet))
 
 
-@main.command("merge")
-@merge_options
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory.")
-@click.option("--base", help="The checkpoint A and B were fine-tuned from (task_arithmetic, ties, dare_ties).")
-@click.option("--base-revision", help="Revision of --base.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
-@click.option("--max-shard-size", default="2GB", show_default=True)
-@friendly_errors
-def merge_command(out, overwrite, max_shard_size, **options):
-    """Align B to A, merge, and write a repository that from_pretrained loads."""
-    from raot_hf.outputs import check_destination, parse_size
+def _merge_command() -> click.Command:
+    """``raot-hf merge``, built from the live registries."""
 
-    check_destination(out, overwrite)  # refuse before any heavy work
-    parse_size(max_shard_size)
-    merger = _merger(options)
-    if not merger.dist.is_main:  # accelerate launch: add this shard's statistics; the main process writes
-        from raot_hf.distributed import follow_main
+    @click.command("merge")
+    @merge_options
+    @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory.")
+    @click.option("--base", help="The checkpoint A and B were fine-tuned from (task_arithmetic, ties, dare_ties).")
+    @click.option("--base-revision", help="Revision of --base.")
+    @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+    @click.option("--max-shard-size", default="2GB", show_default=True)
+    @friendly_errors
+    def merge_command(out, overwrite, max_shard_size, **options):
+        """Align B to A, merge, and write a repository that from_pretrained loads."""
+        from raot_hf.outputs import check_destination, parse_size
 
-        follow_main(merger)
-        merger.dist.close()
-        return
-    try:
-        result = merger.merge()
-    finally:
-        merger.dist.close()
-    result.report["command"] = "raot-hf " + " ".join(sys.argv[1:]) if sys.argv else None
-    if not _quiet():
-        click.echo(result.alignment.table() if result.alignment.decisions else "(no alignment)")
-        click.echo(result.report["summary"])
-    path = result.save_pretrained(out, overwrite=overwrite, max_shard_size=max_shard_size)
-    if not _quiet():
-        click.echo(f"wrote {path}")
+        check_destination(out, overwrite)  # refuse before any heavy work
+        parse_size(max_shard_size)
+        merger = _merger(options)
+        if not merger.dist.is_main:  # accelerate launch: add this shard's statistics; the main process writes
+            from raot_hf.distributed import follow_main
+
+            follow_main(merger)
+            merger.dist.close()
+            return
+        try:
+            result = merger.merge()
+        finally:
+            merger.dist.close()
+        result.report["command"] = "raot-hf " + " ".join(sys.argv[1:]) if sys.argv else None
+        if not _quiet():
+            click.echo(result.alignment.table() if result.alignment.decisions else "(no alignment)")
+            click.echo(result.report["summary"])
+        path = result.save_pretrained(out, overwrite=overwrite, max_shard_size=max_shard_size)
+        if not _quiet():
+            click.echo(f"wrote {path}")
+
+    return merge_command
 
 
-@main.command("inspect")
-@merge_options
-@click.option("--json", "as_json", is_flag=True, help="Print the decisions as JSON.")
-@friendly_errors
-def inspect_command(as_json, **options):
-    """Gate decisions and alignment scores without writing a model: do A and B share a basis?"""
-    merger = _merger(options)
-    if not merger.dist.is_main:  # accelerate launch: add this shard's statistics; the main process reports
-        from raot_hf.distributed import follow_main
+def _inspect_command() -> click.Command:
+    """``raot-hf inspect``, built from the live registries."""
 
-        follow_main(merger)
-        merger.dist.close()
-        return
-    try:
-        alignment, _, fingerprint = merger.align()
-    finally:
-        merger.dist.close()
-    if as_json:  # strict JSON on stdout (NaN → null), nothing else: logs and progress go to stderr
-        record = {
-            "shares_basis": alignment.shares_basis,
-            "verdict": alignment.verdict,
-            "model_fidelity": alignment.model_fidelity,
-            "decisions": [d.to_dict() for d in alignment.decisions],
-            "calibration": fingerprint,
-        }
-        click.echo(json.dumps(_finite_json(record), indent=2))
-        return
-    click.echo(alignment.table())
-    if alignment.verdict:
-        click.echo(alignment.verdict)
+    @click.command("inspect")
+    @merge_options
+    @click.option("--json", "as_json", is_flag=True, help="Print the decisions as JSON.")
+    @friendly_errors
+    def inspect_command(as_json, **options):
+        """Gate decisions and alignment scores without writing a model: do A and B share a basis?"""
+        merger = _merger(options)
+        if not merger.dist.is_main:  # accelerate launch: add this shard's statistics; the main process reports
+            from raot_hf.distributed import follow_main
+
+            follow_main(merger)
+            merger.dist.close()
+            return
+        try:
+            alignment, _, fingerprint = merger.align()
+        finally:
+            merger.dist.close()
+        if as_json:  # strict JSON on stdout (NaN → null), nothing else: logs and progress go to stderr
+            record = {
+                "shares_basis": alignment.shares_basis,
+                "verdict": alignment.verdict,
+                "model_fidelity": alignment.model_fidelity,
+                "decisions": [d.to_dict() for d in alignment.decisions],
+                "calibration": fingerprint,
+            }
+            click.echo(json.dumps(_finite_json(record), indent=2))
+            return
+        click.echo(alignment.table())
+        if alignment.verdict:
+            click.echo(alignment.verdict)
+
+    return inspect_command
+
+
+_LIVE_COMMANDS = {"merge": _merge_command, "inspect": _inspect_command}
 
 
 def _finite_json(value):

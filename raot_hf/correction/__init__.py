@@ -12,12 +12,17 @@ Both keep a merge of A with an exact scramble of itself equal to A, and write no
 weights: the output loads with ``AutoModel*`` as before.
 """
 
+from dataclasses import dataclass, field
+
 from raot_hf.correction.carry import Carried, LayerCall, capture
 from raot_hf.correction.fits import Site, least_squares_layer, least_squares_readers, repair_layer
 from raot_hf.correction.layer import LayerPass
+from raot_hf.errors import RaotError
+from raot_hf.options import check_choice, check_field_types, meta
+from raot_hf.sections import OptionSection, register_section
 
-#: The correction methods (``correction.method``); "none" runs no pass.
-CORRECTION_METHODS = ("none", "lsq", "repair")
+#: The correction methods (``correction.method``): "auto" chooses, "none" runs no pass.
+CORRECTION_METHODS = ("auto", "none", "lsq", "repair")
 
 __all__ = [
     "CORRECTION_METHODS",
@@ -30,3 +35,43 @@ __all__ = [
     "least_squares_readers",
     "repair_layer",
 ]
+
+
+@register_section
+@dataclass
+class CorrectionOptions(OptionSection):
+    """A correction of the merged model after the merge rule (docs/design.md §6.7), layer by layer
+    on ``examples`` fit examples: ``lsq`` refits every Linear to the parents' outputs on the
+    merged model's own inputs (``shrink``: RegMean's off-diagonal scale, towards the rule's merged
+    weight); ``repair`` resets value channels and MLP pre-activations to the interpolation of the
+    parents' statistics; ``none`` runs no pass; ``auto`` (default) is ``lsq`` when the gate moved B
+    (the parents differ in basis) and ``none`` when they share one (fine-tuned siblings keep the
+    plain merge their rules define) or the rule is base-relative."""
+
+    section = "correction"
+
+    method: str = field(
+        default="auto",
+        metadata=meta(
+            "Post-merge correction: auto (lsq when the gate moved B, else none), lsq (merged-input least "
+            "squares), repair (REPAIR statistics) or none.",
+            "correction_method",
+            flag="--correction",
+            choices=CORRECTION_METHODS,
+        ),
+    )
+    examples: int = field(
+        default=64, metadata=meta("Fit examples the correction pass runs on (default 64).", "correction_examples")
+    )
+    shrink: float = field(
+        default=0.99,
+        metadata=meta("lsq: off-diagonal scale of the merged inputs' Gram (default 0.99).", "correction_shrink"),
+    )
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        check_choice("correction_method", self.method, CORRECTION_METHODS)
+        if self.examples < 1:
+            raise RaotError(f"correction_examples={self.examples} must be ≥ 1 (fit examples the correction runs on)")
+        if not 0.0 <= self.shrink <= 1.0:
+            raise RaotError(f"correction_shrink={self.shrink} must lie in [0, 1]")

@@ -15,6 +15,8 @@ from huggingface_hub.utils import tqdm
 
 from raot_hf.estimators.activation import estimate_head_alignment, estimate_mlp_permutation, estimate_residual_map
 from raot_hf.estimators.registry import EstimationRequest, finite, register_estimator
+from raot_hf.estimators.soft_ot import SoftOTOptions
+from raot_hf.estimators.weight_based import WeightMatchingOptions
 from raot_hf.symmetry import (
     HeadAlignment,
     HeadRescale,
@@ -153,7 +155,7 @@ register_estimator(
     "weight",
     weight_candidates,
     needs_statistics=False,
-    options="weight",
+    config=WeightMatchingOptions,
     description="weight-based matching (rotation-symmetry paper baseline, no data)",
 )
 register_estimator(
@@ -161,6 +163,6 @@ register_estimator(
     soft_ot_candidates,
     needs_statistics=True,
     gated=False,
-    options="soft_ot",
+    config=SoftOTOptions,
     description="soft transport plans (Sinkhorn, OT-fusion baseline; not a symmetry, approximate)",
 )

@@ -75,14 +75,22 @@ def register_estimator(
     gated: bool = True,
     options: str | None = None,
     description: str = "",
+    config: type | None = None,
 ) -> Callable:
-    """Register ``fn`` as ``alignment=name``; refuses bad names, non-callables and duplicates."""
+    """Register ``fn`` as ``alignment=name``; refuses bad names, non-callables and duplicates.
+    ``config``: the estimator's own options section, registered with it (``RaotConfig``, its JSON
+    and the CLI's flags know it) and handed to it as ``request.options``."""
     if not isinstance(name, str) or not name or name == "none":
         raise TypeError(f"an estimator name must be a non-empty string other than 'none', got {name!r}")
     if not callable(fn):
         raise TypeError(f"estimator {name!r} must be callable, got {type(fn).__name__}")
     if name in _ESTIMATORS:
         raise RaotError(f"estimator {name!r} is already registered; registered: {', '.join(_ESTIMATORS)}")
+    if config is not None:
+        from raot_hf.sections import register_section
+
+        register_section(config)
+        options = config.section
     _ESTIMATORS[name] = EstimatorSpec(name, fn, needs_statistics, gated, options, description)
     return fn
 

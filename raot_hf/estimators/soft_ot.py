@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,8 @@ from scipy.optimize import linear_sum_assignment
 from raot_hf.adapters.schema import ModelSchema
 from raot_hf.calibration.statistics import CalibrationStatistics, Moments, SplitStatistics
 from raot_hf.errors import RaotError
+from raot_hf.options import check_field_types, meta
+from raot_hf.sections import OptionSection, register_section
 from raot_hf.symmetry.transforms import SoftTransport, Transform, TransformSequence
 
 logger = logging.getLogger("raot_hf.estimators.soft_ot")
@@ -202,3 +205,21 @@ def _layer_plans(
         parts.append(SoftTransport(schema.vo_space(layer).name, block.clone()))
         entry["heads"] = {**_plan_log(head_plan, similarity), "head_plan": head_plan.tolist()}
     return entry
+
+
+@register_section
+@dataclass
+class SoftOTOptions(OptionSection):
+    """Options of the ``soft_ot`` baseline (Sinkhorn plans on MLP units and heads; not a
+    symmetry, so B′ only approximates B and the report says so)."""
+
+    section = "soft_ot"
+
+    reg: float = field(
+        default=0.05, metadata=meta("Entropic regularisation of --alignment soft_ot (default 0.05).", "soft_ot_reg")
+    )
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if not self.reg > 0:
+            raise RaotError(f"soft_ot_reg={self.reg} must be > 0 (Sinkhorn's entropic regularisation)")

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,8 @@ from raot_hf.adapters.schema import ModelSchema, Space
 from raot_hf.errors import RaotError
 from raot_hf.estimators.weight_features import SpaceFeatures, space_features
 from raot_hf.estimators.weight_grouped import align_grouped_heads, check_grouped_options
+from raot_hf.options import check_field_types, meta
+from raot_hf.sections import OptionSection, register_section
 from raot_hf.symmetry.transforms import (
     HeadAlignment,
     HeadRescale,
@@ -414,3 +417,22 @@ def _head_alignment_log(
         "vo_rotation_deviation": torch.linalg.matrix_norm(r_vo - eye).tolist(),
         "reflections": int((torch.linalg.det(r_qk) < 0).sum() + (torch.linalg.det(r_vo) < 0).sum()),
     }
+
+
+@register_section
+@dataclass
+class WeightMatchingOptions(OptionSection):
+    """Options of the data-free ``weight`` estimator (the rotation-symmetry paper's baseline)."""
+
+    section = "weight"
+
+    rescale: bool = field(default=False, metadata=meta("Weight-based estimator: rescale heads.", "weight_rescale"))
+    match_heads: bool = field(
+        default=True,
+        metadata=meta(
+            "Weight-based estimator: assign heads by their Procrustes score first (default on).", "weight_match_heads"
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        check_field_types(self)

@@ -10,6 +10,7 @@ validation and the CLI's ``--merge-rule`` choices all read this one registry.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from raot_hf.errors import RaotError
 from raot_hf.merging.base_rules import (
     MAX_RELATIVE_TASK_NORM,
+    BaseRuleOptions,
     check_base_states,
     dare_drop,
     elect_and_average,
@@ -28,6 +30,8 @@ from raot_hf.merging.base_rules import (
 )
 from raot_hf.merging.rules import (
     HEAD_POLICIES,
+    FisherOptions,
+    RegMeanOptions,
     check_compatible_states,
     merge_fisher,
     merge_heads,
@@ -35,6 +39,7 @@ from raot_hf.merging.rules import (
     merge_regmean,
     shrink_gram,
 )
+from raot_hf.sections import register_section
 
 
 @dataclass(frozen=True)
@@ -83,9 +88,13 @@ def register_merge_rule(
     needs_fisher: bool = False,
     per_tensor: bool = False,
     options: Mapping[str, str] | None = None,
+    config: type | None = None,
 ) -> Callable:
     """Register ``fn`` as the merge rule ``name`` (see :class:`MergeRuleSpec` for the flags);
-    refuses non-callables and duplicate names."""
+    refuses non-callables and duplicate names. ``config``: the rule's own options section (a
+    dataclass :class:`~raot_hf.sections.OptionSection`), registered with it — then
+    ``RaotConfig``, its JSON and the CLI's ``--<section>-<field>`` flags know it, and unless
+    ``options`` maps the rule's keywords elsewhere, the rule is called with every field of it."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"a merge rule name must be a non-empty string, got {name!r}")
     if not callable(fn):
@@ -95,6 +104,10 @@ def register_merge_rule(
             f"merge rule {name!r} is already registered; pick another name (registered: "
             f"{', '.join(available_merge_rules())})."
         )
+    if config is not None:
+        register_section(config)
+        if options is None:
+            options = {f.name: f"{config.section}.{f.name}" for f in dataclasses.fields(config)}
     _RULES[name] = MergeRuleSpec(name, fn, needs_base, needs_grams, needs_fisher, per_tensor, dict(options or {}))
     return fn
 
@@ -125,13 +138,14 @@ def add_rule_log(total: dict[str, Any], part: dict[str, Any]) -> None:
 
 
 register_merge_rule("linear", merge_linear, per_tensor=True)
-register_merge_rule("regmean", merge_regmean, needs_grams=True, options={"shrink": "regmean.shrink"})
-register_merge_rule("fisher", merge_fisher, needs_fisher=True)
+register_merge_rule("regmean", merge_regmean, needs_grams=True, config=RegMeanOptions)
+register_merge_rule("fisher", merge_fisher, needs_fisher=True, config=FisherOptions, options={})
 register_merge_rule(
     "task_arithmetic",
     merge_task_arithmetic,
     needs_base=True,
     per_tensor=True,
+    config=BaseRuleOptions,
     options={"scale": "base_rules.task_scale"},
 )
 register_merge_rule(
@@ -139,6 +153,7 @@ register_merge_rule(
     merge_ties,
     needs_base=True,
     per_tensor=True,
+    config=BaseRuleOptions,
     options={"density": "base_rules.density", "scale": "base_rules.task_scale"},
 )
 register_merge_rule(
@@ -146,6 +161,7 @@ register_merge_rule(
     merge_dare_ties,
     needs_base=True,
     per_tensor=True,
+    config=BaseRuleOptions,
     options={"density": "base_rules.density", "scale": "base_rules.task_scale", "seed": "seed"},
 )
 

@@ -20,6 +20,7 @@ import hashlib
 import logging
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,6 +38,8 @@ from raot_hf.merging.rules import (
     _note,
     check_compatible_states,
 )
+from raot_hf.options import check_field_types, meta
+from raot_hf.sections import OptionSection, register_section
 
 logger = logging.getLogger("raot_hf.merging")
 
@@ -293,3 +296,35 @@ def merge_dare_ties(
 
     settings = {"density": density, "seed": seed, "mask": "sha256(seed, parameter, model) → torch.Generator"}
     return _base_relative("dare_ties", state_a, state_b, base, alpha, scale, settings, combine, return_log)
+
+
+@register_section
+@dataclass
+class BaseRuleOptions(OptionSection):
+    """Options of the base-relative rules ``task_arithmetic``, ``ties`` and ``dare_ties``.
+
+    ``density``: fraction of each task vector that ``ties`` keeps (top magnitudes; 0.2 is the
+    TIES paper's k) and ``dare_ties`` keeps at random (seeded by the config's ``seed``);
+    ``task_scale``: λ in ``base + λ·((1−α)·τ_A + α·τ_B)`` (with α = ½, 1 averages the task
+    vectors, 2 sums them).
+    """
+
+    section = "base_rules"
+
+    density: float = field(
+        default=0.2,
+        metadata=meta(
+            "ties / dare_ties: fraction of each task vector kept (default 0.2).", "density", flag="--density"
+        ),
+    )
+    task_scale: float = field(
+        default=1.0,
+        metadata=meta(
+            "Base-relative rules: λ in base + λ·((1−α)·τA + α·τB) (default 1).", "task_scale", flag="--task-scale"
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if not 0.0 < self.density <= 1.0:
+            raise RaotError(f"density={self.density} must lie in (0, 1] (the fraction of each task vector kept)")

@@ -22,12 +22,15 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from huggingface_hub.utils import tqdm
 
 from raot_hf.errors import RaotError
+from raot_hf.options import check_field_types, check_non_negative_int, meta
+from raot_hf.sections import OptionSection, register_section
 
 logger = logging.getLogger("raot_hf.merging")
 
@@ -481,3 +484,34 @@ def merge_heads(
             merged[name] = source[name].detach().to(dtype=dtype, copy=True)
             _note(log, name, f"head from {'A' if policy == 'a' else 'B′'}")
     return _finish(merged, log, return_log)
+
+
+@register_section
+@dataclass
+class RegMeanOptions(OptionSection):
+    """Options of ``merge_rule="regmean"``: ``shrink`` scales the Grams' off-diagonal."""
+
+    section = "regmean"
+
+    shrink: float = field(default=0.9, metadata=meta("RegMean off-diagonal scale (default 0.9).", "regmean_shrink"))
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if not 0.0 <= self.shrink <= 1.0:
+            raise RaotError(f"regmean_shrink={self.shrink} must lie in [0, 1]")
+
+
+@register_section
+@dataclass
+class FisherOptions(OptionSection):
+    """Options of ``merge_rule="fisher"``: examples for the label-free diagonal Fisher."""
+
+    section = "fisher"
+
+    samples: int = field(
+        default=64, metadata=meta("Examples for the Fisher of --merge-rule fisher (default 64).", "fisher_samples")
+    )
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        check_non_negative_int("fisher_samples", self.samples)

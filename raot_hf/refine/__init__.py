@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.func import functional_call
 
+from raot_hf.errors import RaotError
 from raot_hf.gate import paired_test
 from raot_hf.merge_fidelity import _rse, capture_layers, layer_module_names
+from raot_hf.options import check_field_types, check_non_negative_int, meta
 from raot_hf.refine.parameters import RefineParameters, as_transforms, dense_actions, transformed
+from raot_hf.sections import OptionSection, register_section
 from raot_hf.symmetry import HeadAlignment, ResidualRotation, Transform, model_state
 
 logger = logging.getLogger("raot_hf.refine")
@@ -185,3 +189,37 @@ def refine_alignment(ctx, alignment, run) -> tuple[list[Transform], dict[str, An
 
 
 __all__ = ["RefineParameters", "refine_alignment"]
+
+
+@register_section
+@dataclass
+class RefineOptions(OptionSection):
+    """Learned alignment (docs/design.md §5.6): ``steps`` gradient steps (0: off) on the continuous
+    symmetries of B′ — the stream rotation and each applied layer's Q/K and V/O maps and scales,
+    parametrised on their groups — minimising the half-way merge's label-free error to its
+    parents on ``examples`` fit examples (Adam, learning rate ``lr``); the held-out gate set is
+    scored every ``eval_every`` steps, the best step kept, and the refinement applied only if it
+    beats the estimated alignment there."""
+
+    section = "refine"
+
+    steps: int = field(default=0, metadata=meta("Learned alignment: gradient steps (default 0: off).", "refine_steps"))
+    lr: float = field(
+        default=0.01, metadata=meta("Learned alignment: Adam's learning rate (default 0.01).", "refine_lr")
+    )
+    examples: int = field(
+        default=64, metadata=meta("Learned alignment: fit examples it descends on (default 64).", "refine_examples")
+    )
+    eval_every: int = field(
+        default=10,
+        metadata=meta("Learned alignment: steps between held-out scores (default 10).", "refine_eval_every"),
+    )
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        check_non_negative_int("refine_steps", self.steps)
+        if not self.lr > 0:
+            raise RaotError(f"refine_lr={self.lr} must be > 0 (Adam's learning rate)")
+        for name, value in (("refine_examples", self.examples), ("refine_eval_every", self.eval_every)):
+            if value < 1:
+                raise RaotError(f"{name}={value} must be ≥ 1")
