@@ -18,8 +18,8 @@ import torch
 from raot_hf.cli import build_config, main
 from raot_hf.config import RaotConfig
 from raot_hf.errors import RaotError
-from raot_hf.merger import RaotMerger
 from raot_hf.gate import GateOptions
+from raot_hf.merger import RaotMerger
 from raot_hf.testing import tiny_model, tiny_tokenizer
 
 COMMANDS = ("merge", "inspect")
