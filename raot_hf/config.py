@@ -21,7 +21,7 @@ from typing import Any
 from raot_hf.calibration.settings import CalibrationConfig
 from raot_hf.correction import CorrectionOptions
 from raot_hf.errors import RaotError
-from raot_hf.estimators import available_estimators, estimator_spec
+from raot_hf.estimators import available_estimators
 from raot_hf.estimators.soft_ot import SoftOTOptions
 from raot_hf.estimators.weight_based import WeightMatchingOptions
 from raot_hf.gate import GATE_OBJECTIVES, GateOptions
@@ -228,11 +228,11 @@ class RaotConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        """Whether this merge reads calibration data (an activation estimate, RegMean's Grams or a Fisher)."""
-        spec = merge_rule_spec(self.merge_rule)
-        reads_data = self.alignment != "none" and estimator_spec(self.alignment).needs_statistics
-        corrects = self.correction.method not in ("none", "auto")  # auto runs only where data is at hand
-        return reads_data and bool(self.scope) or spec.needs_grams or spec.needs_fisher or corrects
+        """Whether this merge reads calibration data (an activation estimate, RegMean's Grams, a
+        Fisher or an explicit post-merge correction; :class:`raot_hf.plan.MergePlan`)."""
+        from raot_hf.plan import plan_for
+
+        return plan_for(self).needs_data
 
     def lookup(self, path: str) -> Any:
         """The value of the dotted field ``path``, e.g. ``cfg.lookup("base_rules.density")``."""

@@ -144,12 +144,10 @@ class DistributedContext:
 
 def statistics_pass_needed(config, calibration: Any = None) -> bool:
     """Whether :meth:`RaotMerger.align` runs the calibration pass for ``config`` — the one step
-    in which every process takes part (it mirrors ``align``'s rule; a test keeps them equal)."""
-    from raot_hf.merging import merge_rule_spec
+    in which every process takes part (the plan's rule: :meth:`raot_hf.plan.MergePlan.statistics_pass`)."""
+    from raot_hf.plan import plan_for
 
-    rule = merge_rule_spec(config.merge_rule)
-    wants_data = config.alignment != "none" or rule.needs_grams or rule.needs_fisher
-    return bool(wants_data and (config.needs_calibration or calibration is not None or config.calibration.source))
+    return plan_for(config).statistics_pass(calibration, config.calibration.source)
 
 
 def follow_main(merger, calibration: Any = None) -> None:

@@ -20,7 +20,6 @@ from raot_hf.config import RaotConfig
 from raot_hf.distributed import DistributedContext, statistics_pass_needed
 from raot_hf.errors import RaotError
 from raot_hf.loading import ModelSource, check_compatible
-from raot_hf.merging import merge_rule_spec
 from raot_hf.merging.siblings import refuse_moved_b
 from raot_hf.results import Alignment, MergeResult
 from raot_hf.stages.apply import apply_and_check
@@ -213,7 +212,7 @@ class RaotMerger:
         alignment, stats, run = self._align(calibration)
         if self.pair.base is not None:  # task vectors need B in the base's basis (docs/design.md §6)
             refuse_moved_b(alignment.decisions, self.config.merge_rule)
-        if not merge_rule_spec(self.config.merge_rule).needs_grams:
+        if not self.pair.plan.grams:
             stats = None  # only RegMean reads statistics after the gate: free them before apply/merge
         if run is None and self.config.correction.method not in ("none", "auto"):  # the correction reads data
             run = open_calibration(self.pair, calibration, self.early_calibration)

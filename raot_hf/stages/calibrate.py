@@ -31,10 +31,8 @@ from raot_hf.calibration.precision import resolve_moment_precision
 from raot_hf.calibration.statistics import CalibrationStatistics
 from raot_hf.equivalence import select_primary
 from raot_hf.errors import RaotError
-from raot_hf.estimators import estimator_spec
 from raot_hf.estimators.activation import candidate_maps
 from raot_hf.estimators.builtin import residual_mode
-from raot_hf.merging import merge_rule_spec
 from raot_hf.stages.context import PairContext
 
 logger = logging.getLogger("raot_hf.stages.calibrate")
@@ -51,11 +49,6 @@ class CalibrationRun:
     check_inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
     check_reference: list[dict[str, torch.Tensor]] = field(default_factory=list)
     moment_precision: dict[str, str] | None = None  # requested, used and why (the fit phase sets it)
-
-
-def _needs_grams(config) -> bool:
-    """Whether the merge rule reads Gram matrices of the layers' inputs (RegMean)."""
-    return merge_rule_spec(config.merge_rule).needs_grams
 
 
 def check_calibration_early(cal: CalibrationConfig, preprocessor) -> tuple[dict[str, Any], Any, str]:
@@ -118,19 +111,17 @@ def moment_options(ctx: PairContext, run: CalibrationRun) -> dict:
 
 def fit_phase(ctx: PairContext, run: CalibrationRun) -> CalibrationStatistics:
     """A and B over the fit examples: the summed fit moments (and Grams)."""
-    cfg = ctx.config
-    moments = cfg.alignment != "none" and estimator_spec(cfg.alignment).needs_statistics
+    cfg, plan = ctx.config, ctx.plan
     # Σbᵀb of the stream is read only when a residual rotation is estimated
     rotation = "residual" in cfg.scope and residual_mode(ctx.schema, cfg.residual) in ("rotation", "orthogonal")
     stats = run_phase(
         ctx,
         run,
         "fit",
-        # weight-based alignment and a linear or Fisher merge read nothing from the fit examples
-        forward=moments or _needs_grams(cfg),
+        forward=plan.fit_forward(),
         stream_full=rotation,
         moment_stride=run.config.moment_stride,
-        moments=moments,
+        moments=plan.fit_moments,
         **moment_options(ctx, run),
     )
     run.fingerprint.update(
@@ -154,7 +145,7 @@ def heldout_phase(ctx: PairContext, run: CalibrationRun, stats: CalibrationStati
     schema = ctx.schema
     maps = candidate_maps(candidates, schema.num_heads, schema.head_size, device=ctx.stats_device)
     # nothing to score and no Grams to finish: the held-out examples need no forward
-    wanted = bool(maps) or _needs_grams(ctx.config)
+    wanted = bool(maps) or ctx.plan.grams
     heldout = run_phase(ctx, run, "heldout", candidates=maps, forward=wanted)
     stats.absorb(heldout)
     if not all(torch.isfinite(t).all() for t in stats.heldout.tensors()):
@@ -186,7 +177,7 @@ def run_phase(
     total = count_calibration_batches(run.dataset, run.config, **shard) if forward else 0
     if phase == "heldout":
         run.check_inputs, run.check_reference = [], []
-    grams = _needs_grams(ctx.config)
+    grams = ctx.plan.grams
     try:
         with StatisticsCollector(
             ctx.model_a, ctx.model_b, ctx.schema, phase=phase, grams=grams, **collector_options

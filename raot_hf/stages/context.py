@@ -60,6 +60,14 @@ class PairContext:
     # A's and B's norm affines from before a fold (the apply stage records them; RegMean reads them)
     unfolded_norms: tuple[dict, dict] | None = None
 
+    # what this merge will do (raot_hf.plan.MergePlan), decided once from the options
+    plan: Any = field(init=False, default=None)
+
+    def __post_init__(self):
+        from raot_hf.plan import plan_for
+
+        self.plan = plan_for(self.config)
+
     @property
     def stats_device(self) -> torch.device:
         """Where the calibration statistics accumulate: this process's accelerator when the pass is

@@ -1,0 +1,71 @@
+"""What a merge will do, decided once from its options (docs/architecture.md): which estimator
+runs and what it reads, whether the calibration pass runs and what it collects, whether the gate
+judges the candidates, what the merge rule reads. The stages read this plan instead of each
+re-deriving it from the options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from raot_hf.estimators import estimator_spec
+from raot_hf.merging import merge_rule_spec
+
+
+@dataclass(frozen=True)
+class MergePlan:
+    """The decisions every stage shares.
+
+    * ``estimator``: the registered estimator that proposes candidates (None: no alignment);
+    * ``fit_moments``: it reads the calibration pass's fit moments;
+    * ``gated``: the gate judges its candidates (they are exact symmetries);
+    * ``grams`` / ``fisher`` / ``base``: what the merge rule reads besides A and B′;
+    * ``correction``: the post-merge correction requested (``auto`` resolves after the gate);
+    * ``refine_steps``: learned-alignment steps (0: none);
+    * ``needs_data``: the merge cannot run without calibration data;
+    * ``uses_data``: it uses calibration data when given (``auto`` corrections, gates)."""
+
+    estimator: str | None
+    fit_moments: bool
+    gated: bool
+    grams: bool
+    fisher: bool
+    base: bool
+    correction: str
+    refine_steps: int
+    needs_data: bool
+    uses_data: bool
+
+    def statistics_pass(self, calibration: Any = None, source: Any = None) -> bool:
+        """Whether the calibration pass (fit, then held-out) runs: something reads it, and data is
+        at hand (passed to ``merge``, or the config's source)."""
+        reads = self.estimator is not None or self.grams or self.fisher
+        return bool(reads and (self.needs_data or calibration is not None or source))
+
+    def fit_forward(self) -> bool:
+        """Whether the fit examples need a forward at all (weight-based alignment with a linear
+        or Fisher merge reads nothing from them)."""
+        return self.fit_moments or self.grams
+
+
+def plan_for(config) -> MergePlan:
+    """The plan of a merge with ``config`` (a :class:`raot_hf.RaotConfig`)."""
+    aligns = config.alignment != "none" and bool(config.scope)
+    spec = estimator_spec(config.alignment) if aligns else None
+    rule = merge_rule_spec(config.merge_rule)
+    fit_moments = bool(spec and spec.needs_statistics)
+    correction = config.correction.method
+    explicit_correction = correction not in ("none", "auto")
+    return MergePlan(
+        estimator=config.alignment if aligns else None,
+        fit_moments=fit_moments,
+        gated=bool(spec and spec.gated and config.gate.enabled),
+        grams=rule.needs_grams,
+        fisher=rule.needs_fisher,
+        base=rule.needs_base,
+        correction=correction,
+        refine_steps=config.refine.steps,
+        needs_data=fit_moments or rule.needs_grams or rule.needs_fisher or explicit_correction,
+        uses_data=aligns or rule.needs_grams or rule.needs_fisher or correction != "none",
+    )
