@@ -22,7 +22,6 @@ few massive-activation tokens do not decide the score. The score of a merged blo
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from torch.func import functional_call
 
 from raot_hf.adapters.schema import ModelSchema
 from raot_hf.errors import RaotError
+from raot_hf.hooks import Call, Hooks, capture_calls, first_tensor
 from raot_hf.symmetry import (
     Transform,
     apply_transform,
@@ -39,14 +39,6 @@ from raot_hf.symmetry import (
     model_state,
     needs_folding,
 )
-
-
-class _Stop(Exception):
-    """Ends a forward after the last layer (the head's output is not needed)."""
-
-
-def _first_tensor(x) -> torch.Tensor:
-    return x if isinstance(x, torch.Tensor) else x[0]
 
 
 def layer_module_names(model: torch.nn.Module, schema: ModelSchema) -> list[str]:
@@ -72,13 +64,7 @@ def layer_module_names(model: torch.nn.Module, schema: ModelSchema) -> list[str]
     return names
 
 
-@dataclass
-class _Capture:
-    """One layer's call on one chunk of gate examples: its inputs (args, kwargs) and output."""
-
-    args: tuple
-    kwargs: dict
-    output: torch.Tensor
+_Capture = Call  # one layer's call on one chunk of gate examples: args, kwargs, output
 
 
 @dataclass
@@ -96,41 +82,10 @@ class GateChunk:
 
 
 @torch.no_grad()
-def capture_layers(model: torch.nn.Module, layer_names: list[str], inputs: dict) -> list[_Capture]:
+def capture_layers(model: torch.nn.Module, layer_names: list[str], inputs: dict) -> list[Call]:
     """Run ``model`` on ``inputs`` up to its last layer, keeping every layer's args, kwargs and output."""
-    modules = dict(model.named_modules())
-    calls: dict[int, tuple] = {}
-    out: list[_Capture | None] = [None] * len(layer_names)
-    handles = []
-
-    def pre(i):
-        def hook(_m, args, kwargs):
-            calls[i] = (args, dict(kwargs))
-
-        return hook
-
-    def post(i):
-        def hook(_m, _args, output):
-            out[i] = _Capture(*calls[i], _first_tensor(output))
-            if i == len(layer_names) - 1:
-                raise _Stop
-
-        return hook
-
-    for i, name in enumerate(layer_names):
-        handles.append(modules[name].register_forward_pre_hook(pre(i), with_kwargs=True))
-        handles.append(modules[name].register_forward_hook(post(i)))
-    if "use_cache" in inspect.signature(model.forward).parameters:
-        # a decoder's KV cache would grow each time a captured layer call is replayed
-        inputs = {**inputs, "use_cache": False}
-    try:
-        model(**inputs)
-    except _Stop:
-        pass
-    finally:
-        for h in handles:
-            h.remove()
-    if any(c is None for c in out):
+    out = capture_calls(model, layer_names, inputs)
+    if any(c is None or c.output is None for c in out):
         raise RaotError("a layer did not run during the gate forward; the merge gate cannot score it")
     return out
 
@@ -149,7 +104,7 @@ def _rse(out: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, start: torch.
 
 
 def _hidden_in(call_args: tuple, call_kwargs: dict) -> torch.Tensor:
-    return call_args[0] if call_args else call_kwargs["hidden_states"]
+    return Call(call_args, call_kwargs, None).hidden
 
 
 class MergedParameters:
@@ -263,11 +218,11 @@ def layer_fidelity(
     for c in chunks:
         ca, cb = c.a[index], c.b[index]
         if c.side == "a":
-            out = _first_tensor(functional_call(module, rel, ca.args, ca.kwargs))
+            out = first_tensor(functional_call(module, rel, ca.args, ca.kwargs))
             err = 2 * (1 - alpha) * _rse(out, ca.output, c.mask, _hidden_in(ca.args, ca.kwargs))
         else:
             args_b, kwargs_b = _b_prime_call(ca, cb, stream, hidden)
-            out = _first_tensor(functional_call(module, rel, args_b, kwargs_b))
+            out = first_tensor(functional_call(module, rel, args_b, kwargs_b))
             ref = _map_stream(cb.output, stream)
             err = 2 * alpha * _rse(out, ref, c.mask, _hidden_in(args_b, kwargs_b))
         scores.append(1 - err)
@@ -283,7 +238,7 @@ def _swapped(model: torch.nn.Module, layer_names: list[str], layer_params: Calla
     modules = dict(model.named_modules())
     saved_other = {k: params[k].detach().clone() for k in other}
     live: dict[str, torch.Tensor] = {}
-    handles = []
+    hooks = Hooks()
 
     def restore_layer():
         for k, v in live.items():
@@ -291,7 +246,7 @@ def _swapped(model: torch.nn.Module, layer_names: list[str], layer_params: Calla
         live.clear()
 
     def pre(i):
-        def hook(_m, _args):
+        def hook(_args):
             for k, v in layer_params(i).items():
                 live[k] = params[k].detach().clone()
                 params[k].copy_(v)
@@ -299,8 +254,8 @@ def _swapped(model: torch.nn.Module, layer_names: list[str], layer_params: Calla
         return hook
 
     for i, name in enumerate(layer_names):
-        handles.append(modules[name].register_forward_pre_hook(pre(i)))
-        handles.append(modules[name].register_forward_hook(lambda *_: restore_layer()))
+        hooks.on_input(modules[name], pre(i))
+        hooks.on_output(modules[name], lambda *_: restore_layer())
     try:
         with torch.no_grad():
             for k, v in other.items():
@@ -311,8 +266,7 @@ def _swapped(model: torch.nn.Module, layer_names: list[str], layer_params: Calla
             restore_layer()
             for k, v in saved_other.items():
                 params[k].copy_(v)
-        for h in handles:
-            h.remove()
+        hooks.remove()
 
 
 @torch.no_grad()

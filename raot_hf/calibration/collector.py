@@ -28,14 +28,7 @@ from raot_hf.calibration.statistics import (
     compute_dtype,
     quadratic_dtype,
 )
-
-
-def _first_tensor(x) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        return x
-    if isinstance(x, (tuple, list)) and x and isinstance(x[0], torch.Tensor):
-        return x[0]
-    raise TypeError(f"cannot read an activation from {type(x).__name__}")
+from raot_hf.hooks import Hooks, first_tensor
 
 
 class _Observer:
@@ -50,7 +43,7 @@ class _Observer:
         self.emit: Callable[[tuple, torch.Tensor], None] | None = None
         self.thread: int | None = None
         self.seen: set[tuple] = set()
-        self.handles = []
+        self.hooks = Hooks()
         modules = dict(model.named_modules())
         params = dict(model.named_parameters())
 
@@ -64,15 +57,15 @@ class _Observer:
             return x if bias is None else x + params[bias].detach()
 
         def out_hook(key, index=None, bias=None):
-            def hook(_m, _inp, out):
-                x = _first_tensor(out)
+            def hook(_inp, out):
+                x = first_tensor(out)
                 report(key, add_bias(x if index is None else x[..., index.to(x.device)], bias))
 
             return hook
 
         def in_hook(key):
-            def hook(_m, inp):
-                report(key, _first_tensor(inp))
+            def hook(inp):
+                report(key, first_tensor(inp))
 
             return hook
 
@@ -80,8 +73,7 @@ class _Observer:
             module = modules.get(name)
             if module is None:
                 raise KeyError(f"module {name} not found in {type(model).__name__}")
-            reg = module.register_forward_hook if kind == "out" else module.register_forward_pre_hook
-            self.handles.append(reg(hook))
+            (self.hooks.on_output if kind == "out" else self.hooks.on_input)(module, hook)
 
         for layer in schema.layers:
             r, i = layer.heads, layer.index
@@ -89,12 +81,12 @@ class _Observer:
             ki = None if r.k_index is None else torch.tensor(r.k_index)
             if r.q_module == r.k_module:
 
-                def fused_hook(_m, _inp, out, i=i, qi=qi, ki=ki, qb=r.q_bias, kb=r.k_bias):
-                    x = _first_tensor(out)
+                def fused_hook(_inp, out, i=i, qi=qi, ki=ki, qb=r.q_bias, kb=r.k_bias):
+                    x = first_tensor(out)
                     report(("q", i), add_bias(x[..., qi.to(x.device)], qb))
                     report(("k", i), add_bias(x[..., ki.to(x.device)], kb))
 
-                self.handles.append(modules[r.q_module].register_forward_hook(fused_hook))
+                self.hooks.on_output(modules[r.q_module], fused_hook)
             else:
                 add(r.q_module, "out", out_hook(("q", i), qi, r.q_bias))
                 add(r.k_module, "out", out_hook(("k", i), ki, r.k_bias))
@@ -113,9 +105,7 @@ class _Observer:
         self.emit = self.thread = None
 
     def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
+        self.hooks.remove()
 
 
 def stream_samples(x: torch.Tensor, centered: bool) -> torch.Tensor:

@@ -20,14 +20,7 @@ import torch
 from torch.func import functional_call
 
 from raot_hf.errors import RaotError
-
-
-class _Stop(Exception):
-    """Ends a forward at layer 0's input."""
-
-
-def _first_tensor(x) -> torch.Tensor:
-    return x if isinstance(x, torch.Tensor) else x[0]
+from raot_hf.hooks import Hooks, capture_calls, first_tensor
 
 
 @dataclass
@@ -45,7 +38,7 @@ class LayerCall:
         else:
             args, kwargs = (hidden, *self.args), self.kwargs
         out = module(*args, **kwargs) if params is None else functional_call(module, params, args, kwargs)
-        return _first_tensor(out)
+        return first_tensor(out)
 
 
 @dataclass
@@ -61,52 +54,23 @@ class Carried:
 @torch.no_grad()
 def layer0_call(model: torch.nn.Module, layer0: str, inputs: dict, params: dict | None = None):
     """Run ``model`` (with ``params`` swapped in) up to layer 0 and return its call and its input states."""
-    module = model.get_submodule(layer0)
-    seen: dict = {}
-
-    def hook(_m, args, kwargs):
-        seen["args"], seen["kwargs"] = args, dict(kwargs)
-        raise _Stop
-
-    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
-    if "use_cache" in _forward_parameters(model):
-        inputs = {**inputs, "use_cache": False}
-    try:
-        if params is None:
-            model(**inputs)
-        else:
-            functional_call(model, params, (), inputs)
-    except _Stop:
-        pass
-    finally:
-        handle.remove()
-    if "args" not in seen:
+    call = capture_calls(model, [layer0], inputs, params=params, outputs=False)[0]
+    if call is None:
         raise RaotError("layer 0 did not run during the correction pass; report this")
-    args, kwargs = seen["args"], seen["kwargs"]
-    if args:
-        return LayerCall(tuple(args[1:]), kwargs, False), args[0]
-    return LayerCall((), {k: v for k, v in kwargs.items() if k != "hidden_states"}, True), kwargs["hidden_states"]
-
-
-def _forward_parameters(model) -> set[str]:
-    import inspect
-
-    return set(inspect.signature(model.forward).parameters)
+    if call.args:
+        return LayerCall(tuple(call.args[1:]), call.kwargs, False), call.args[0]
+    rest = {k: v for k, v in call.kwargs.items() if k != "hidden_states"}
+    return LayerCall((), rest, True), call.kwargs["hidden_states"]
 
 
 @contextmanager
 def recording(module: torch.nn.Module, names: list[str], on_call: Callable[[str, torch.Tensor, torch.Tensor], None]):
     """Within the block, every call of the submodules ``names`` of ``module`` (relative names)
     reports ``(name, input, output)`` to ``on_call``."""
-    handles = []
-    for name in names:
-        sub = module.get_submodule(name)
-        handles.append(sub.register_forward_hook(lambda _m, args, out, n=name: on_call(n, args[0], out)))
-    try:
+    with Hooks() as hooks:
+        for name in names:
+            hooks.on_output(module.get_submodule(name), lambda args, out, n=name: on_call(n, args[0], out))
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

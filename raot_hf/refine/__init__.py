@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.func import functional_call
 
 from raot_hf.errors import RaotError
 from raot_hf.gate import paired_test
+from raot_hf.hooks import capture_calls
 from raot_hf.merge_fidelity import _rse, capture_layers, layer_module_names
 from raot_hf.options import check_field_types, check_non_negative_int, meta
 from raot_hf.refine.parameters import RefineParameters, as_transforms, dense_actions, transformed
@@ -29,10 +29,6 @@ from raot_hf.sections import OptionSection, register_section
 from raot_hf.symmetry import HeadAlignment, ResidualRotation, Transform, model_state
 
 logger = logging.getLogger("raot_hf.refine")
-
-
-class _Stop(Exception):
-    pass
 
 
 def _what_to_refine(alignment, schema) -> tuple[list[int], bool]:
@@ -68,35 +64,14 @@ def _targets(ctx, names: list[str], chunks: list[dict]) -> None:
             device = next(model.parameters()).device
             ends = [names[0], names[-1]] if len(names) > 1 else names[:1]
             calls = capture_layers(model, ends, {k: v.to(device) for k, v in c["inputs"].items()})
-            first, last = calls[0], calls[-1]
-            start = first.args[0] if first.args else first.kwargs["hidden_states"]
-            c[side] = (start.detach(), last.output.detach())
+            c[side] = (calls[0].hidden.detach(), calls[-1].output.detach())
         if c["mask"] is None:
             c["mask"] = torch.ones(c["a"][1].shape[:2], dtype=torch.bool)
 
 
 def _merged_output(ctx, last: str, params: dict, inputs: dict) -> torch.Tensor:
-    """The merged model's last-layer output (A's module computing with ``params``)."""
-    seen = {}
-
-    def hook(_m, _args, out):
-        seen["y"] = out if isinstance(out, torch.Tensor) else out[0]
-        raise _Stop
-
-    handle = ctx.model_a.get_submodule(last).register_forward_hook(hook)
-    try:
-        functional_call(ctx.model_a, params, (), {**inputs, **_no_cache(ctx.model_a)})
-    except _Stop:
-        pass
-    finally:
-        handle.remove()
-    return seen["y"]
-
-
-def _no_cache(model) -> dict:
-    import inspect
-
-    return {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    """The merged model's last-layer output (A's module computing with ``params``), differentiable."""
+    return capture_calls(ctx.model_a, [last], inputs, params=params)[0].output
 
 
 class _Objective:
