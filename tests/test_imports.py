@@ -194,11 +194,12 @@ def test_example_inputs_pad_every_tiny_decoder_on_the_right():
 def test_each_shared_condition_is_written_once():
     """Forward hooks are registered in one module, and the pre-LN fold condition is one function:
     a second hand-written copy would drift from the first."""
-    where: dict[str, set[str]] = {"register_forward": set(), 'norm == "pre" and': set()}
+    fold = 'norm == "pre" and "residual"'
+    where: dict[str, set[str]] = {"register_forward": set(), fold: set()}
     for name, path in _module_files().items():
         text = path.read_text(encoding="utf-8")
         for needle, seen in where.items():
             if needle in text:
                 seen.add(name)
     assert where["register_forward"] == {"raot_hf.hooks"}
-    assert where['norm == "pre" and'] == {"raot_hf.symmetry.apply"}
+    assert where[fold] == {"raot_hf.symmetry.apply"}
