@@ -15,7 +15,7 @@ import logging
 from benchmarks.builders import build_model
 from benchmarks.pairs import calibration_set, suite
 from raot_hf import RaotMerger
-from raot_hf.lineage import detect_siblings
+from raot_hf.gate.lineage import detect_siblings
 
 
 def pair_affinity(pair, run: int) -> dict:

@@ -19,7 +19,7 @@ from raot_hf.calibration.statistics import CalibrationStatistics
 from raot_hf.config import RaotConfig
 from raot_hf.distributed import DistributedContext, statistics_pass_needed
 from raot_hf.errors import RaotError
-from raot_hf.loading import ModelSource, check_compatible
+from raot_hf.io.loading import ModelSource, check_compatible
 from raot_hf.merging.siblings import refuse_moved_b
 from raot_hf.results import Alignment, MergeResult
 from raot_hf.stages.apply import apply_and_check

@@ -12,8 +12,8 @@ import copy
 import torch
 import transformers
 
-from raot_hf.equivalence import example_inputs, output_deviation  # noqa: F401 (re-exported for tests and selfcheck)
 from raot_hf.errors import RaotError
+from raot_hf.symmetry.equivalence import example_inputs, output_deviation  # noqa: F401 (re-exported for tests and selfcheck)
 
 _CONFIGS = {
     "bert": ("BertConfig", "Bert", {}),

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from raot_hf import RaotError, RaotMerger
 from raot_hf.adapters import supported_model_types
 from raot_hf.cli import main
-from raot_hf.loading import ModelSource
+from raot_hf.io.loading import ModelSource
 from raot_hf.testing import (
     tiny_image_dataset,
     tiny_image_processor,
@@ -146,7 +146,7 @@ def _assert_clean_error(res, out, *needles):
 @pytest.fixture
 def weights_loaded(monkeypatch):
     """Records every parent whose weights are loaded (the real loader still runs)."""
-    from raot_hf import loading
+    from raot_hf.io import loading
     from raot_hf.stages import load
 
     calls = []

@@ -280,7 +280,7 @@ def test_python_dare_ties_is_byte_identical_across_runs(siblings):
 @pytest.fixture
 def no_weight_loads(monkeypatch):
     """Fail the test if any checkpoint's weights are read."""
-    from raot_hf import loading
+    from raot_hf.io import loading
 
     def refuse(*args, **kwargs):
         raise AssertionError("weights were loaded")

@@ -5,7 +5,7 @@ import torch
 import transformers
 
 from raot_hf import RaotError, RaotMerger, schema_for, scramble
-from raot_hf.loading import check_compatible
+from raot_hf.io.loading import check_compatible
 from raot_hf.symmetry import (
     HeadAlignment,
     ResidualRotation,
@@ -250,7 +250,7 @@ def test_incompatible_decoder_pairs_are_refused(pair, match):
 def test_bad_decoder_config_refused_before_weights(tmp_path):
     """A layout the schema cannot describe fails from config.json alone: the weight file is
     garbage and is never read."""
-    from raot_hf.loading import ModelSource, load_config
+    from raot_hf.io.loading import ModelSource, load_config
 
     cfg = tiny_decoder_config("llama", rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5})
     cfg.save_pretrained(tmp_path / "m")

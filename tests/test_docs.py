@@ -89,3 +89,23 @@ def test_the_checks_catch_what_they_are_for():
     assert missing_citations("a bare (§3.2) citation", sections, bare=True) == ["3.2"]
     assert design_sections("# title\n## §1 Conventions\n### §3.3 Folding\ntext §4\n") == ["1", "3.3"]
     assert _OUTSIDE.search("as DESIGN" + ".md §4 says") and not _OUTSIDE.search("docs/design.md §4")
+
+
+_PATH = re.compile(r"(?<![~/.\w])raot_hf/[\w/]+(?:\.py)?")  # not inside another path (~/.cache/raot_hf/…)
+
+
+def test_every_module_path_the_docs_name_exists():
+    """docs/architecture.md's map (and every other document's file references) stays true as the
+    code moves: each ``raot_hf/…`` path named in README.md, docs/ and benchmarks' READMEs exists."""
+    documents = [
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+        *sorted(ROOT.glob("benchmarks/**/README.md")),
+    ]
+    missing = []
+    for doc in documents:
+        for m in _PATH.finditer(doc.read_text(encoding="utf-8")):
+            path = m.group(0).rstrip("/")
+            if not (ROOT / path).exists():
+                missing.append(f"{doc.relative_to(ROOT)}: {path}")
+    assert not missing, "documents name files that do not exist:\n" + "\n".join(sorted(set(missing)))

@@ -151,7 +151,7 @@ def test_soft_transport_is_not_gated():
 def test_too_few_gate_examples_keep_the_identity(caplog):
     a, b = _scrambled()
     pre, data = _data("bert", 12)  # 3 held-out examples
-    with caplog.at_level(logging.WARNING, logger="raot_hf.merge_gate"):
+    with caplog.at_level(logging.WARNING, logger="raot_hf.gate.merge"):
         alignment, _, _ = RaotMerger.from_models(a, b, preprocessor=pre, min_heldout_tokens=1).align(data)
     assert not any(d.applied for d in alignment.decisions)
     assert "too few gate examples" in caplog.text

@@ -7,7 +7,7 @@ import torch
 from raot_hf import schema_for
 from raot_hf.calibration import CalibrationConfig, iter_calibration_batches
 from raot_hf.calibration.collector import StatisticsCollector
-from raot_hf.grams import aligned_grams
+from raot_hf.merging.grams import aligned_grams
 from raot_hf.symmetry import fold_model, norm_affines, random_group_element, transform_model
 from raot_hf.testing import (
     tiny_image_dataset,

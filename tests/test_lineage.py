@@ -5,7 +5,7 @@ import torch
 
 from raot_hf import RaotMerger
 from raot_hf.adapters import schema_for
-from raot_hf.lineage import CHANCE_MULTIPLE, SIBLING_AFFINITY, detect_siblings, identity_affinity
+from raot_hf.gate.lineage import CHANCE_MULTIPLE, SIBLING_AFFINITY, detect_siblings, identity_affinity
 from raot_hf.symmetry import HeadAlignment, MLPPermutation, ResidualPermutation, ResidualRotation
 from raot_hf.symmetry.apply import transform_model
 from raot_hf.symmetry.group import mean_fixing, random_orthogonal

@@ -79,11 +79,11 @@ def test_a_rule_registered_from_outside_brings_its_own_option_and_flag(tmp_path,
 
     from click.testing import CliRunner
 
-    import raot_hf.sections as section_table
+    import raot_hf.config.sections as section_table
     from raot_hf import RaotConfig
     from raot_hf.cli import main
-    from raot_hf.options import meta
-    from raot_hf.sections import OptionSection
+    from raot_hf.config.options import meta
+    from raot_hf.config.sections import OptionSection
     from raot_hf.testing import tiny_tokenizer
 
     monkeypatch.setattr(rule_table, "_RULES", dict(rule_table._RULES))

@@ -122,7 +122,7 @@ class GPT2Adapter(Adapter):
             ps.add(residual, f"{p}{norm}.bias", 0, True, "norm_bias")
             folds.append(Fold(f"{p}{norm}.weight", f"{p}{norm}.bias", ((w, b),), transposed=(w,)))
         fused = p + t.fused_qkv
-        # Conv1D weights are (in, out): RegMean solves them transposed (raot_hf/grams.py)
+        # Conv1D weights are (in, out): RegMean solves them transposed (raot_hf/merging/grams.py)
         linears = tuple(p + m for m in (t.fused_qkv, t.o, t.fc1, t.fc2))
         readout = HeadReadout(fused, fused, fused, q_idx, k_idx)
         layer = LayerSchema(i, readout, p + t.o, p + t.fc2, linears, p.rstrip("."))

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
-from raot_hf.sections import OptionSection, register_section
 
 MOMENT_PRECISIONS = ("auto", "float32", "bfloat16")
 

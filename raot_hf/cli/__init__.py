@@ -12,8 +12,8 @@ import click
 
 from raot_hf.cli.errors import friendly_errors
 from raot_hf.config import RaotConfig
+from raot_hf.config.options import CliOption, cli_options
 from raot_hf.errors import RaotError
-from raot_hf.options import CliOption, cli_options
 from raot_hf.version import __version__
 
 logger = logging.getLogger("raot_hf.cli")

@@ -14,12 +14,12 @@ weights: the output loads with ``AutoModel*`` as before.
 
 from dataclasses import dataclass, field
 
+from raot_hf.config.options import check_choice, check_field_types, meta
+from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.correction.carry import Carried, LayerCall, capture
 from raot_hf.correction.fits import Site, least_squares_layer, least_squares_readers, repair_layer
 from raot_hf.correction.layer import LayerPass
 from raot_hf.errors import RaotError
-from raot_hf.options import check_choice, check_field_types, meta
-from raot_hf.sections import OptionSection, register_section
 
 #: The correction methods (``correction.method``): "auto" chooses, "none" runs no pass.
 CORRECTION_METHODS = ("auto", "none", "lsq", "repair")

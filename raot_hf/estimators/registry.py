@@ -87,7 +87,7 @@ def register_estimator(
     if name in _ESTIMATORS:
         raise RaotError(f"estimator {name!r} is already registered; registered: {', '.join(_ESTIMATORS)}")
     if config is not None:
-        from raot_hf.sections import register_section
+        from raot_hf.config.sections import register_section
 
         register_section(config)
         options = config.section

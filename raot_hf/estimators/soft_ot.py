@@ -41,9 +41,9 @@ from scipy.optimize import linear_sum_assignment
 
 from raot_hf.adapters.schema import ModelSchema
 from raot_hf.calibration.statistics import CalibrationStatistics, Moments, SplitStatistics
+from raot_hf.config.options import check_field_types, meta
+from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
-from raot_hf.options import check_field_types, meta
-from raot_hf.sections import OptionSection, register_section
 from raot_hf.symmetry.transforms import SoftTransport, Transform, TransformSequence
 
 logger = logging.getLogger("raot_hf.estimators.soft_ot")

@@ -47,11 +47,11 @@ from huggingface_hub.utils import tqdm
 from scipy.optimize import linear_sum_assignment
 
 from raot_hf.adapters.schema import ModelSchema, Space
+from raot_hf.config.options import check_field_types, meta
+from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
 from raot_hf.estimators.weight_features import SpaceFeatures, space_features
 from raot_hf.estimators.weight_grouped import align_grouped_heads, check_grouped_options
-from raot_hf.options import check_field_types, meta
-from raot_hf.sections import OptionSection, register_section
 from raot_hf.symmetry.transforms import (
     HeadAlignment,
     HeadRescale,

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from raot_hf.config.sections import register_section
 from raot_hf.errors import RaotError
 from raot_hf.merging.base_rules import (
     MAX_RELATIVE_TASK_NORM,
@@ -39,7 +40,6 @@ from raot_hf.merging.rules import (
     merge_regmean,
     shrink_gram,
 )
-from raot_hf.sections import register_section
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def register_merge_rule(
 ) -> Callable:
     """Register ``fn`` as the merge rule ``name`` (see :class:`MergeRuleSpec` for the flags);
     refuses non-callables and duplicate names. ``config``: the rule's own options section (a
-    dataclass :class:`~raot_hf.sections.OptionSection`), registered with it — then
+    dataclass :class:`~raot_hf.config.sections.OptionSection`), registered with it — then
     ``RaotConfig``, its JSON and the CLI's ``--<section>-<field>`` flags know it, and unless
     ``options`` maps the rule's keywords elsewhere, the rule is called with every field of it."""
     if not isinstance(name, str) or not name:

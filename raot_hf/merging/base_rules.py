@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from raot_hf.config.options import check_field_types, meta
+from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
 from raot_hf.merging.rules import (
     StateDict,
@@ -38,8 +40,6 @@ from raot_hf.merging.rules import (
     _note,
     check_compatible_states,
 )
-from raot_hf.options import check_field_types, meta
-from raot_hf.sections import OptionSection, register_section
 
 logger = logging.getLogger("raot_hf.merging")
 

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from huggingface_hub.utils import tqdm
 
+from raot_hf.config.options import check_field_types, check_non_negative_int, meta
+from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
-from raot_hf.options import check_field_types, check_non_negative_int, meta
-from raot_hf.sections import OptionSection, register_section
 
 logger = logging.getLogger("raot_hf.merging")
 
@@ -453,7 +453,7 @@ def merge_heads(
     merge — merge the body with the head parameters left out when the label spaces differ.
     ``policy="average"`` interpolates with weight ``alpha`` on B′ and needs the same label
     space (equal ``num_labels`` and ``id2label``); with ``policy="b"`` the model receiving the
-    merge must first take B's head shapes and label config (:func:`raot_hf.loading.adopt_head`).
+    merge must first take B's head shapes and label config (:func:`raot_hf.io.loading.adopt_head`).
     """
     if policy not in HEAD_POLICIES:
         raise RaotError(f"unknown head policy {policy!r}; use one of: {', '.join(HEAD_POLICIES)}.")

@@ -5,7 +5,7 @@ merger establishes that in three steps, each refusing with one line:
 
 1. before any weights load: a base-relative rule needs a base, and a base needs such a rule
    (:func:`check_base_use`); the base's config must match A's shapes
-   (:func:`raot_hf.loading.check_base_compatible`);
+   (:func:`raot_hf.io.loading.check_base_compatible`);
 2. once loaded, data-free: A and B must each lie near the base in weight space
    (:func:`check_task_norms`) — a model from another initialisation, or the base in another
    basis, sits at ≈ √2 relative distance, a fine-tune far below 1;

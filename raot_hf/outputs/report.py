@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from raot_hf.options import cli_options, setting_at
+from raot_hf.config.options import cli_options, setting_at
 from raot_hf.outputs.card import summary_with_verdict
 from raot_hf.outputs.quality import describe_quality
 from raot_hf.version import __version__

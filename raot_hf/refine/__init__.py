@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
+from raot_hf.config.options import check_field_types, check_non_negative_int, meta
+from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
 from raot_hf.gate import paired_test
+from raot_hf.gate.fidelity import _rse, capture_layers, layer_module_names
 from raot_hf.hooks import capture_calls
-from raot_hf.merge_fidelity import _rse, capture_layers, layer_module_names
-from raot_hf.options import check_field_types, check_non_negative_int, meta
 from raot_hf.refine.parameters import RefineParameters, as_transforms, dense_actions, transformed
-from raot_hf.sections import OptionSection, register_section
 from raot_hf.symmetry import HeadAlignment, ResidualRotation, Transform, model_state
 
 logger = logging.getLogger("raot_hf.refine")

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from raot_hf.equivalence import compare_outputs, example_inputs, primary_outputs
 from raot_hf.errors import EquivalenceError
 from raot_hf.results import Alignment
 from raot_hf.stages.context import PairContext, on_device_of
 from raot_hf.symmetry import fold_model, needs_folding, norm_affines, transform_model
+from raot_hf.symmetry.equivalence import compare_outputs, example_inputs, primary_outputs
 
 logger = logging.getLogger("raot_hf.stages.apply")
 

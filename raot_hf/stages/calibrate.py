@@ -29,11 +29,11 @@ from raot_hf.calibration.batches import check_tokenizer_reads_text, count_calibr
 from raot_hf.calibration.collector import StatisticsCollector
 from raot_hf.calibration.precision import resolve_moment_precision
 from raot_hf.calibration.statistics import CalibrationStatistics
-from raot_hf.equivalence import select_primary
 from raot_hf.errors import RaotError
 from raot_hf.estimators.activation import candidate_maps
 from raot_hf.estimators.builtin import residual_mode
 from raot_hf.stages.context import PairContext
+from raot_hf.symmetry.equivalence import select_primary
 
 logger = logging.getLogger("raot_hf.stages.calibrate")
 

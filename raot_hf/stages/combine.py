@@ -15,9 +15,9 @@ import torch
 
 from raot_hf.calibration import iter_calibration_batches
 from raot_hf.errors import RaotError
-from raot_hf.grams import aligned_grams, transposed_weights
-from raot_hf.loading import adopt_head
+from raot_hf.io.loading import adopt_head
 from raot_hf.merging import MergeRuleSpec, add_rule_log, merge_heads, merge_rule_spec
+from raot_hf.merging.grams import aligned_grams, transposed_weights
 from raot_hf.results import Alignment
 from raot_hf.stages.context import PairContext
 from raot_hf.stages.correct import corrected_merge
@@ -48,7 +48,7 @@ def _finite_gram_keys(gram_keys: dict[str, str], grams_a, grams_b) -> dict[str, 
 def _fishers(ctx: PairContext, run, names: set[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Label-free diagonal Fishers of A and of B′ (measured after alignment, since a rotation
     does not map a diagonal Fisher onto a diagonal one) on the calibration set."""
-    from raot_hf.fisher import diagonal_fisher
+    from raot_hf.merging.fisher import diagonal_fisher
 
     if run is None:
         raise RaotError("merge_rule='fisher' needs calibration data; pass calibration=... (or --calibration)")

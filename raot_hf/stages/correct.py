@@ -18,7 +18,7 @@ from raot_hf.adapters.schema import ModelSchema
 from raot_hf.calibration import iter_calibration_batches
 from raot_hf.correction import LayerPass, Site, capture, least_squares_layer, least_squares_readers, repair_layer
 from raot_hf.errors import RaotError
-from raot_hf.merge_fidelity import layer_module_names
+from raot_hf.gate.fidelity import layer_module_names
 from raot_hf.merging import MergeRuleSpec, add_rule_log
 from raot_hf.stages.context import PairContext
 from raot_hf.symmetry import load_state

@@ -1,7 +1,7 @@
 """Stage: the gate — every candidate competes with the identity (docs/design.md §5).
 
 First each candidate's held-out alignment-objective gain (:func:`alignment_decisions`); then,
-under the default merge objective, :func:`raot_hf.merge_gate.merge_gate` re-decides them by the
+under the default merge objective, :func:`raot_hf.gate.merge.merge_gate` re-decides them by the
 merged computation's fidelity and the sibling check; :func:`decide` returns the
 :class:`raot_hf.results.Alignment` with what is to be applied to B.
 """
@@ -12,7 +12,7 @@ from raot_hf.estimators import estimator_spec, is_identity
 from raot_hf.estimators.activation import head_gains, mlp_gains, residual_gains
 from raot_hf.gate import GateDecision, Status, unscored
 from raot_hf.gate import decide as decide_one
-from raot_hf.merge_gate import merge_gate
+from raot_hf.gate.merge import merge_gate
 from raot_hf.results import Alignment
 from raot_hf.stages.context import PairContext
 from raot_hf.symmetry import (

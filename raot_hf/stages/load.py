@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from raot_hf.loading import (
+from raot_hf.io.loading import (
     ModelSource,
     check_base_compatible,
     check_base_tokenizer,

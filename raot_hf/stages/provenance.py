@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from raot_hf.loading import ModelSource
+from raot_hf.io.loading import ModelSource
 from raot_hf.outputs import hash_checkpoint_files
 from raot_hf.outputs.card import alignment_summary
 from raot_hf.results import Alignment

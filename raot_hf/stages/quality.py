@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from raot_hf.equivalence import primary_outputs
 from raot_hf.stages.context import PairContext, on_device_of
+from raot_hf.symmetry.equivalence import primary_outputs
 
 _LOGITS = ("logits", "start_logits", "end_logits", "cls_logits")
 

@@ -16,7 +16,7 @@ import transformers
 from raot_hf.adapters import get_adapter, is_decoder, supported_model_types
 from raot_hf.errors import RaotError
 
-logger = logging.getLogger("raot_hf.loading")
+logger = logging.getLogger("raot_hf.io.loading")
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -15,7 +15,7 @@ import torch
 
 from raot_hf.errors import RaotError
 
-logger = logging.getLogger("raot_hf.fisher")
+logger = logging.getLogger("raot_hf.merging.fisher")
 
 
 def _log_prob_of_sample(logits: torch.Tensor, mask: torch.Tensor | None, generator: torch.Generator) -> torch.Tensor:

@@ -2,14 +2,14 @@
 
 The top level says what to align and how to merge; each method's own options live in a
 section defined beside the method's code and registered with it
-(:func:`raot_hf.sections.register_section`): the built-in ``gate``, ``weight``, ``soft_ot``,
+(:func:`raot_hf.config.sections.register_section`): the built-in ``gate``, ``weight``, ``soft_ot``,
 ``regmean``, ``fisher``, ``base_rules``, ``correction``, ``refine`` and ``calibration`` are typed
 fields; a section registered later (a merge rule or estimator added from outside the package) is
 held the same way, read as ``config.<section>`` and written to JSON beside the others. The flat
 keys of earlier versions (``gate_z``, ``regmean_shrink``, ``gate=False`` …) are still read by
 :meth:`RaotConfig.from_dict`, :meth:`RaotConfig.replace` and hence ``RaotMerger.from_pretrained(a, b, **options)``.
 Field metadata (``help``, ``flag``, ``choices``) generates the ``raot-hf merge`` / ``inspect``
-options (:func:`raot_hf.options.cli_options`).
+options (:func:`raot_hf.config.options.cli_options`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from raot_hf.calibration.settings import CalibrationConfig
+from raot_hf.config.options import check_choice, check_field_types, check_non_negative_int, legacy_keys
+from raot_hf.config.sections import registered_sections
 from raot_hf.correction import CorrectionOptions
 from raot_hf.errors import RaotError
 from raot_hf.estimators import available_estimators
@@ -28,9 +30,7 @@ from raot_hf.gate import GATE_OBJECTIVES, GateOptions
 from raot_hf.merging import HEAD_POLICIES, available_merge_rules, merge_rule_spec
 from raot_hf.merging.base_rules import BaseRuleOptions
 from raot_hf.merging.rules import FisherOptions, RegMeanOptions
-from raot_hf.options import check_choice, check_field_types, check_non_negative_int, legacy_keys
 from raot_hf.refine import RefineOptions
-from raot_hf.sections import registered_sections
 from raot_hf.version import __version__
 
 #: The estimators registered when this module was imported, and "none" (validation and the CLI read
@@ -85,7 +85,7 @@ class RaotConfig:
       rotation per rotary pair, the maps that commute with the position rotations (exact). Off,
       the Q/K map is a free orthogonal map per head: it does not commute with RoPE, so B′ no longer
       computes B's function (reported as approximate, with its measured deviation; an ablation).
-    * ``gate``: :class:`~raot_hf.options.GateOptions` — whether the identity competes with every
+    * ``gate``: :class:`~raot_hf.config.options.GateOptions` — whether the identity competes with every
       estimate on held-out data (``gate.enabled``), its margin, floor and objective.
     * ``merge_rule``: a rule of :mod:`raot_hf.merging`'s registry — ``linear``, ``regmean`` (Grams
       from the same calibration pass; ``regmean.shrink``), ``fisher`` (``fisher.samples``), or the
@@ -95,9 +95,9 @@ class RaotConfig:
     * ``head``: classifier head policy — keep ``a``'s, ``b``'s, or ``average`` (needs equal label spaces).
     * ``dtype``: the dtype the models load in; ``seed``: dare_ties' masks, the Fisher's examples
       and the functional check's inputs; ``check_batches``: held-out batches kept for the B′ ≡ B check.
-    * ``correction``: :class:`~raot_hf.options.CorrectionOptions` — a post-merge correction of the
+    * ``correction``: :class:`~raot_hf.config.options.CorrectionOptions` — a post-merge correction of the
       merged model, layer by layer (``lsq``, ``repair``; docs/design.md §6.7).
-    * ``refine``: :class:`~raot_hf.options.RefineOptions` — learned alignment: gradient steps on the
+    * ``refine``: :class:`~raot_hf.config.options.RefineOptions` — learned alignment: gradient steps on the
       continuous symmetries of B′, label-free, early-stopped, competing with the estimate (§5.6).
     * ``calibration``: :class:`~raot_hf.calibration.settings.CalibrationConfig`.
     """
@@ -300,7 +300,7 @@ def _is_section_value(name: str, value: Any) -> bool:
 
 def _fold_legacy_keys(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     """``base`` updated by ``changes``: fields and whole sections replace, then each flat key of
-    earlier versions (:func:`raot_hf.options.legacy_keys`) sets its field inside its section.
+    earlier versions (:func:`raot_hf.config.options.legacy_keys`) sets its field inside its section.
     ``gate`` is both: a dict or GateOptions is the section, anything else ``gate.enabled``."""
     out = dict(base)
     legacy = {}

@@ -1,5 +1,5 @@
 """The JSON round trip every options section shares: :class:`raot_hf.RaotConfig`'s per-method
-sections (:mod:`raot_hf.options`) and its calibration settings."""
+sections (:mod:`raot_hf.config.options`) and its calibration settings."""
 
 from __future__ import annotations
 

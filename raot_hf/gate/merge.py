@@ -12,7 +12,7 @@ set of held-out examples (the *gate set*):
   without the layer's head estimate, then with and without its MLP estimate given the heads'
   decision, evaluated on A's layer at A's captured call and at B′'s (B's in A's basis); the
   residual candidate (it touches every layer) is part of both sides. Fidelity per example is
-  defined in :mod:`raot_hf.merge_fidelity` (1 − relative squared error of the merged block's
+  defined in :mod:`raot_hf.gate.fidelity` (1 − relative squared error of the merged block's
   output to each parent's, over real tokens, weighted 1−α and α);
 * **model level**: the merged model with the accepted set (residual map included) against the
   identity merge (the plain average), fidelity of the last layer's output to A's and B′'s. This
@@ -36,8 +36,7 @@ import torch
 
 from raot_hf.adapters.schema import ModelSchema
 from raot_hf.gate import GateDecision, Status, paired_test
-from raot_hf.lineage import LineageEvidence, detect_siblings
-from raot_hf.merge_fidelity import (
+from raot_hf.gate.fidelity import (
     GateChunk,
     MergedParameters,
     gate_chunks,
@@ -46,6 +45,7 @@ from raot_hf.merge_fidelity import (
     model_fidelity,
     stream_matrix,
 )
+from raot_hf.gate.lineage import LineageEvidence, detect_siblings
 from raot_hf.symmetry import (
     HeadAlignment,
     HeadRescale,
@@ -55,7 +55,7 @@ from raot_hf.symmetry import (
     Transform,
 )
 
-logger = logging.getLogger("raot_hf.merge_gate")
+logger = logging.getLogger("raot_hf.gate.merge")
 
 #: Below this many gate examples there is no spread to learn the noise from: the identity stands.
 MIN_GATE_EXAMPLES = 4

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from raot_hf.calibration.settings import CalibrationConfig
+from raot_hf.config.sections import registered_sections
 from raot_hf.errors import RaotError
-from raot_hf.sections import registered_sections
 
 
 def check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
@@ -65,7 +65,7 @@ def meta(help: str, legacy: str | None = None, **extra: Any) -> dict[str, Any]:
 
 def __getattr__(name: str) -> Any:
     """``SECTIONS`` (section name → class) and ``LEGACY_KEYS`` (flat key → (section, field)),
-    read from the live section registry (:func:`raot_hf.sections.register_section`)."""
+    read from the live section registry (:func:`raot_hf.config.sections.register_section`)."""
     if name == "SECTIONS":
         return registered_sections()
     if name == "LEGACY_KEYS":

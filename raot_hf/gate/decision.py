@@ -18,9 +18,9 @@ from enum import Enum
 
 import torch
 
+from raot_hf.config.options import check_choice, check_field_types, check_non_negative_int, meta
+from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
-from raot_hf.options import check_choice, check_field_types, check_non_negative_int, meta
-from raot_hf.sections import OptionSection, register_section
 
 logger = logging.getLogger("raot_hf.gate")
 
