@@ -17,9 +17,9 @@ from raot_hf import config as config_module
 from raot_hf.calibration import CalibrationConfig
 from raot_hf.cli import main
 from raot_hf.config import RaotConfig
+from raot_hf.config.options import LEGACY_KEYS, SECTIONS
 from raot_hf.errors import RaotError
 from raot_hf.gate import GATE_OBJECTIVES
-from raot_hf.config.options import LEGACY_KEYS, SECTIONS
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
