@@ -183,7 +183,9 @@ def worker_merge(args) -> dict:
     with RssSampler() as sampler:
         start = time.perf_counter()
         sampler.stage = "load"
-        config = RaotConfig(calibration=_calibration_config(args), merge_rule=args.merge_rule)
+        config = RaotConfig(
+            calibration=_calibration_config(args), merge_rule=args.merge_rule, correction={"method": args.correction}
+        )
         merger = RaotMerger.from_pretrained(work / "A", work / "B", config=config)
         timer_stage = merger.timer.stage
 
@@ -221,6 +223,7 @@ def worker_merge(args) -> dict:
         "decisions": len(result.report["decisions"]),
         "deviation": result.report["checks"][0]["value"],
         "recovery": recovery,
+        "correction": ((result.report.get("merge") or {}).get("correction") or {}).get("method", "none"),
         "peak_rss": peak,
         "rss_after_import": rss_import,
         "stage_rss": sampler.peaks,
@@ -308,7 +311,7 @@ def _run_worker(kind: str, args, workdir: Path) -> dict:
     cmd += ["--examples", str(args.examples), "--seq", str(args.seq), "--batch-size", str(args.batch_size)]
     cmd += ["--threads", str(args.threads), "--moment-stride", str(args.moment_stride)]
     cmd += ["--merge-rule", args.merge_rule, "--moment-precision", args.moment_precision]
-    cmd += ["--mlp-tokens-per-unit", str(args.mlp_tokens_per_unit)]
+    cmd += ["--mlp-tokens-per-unit", str(args.mlp_tokens_per_unit), "--correction", args.correction]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -361,7 +364,7 @@ def render(results: dict, args) -> str:
             f"| {_mib(m['gram_bytes']) if m.get('gram_bytes') else '–'} |"
         )
     lines += ["", "Per-stage times (s) and sampled peak RSS per stage:", ""]
-    stages = ["load", "calibration", "solve", "gate", "apply", "merge", "write"]
+    stages = ["load", "calibration", "solve", "gate", "apply", "refine", "merge", "correction", "write"]
     lines += ["| shape | run | " + " | ".join(stages) + " | other |", "|---|---|" + "---|" * (len(stages) + 1)]
     for shape, r in results.items():
         if shape.startswith("_"):
@@ -392,7 +395,8 @@ def render(results: dict, args) -> str:
         lines.append(f"* {shape}: " + "; ".join(checks) + ".")
         lines.append(
             f"  Merge: {m['applied']}/{m['decisions']} transforms applied, B′ ≡ B deviation {m['deviation']:.1e}, "
-            f"merged vs A (relative, last hidden state) {m.get('recovery', float('nan')):.1e}; "
+            f"merged vs A (relative, last hidden state) {m.get('recovery', float('nan')):.1e}, "
+            f"post-merge correction {m.get('correction', 'none')}; "
             f"RSS after imports {_mib(m['rss_after_import'])}; peak RSS above it "
             f"{(m['peak_rss'] - m['rss_after_import']) / size:.2f} × (A + B) (floor: "
             f"{(f['peak_rss'] - f['rss_after_import']) / size:.2f} ×). All totals (s): {r['all_totals']}."
@@ -432,6 +436,12 @@ def main(argv=None) -> None:
         "--budgets", default="0", help="comma list: one merge run per mlp_tokens_per_unit (0 = every token)"
     )
     parser.add_argument("--mlp-tokens-per-unit", type=int, default=0, help=argparse.SUPPRESS)  # for a worker
+    parser.add_argument(
+        "--corrections",
+        default="auto",
+        help="comma list: one merge run per post-merge correction (auto, none, lsq, repair)",
+    )
+    parser.add_argument("--correction", default="auto", help=argparse.SUPPRESS)  # for a worker
     parser.add_argument("--repeat", type=int, default=1, help="runs of each kind; the fastest is reported")
     parser.add_argument("--workdir", help="where models and data go (default: a temporary directory)")
     parser.add_argument("--out", default=str(HERE / "results.md"))
@@ -457,12 +467,14 @@ def main(argv=None) -> None:
             rules = [x for x in args.merge_rules.split(",") if x]
             precisions = [x for x in args.moment_precisions.split(",") if x]
             budgets = [int(x) for x in args.budgets.split(",") if x]
+            corrections = [x for x in args.corrections.split(",") if x]
             variants = {
-                f"merge{s}-{rule}-{p}-{b}": (s, rule, p, b)
+                f"merge{s}-{rule}-{p}-{b}-{c}": (s, rule, p, b, c)
                 for s in strides
                 for rule in rules
                 for p in precisions
                 for b in budgets
+                for c in corrections
             }
             kinds = ["floor", *variants]
             runs: dict[str, list] = {kind: [] for kind in kinds}
@@ -476,6 +488,7 @@ def main(argv=None) -> None:
                             worker_args.merge_rule,
                             worker_args.moment_precision,
                             worker_args.mlp_tokens_per_unit,
+                            worker_args.correction,
                         ) = variants[kind]
                     x = _run_worker("floor" if kind == "floor" else "merge", worker_args, work)
                     x["load_average"] = os.getloadavg()[0]
@@ -483,10 +496,11 @@ def main(argv=None) -> None:
                     print(f"[{shape}] {kind}: {x['total_s']:.1f} s, peak {_mib(x['peak_rss'])}", file=sys.stderr)
             # the fastest run of each kind is the least disturbed by other jobs on the machine
             best = {kind: min(xs, key=lambda x: x["total_s"]) for kind, xs in runs.items()}
-            for kind, (stride, rule, precision, budget) in variants.items():
+            for kind, (stride, rule, precision, budget, correction) in variants.items():
                 details = ([f"moment_stride={stride}"] if stride != 1 else []) + ([rule] if rule != "linear" else [])
                 details += [f"moments {precision}"] if precision != "auto" else []
                 details += [f"≤ {budget} tokens per MLP unit"] if budget else []
+                details += [f"correction {correction}"] if correction != "auto" else []
                 label = ", ".join([shape, *details])
                 results[label] = {
                     "floor": best["floor"],
