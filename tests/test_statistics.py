@@ -118,5 +118,5 @@ def test_quadratic_sums_in_activation_precision():
         batches = iter_calibration_batches(tiny_text_dataset(8), tiny_tokenizer(), CalibrationConfig(batch_size=8))
         stats = _collect(a, b, schema_for(a), batches).fit
         assert stats.mlp[0].comoment.dtype == quadratic_dtype(dtype) == dtype
-        assert stats.q[0].comoment.dtype == stats.stream.comoment.dtype == torch.float64  # rotation sites
+        assert stats.q[0].comoment.dtype == quadratic_dtype(dtype) and stats.stream.comoment.dtype == torch.float64
         assert stats.mlp[0].sum_a.dtype == stats.mlp[0].sq_a.dtype == torch.float64

@@ -319,24 +319,21 @@ class SplitStatistics:
         cls, schema: ModelSchema, *, device=None, stream_full: bool = True, quad_dtype=_F64, mlp_product_dtype=None
     ) -> SplitStatistics:
         """Zero sums for ``schema``; ``stream_full=False`` drops the stream's Σbᵀb (needed only to
-        score a residual rotation); the MLP's k×k sums in ``quad_dtype`` and its cross moments'
-        products in ``mlp_product_dtype`` (None: the activations' dtype).
+        score a residual rotation); the k×k co-moments in ``quad_dtype`` (the MLP's products in
+        ``mlp_product_dtype``; None: the activations' dtype).
 
-        The head and stream moments feed continuous maps (rotations and scales), whose accuracy
-        is set by the small singular values of the cross moments: their per-batch products and
-        sums are float64 whatever the model's dtype (docs/design.md §4.3). They are 4·d² per layer
-        against the MLP's f² = 16·d², whose correlations feed a discrete assignment."""
+        The stream's d×d sums are float64 whatever the model's dtype: it is the one site where a
+        few massive-activation tokens meet every other (docs/design.md §4.3); its rows are float64
+        too. The head sites' co-moments take the activations' precision: they are centered per
+        batch, so their error is relative to the heads' spread, not to their mean."""
         L, d, f = schema.num_layers, schema.hidden_size, schema.intermediate_size
-        exact = dict(device=device, quad_dtype=_F64, product_dtype=_F64)
+        kw = dict(device=device, quad_dtype=quad_dtype)
         return cls(
-            mlp=[
-                Moments.zeros(f, product_dtype=mlp_product_dtype, device=device, quad_dtype=quad_dtype)
-                for _ in range(L)
-            ],
-            q=[Moments.zeros(d, **exact) for _ in range(L)],
-            k=[Moments.zeros(d, **exact) for _ in range(L)],
-            ctx=[Moments.zeros(d, **exact) for _ in range(L)],
-            stream=Moments.zeros(d, full=stream_full, full_a=False, **exact),
+            mlp=[Moments.zeros(f, product_dtype=mlp_product_dtype, **kw) for _ in range(L)],
+            q=[Moments.zeros(d, **kw) for _ in range(L)],
+            k=[Moments.zeros(d, **kw) for _ in range(L)],
+            ctx=[Moments.zeros(d, **kw) for _ in range(L)],
+            stream=Moments.zeros(d, full=stream_full, full_a=False, device=device, quad_dtype=_F64, product_dtype=_F64),
             tokens=torch.zeros((), dtype=_F64, device=device),
             moment_tokens=torch.zeros((), dtype=_F64, device=device),
         )

@@ -92,6 +92,23 @@ def _write(params: dict, site: Site, w: torch.Tensor) -> None:
         params[site.bias] = w[-1].to(params[site.bias].dtype)
 
 
+#: A merged Linear that already reproduces its parents' outputs to this relative error (their own
+#: float rounding: a merge of a model with an exact scramble of itself) is kept as it is — a refit
+#: would only fit that rounding (docs/design.md §6.7).
+KEEP_BELOW = 1e-6
+
+
+def _refit(params: dict, site: Site, n: _Normal, prior: torch.Tensor, shrink: float) -> dict:
+    """Solve one Linear and write it, unless the rule's weight is already as good as the data can
+    tell; returns the Linear's log."""
+    before = _objective(prior, n)
+    if before <= KEEP_BELOW:
+        return {"error_before": before, "error_after": before, "tokens": n.tokens, "kept": True}
+    w = _solve(n, prior, shrink)
+    _write(params, site, w)
+    return {"error_before": before, "error_after": _objective(w, n), "tokens": n.tokens}
+
+
 def least_squares_layer(
     layer: LayerPass, params: dict, sites: list[Site], *, alpha: float, shrink: float
 ) -> tuple[dict, list[torch.Tensor], dict]:
@@ -123,9 +140,7 @@ def least_squares_layer(
             prior = _as_in_out(params[site.weight], site.transposed)
             if site.bias is not None:
                 prior = torch.cat([prior, params[site.bias].to(_F64)[None]], 0)
-            w = _solve(n, prior, shrink)
-            log[name] = {"error_before": _objective(prior, n), "error_after": _objective(w, n), "tokens": n.tokens}
-            _write(params, site, w)
+            log[name] = _refit(params, site, n, prior, shrink)
     outputs = layer.merged(params, [], lambda *_: None)
     return params, outputs, log
 
@@ -156,9 +171,7 @@ def least_squares_readers(
         prior = _as_in_out(params[site.weight], site.transposed)
         if site.bias is not None:
             prior = torch.cat([prior, params[site.bias].to(_F64)[None]], 0)
-        w = _solve(n, prior, shrink)
-        log[site.module] = {"error_before": _objective(prior, n), "error_after": _objective(w, n), "tokens": n.tokens}
-        _write(params, site, w)
+        log[site.module] = _refit(params, site, n, prior, shrink)
     return params, log
 
 
