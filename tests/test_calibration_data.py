@@ -390,3 +390,23 @@ def test_tokenizer_without_pad_token_pads_with_eos_on_the_right(tokenizer):
     no_eos.eos_token = None
     with pytest.raises(RaotError, match="neither a pad nor an end-of-text token"):
         list(iter_calibration_batches(data, no_eos, cfg))
+
+
+def test_texts_are_tokenized_once_and_padded_alike():
+    """Every pass of a merge shares one cache of tokens per example: a second pass tokenizes
+    nothing, and the batches equal a direct ``tokenizer(texts, padding=True)``."""
+    from unittest import mock
+
+    from raot_hf.calibration import CalibrationConfig, iter_calibration_batches
+    from raot_hf.testing import tiny_text_dataset, tiny_tokenizer
+
+    tok, data, cfg = tiny_tokenizer(), tiny_text_dataset(40), CalibrationConfig(batch_size=8)
+    cache: dict = {}
+    first = list(iter_calibration_batches(data, tok, cfg, encodings=cache))
+    assert sorted(cache) == list(range(40))
+    with mock.patch.object(type(tok), "__call__", side_effect=AssertionError("tokenized twice")):
+        again = list(iter_calibration_batches(data, tok, cfg, encodings=cache, split="heldout"))
+    assert again and all(len(b) for b in again)
+    direct = tok(list(data.select(first[0].example_ids.tolist())["text"]), padding=True, truncation=True,
+                 max_length=128, return_tensors="pt")  # fmt: skip
+    assert all(torch.equal(direct[k], first[0].inputs[k]) for k in direct)

@@ -106,6 +106,7 @@ def iter_calibration_batches(
     rank: int = 0,
     world_size: int = 1,
     split: str | None = None,
+    encodings: dict | None = None,
 ) -> Iterator[CalibrationBatch]:
     """Yield this rank's calibration batches in a fixed order.
 
@@ -114,13 +115,14 @@ def iter_calibration_batches(
     ``"fit"`` / ``"heldout"`` (:func:`is_heldout`) — in chunks of ``config.batch_size``. Text is tokenized with
     ``padding=True, truncation=True, max_length=config.max_length``; images are converted to
     the colour mode the image processor expects and processed as one list per batch. Inputs
-    never contain labels.
+    never contain labels. ``encodings`` (a dict the caller keeps): texts are tokenized once per
+    example id across every pass that shares it, and only padded per batch.
     """
     modality = detect_modality(processor)
     column = check_column(dataset, config.column, modality)
     ids = _split_ids(shard_example_ids(len(dataset), rank=rank, world_size=world_size), config, split)
     if modality == "text":
-        encode = _text_encoder(_component(processor, "tokenizer"), config)
+        encode = _text_encoder(_component(processor, "tokenizer"), config, encodings)
     else:
         encode = _image_encoder(_component(processor, "image_processor"))
     column_only = dataset.select_columns([column])
@@ -168,7 +170,7 @@ def _padding_copy(tokenizer: Any) -> Any:
     return padded
 
 
-def _text_encoder(tokenizer: Any, config: CalibrationConfig):
+def _text_encoder(tokenizer: Any, config: CalibrationConfig, encodings: dict | None = None):
     max_length = config.max_length
     model_max = getattr(tokenizer, "model_max_length", None)
     if isinstance(model_max, int) and 0 < model_max < max_length:
@@ -176,16 +178,22 @@ def _text_encoder(tokenizer: Any, config: CalibrationConfig):
         max_length = model_max
     if config.batch_size > 1 and tokenizer.pad_token is None:
         tokenizer = _padding_copy(tokenizer)
+    cache = {} if encodings is None else encodings
 
     def encode(values: list, batch_ids: list[int], column: str):
+        todo = [(i, v) for i, v in zip(batch_ids, values) if i not in cache]
         for value, example_id in zip(values, batch_ids):
             if not isinstance(value, str):
                 raise RaotError(
                     f"row {example_id} of calibration column {column!r} is {value!r}, not text; "
                     "drop such rows or pick another column"
                 )
-        encoded = tokenizer(values, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-        inputs = _model_inputs(encoded)
+        if todo:  # each example is tokenized once; a batch is only padded
+            encoded = tokenizer([v for _, v in todo], truncation=True, max_length=max_length)
+            for j, (example_id, _) in enumerate(todo):
+                cache[example_id] = {k: v[j] for k, v in encoded.items() if k not in ("labels", "label")}
+        padded = tokenizer.pad([cache[i] for i in batch_ids], padding=True, return_tensors="pt")
+        inputs = _model_inputs(padded)
         return inputs, inputs["attention_mask"].bool()
 
     return encode

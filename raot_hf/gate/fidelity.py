@@ -307,14 +307,13 @@ def stream_matrix(residual: Transform | None, schema: ModelSchema) -> torch.Tens
     return action.dense(schema.hidden_size)
 
 
-def gate_chunks(model_a, model_b, layer_names, dataset, preprocessor, cal_cfg, examples: int) -> list[GateChunk]:
-    """The gate set — the first ``examples`` held-out examples in id order, the same every run —
-    with A's and B's layer calls captured (one forward each, stopped after the last layer), in
-    chunks whose ``side`` alternates between halves of each batch's rows."""
-    from raot_hf.calibration.batches import iter_calibration_batches
-
+def gate_chunks(model_a, model_b, layer_names, batches, examples: int) -> list[GateChunk]:
+    """The gate set — the first ``examples`` held-out examples of ``batches`` (the held-out split,
+    in id order: the same every run) — with A's and B's layer calls captured (one forward each,
+    stopped after the last layer), in chunks whose ``side`` alternates between halves of each
+    batch's rows."""
     chunks, taken = [], 0
-    for batch in iter_calibration_batches(dataset, preprocessor, cal_cfg, split="heldout"):
+    for batch in batches:
         picked = batch.heldout.to(torch.bool).nonzero().squeeze(1)[: examples - taken]
         half = (picked.numel() + 1) // 2
         for side, rows in (("a", picked[:half]), ("b", picked[half:])):

@@ -317,7 +317,8 @@ def merge_gate(ctx, run, parts: list[Transform], stats, decisions: list[GateDeci
         return decisions, _alignment_verdict(decisions, "every estimate is the identity or unusable"), {}
     start = time.perf_counter()
     names = layer_module_names(ctx.model_a, ctx.schema)
-    chunks = gate_chunks(ctx.model_a, ctx.model_b, names, run.dataset, ctx.preprocessor, run.config, cfg.gate.examples)
+    heldout = run.batches(ctx.preprocessor, split="heldout")
+    chunks = gate_chunks(ctx.model_a, ctx.model_b, names, heldout, cfg.gate.examples)
     ctx.timer.times["gate_capture"] = time.perf_counter() - start  # a part of the "gate" stage
     gate = cfg.gate
     result = run_merge_gate(

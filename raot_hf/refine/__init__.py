@@ -43,10 +43,8 @@ def _what_to_refine(alignment, schema) -> tuple[list[int], bool]:
 
 
 def _examples(ctx, run, split: str, count: int) -> list[dict]:
-    from raot_hf.calibration import iter_calibration_batches
-
     out, taken = [], 0
-    for batch in iter_calibration_batches(run.dataset, ctx.preprocessor, run.config, split=split):
+    for batch in run.batches(ctx.preprocessor, split=split):
         keep = min(count - taken, len(batch))
         if keep <= 0:
             break

@@ -49,6 +49,11 @@ class CalibrationRun:
     check_inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
     check_reference: list[dict[str, torch.Tensor]] = field(default_factory=list)
     moment_precision: dict[str, str] | None = None  # requested, used and why (the fit phase sets it)
+    encodings: dict = field(default_factory=dict)  # example id → its tokens: every pass tokenizes once
+
+    def batches(self, preprocessor, **shard):
+        """This sample's calibration batches (``split``, ``rank``, ``world_size``), tokens reused."""
+        return iter_calibration_batches(self.dataset, preprocessor, self.config, encodings=self.encodings, **shard)
 
 
 def check_calibration_early(cal: CalibrationConfig, preprocessor) -> tuple[dict[str, Any], Any, str]:
@@ -182,7 +187,7 @@ def run_phase(
         with StatisticsCollector(
             ctx.model_a, ctx.model_b, ctx.schema, phase=phase, grams=grams, **collector_options
         ) as collector:
-            batches = iter_calibration_batches(run.dataset, ctx.preprocessor, run.config, **shard) if forward else ()
+            batches = run.batches(ctx.preprocessor, **shard) if forward else ()
             for batch in tqdm(batches, total=total, desc=f"calibration ({phase})", disable=not ctx.dist.is_main):
                 output_b = collector.update(batch)
                 if phase == "heldout":

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from raot_hf.calibration import iter_calibration_batches
 from raot_hf.errors import RaotError
 from raot_hf.io.loading import adopt_head
 from raot_hf.merging import MergeRuleSpec, add_rule_log, merge_heads, merge_rule_spec
@@ -54,7 +53,7 @@ def _fishers(ctx: PairContext, run, names: set[str]) -> tuple[dict[str, torch.Te
         raise RaotError("merge_rule='fisher' needs calibration data; pass calibration=... (or --calibration)")
 
     def batches():
-        for batch in iter_calibration_batches(run.dataset, ctx.preprocessor, run.config):
+        for batch in run.batches(ctx.preprocessor):
             yield batch.inputs
 
     with ctx.timer.stage("fisher"):

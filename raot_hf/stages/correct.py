@@ -15,7 +15,6 @@ import torch
 from huggingface_hub.utils import tqdm
 
 from raot_hf.adapters.schema import ModelSchema
-from raot_hf.calibration import iter_calibration_batches
 from raot_hf.correction import LayerPass, Site, capture, least_squares_layer, least_squares_readers, repair_layer
 from raot_hf.errors import RaotError
 from raot_hf.gate.fidelity import layer_module_names
@@ -124,7 +123,7 @@ def corrected_merge(
     in_layer = tuple(n + "." for n in names)
     rest, part = merge([k for k in trunk_a if not k.startswith(in_layer)])
     add_rule_log(log, part)
-    batches = iter_calibration_batches(run.dataset, ctx.preprocessor, run.config, split="fit")
+    batches = run.batches(ctx.preprocessor, split="fit")
     chunks = capture(ctx.model_a, ctx.model_b, names[0], batches, rest, cfg.correction.examples)
     layers, skipped = [], []
     for i, name in enumerate(tqdm(names, desc=f"correction ({method})", disable=not ctx.dist.is_main)):

@@ -26,10 +26,9 @@ def quality_inputs(ctx: PairContext, run) -> list[dict[str, torch.Tensor]]:
         return []
     if run.check_inputs:
         return list(run.check_inputs)
-    from raot_hf.calibration import iter_calibration_batches
 
     rows = max(1, run.config.batch_size // run.config.heldout_every)
-    for batch in iter_calibration_batches(run.dataset, ctx.preprocessor, run.config, split="heldout"):
+    for batch in run.batches(ctx.preprocessor, split="heldout"):
         return [{k: v[:rows] for k, v in batch.inputs.items()}]
     return []
 
