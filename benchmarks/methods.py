@@ -26,8 +26,9 @@ class Method:
 
     @property
     def linear(self) -> bool:
-        """Whether the merge is the linear rule, uncorrected (the loss-barrier path applies)."""
-        corrected = self.options.get("correction", {}).get("method", "none") != "none"
+        """Whether the merge is the linear rule, uncorrected (the loss-barrier path applies). A row
+        that leaves the correction to the product (``auto``) may be corrected, so it is not."""
+        corrected = self.options.get("correction", {}).get("method", "auto") != "none"
         return self.options.get("merge_rule", "linear") == "linear" and not corrected
 
     @property

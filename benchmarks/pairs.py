@@ -2,7 +2,7 @@
 
 Every model is trained reproducibly (fixed seeds, single-threaded, deterministic algorithms)
 on data that ships inside installed packages, through :mod:`benchmarks.zoo` and its cache. Four
-families (issue #4):
+families:
 
 * **(a) ViT, seeds** — ViTs trained from scratch on scikit-learn's digits that differ only in
   seed, at widths 32 / 64 / 128 (4 layers, 4 heads): does the isometries' share grow with width?

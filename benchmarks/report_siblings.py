@@ -1,4 +1,4 @@
-"""Sections of RESULTS.md for issue 11: fine-tuned siblings (does the gate leave them alone?),
+"""Sections of RESULTS.md: fine-tuned siblings (does the gate leave them alone?),
 the merge-objective gate against the alignment-objective gate and the previous results, the
 base-relative rules, and the linear rule against RegMean after RaOT (the default merge rule).
 

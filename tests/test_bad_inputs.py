@@ -1,4 +1,4 @@
-"""User mistakes get a one-line RaotError before heavy work (issue: bad inputs and faults)."""
+"""User mistakes get a one-line RaotError before heavy work."""
 
 import inspect
 import json

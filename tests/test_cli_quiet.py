@@ -1,4 +1,4 @@
-"""What ``raot-hf merge`` prints (issue 10, item 7): stage lines and our own progress bars by
+"""What ``raot-hf merge`` prints: stage lines and our own progress bars by
 default, no transformers/datasets bars, the calibration data announced once, nothing under -q."""
 
 import logging

@@ -1,5 +1,5 @@
 """head="b": A's merged trunk with B′'s head and B's label config, or a one-line refusal
-before any weights load (issue 10, item 4)."""
+before any weights load."""
 
 import json
 

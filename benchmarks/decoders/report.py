@@ -180,12 +180,10 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         *headline(grouped),
         "",
     ]
-    corrected = [
-        m for m in ("raot+lsq", "raot+repair", "raot+regmean+lsq", "raot+lsq-all") if m in _methods_seen(grouped)
-    ]
+    corrected = [m for m in CORRECTED if m in _methods_seen(grouped)]
     for baseline in ("raot", "raot+regmean") if corrected else ():
         lines += [
-            f"## The post-merge corrections against {baseline} (paired by run)",
+            f"## Corrections and learned alignment against {baseline} (paired by run)",
             "",
             f"| pair | method | Δ ppl vs {baseline} (reviews) | verdict |",
             "|---|---|---|---|",
@@ -198,6 +196,10 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         if plot is not None:
             lines += [f"![{plot.stem}]({plot.name})", ""]
     (out / "RESULTS.md").write_text("\n".join(lines))
+
+
+#: The rows compared, paired by run, with RaOT and with RaOT + RegMean.
+CORRECTED = ("raot+lsq", "raot+repair", "raot+regmean+lsq", "raot+lsq-all", "raot+refine", "raot+refine+lsq", "lsq")
 
 
 def _notes(runs: list[dict]) -> list[str]:

@@ -1,4 +1,4 @@
-"""Decoder evidence (issue 14): merge trained decoder pairs with every method, measure perplexity.
+"""Decoder evidence: merge trained decoder pairs with every method, measure perplexity.
 
 For each run: build (or reuse) A, B and the siblings' base; merge with every method through
 ``RaotMerger.from_pretrained``; measure held-out perplexity of the merge at α = ½ on each corpus

@@ -159,11 +159,7 @@ def _merge_command() -> click.Command:
         check_destination(out, overwrite)  # refuse before any heavy work
         parse_size(max_shard_size)
         merger = _merger(options)
-        if not merger.dist.is_main:  # accelerate launch: add this shard's statistics; the main process writes
-            from raot_hf.distributed import follow_main
-
-            follow_main(merger)
-            merger.dist.close()
+        if _followed_main(merger):
             return
         try:
             result = merger.merge()
@@ -180,6 +176,18 @@ def _merge_command() -> click.Command:
     return merge_command
 
 
+def _followed_main(merger) -> bool:
+    """Under ``accelerate launch``, a process other than the main one adds its shard's statistics
+    and stops here (the main process solves, reports and writes); True when that happened."""
+    if merger.dist.is_main:
+        return False
+    from raot_hf.distributed import follow_main
+
+    follow_main(merger)
+    merger.dist.close()
+    return True
+
+
 def _inspect_command() -> click.Command:
     """``raot-hf inspect``, built from the live registries."""
 
@@ -190,11 +198,7 @@ def _inspect_command() -> click.Command:
     def inspect_command(as_json, **options):
         """Gate decisions and alignment scores without writing a model: do A and B share a basis?"""
         merger = _merger(options)
-        if not merger.dist.is_main:  # accelerate launch: add this shard's statistics; the main process reports
-            from raot_hf.distributed import follow_main
-
-            follow_main(merger)
-            merger.dist.close()
+        if _followed_main(merger):
             return
         try:
             alignment, _, fingerprint = merger.align()

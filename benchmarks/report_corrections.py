@@ -1,0 +1,63 @@
+"""Section of RESULTS.md on making the merge work after alignment: the post-merge corrections
+(merged-input least squares, REPAIR statistics) and the learned alignment, against RaOT with the
+linear rule and with RegMean, paired by run.
+
+Every cell is computed from the runs, like :mod:`benchmarks.report`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks.report import _comparison_table, _fmt, _table, _values
+
+#: Rows of the section, in the order they are shown (those a results file lacks are left out).
+CORRECTED = (
+    "raot+lsq",
+    "raot+repair",
+    "raot+regmean+lsq",
+    "raot+lsq-all",
+    "raot+refine",
+    "raot+refine+lsq",
+    "lsq",
+    "default",
+)
+BASELINES = ("raot", "raot+regmean")
+
+
+def _parents_mean(runs: list[dict]) -> list[float]:
+    return [float(np.mean([r["parents"]["a"]["accuracy"], r["parents"]["b"]["accuracy"]])) for r in runs]
+
+
+def summary_table(grouped: dict[str, list[dict]], methods: list[str]) -> list[str]:
+    """Per pair: the parents' mean accuracy and each method's accuracy with A's head."""
+    shown = [m for m in ("average", *BASELINES, *CORRECTED) if m in methods]
+    rows = []
+    for pair, runs in grouped.items():
+        if not any(_values(runs, m, "acc_head_a") for m in CORRECTED):
+            continue
+        rows.append([pair, _fmt(_parents_mean(runs))] + [_fmt(_values(runs, m, "acc_head_a")) for m in shown])
+    return _table(["pair", "parents (mean of A on A, B on B)"] + [f"`{m}`" for m in shown], rows)
+
+
+def sections(grouped: dict[str, list[dict]], methods: list[str]) -> list[str]:
+    """The corrections section, or nothing when no corrected method was run."""
+    corrected = [m for m in CORRECTED if m in methods]
+    if not corrected or "raot" not in methods:
+        return []
+    lines = [
+        "## Corrections and learned alignment after RaOT",
+        "",
+        "Accuracy with A's head on task A (mean ± std over runs). `default` is the product's defaults, whose",
+        "correction is chosen by the gate's verdict (least squares after an applied alignment, none for",
+        "siblings).",
+        "",
+        *summary_table(grouped, methods),
+        "",
+    ]
+    for baseline in (b for b in BASELINES if b in methods):
+        rows = [(p, m, baseline) for p, runs in grouped.items() for m in corrected if _values(runs, m, "acc_head_a")]
+        if rows:
+            lines += [f"**Against `{baseline}`** (paired Δ over runs; ✓ ✗ · as above):", ""]
+            lines += _comparison_table(grouped, rows) + [""]
+    return lines
