@@ -4,7 +4,7 @@ check's threshold (docs/design.md §5.4).
     python -m benchmarks.affinity --cache-dir benchmarks/.cache --pairs vit-siblings,vit-digits-d64 --runs 0
 
 For each pair and run: calibrate and solve with the default options (no gate, no merge) and
-print every estimate's affinity and the smallest; models are built (or reused) from the cache.
+print every estimate's affinity, the median and the smallest; models are built (or reused) from the cache.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> None:
             )
             largest = max(a["affinity"] for a in e["estimates"])
             print(
-                f"{name} run {run}: smallest {e['smallest_affinity']:.3f} largest {largest:.3f} "
+                f"{name} run {run}: median {e['median_affinity']:.3f} smallest {e['smallest_affinity']:.3f} "
+                f"largest {largest:.3f} "
                 f"siblings {e['siblings']} | {cells}",
                 flush=True,
             )

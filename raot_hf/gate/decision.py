@@ -209,7 +209,7 @@ class GateOptions(OptionSection):
     sibling_check: bool = field(
         default=True,
         metadata=meta(
-            "Keep the identity when every estimate is near it: fine-tuned siblings (default on).",
+            "Keep the identity when the estimates are near it: fine-tuned siblings (default on).",
             "sibling_check",
             flag="--sibling-check",
         ),

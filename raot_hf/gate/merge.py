@@ -284,7 +284,8 @@ def _alignment_verdict(decisions: list[GateDecision], why: str, *, gated: bool =
 def as_siblings(result: MergeGateResult, evidence: LineageEvidence) -> MergeGateResult:
     """Detection, not repair (docs/design.md §5.4): every estimate is identity-dominated, so the
     identity stands everywhere; the merge-fidelity comparison stays in the report as evidence."""
-    why = f"siblings: every estimate is near the identity (smallest identity affinity {evidence.smallest:.3f})"
+    near = f"median identity affinity {evidence.median:.3f}, smallest {evidence.smallest:.3f}, none at chance level"
+    why = f"siblings: the estimates are near the identity ({near})"
     decisions = [_reject(d, why, Status.SIBLINGS) if d.applied else d for d in result.decisions]
     info = dict(result.model_fidelity, passed=False)
     evidence_line = ""
@@ -293,10 +294,7 @@ def as_siblings(result: MergeGateResult, evidence: LineageEvidence) -> MergeGate
             f"; merge fidelity, evidence only: aligned {info['aligned']:.4f} vs identity {info['identity']:.4f} "
             f"on {info['examples']} held-out examples"
         )
-    verdict = (
-        f"A and B share a basis: fine-tuned siblings, every estimate is near the identity "
-        f"(smallest identity affinity {evidence.smallest:.3f}){evidence_line}"
-    )
+    verdict = f"A and B share a basis: fine-tuned siblings, the estimates are near the identity ({near}){evidence_line}"
     return MergeGateResult(decisions, verdict, info)
 
 
