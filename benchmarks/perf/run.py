@@ -170,6 +170,12 @@ def worker_floor(args) -> dict:
     }
 
 
+def _correction(spec: str) -> dict:
+    """``lsq`` → {"method": "lsq"}; ``lsq:384`` → the same on 384 fit examples."""
+    method, _, examples = spec.partition(":")
+    return {"method": method, **({"examples": int(examples)} if examples else {})}
+
+
 def worker_merge(args) -> dict:
     """The ``raot-hf merge`` equivalent through the API, with per-stage times and memory."""
     import torch
@@ -184,7 +190,7 @@ def worker_merge(args) -> dict:
         start = time.perf_counter()
         sampler.stage = "load"
         config = RaotConfig(
-            calibration=_calibration_config(args), merge_rule=args.merge_rule, correction={"method": args.correction}
+            calibration=_calibration_config(args), merge_rule=args.merge_rule, correction=_correction(args.correction)
         )
         merger = RaotMerger.from_pretrained(work / "A", work / "B", config=config)
         timer_stage = merger.timer.stage
@@ -439,7 +445,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--corrections",
         default="auto",
-        help="comma list: one merge run per post-merge correction (auto, none, lsq, repair)",
+        help="comma list: one merge run per post-merge correction (auto, none, lsq, repair; lsq:384 = on 384 examples)",
     )
     parser.add_argument("--correction", default="auto", help=argparse.SUPPRESS)  # for a worker
     parser.add_argument("--repeat", type=int, default=1, help="runs of each kind; the fastest is reported")
