@@ -383,6 +383,7 @@ def write_report(results: dict[str, Any], out: Path) -> None:
     """Write RESULTS.md and the plots into ``out``."""
     from benchmarks.report_corrections import sections as correction_sections
     from benchmarks.report_siblings import sections as sibling_sections
+    from benchmarks.update import contributing, live_notes
 
     grouped = _by_pair(results)
     methods = _method_names(results)
@@ -427,16 +428,25 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         "",
     ]
     if meta.get("updates"):
+        live = contributing(meta["updates"])
         md += ["**Which numbers come from which run** (later runs replace the rows they rerun):", ""]
         md += [
             f"* {u['date']}: `python -m benchmarks.run {' '.join(u['argv'])}` — pairs {', '.join(u['pairs'])}; "
             f"methods {', '.join(u['methods'])} ({(u['seconds'] or 0) / 60:.1f} min"
             + (f"; raot_hf source digest {u['source_digest']}" if u.get("source_digest") else "")
             + ")"
-            for u in meta["updates"]
-        ] + [""]
-    if meta.get("notes"):
-        md += ["**Notes (skipped or failed):**", ""] + [f"* {n}" for n in meta["notes"]] + [""]
+            for u, kept in zip(meta["updates"], live)
+            if kept
+        ]
+        if not all(live):
+            md.append(
+                f"* and {live.count(False)} earlier invocation(s) whose rows have all been rerun since "
+                "(listed in `results.json`, `meta.updates`)"
+            )
+        md.append("")
+    notes = live_notes(results)
+    if notes:
+        md += ["**Notes (skipped or failed):**", ""] + [f"* {n}" for n in notes] + [""]
     md += ["## Methods", ""] + [f"* `{m['name']}` — {m['label']}: `{m['options']}`" for m in results["methods"]] + [""]
     md += ["## Pairs", ""]
     for p in results["pairs"]:

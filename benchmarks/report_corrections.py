@@ -7,8 +7,6 @@ Every cell is computed from the runs, like :mod:`benchmarks.report`.
 
 from __future__ import annotations
 
-import numpy as np
-
 from benchmarks.report import _comparison_table, _fmt, _table, _values
 
 #: Rows of the section, in the order they are shown (those a results file lacks are left out).
@@ -25,19 +23,19 @@ CORRECTED = (
 BASELINES = ("raot", "raot+regmean")
 
 
-def _parents_mean(runs: list[dict]) -> list[float]:
-    return [float(np.mean([r["parents"]["a"]["accuracy"], r["parents"]["b"]["accuracy"]])) for r in runs]
+def _parent_a(runs: list[dict]) -> list[float]:
+    return [float(r["parents"]["a"]["accuracy"]) for r in runs]
 
 
 def summary_table(grouped: dict[str, list[dict]], methods: list[str]) -> list[str]:
-    """Per pair: the parents' mean accuracy and each method's accuracy with A's head."""
+    """Per pair: parent A's accuracy on task A and each merge's accuracy with A's head there."""
     shown = [m for m in ("average", *BASELINES, *CORRECTED) if m in methods]
     rows = []
     for pair, runs in grouped.items():
         if not any(_values(runs, m, "acc_head_a") for m in CORRECTED):
             continue
-        rows.append([pair, _fmt(_parents_mean(runs))] + [_fmt(_values(runs, m, "acc_head_a")) for m in shown])
-    return _table(["pair", "parents (mean of A on A, B on B)"] + [f"`{m}`" for m in shown], rows)
+        rows.append([pair, _fmt(_parent_a(runs))] + [_fmt(_values(runs, m, "acc_head_a")) for m in shown])
+    return _table(["pair", "parent A"] + [f"`{m}`" for m in shown], rows)
 
 
 def sections(grouped: dict[str, list[dict]], methods: list[str]) -> list[str]:

@@ -29,6 +29,7 @@ def update_record(results: dict[str, Any]) -> dict[str, Any]:
         "argv": meta.get("argv", []),
         "suite": meta.get("suite"),
         "pairs": sorted({run["pair"] for run in results["runs"]}),
+        "runs": sorted([run["pair"], run["run"]] for run in results["runs"]),
         "methods": [m["name"] for m in results["methods"]],
         "seconds": meta.get("seconds"),
         "notes": meta.get("notes", []),
@@ -84,13 +85,45 @@ def _merge_run(old: dict[str, Any], new: dict[str, Any], notes: list[str]) -> di
 
 
 def _superseded(note: str, runs: dict) -> bool:
-    """A "method M failed" note of a (pair, run) whose method M has since been rerun without error."""
-    match = re.fullmatch(r"pair (\S+) run (\d+): method (\S+) failed: .*", note, flags=re.S)
+    """A note about rows of a (pair, run) that have all since been rerun without error: "method M
+    failed", or "rows not rerun were dropped (…: M1, M2)"."""
+    failed = re.fullmatch(r"pair (\S+) run (\d+): method (\S+) failed: .*", note, flags=re.S)
+    dropped = re.fullmatch(r"pair (\S+) run (\d+): .*rows not rerun were dropped [^(]*\(\d+: ([^)]*)\).*", note)
+    match = failed or dropped
     if not match:
         return False
     run = runs.get((match[1], int(match[2])))
-    row = run and run["methods"].get(match[3])
-    return bool(row) and "error" not in row
+    names = [match[3]] if failed else [n for n in match[3].split(", ") if n != "none"]
+    rows = [run and run["methods"].get(name) for name in names]
+    return all(bool(row) and "error" not in row for row in rows)
+
+
+def live_notes(results: dict[str, Any]) -> list[str]:
+    """The notes of ``results`` that still describe its rows (not superseded by a later rerun)."""
+    runs = {(r["pair"], r["run"]): r for r in results["runs"]}
+    return [n for n in results["meta"].get("notes", []) if not _superseded(n, runs)]
+
+
+def _runs_of(update: dict[str, Any]) -> list[tuple[str, int]]:
+    """The (pair, run) keys an invocation ran (older records: from ``--runs`` in its arguments, or
+    all three runs)."""
+    if "runs" in update:
+        return [(pair, int(run)) for pair, run in update["runs"]]
+    argv = update.get("argv", [])
+    runs = [int(r) for r in argv[argv.index("--runs") + 1].split(",")] if "--runs" in argv else [0, 1, 2]
+    return [(pair, run) for pair in update["pairs"] for run in runs]
+
+
+def contributing(updates: list[dict[str, Any]]) -> list[bool]:
+    """For each recorded invocation: whether some (pair, method) it ran was not rerun by a later one
+    (an invocation whose every row was replaced contributes no number to the results)."""
+    later: set[tuple[str, int, str]] = set()
+    out = []
+    for update in reversed(updates):
+        ran = {(pair, run, method) for pair, run in _runs_of(update) for method in update["methods"]}
+        out.append(bool(ran - later))
+        later |= ran
+    return out[::-1]
 
 
 def merge_results(old: dict[str, Any], new: dict[str, Any], order: list[str]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from benchmarks.metrics import max_abs_difference, with_head_of
 from benchmarks.pairs import build_model, calibration_set, suite
 from benchmarks.report import write_report
 from benchmarks.run import run_benchmarks
-from benchmarks.update import merge_results
+from benchmarks.update import contributing, live_notes, merge_results
 from raot_hf import RaotMerger, schema_for
 from raot_hf.testing import example_inputs
 
@@ -127,3 +127,28 @@ def test_a_failure_note_goes_once_the_method_reruns_without_error(tiny_results):
     assert note in still_failing["meta"]["notes"]
     fixed = merge_results(failed, copy.deepcopy(results), ["tiny-vit-scrambled"])
     assert note not in fixed["meta"]["notes"]
+
+
+def test_a_dropped_rows_note_goes_once_they_are_rerun_and_replaced_invocations_are_not_listed(tiny_results, tmp_path):
+    """Retrained parents drop the rows not rerun (a note says which); rerunning them on the new
+    parents retires the note, and the report no longer lists the first invocation, none of whose
+    numbers remain."""
+    _, results, _ = tiny_results
+    rerun = copy.deepcopy(results)
+    rerun["methods"] = [m for m in rerun["methods"] if m["name"] == "raot"]
+    rerun["runs"][0]["methods"] = {"raot": rerun["runs"][0]["methods"]["raot"]}
+    rerun["runs"][0]["parents"]["a"]["accuracy"] += 0.01
+    rerun["meta"]["argv"] = ["--methods", "raot", "--update"]
+    partial = merge_results(results, rerun, ["tiny-vit-scrambled"])
+    assert any("rows not rerun were dropped" in n for n in live_notes(partial))
+    assert contributing(partial["meta"]["updates"]) == [True, True]  # average still comes from the first
+    complete = copy.deepcopy(results)
+    complete["runs"][0]["parents"] = rerun["runs"][0]["parents"]
+    complete["meta"]["argv"] = ["--update"]
+    full = merge_results(partial, complete, ["tiny-vit-scrambled"])
+    assert not any("rows not rerun were dropped" in n for n in live_notes(full))
+    assert contributing(full["meta"]["updates"]) == [False, False, True]
+    write_report(full, tmp_path)
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "2 earlier invocation(s) whose rows have all been rerun since" in text
+    assert "rows not rerun were dropped" not in text
