@@ -61,6 +61,32 @@ def test_a_correction_keeps_a_scrambled_copy_equal_to_a(model_type, head, method
     assert correction["method"] == method and len(correction["layers"]) >= 3 and correction["tokens"] > 0
 
 
+#: The Linears of one layer as the least squares fits them, group by group in call order (a group
+#: reads one input tensor): attention's input projections, its output, the MLP's input(s), its output.
+LAYER_GROUPS = {
+    "bert": [["attention.self.query", "attention.self.key", "attention.self.value"], ["attention.output.dense"],
+             ["intermediate.dense"], ["output.dense"]],
+    "vit": [["attention.q_proj", "attention.k_proj", "attention.v_proj"], ["attention.o_proj"], ["mlp.fc1"],
+            ["mlp.fc2"]],
+    "gpt2": [["attn.c_attn"], ["attn.c_proj"], ["mlp.c_fc"], ["mlp.c_proj"]],
+    "llama": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+              ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", sorted(LAYER_GROUPS))
+def test_least_squares_groups_the_linears_by_the_input_they_read(model_type):
+    """The groups are found from which tensor each Linear reads; a freed input whose address is
+    reused by the next group's input must not merge two groups (the inputs are held while
+    grouping). Each group is then fitted on inputs the groups before it produced, corrected."""
+    head = dict(ARCHITECTURES)[model_type]
+    a, b = _model(model_type, head), _model(model_type, head, seed=1)
+    pre, data = _data(model_type)
+    result = RaotMerger.from_models(a, b, preprocessor=pre, correction={"method": "lsq"}).merge(calibration=data)
+    groups = result.report["merge"]["correction"]["groups"]
+    assert groups == [LAYER_GROUPS[model_type]]
+
+
 def _independent_pair(model_type="llama", head="causal"):
     return _model(model_type, head, seed=0), _model(model_type, head, seed=1)
 

@@ -46,6 +46,29 @@ def quadratic_dtype(param_dtype: torch.dtype) -> torch.dtype:
     return _F64 if param_dtype == _F64 else torch.float32
 
 
+#: Rows × columns of one float64 block in the moment updates: 2²¹ entries, 16 MiB.
+_BLOCK_ENTRIES = 1 << 21
+
+
+def row_blocks(rows: int, cols: int) -> list[slice]:
+    """Slices that cut ``rows`` rows of ``cols`` columns into blocks of about 2²¹ entries: the
+    float64 copies of a batch's activations are made one block at a time (peak memory)."""
+    step = max(1, _BLOCK_ENTRIES // max(cols, 1))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def _block_sums(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Float64 Σa, Σb, Σa², Σb² over the rows, one block of rows at a time."""
+    out = [torch.zeros(x.shape[1], dtype=_F64, device=x.device) for x in (a, b, a, b)]
+    for block in row_blocks(a.shape[0], a.shape[1]):
+        a64, b64 = a[block].to(_F64), b[block].to(_F64)
+        out[0] += a64.sum(0)
+        out[1] += b64.sum(0)
+        out[2] += a64.square().sum(0)
+        out[3] += b64.square().sum(0)
+    return tuple(out)
+
+
 def _accumulate_product(total: torch.Tensor, x: torch.Tensor, y: torch.Tensor, product_dtype=None) -> None:
     """``total += xᵀ·y`` with the product in ``product_dtype`` (default x's dtype) and the sum in
     total's (a bf16 product is summed in float32 across batches: docs/design.md §4.3)."""
@@ -138,39 +161,45 @@ class Moments:
 
     def update(self, a: torch.Tensor, b: torch.Tensor, cross_rows: torch.Tensor | None = None) -> None:
         """Add paired rows ``a``, ``b`` (n × k each) to the sums; with ``cross_rows`` only those
-        rows enter the co-moment (a token budget), every row the other sums."""
+        rows enter the co-moment (a token budget), every row the other sums.
+
+        Float64 copies are made a block of rows at a time (:func:`row_blocks`): a batch costs a
+        few MiB beyond its activations, not four float64 copies of them."""
         if a.shape[0] == 0:
             return
         dt = _F64 if self.product_dtype == _F64 else compute_dtype(a, b)
-        a64, b64 = a.to(_F64), b.to(_F64)  # per-coordinate sums are O(n·k): float64 costs nothing
         self.n += a.shape[0]
-        self.sum_a += a64.sum(0)
-        self.sum_b += b64.sum(0)
-        self.sq_a += (a64 * a64).sum(0)
-        self.sq_b += (b64 * b64).sum(0)
-        if cross_rows is not None:
-            a64, b64 = a64.index_select(0, cross_rows), b64.index_select(0, cross_rows)
-        self._add_comoment(a64, b64, dt)
+        sums = _block_sums(a, b)
+        for total, value in zip((self.sum_a, self.sum_b, self.sq_a, self.sq_b), sums):
+            total += value
+        if cross_rows is None:
+            self._add_comoment(a, b, dt, sums[0], sums[1])
+        else:
+            ca, cb = a.index_select(0, cross_rows), b.index_select(0, cross_rows)
+            self._add_comoment(ca, cb, dt, *_block_sums(ca, cb)[:2])
         if self.full_a is not None:
             _accumulate_product(self.full_a, a.to(dt), a.to(dt), self.product_dtype)
         if self.full_b is not None:
             _accumulate_product(self.full_b, b.to(dt), b.to(dt), self.product_dtype)
 
-    def _add_comoment(self, a64: torch.Tensor, b64: torch.Tensor, dt: torch.dtype) -> None:
-        """Chan's pairwise update of the co-moment with one batch's rows (float64 in)."""
-        m = a64.shape[0]
+    def _add_comoment(self, a, b, dt: torch.dtype, sum_a: torch.Tensor, sum_b: torch.Tensor) -> None:
+        """Chan's pairwise update of the co-moment with one batch's rows (``sum_a``, ``sum_b``:
+        their float64 column sums); each block is centered at the batch's float64 means."""
+        m = a.shape[0]
         if m == 0:
             return
-        ma, mb = a64.mean(0), b64.mean(0)
+        ma, mb = sum_a / m, sum_b / m
         n0 = float(self.n_cross)
         if n0 > 0:
             da, db = ma - self.xsum_a / n0, mb - self.xsum_b / n0
-            shift = torch.outer(da, db).mul_(n0 * m / (n0 + m))
-            self.comoment += shift.to(self.comoment.dtype)
-        _accumulate_product(self.comoment, (a64 - ma).to(dt), (b64 - mb).to(dt), self.product_dtype)
+            cd = self.comoment.dtype
+            self.comoment.addr_(da.to(cd), db.to(cd), alpha=n0 * m / (n0 + m))
+        for block in row_blocks(m, a.shape[1]):
+            xa, xb = (a[block].to(_F64) - ma).to(dt), (b[block].to(_F64) - mb).to(dt)
+            _accumulate_product(self.comoment, xa, xb, self.product_dtype)
         self.n_cross += m
-        self.xsum_a += a64.sum(0)
-        self.xsum_b += b64.sum(0)
+        self.xsum_a += sum_a
+        self.xsum_b += sum_b
 
     def tensors(self) -> list[torch.Tensor]:
         full = [t for t in (self.full_a, self.full_b) if t is not None]
@@ -265,19 +294,21 @@ class PairedDiagonal:
         """Add paired rows ``a`` (A), ``b`` (B) and ``t`` (B under the candidate), n × k each."""
         if a.shape[0] == 0:
             return
-        a, b, t = a.to(_F64), b.to(_F64), t.to(_F64)  # O(n·k) sums whose differences the gains take
         self.n += a.shape[0]
-        for total, value in (
-            (self.sum_a, a),
-            (self.sq_a, a * a),
-            (self.sum_b, b),
-            (self.sq_b, b * b),
-            (self.dot, a * b),
-            (self.sum_t, t),
-            (self.sq_t, t * t),
-            (self.dot_t, a * t),
-        ):
-            total += value.sum(0)
+        for block in row_blocks(a.shape[0], a.shape[1]):
+            # O(n·k) sums whose differences the gains take: float64, a block of rows at a time
+            a64, b64, t64 = a[block].to(_F64), b[block].to(_F64), t[block].to(_F64)
+            for total, value in (
+                (self.sum_a, a64),
+                (self.sq_a, a64 * a64),
+                (self.sum_b, b64),
+                (self.sq_b, b64 * b64),
+                (self.dot, a64 * b64),
+                (self.sum_t, t64),
+                (self.sq_t, t64 * t64),
+                (self.dot_t, a64 * t64),
+            ):
+                total += value.sum(0)
 
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in fields(self)]

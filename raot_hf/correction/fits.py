@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raot_hf.correction.layer import LayerPass, site_groups
+from raot_hf.correction.layer import LayerPass, SiteGroups, site_groups
 
 _F64 = torch.float64
 
@@ -44,18 +44,31 @@ def _as_in_out(w: torch.Tensor, transposed: bool) -> torch.Tensor:
 
 @dataclass
 class _Normal:
-    """Σ x̃ᵀx̃, Σ x̃ᵀȳ and Σ‖y‖² of one Linear, x̃ = [x, 1] where it has a bias, ȳ the α-mix of
-    the parents' outputs."""
+    """Σ x̃ᵀx̃, Σ x̃ᵀȳ and Σ_p w_p‖y_p‖² of one Linear, x̃ = [x, 1] where it has a bias, ȳ the
+    α-mix of the parents' outputs; ``residual``: the rule's own error Σ_p w_p‖y_M − y_p‖², from
+    M's outputs at the site.
+
+    Each chunk's products are computed in the rows' precision (float32 for a float32 or bf16
+    model) and summed in float64: their rounding is far below the sampling noise of a few
+    thousand rows. The rule's error, which decides whether a Linear is kept (an exact merge has
+    none), is taken from the rows in float64, not from these products (docs/design.md §6.7)."""
 
     gram: torch.Tensor | None = None
     cross: torch.Tensor | None = None
     target: float = 0.0
+    residual: float = 0.0
     tokens: int = 0
 
-    def add(self, x: torch.Tensor, y_mix: torch.Tensor, target: float) -> None:
-        g, c = x.T @ x, x.T @ y_mix
-        self.gram = g if self.gram is None else self.gram + g
-        self.cross = c if self.cross is None else self.cross + c
+    def add(self, x: torch.Tensor, y_mix: torch.Tensor, target: float, y_merged: torch.Tensor) -> None:
+        """Add one chunk: M's inputs ``x`` (x̃), the mix ``y_mix``, Σ_p w_p‖y_p‖² and M's outputs."""
+        dt = _F64 if x.dtype == _F64 else torch.float32
+        x = x.to(dt)
+        g, c = (x.T @ x).to(_F64), (x.T @ y_mix.to(dt)).to(_F64)
+        self.gram = g if self.gram is None else self.gram.add_(g)
+        self.cross = c if self.cross is None else self.cross.add_(c)
+        mix, ym = y_mix.to(_F64), y_merged.to(_F64)
+        # Σ_p w_p‖y_M − y_p‖² = ‖y_M − ȳ‖² + Σ_p w_p‖y_p‖² − ‖ȳ‖²  (Σ_p w_p = 1)
+        self.residual += float((ym - mix).pow(2).sum()) + target - float(mix.pow(2).sum())
         self.target += target
         self.tokens += x.shape[0]
 
@@ -65,9 +78,10 @@ def _augment(x: torch.Tensor, bias: bool) -> torch.Tensor:
 
 
 def _objective(w: torch.Tensor, n: _Normal) -> float:
-    """Σ_p w_p‖x̃·W − y_p‖² relative to Σ_p w_p‖y_p‖² (the fit's error, 0 when it reproduces both)."""
+    """Σ_p w_p‖x̃·W − y_p‖² relative to Σ_p w_p‖y_p‖² (the fit's error, 0 when it reproduces
+    both), from the summed products."""
     value = (w * (n.gram @ w)).sum() - 2 * (w * n.cross).sum() + n.target
-    return float(value / max(n.target, 1e-300))
+    return max(float(value / max(n.target, 1e-300)), 0.0)
 
 
 def _solve(n: _Normal, prior: torch.Tensor, shrink: float) -> torch.Tensor:
@@ -101,7 +115,7 @@ KEEP_BELOW = 1e-6
 def _refit(params: dict, site: Site, n: _Normal, prior: torch.Tensor, shrink: float) -> dict:
     """Solve one Linear and write it, unless the rule's weight is already as good as the data can
     tell; returns the Linear's log."""
-    before = _objective(prior, n)
+    before = max(n.residual / max(n.target, 1e-300), 0.0)
     if before <= KEEP_BELOW:
         return {"error_before": before, "error_after": before, "tokens": n.tokens, "kept": True}
     w = _solve(n, prior, shrink)
@@ -110,15 +124,22 @@ def _refit(params: dict, site: Site, n: _Normal, prior: torch.Tensor, shrink: fl
 
 
 def least_squares_layer(
-    layer: LayerPass, params: dict, sites: list[Site], *, alpha: float, shrink: float
+    layer: LayerPass,
+    params: dict,
+    sites: list[Site],
+    *,
+    alpha: float,
+    shrink: float,
+    groups: SiteGroups | None = None,
 ) -> tuple[dict, list[torch.Tensor], dict]:
     """Refit every Linear of the layer to ``(1−α)·Y_A + α·Y_B′`` on M's inputs, group by group in
-    call order (docs/design.md §6.7). Returns the parameters, M's layer outputs, and the log."""
+    call order (docs/design.md §6.7). ``groups``: the layer's :func:`site_groups` where already
+    known (found here otherwise). Returns the parameters, M's layer outputs, and the log."""
     by_module = {s.module: s for s in sites}
     mixed: dict[tuple[int, str], torch.Tensor] = {}
     energy: dict[tuple[int, str], float] = {}
 
-    def parent(side, i, name, _x, y):
+    def parent(side, i, name, y):
         w = (1 - alpha) if side == "a" else alpha
         key = (i, name)
         mixed[key] = mixed.get(key, 0) + w * y.to(torch.float32)
@@ -127,14 +148,15 @@ def least_squares_layer(
     layer.parents(list(by_module), parent)
     params = dict(params)
     log = {}
-    for group in site_groups(layer, params, list(by_module)):
+    groups = groups or site_groups(layer, params, list(by_module))
+    for group in groups.groups:
         normals = {name: _Normal() for name in group}
 
-        def merged(i, name, x, _y, normals=normals):
-            site = by_module[name]
-            normals[name].add(_augment(x, site.bias is not None), mixed[(i, name)].to(_F64), energy[(i, name)])
+        def merged(i, name, x, y, normals=normals):
+            key = (i, name)
+            normals[name].add(_augment(x, by_module[name].bias is not None), mixed[key], energy[key], y)
 
-        layer.merged(params, group, merged)
+        layer.merged(params, group, merged, stop=groups.once)
         for name in group:
             site, n = by_module[name], normals[name]
             prior = _as_in_out(params[site.weight], site.transposed)
@@ -167,7 +189,9 @@ def least_squares_readers(
                 xm = rows(functional_call(norm_a, norm_params, (c.hidden["m"],)), c.mask)
             ya, yb = _linear_out(xa, site, weights_a), _linear_out(xb, site, weights_b)
             target = (1 - alpha) * float(ya.pow(2).sum()) + alpha * float(yb.pow(2).sum())
-            n.add(_augment(xm, site.bias is not None), (1 - alpha) * ya + alpha * yb, target)
+            merged = (params[site.weight], params[site.bias] if site.bias else None)
+            ym = _linear_out(xm, site, merged)
+            n.add(_augment(xm, site.bias is not None), (1 - alpha) * ya + alpha * yb, target, ym)
         prior = _as_in_out(params[site.weight], site.transposed)
         if site.bias is not None:
             prior = torch.cat([prior, params[site.bias].to(_F64)[None]], 0)
@@ -250,7 +274,7 @@ def repair_layer(layer: LayerPass, params: dict, sites: list[Site], *, alpha: fl
     by_module = {s.module: s for s in sites}
     parents = {(side, s.module): _Moments() for side in "ab" for s in sites}
 
-    def parent(side, _i, name, _x, y):
+    def parent(side, _i, name, y):
         parents[(side, name)].add(_channels(y, by_module[name]))
 
     layer.parents(list(by_module), parent)

@@ -41,32 +41,44 @@ class LayerPass:
     next_a: list[torch.Tensor] = field(default_factory=list)
     next_b: list[torch.Tensor] = field(default_factory=list)
 
-    def parents(self, sites: list[str], on_site: Callable[[str, int, str, torch.Tensor, torch.Tensor], None]) -> None:
-        """Run A's and B′'s layer on every chunk (``on_site(side, chunk, site, x, y)`` at each site);
-        their outputs are the states entering the next layer."""
+    def parents(self, sites: list[str], on_site: Callable[[str, int, str, torch.Tensor], None]) -> None:
+        """Run A's and B′'s layer on every chunk (``on_site(side, chunk, site, y)`` with the site's
+        output rows); their outputs are the states entering the next layer."""
         for side, module, out in (("a", self.module_a, self.next_a), ("b", self.module_b, self.next_b)):
             out.clear()
             for i, c in enumerate(self.chunks):
 
                 def report(name, x, y, side=side, i=i, c=c):
                     if _per_token(x, c):
-                        on_site(side, i, name, rows(x, c.mask), rows(y, c.mask))
+                        on_site(side, i, name, rows(y, c.mask))
 
                 with torch.no_grad(), recording(module, sites, report):
                     out.append(c.calls[side](module, c.hidden[side]))
 
-    def merged(self, params: dict[str, torch.Tensor], sites: list[str], on_site: SiteCallback) -> list[torch.Tensor]:
+    def merged(
+        self, params: dict[str, torch.Tensor], sites: list[str], on_site: SiteCallback, *, stop: bool = False
+    ) -> list[torch.Tensor | None]:
         """Run M's layer (A's module with the merged ``params``, full names) on every chunk; returns
-        its outputs (``on_site(chunk, site, x, y)`` at each site)."""
+        its outputs (``on_site(chunk, site, x, y)`` at each site: the input rows in the model's
+        precision, the output rows in float64). ``stop``: the rest of the layer
+        is skipped once every site has reported (each is called once per chunk; the outputs are
+        then None) — a fit that reads only its sites needs nothing after them."""
         rel, outs = _relative(params, self.prefix), []
         for i, c in enumerate(self.chunks):
+            pending = set(sites)
 
-            def report(name, x, y, i=i, c=c):
+            def report(name, x, y, i=i, c=c, pending=pending):
                 if _per_token(x, c):
-                    on_site(i, name, rows(x, c.mask), rows(y, c.mask))
+                    on_site(i, name, rows(x, c.mask, None), rows(y, c.mask))
+                    pending.discard(name)
+                    if stop and not pending:
+                        raise _SitesDone
 
-            with torch.no_grad(), recording(self.module_a, sites, report):
-                outs.append(c.calls["m"](self.module_a, c.hidden["m"], rel))
+            try:
+                with torch.no_grad(), recording(self.module_a, sites, report):
+                    outs.append(c.calls["m"](self.module_a, c.hidden["m"], rel))
+            except _SitesDone:
+                outs.append(None)
         return outs
 
     def advance(self, merged_out: list[torch.Tensor]) -> None:
@@ -75,30 +87,45 @@ class LayerPass:
             c.hidden = {"a": a, "b": b, "m": m}
 
 
+class _SitesDone(Exception):
+    """Raised inside M's layer once every site of a fit has reported (:meth:`LayerPass.merged`)."""
+
+
+@dataclass(frozen=True)
+class SiteGroups:
+    """A layer's sites in call order, grouped by the input tensor they read; ``once``: every site
+    is called once per chunk (a group's forward may then stop after its last site)."""
+
+    groups: list[list[str]]
+    once: bool
+
+
 @torch.no_grad()
-def site_groups(layer: LayerPass, params: dict, sites: list[str]) -> list[list[str]]:
+def site_groups(layer: LayerPass, params: dict, sites: list[str]) -> SiteGroups:
     """``sites`` in the order the layer first calls them, those reading one input tensor together
     (q, k and v; gate and up): a group is fitted on inputs produced by the groups before it,
     already corrected. Sites whose input is not per token (DeBERTa's relative-position
-    projections read the relative embeddings) are left out."""
+    projections read the relative embeddings) are left out. Layers of one class give the same
+    groups, so a pass finds them once (on its first layer)."""
     c = layer.chunks[0]
-    order: list[tuple[str, int]] = []
-    seen: set[str] = set()
+    order: list[tuple[str, torch.Tensor]] = []  # the inputs are held, so no address is reused
+    calls: dict[str, int] = {}
 
     def note(name, x, _y):
-        if name not in seen and _per_token(x, c):
-            seen.add(name)
-            order.append((name, x.data_ptr()))
+        if _per_token(x, c):
+            calls[name] = calls.get(name, 0) + 1
+            if calls[name] == 1:
+                order.append((name, x))
 
     rel = _relative(params, layer.prefix)
     with recording(layer.module_a, sites, note):
         c.calls["m"](layer.module_a, c.hidden["m"], rel)
     groups: list[list[str]] = []
     last = None
-    for name, ptr in order:
-        if groups and ptr == last:
+    for name, x in order:
+        if groups and x.data_ptr() == last.data_ptr() and x.shape == last.shape:
             groups[-1].append(name)
         else:
             groups.append([name])
-        last = ptr
-    return groups
+        last = x
+    return SiteGroups(groups, all(n == 1 for n in calls.values()))

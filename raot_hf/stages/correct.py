@@ -16,6 +16,7 @@ from huggingface_hub.utils import tqdm
 
 from raot_hf.adapters.schema import ModelSchema
 from raot_hf.correction import LayerPass, Site, capture, least_squares_layer, least_squares_readers, repair_layer
+from raot_hf.correction.layer import SiteGroups, site_groups
 from raot_hf.errors import RaotError
 from raot_hf.gate.fidelity import layer_module_names
 from raot_hf.merging import MergeRuleSpec, add_rule_log
@@ -126,14 +127,18 @@ def corrected_merge(
     batches = run.batches(ctx.preprocessor, split="fit")
     chunks = capture(ctx.model_a, ctx.model_b, names[0], batches, rest, cfg.correction.examples)
     layers, skipped = [], []
+    groups: dict[tuple, SiteGroups] = {}  # layers of one class call their sites in one order
     for i, name in enumerate(tqdm(names, desc=f"correction ({method})", disable=not ctx.dist.is_main)):
         merged, part = merge([k for k in trunk_a if k.startswith(name + ".")])
         add_rule_log(log, part)
         layer = LayerPass(chunks, name, ctx.model_a.get_submodule(name), ctx.model_b.get_submodule(name))
         if method == "lsq":
             sites = linear_sites(ctx.model_a, ctx.schema, i, name)
+            key = (type(layer.module_a), tuple(s.module for s in sites))
+            if key not in groups:
+                groups[key] = site_groups(layer, merged, [s.module for s in sites])
             merged, outputs, fits = least_squares_layer(
-                layer, merged, sites, alpha=cfg.alpha, shrink=cfg.correction.shrink
+                layer, merged, sites, alpha=cfg.alpha, shrink=cfg.correction.shrink, groups=groups[key]
             )
         else:
             sites, why = repair_sites(ctx.model_a, ctx.schema, i, name)
@@ -155,7 +160,7 @@ def corrected_merge(
         "tokens": tokens,
         "layers": layers,
         "skipped": skipped,
-        **({"shrink": cfg.correction.shrink} if method == "lsq" else {}),
+        **({"shrink": cfg.correction.shrink, "groups": [g.groups for g in groups.values()]} if method == "lsq" else {}),
     }
     logger.info("correction %s: %d layers on %d tokens", method, len(layers), tokens)
     return log
