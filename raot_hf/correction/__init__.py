@@ -41,12 +41,12 @@ __all__ = [
 @dataclass
 class CorrectionOptions(OptionSection):
     """A correction of the merged model after the merge rule (docs/design.md §6.7), layer by layer
-    on ``examples`` fit examples: ``lsq`` refits every Linear to the parents' outputs on the
-    merged model's own inputs (``shrink``: RegMean's off-diagonal scale, towards the rule's merged
-    weight); ``repair`` resets value channels and MLP pre-activations to the interpolation of the
-    parents' statistics; ``none`` runs no pass; ``auto`` (default) is ``lsq`` when the gate moved B
-    (the parents differ in basis) and ``none`` when they share one (fine-tuned siblings keep the
-    plain merge their rules define) or the rule is base-relative."""
+    on ``examples`` fit examples, ``batch_size`` per forward: ``lsq`` refits every Linear to the
+    parents' outputs on the merged model's own inputs (``shrink``: RegMean's off-diagonal scale,
+    towards the rule's merged weight); ``repair`` resets value channels and MLP pre-activations to
+    the interpolation of the parents' statistics; ``none`` runs no pass; ``auto`` (default) is
+    ``lsq`` when the gate moved B (the parents differ in basis) and ``none`` when they share one
+    (fine-tuned siblings keep the plain merge their rules define) or the rule is base-relative."""
 
     section = "correction"
 
@@ -63,6 +63,15 @@ class CorrectionOptions(OptionSection):
     examples: int = field(
         default=64, metadata=meta("Fit examples the correction pass runs on (default 64).", "correction_examples")
     )
+    batch_size: int = field(
+        default=64,
+        metadata=meta(
+            "Examples per forward of the correction pass (default 64). When every correction example fits in "
+            "one, M's layer runs once per layer, each group of Linears refitted as the forward reaches it; "
+            "otherwise once per group. Lower it for long sequences or large models.",
+            "correction_batch_size",
+        ),
+    )
     shrink: float = field(
         default=0.99,
         metadata=meta("lsq: off-diagonal scale of the merged inputs' Gram (default 0.99).", "correction_shrink"),
@@ -73,5 +82,7 @@ class CorrectionOptions(OptionSection):
         check_choice("correction_method", self.method, CORRECTION_METHODS)
         if self.examples < 1:
             raise RaotError(f"correction_examples={self.examples} must be ≥ 1 (fit examples the correction runs on)")
+        if self.batch_size < 1:
+            raise RaotError(f"correction_batch_size={self.batch_size} must be ≥ 1 (examples per correction forward)")
         if not 0.0 <= self.shrink <= 1.0:
             raise RaotError(f"correction_shrink={self.shrink} must lie in [0, 1]")

@@ -149,6 +149,27 @@ def least_squares_layer(
     params = dict(params)
     log = {}
     groups = groups or site_groups(layer, params, list(by_module))
+
+    def refit(group: list[str], normals: dict[str, _Normal]) -> None:
+        for name in group:
+            site = by_module[name]
+            prior = _as_in_out(params[site.weight], site.transposed)
+            if site.bias is not None:
+                prior = torch.cat([prior, params[site.bias].to(_F64)[None]], 0)
+            log[name] = _refit(params, site, normals[name], prior, shrink)
+
+    if len(layer.chunks) == 1 and groups.once:  # one forward of M: each group refitted as it is reached
+
+        def fit(group: list[str], x: torch.Tensor) -> dict[str, torch.Tensor]:
+            normals = {name: _Normal() for name in group}
+            for name in group:
+                site, key = by_module[name], (0, name)
+                y = _site_output(x, site, params).to(_F64)  # M's output with the rule's weight
+                normals[name].add(_augment(x, site.bias is not None), mixed[key], energy[key], y)
+            refit(group, normals)
+            return {k: params[k] for name in group for k in (by_module[name].weight, by_module[name].bias) if k}
+
+        return params, layer.merged_fitting(params, groups.groups, fit), log
     for group in groups.groups:
         normals = {name: _Normal() for name in group}
 
@@ -157,14 +178,16 @@ def least_squares_layer(
             normals[name].add(_augment(x, by_module[name].bias is not None), mixed[key], energy[key], y)
 
         layer.merged(params, group, merged, stop=groups.once)
-        for name in group:
-            site, n = by_module[name], normals[name]
-            prior = _as_in_out(params[site.weight], site.transposed)
-            if site.bias is not None:
-                prior = torch.cat([prior, params[site.bias].to(_F64)[None]], 0)
-            log[name] = _refit(params, site, n, prior, shrink)
+        refit(group, normals)
     outputs = layer.merged(params, [], lambda *_: None)
     return params, outputs, log
+
+
+def _site_output(x: torch.Tensor, site: Site, params: dict) -> torch.Tensor:
+    """A Linear's output rows, in x's precision, from its current parameters (full names)."""
+    w = params[site.weight].to(x.dtype)
+    y = x @ (w if site.transposed else w.T)
+    return y if site.bias is None else y + params[site.bias].to(x.dtype)
 
 
 def least_squares_readers(

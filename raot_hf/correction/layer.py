@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from raot_hf.correction.carry import Carried, recording, rows
+from raot_hf.hooks import Hooks
 
 SiteCallback = Callable[[int, str, torch.Tensor, torch.Tensor], None]
 
@@ -80,6 +81,34 @@ class LayerPass:
             except _SitesDone:
                 outs.append(None)
         return outs
+
+    def merged_fitting(
+        self, params: dict[str, torch.Tensor], groups: list[list[str]], fit: Callable[[list[str], torch.Tensor], dict]
+    ) -> list[torch.Tensor]:
+        """One forward of M's layer over the single chunk, refitting as it goes: when the forward
+        reaches a group's first Linear (its one-row-per-position call), ``fit(group, x)`` gets the
+        group's input rows (model precision) and returns the group's new parameters (full names),
+        which the running layer then computes with. Returns M's layer output, every group
+        corrected. Only for one chunk: a fit needs every example's inputs before the group runs."""
+        (c,) = self.chunks
+        rel = {k: v.clone() for k, v in _relative(params, self.prefix).items()}  # written in place
+        first = {group[0]: group for group in groups}
+        done: set[str] = set()
+        n = len(self.prefix) + 1
+
+        def before(name, args):
+            x = args[0]
+            if name in done or not _per_token(x, c):
+                return
+            done.add(name)
+            for key, value in fit(first[name], rows(x, c.mask, None)).items():
+                rel[key[n:]].copy_(value)
+
+        with torch.no_grad(), Hooks() as hooks:
+            for name in first:
+                hooks.on_input(self.module_a.get_submodule(name), lambda args, name=name: before(name, args))
+            out = c.calls["m"](self.module_a, c.hidden["m"], rel)
+        return [out]
 
     def advance(self, merged_out: list[torch.Tensor]) -> None:
         """Every model's states move on to the next layer (call after :meth:`parents`)."""

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from huggingface_hub.utils import tqdm
 
 from raot_hf.adapters.schema import ModelSchema
 from raot_hf.gate import GateDecision, Status, paired_test
@@ -203,9 +204,11 @@ def run_merge_gate(
     z: float,
     floor: float = 0.0,
     layer_names: list[str] | None = None,
+    progress: bool = False,
 ) -> MergeGateResult:
     """Re-decide every transform by merge fidelity (see the module docstring); ``layer_names``:
-    the layer modules' names when the caller has them already."""
+    the layer modules' names when the caller has them already; ``progress``: a progress bar over
+    the layers (rank 0)."""
     layer_names = layer_names or layer_module_names(model_a, schema)
     rows = {(d.transform, d.layer): d for d in alignment_rows}
     n = sum(int(c.mask.shape[0]) for c in chunks)
@@ -223,7 +226,7 @@ def run_merge_gate(
     per_layer = _per_layer(parts)
     decided: dict[tuple, GateDecision] = {}
     accepted: dict[int, list[Transform]] = {}
-    for i in range(len(layer_names)):
+    for i in tqdm(range(len(layer_names)), desc="gate", disable=not progress):
         keys = [k for k in (("heads", i), ("mlp", i)) if k in rows and k in per_layer and _eligible(rows[k])]
         if keys:
             layer_decisions, chosen = run.decide_layer(i, keys, per_layer, rows)
@@ -330,6 +333,7 @@ def merge_gate(ctx, run, parts: list[Transform], stats, decisions: list[GateDeci
         z=gate.z,
         floor=gate.min_gain,
         layer_names=names,
+        progress=ctx.dist.is_main,
     )
     if gate.sibling_check:
         evidence = detect_siblings(parts)

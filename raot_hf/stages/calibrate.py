@@ -9,7 +9,7 @@ runs its shard and the sums are all-reduced (shards never pad or repeat examples
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +51,11 @@ class CalibrationRun:
     moment_precision: dict[str, str] | None = None  # requested, used and why (the fit phase sets it)
     encodings: dict = field(default_factory=dict)  # example id → its tokens: every pass tokenizes once
 
-    def batches(self, preprocessor, **shard):
-        """This sample's calibration batches (``split``, ``rank``, ``world_size``), tokens reused."""
-        return iter_calibration_batches(self.dataset, preprocessor, self.config, encodings=self.encodings, **shard)
+    def batches(self, preprocessor, batch_size: int | None = None, **shard):
+        """This sample's calibration batches (``split``, ``rank``, ``world_size``; ``batch_size``
+        instead of the calibration's), tokens reused."""
+        config = self.config if batch_size is None else replace(self.config, batch_size=batch_size)
+        return iter_calibration_batches(self.dataset, preprocessor, config, encodings=self.encodings, **shard)
 
 
 def check_calibration_early(cal: CalibrationConfig, preprocessor) -> tuple[dict[str, Any], Any, str]:

@@ -124,7 +124,7 @@ def corrected_merge(
     in_layer = tuple(n + "." for n in names)
     rest, part = merge([k for k in trunk_a if not k.startswith(in_layer)])
     add_rule_log(log, part)
-    batches = run.batches(ctx.preprocessor, split="fit")
+    batches = run.batches(ctx.preprocessor, batch_size=cfg.correction.batch_size, split="fit")
     chunks = capture(ctx.model_a, ctx.model_b, names[0], batches, rest, cfg.correction.examples)
     layers, skipped = [], []
     groups: dict[tuple, SiteGroups] = {}  # layers of one class call their sites in one order
