@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from raot_hf.calibration.statistics import row_blocks
 from raot_hf.correction.layer import LayerPass, SiteGroups, site_groups
 
 _F64 = torch.float64
@@ -66,11 +67,18 @@ class _Normal:
         g, c = (x.T @ x).to(_F64), (x.T @ y_mix.to(dt)).to(_F64)
         self.gram = g if self.gram is None else self.gram.add_(g)
         self.cross = c if self.cross is None else self.cross.add_(c)
-        mix, ym = y_mix.to(_F64), y_merged.to(_F64)
-        # Σ_p w_p‖y_M − y_p‖² = ‖y_M − ȳ‖² + Σ_p w_p‖y_p‖² − ‖ȳ‖²  (Σ_p w_p = 1)
-        self.residual += float((ym - mix).pow(2).sum()) + target - float(mix.pow(2).sum())
+        # Σ_p w_p‖y_M − y_p‖² = ‖y_M − ȳ‖² + Σ_p w_p‖y_p‖² − ‖ȳ‖²  (Σ_p w_p = 1), in float64 blocks
+        for block in row_blocks(y_mix.shape[0], y_mix.shape[1]):
+            mix = y_mix[block].to(_F64)
+            self.residual += float((y_merged[block].to(_F64) - mix).pow(2).sum()) - float(mix.pow(2).sum())
+        self.residual += target
         self.target += target
         self.tokens += x.shape[0]
+
+
+def _squared_norm(y: torch.Tensor) -> float:
+    """Σ y² in float64, a block of rows at a time."""
+    return sum(float(y[block].to(_F64).pow(2).sum()) for block in row_blocks(y.shape[0], y.shape[1]))
 
 
 def _augment(x: torch.Tensor, bias: bool) -> torch.Tensor:
@@ -143,7 +151,7 @@ def least_squares_layer(
         w = (1 - alpha) if side == "a" else alpha
         key = (i, name)
         mixed[key] = mixed.get(key, 0) + w * y.to(torch.float32)
-        energy[key] = energy.get(key, 0.0) + w * float(y.pow(2).sum())
+        energy[key] = energy.get(key, 0.0) + w * _squared_norm(y)
 
     layer.parents(list(by_module), parent)
     params = dict(params)
@@ -164,7 +172,7 @@ def least_squares_layer(
             normals = {name: _Normal() for name in group}
             for name in group:
                 site, key = by_module[name], (0, name)
-                y = _site_output(x, site, params).to(_F64)  # M's output with the rule's weight
+                y = _site_output(x, site, params)  # M's output with the rule's weight
                 normals[name].add(_augment(x, site.bias is not None), mixed[key], energy[key], y)
             refit(group, normals)
             return {k: params[k] for name in group for k in (by_module[name].weight, by_module[name].bias) if k}
@@ -298,7 +306,7 @@ def repair_layer(layer: LayerPass, params: dict, sites: list[Site], *, alpha: fl
     parents = {(side, s.module): _Moments() for side in "ab" for s in sites}
 
     def parent(side, _i, name, y):
-        parents[(side, name)].add(_channels(y, by_module[name]))
+        parents[(side, name)].add(_channels(y.to(_F64), by_module[name]))
 
     layer.parents(list(by_module), parent)
     params = dict(params)

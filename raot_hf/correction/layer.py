@@ -44,14 +44,14 @@ class LayerPass:
 
     def parents(self, sites: list[str], on_site: Callable[[str, int, str, torch.Tensor], None]) -> None:
         """Run A's and B′'s layer on every chunk (``on_site(side, chunk, site, y)`` with the site's
-        output rows); their outputs are the states entering the next layer."""
+        output rows, in the model's precision); their outputs are the states entering the next layer."""
         for side, module, out in (("a", self.module_a, self.next_a), ("b", self.module_b, self.next_b)):
             out.clear()
             for i, c in enumerate(self.chunks):
 
                 def report(name, x, y, side=side, i=i, c=c):
                     if _per_token(x, c):
-                        on_site(side, i, name, rows(y, c.mask))
+                        on_site(side, i, name, rows(y, c.mask, None))
 
                 with torch.no_grad(), recording(module, sites, report):
                     out.append(c.calls[side](module, c.hidden[side]))
