@@ -177,10 +177,10 @@ class Moments:
         else:
             ca, cb = a.index_select(0, cross_rows), b.index_select(0, cross_rows)
             self._add_comoment(ca, cb, dt, *_block_sums(ca, cb)[:2])
-        if self.full_a is not None:
-            _accumulate_product(self.full_a, a.to(dt), a.to(dt), self.product_dtype)
-        if self.full_b is not None:
-            _accumulate_product(self.full_b, b.to(dt), b.to(dt), self.product_dtype)
+        for total, x in ((self.full_a, a), (self.full_b, b)):
+            if total is not None:
+                x = x.to(dt)
+                _accumulate_product(total, x, x, self.product_dtype)
 
     def _add_comoment(self, a, b, dt: torch.dtype, sum_a: torch.Tensor, sum_b: torch.Tensor) -> None:
         """Chan's pairwise update of the co-moment with one batch's rows (``sum_a``, ``sum_b``:

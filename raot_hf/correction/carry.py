@@ -73,10 +73,9 @@ def recording(module: torch.nn.Module, names: list[str], on_call: Callable[[str,
         yield
 
 
-def rows(x: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype | None = torch.float64) -> torch.Tensor:
-    """The real-token rows of an activation (…, seq, k) as (n, k), in ``dtype`` (None: x's own)."""
-    out = x.reshape(*mask.shape, x.shape[-1])[mask.to(x.device)]
-    return out if dtype is None else out.to(dtype)
+def rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The real-token rows of an activation (…, seq, k) as (n, k), in x's precision."""
+    return x.reshape(*mask.shape, x.shape[-1])[mask.to(x.device)]
 
 
 def capture(model_a, model_b, layer0: str, batches: Iterator, merged_rest: dict, examples: int) -> list[Carried]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from raot_hf.calibration.statistics import row_blocks
-from raot_hf.correction.layer import LayerPass, SiteGroups, site_groups
+from raot_hf.correction.layer import LayerPass, SiteGroups
 
 _F64 = torch.float64
 
@@ -138,11 +138,11 @@ def least_squares_layer(
     *,
     alpha: float,
     shrink: float,
-    groups: SiteGroups | None = None,
+    groups: SiteGroups,
 ) -> tuple[dict, list[torch.Tensor], dict]:
     """Refit every Linear of the layer to ``(1−α)·Y_A + α·Y_B′`` on M's inputs, group by group in
-    call order (docs/design.md §6.7). ``groups``: the layer's :func:`site_groups` where already
-    known (found here otherwise). Returns the parameters, M's layer outputs, and the log."""
+    call order (docs/design.md §6.7). ``groups``: the layer's :func:`site_groups` (one per layer
+    class). Returns the parameters, M's layer outputs, and the log."""
     by_module = {s.module: s for s in sites}
     mixed: dict[tuple[int, str], torch.Tensor] = {}
     energy: dict[tuple[int, str], float] = {}
@@ -156,15 +156,10 @@ def least_squares_layer(
     layer.parents(list(by_module), parent)
     params = dict(params)
     log = {}
-    groups = groups or site_groups(layer, params, list(by_module))
 
     def refit(group: list[str], normals: dict[str, _Normal]) -> None:
         for name in group:
-            site = by_module[name]
-            prior = _as_in_out(params[site.weight], site.transposed)
-            if site.bias is not None:
-                prior = torch.cat([prior, params[site.bias].to(_F64)[None]], 0)
-            log[name] = _refit(params, site, normals[name], prior, shrink)
+            log[name] = _refit(params, by_module[name], normals[name], _prior(params, by_module[name]), shrink)
 
     if len(layer.chunks) == 1 and groups.once:  # one forward of M: each group refitted as it is reached
 
@@ -172,7 +167,7 @@ def least_squares_layer(
             normals = {name: _Normal() for name in group}
             for name in group:
                 site, key = by_module[name], (0, name)
-                y = _site_output(x, site, params)  # M's output with the rule's weight
+                y = _linear_out(x, site, _weights(params, site))  # M's output with the rule's weight
                 normals[name].add(_augment(x, site.bias is not None), mixed[key], energy[key], y)
             refit(group, normals)
             return {k: params[k] for name in group for k in (by_module[name].weight, by_module[name].bias) if k}
@@ -189,13 +184,6 @@ def least_squares_layer(
         refit(group, normals)
     outputs = layer.merged(params, [], lambda *_: None)
     return params, outputs, log
-
-
-def _site_output(x: torch.Tensor, site: Site, params: dict) -> torch.Tensor:
-    """A Linear's output rows, in x's precision, from its current parameters (full names)."""
-    w = params[site.weight].to(x.dtype)
-    y = x @ (w if site.transposed else w.T)
-    return y if site.bias is None else y + params[site.bias].to(x.dtype)
 
 
 def least_squares_readers(
@@ -216,25 +204,32 @@ def least_squares_readers(
         n = _Normal()
         for c in chunks:
             with torch.no_grad():
-                xa, xb = rows(norm_a(c.hidden["a"]), c.mask), rows(norm_b(c.hidden["b"]), c.mask)
-                xm = rows(functional_call(norm_a, norm_params, (c.hidden["m"],)), c.mask)
+                xa, xb = (rows(norm(c.hidden[k]), c.mask).to(_F64) for k, norm in (("a", norm_a), ("b", norm_b)))
+                xm = rows(functional_call(norm_a, norm_params, (c.hidden["m"],)), c.mask).to(_F64)
             ya, yb = _linear_out(xa, site, weights_a), _linear_out(xb, site, weights_b)
             target = (1 - alpha) * float(ya.pow(2).sum()) + alpha * float(yb.pow(2).sum())
-            merged = (params[site.weight], params[site.bias] if site.bias else None)
-            ym = _linear_out(xm, site, merged)
+            ym = _linear_out(xm, site, _weights(params, site))
             n.add(_augment(xm, site.bias is not None), (1 - alpha) * ya + alpha * yb, target, ym)
-        prior = _as_in_out(params[site.weight], site.transposed)
-        if site.bias is not None:
-            prior = torch.cat([prior, params[site.bias].to(_F64)[None]], 0)
-        log[site.module] = _refit(params, site, n, prior, shrink)
+        log[site.module] = _refit(params, site, n, _prior(params, site), shrink)
     return params, log
 
 
 def _linear_out(x: torch.Tensor, site: Site, weights: tuple) -> torch.Tensor:
-    """A Linear's output rows in float64 from (weight, bias) as stored."""
-    w, b = weights
-    y = x @ _as_in_out(w, site.transposed)
-    return y if b is None else y + b.to(_F64)
+    """A Linear's output rows, in x's precision, from its (weight, bias) as stored."""
+    w, b = (None if t is None else t.to(x.dtype) for t in weights)
+    y = x @ (w if site.transposed else w.T)
+    return y if b is None else y + b
+
+
+def _weights(params: dict, site: Site) -> tuple:
+    """The site's (weight, bias) in ``params`` (full names)."""
+    return params[site.weight], params[site.bias] if site.bias else None
+
+
+def _prior(params: dict, site: Site) -> torch.Tensor:
+    """The site's current parameters as the (in [+1], out) float64 matrix the fit solves for."""
+    prior = _as_in_out(params[site.weight], site.transposed)
+    return prior if site.bias is None else torch.cat([prior, params[site.bias].to(_F64)[None]], 0)
 
 
 # ---------------------------------------------------------------------------------- REPAIR
@@ -316,7 +311,9 @@ def repair_layer(layer: LayerPass, params: dict, sites: list[Site], *, alpha: fl
         if not group:
             continue
         merged = {name: _Moments() for name in group}
-        layer.merged(params, group, lambda _i, name, _x, y, m=merged: m[name].add(_channels(y, by_module[name])))
+        layer.merged(
+            params, group, lambda _i, name, _x, y, m=merged: m[name].add(_channels(y.to(_F64), by_module[name]))
+        )
         for name in group:
             site, a, b = by_module[name], parents[("a", name)], parents[("b", name)]
             if site.bias is None:

@@ -51,7 +51,7 @@ class LayerPass:
 
                 def report(name, x, y, side=side, i=i, c=c):
                     if _per_token(x, c):
-                        on_site(side, i, name, rows(y, c.mask, None))
+                        on_site(side, i, name, rows(y, c.mask))
 
                 with torch.no_grad(), recording(module, sites, report):
                     out.append(c.calls[side](module, c.hidden[side]))
@@ -60,8 +60,8 @@ class LayerPass:
         self, params: dict[str, torch.Tensor], sites: list[str], on_site: SiteCallback, *, stop: bool = False
     ) -> list[torch.Tensor | None]:
         """Run M's layer (A's module with the merged ``params``, full names) on every chunk; returns
-        its outputs (``on_site(chunk, site, x, y)`` at each site: the input rows in the model's
-        precision, the output rows in float64). ``stop``: the rest of the layer
+        its outputs (``on_site(chunk, site, x, y)`` at each site: input and output rows in the
+        model's precision). ``stop``: the rest of the layer
         is skipped once every site has reported (each is called once per chunk; the outputs are
         then None) — a fit that reads only its sites needs nothing after them."""
         rel, outs = _relative(params, self.prefix), []
@@ -70,7 +70,7 @@ class LayerPass:
 
             def report(name, x, y, i=i, c=c, pending=pending):
                 if _per_token(x, c):
-                    on_site(i, name, rows(x, c.mask, None), rows(y, c.mask))
+                    on_site(i, name, rows(x, c.mask), rows(y, c.mask))
                     pending.discard(name)
                     if stop and not pending:
                         raise _SitesDone
@@ -101,7 +101,7 @@ class LayerPass:
             if name in done or not _per_token(x, c):
                 return
             done.add(name)
-            for key, value in fit(first[name], rows(x, c.mask, None)).items():
+            for key, value in fit(first[name], rows(x, c.mask)).items():
                 rel[key[n:]].copy_(value)
 
         with torch.no_grad(), Hooks() as hooks:
