@@ -11,30 +11,45 @@ check → merge → report; each stage is a function of :mod:`raot_hf.stages` ta
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 from raot_hf.adapters import schema_for
 from raot_hf.calibration.statistics import CalibrationStatistics
 from raot_hf.config import RaotConfig
-from raot_hf.distributed import DistributedContext, statistics_pass_needed
+from raot_hf.distributed import DistributedContext
 from raot_hf.errors import RaotError
 from raot_hf.io.loading import ModelSource, check_compatible
 from raot_hf.merging.siblings import refuse_moved_b
 from raot_hf.results import Alignment, MergeResult
+from raot_hf.stages.align import calibrate_and_solve, calibrate_solve_decide
 from raot_hf.stages.apply import apply_and_check
 from raot_hf.stages.calibrate import CalibrationRun, fit_phase, heldout_phase, open_calibration
 from raot_hf.stages.combine import merge_weights
-from raot_hf.stages.context import PairContext
-from raot_hf.stages.decide import decide
+from raot_hf.stages.context import PairContext, StageTimer
+from raot_hf.stages.group import (
+    align_member,
+    central_index,
+    check_group,
+    fold_all_if_any,
+    group_quality,
+    group_report,
+    merge_group_weights,
+    merged_quality,
+    transform_file,
+    two_model_config,
+)
 from raot_hf.stages.load import base_for, check_base_matches_rule, load_pair
 from raot_hf.stages.provenance import build_report
 from raot_hf.stages.quality import merge_quality, parent_outputs, quality_inputs
 from raot_hf.stages.refine import refine_and_check
-from raot_hf.stages.solve import solve
 from raot_hf.symmetry import Transform
 
 __all__ = ["Alignment", "MergeResult", "RaotMerger"]
+
+logger = logging.getLogger("raot_hf.merger")
+_STAGE = {"stage": True}  # a line the CLI shows by default (raot_hf.cli.verbosity)
 
 _MERGED = (
     "this RaotMerger has already merged: model A now holds the merged weights and B was moved into A's "
@@ -60,11 +75,12 @@ class RaotMerger:
         self,
         model_a,
         model_b,
-        *,
+        *more_models,
         config: RaotConfig | None = None,
         preprocessor=None,
         source_a: ModelSource | None = None,
         source_b: ModelSource | None = None,
+        more_sources: tuple[ModelSource, ...] = (),
         base_model=None,
         source_base: ModelSource | None = None,
         base_missing: list[str] | tuple[str, ...] = (),
@@ -72,20 +88,41 @@ class RaotMerger:
     ):
         config = config or RaotConfig()
         check_base_matches_rule(config, base_model is not None)
-        model_a, model_b = model_a.eval(), model_b.eval()
-        check_compatible(model_a.config, model_b.config, head_policy=config.head)
-        schema = schema_for(model_a)
-        if schema_for(model_b).parameter_names() != schema.parameter_names():
-            raise RaotError("A and B resolve to different parameter sets; load both with the same class.")
-        self.pair = PairContext(model_a, model_b, schema, config, preprocessor, DistributedContext.detect())
-        self.pair.base = base_for(model_a, model_b, schema, base_model, source_base, base_missing)
-        self.source_a = source_a or ModelSource(getattr(model_a, "name_or_path", "") or "model_a")
-        self.source_b = source_b or ModelSource(getattr(model_b, "name_or_path", "") or "model_b")
+        models = [m.eval() for m in (model_a, model_b, *more_models)]
+        if len(models) > 2:
+            check_group(config, len(models), DistributedContext.detect().is_distributed)
+        elif config.group.weights:
+            config = two_model_config(config)
+        for other in models[1:]:
+            check_compatible(models[0].config, other.config, head_policy=config.head)
+        schema = schema_for(models[0])
+        if any(schema_for(m).parameter_names() != schema.parameter_names() for m in models[1:]):
+            raise RaotError("the models resolve to different parameter sets; load every one with the same class.")
+        self._base = (base_model, source_base, base_missing)
+        self.models = models
+        self.sources = [
+            src or ModelSource(getattr(m, "name_or_path", "") or f"model_{i + 1}")
+            for i, (m, src) in enumerate(zip(models, (source_a, source_b, *more_sources, *[None] * len(models))))
+        ]
+        self.pairs = self._pairs(schema, config, preprocessor, DistributedContext.detect())
+        self.pair = self.pairs[0]
+        self.source_a, self.source_b = self.sources[0], self.sources[1]
         self.early_calibration = early_calibration  # the sample from_pretrained's early check loaded
         self.merged = False
+        self.reference_log: dict[str, Any] | None = None
+
+    def _pairs(self, schema, config, preprocessor, dist) -> list[PairContext]:
+        """One pair context (reference, model i) per model after the reference, sharing one clock."""
+        pairs, timer = [], self.pair.timer if hasattr(self, "pair") else StageTimer()
+        base_model, source_base, base_missing = self._base
+        for other in self.models[1:]:
+            pair = PairContext(self.models[0], other, schema, config, preprocessor, dist, timer)
+            pair.base = base_for(self.models[0], other, schema, base_model, source_base, base_missing)
+            pairs.append(pair)
+        return pairs
 
     # -- the pair, as the stages see it --------------------------------------------------------
-    model_a = property(lambda self: self.pair.model_a, doc="Model A (receives the merged weights).")
+    model_a = property(lambda self: self.pair.model_a, doc="Model A, the reference (receives the merged weights).")
     model_b = property(lambda self: self.pair.model_b, doc="Model B (moved into A's basis by merge()).")
     schema = property(lambda self: self.pair.schema, doc="The architecture's symmetry schema.")
     config = property(lambda self: self.pair.config, doc="The RaotConfig of this merge.")
@@ -107,7 +144,7 @@ class RaotMerger:
         cls,
         a: str | Path,
         b: str | Path,
-        *,
+        *more: str | Path,
         config: RaotConfig | None = None,
         revision: str | None = None,
         revision_b: str | None = None,
@@ -118,22 +155,35 @@ class RaotMerger:
         base_revision: str | None = None,
         **options,
     ) -> RaotMerger:
-        """Load A and B (Hub ids or local directories). ``revision`` applies to A (and to B
+        """Load A and B — and any ``more`` models, aligned to the same reference (docs/design.md
+        §6.9) — from Hub ids or local directories. ``revision`` applies to A (and to the others
         unless ``revision_b`` is given); ``options`` override fields of ``config``. ``base``
-        (with ``base_revision``) is the checkpoint A and B were fine-tuned from, for the
+        (with ``base_revision``) is the checkpoint the models were fine-tuned from, for the
         base-relative rules (``task_arithmetic``, ``ties``, ``dare_ties``)."""
         config = _with_options(config, options)
+        if more:
+            check_group(config, 2 + len(more), DistributedContext.detect().is_distributed)
         access = dict(token=token, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
         loaded = load_pair(
-            a, b, config, revision=revision, revision_b=revision_b, base=base, base_revision=base_revision, **access
+            a,
+            b,
+            config,
+            *more,
+            revision=revision,
+            revision_b=revision_b,
+            base=base,
+            base_revision=base_revision,
+            **access,
         )
         merger = cls(
             loaded.model_a,
             loaded.model_b,
+            *loaded.more_models,
             config=config,
             preprocessor=loaded.preprocessor,
             source_a=loaded.sources[0],
             source_b=loaded.sources[1],
+            more_sources=loaded.sources[2:],
             base_model=loaded.base_model,
             source_base=loaded.source_base,
             base_missing=loaded.base_missing,
@@ -144,13 +194,21 @@ class RaotMerger:
 
     @classmethod
     def from_models(
-        cls, model_a, model_b, *, preprocessor=None, config: RaotConfig | None = None, base_model=None, **options
+        cls,
+        model_a,
+        model_b,
+        *more_models,
+        preprocessor=None,
+        config: RaotConfig | None = None,
+        base_model=None,
+        **options,
     ) -> RaotMerger:
-        """Wrap two loaded models (the merge writes into ``model_a``); ``base_model``, for the
-        base-relative rules, may be A's class or the bare model A's head class wraps. (Load it with
-        its own class: parameters ``from_pretrained`` initialised at random cannot be told apart here.)"""
+        """Wrap two (or more) loaded models (the merge writes into ``model_a``, the reference);
+        ``base_model``, for the base-relative rules, may be A's class or the bare model A's head
+        class wraps. (Load it with its own class: parameters ``from_pretrained`` initialised at
+        random cannot be told apart here.)"""
         config = _with_options(config, options)
-        return cls(model_a, model_b, config=config, preprocessor=preprocessor, base_model=base_model)
+        return cls(model_a, model_b, *more_models, config=config, preprocessor=preprocessor, base_model=base_model)
 
     # -- stages ---------------------------------------------------------------------------------
     def _refuse_after_merge(self) -> None:
@@ -172,15 +230,7 @@ class RaotMerger:
             heldout_phase(self.pair, run, stats, candidates)
 
     def _calibrate_and_solve(self, calibration) -> tuple[Any, CalibrationRun | None, list, dict]:
-        stats = run = None
-        if statistics_pass_needed(self.config, calibration):
-            stats, run = self.collect_statistics(calibration)
-        parts, logs = solve(self.pair, stats)
-        if stats is not None:
-            stats.fit = None  # the estimators are done with the fit moments: free them before the held-out phase
-            self.collect_heldout(stats, run, parts)
-            run.fingerprint.update({"examples": stats.examples, "heldout_tokens": int(stats.heldout.tokens)})
-        return stats, run, parts, logs
+        return calibrate_and_solve(self.pair, calibration, self.early_calibration)
 
     def calibrate_and_solve(self, calibration=None) -> tuple[CalibrationStatistics | None, Any, list, dict]:
         """The statistics pass and the solve, in the order every process runs them: the fit
@@ -193,12 +243,12 @@ class RaotMerger:
         return stats, (run.fingerprint if run is not None else None), parts, logs
 
     def _align(self, calibration) -> tuple[Alignment, CalibrationStatistics | None, CalibrationRun | None]:
-        stats, run, parts, logs = self._calibrate_and_solve(calibration)
-        return decide(self.pair, parts, logs, stats, run), stats, run
+        return calibrate_solve_decide(self.pair, calibration, self.early_calibration)
 
     def align(self, calibration=None) -> tuple[Alignment, CalibrationStatistics | None, dict[str, Any] | None]:
         """Estimate every transform in scope, gate each against the identity, and return the
-        decisions, the statistics and the data's fingerprint (nothing is applied to the models)."""
+        decisions, the statistics and the data's fingerprint (nothing is applied to the models).
+        With more than two models: the reference's alignment with model 2 (``merge`` aligns all)."""
         self._refuse_after_merge()
         alignment, stats, run = self._align(calibration)
         return alignment, stats, (run.fingerprint if run is not None else None)
@@ -206,9 +256,14 @@ class RaotMerger:
     def merge(self, calibration=None) -> MergeResult:
         """Estimate, gate, apply to B, check B′ ≡ B, merge, and return a :class:`MergeResult`.
 
-        Model A's object receives the merged weights (no third copy of the model is made).
+        Model A's object receives the merged weights (no third copy of the model is made). With
+        more than two models, each is aligned to the reference and gated on its own, then all are
+        merged by the rule's N-ary form (docs/design.md §6.9).
         """
         self._refuse_after_merge()
+        if len(self.pairs) > 1:
+            self.merged = True
+            return self._merge_group(calibration)
         alignment, stats, run = self._align(calibration)
         if self.pair.base is not None:  # task vectors need B in the base's basis (docs/design.md §6)
             refuse_moved_b(alignment.decisions, self.config.merge_rule)
@@ -227,3 +282,32 @@ class RaotMerger:
         sources = (self.source_a, self.source_b)
         report = build_report(self.pair, sources, alignment, fingerprint, checks, merge_log, quality)
         return MergeResult(self.model_a, report, alignment, self.preprocessor, self.source_a.name_or_path)
+
+    def _merge_group(self, calibration) -> MergeResult:
+        """Align every model to the reference, fold all of them if any alignment folded, merge N-ary."""
+        if self.config.group.reference == "central":
+            self._reference_to_center(calibration)
+        members = []
+        for i, pair in enumerate(self.pairs, start=2):
+            logger.info("aligning model %d of %d to the reference", i, len(self.models), extra=_STAGE)
+            members.append(align_member(pair, calibration, self.early_calibration))
+        folded = fold_all_if_any(members)
+        quality_sets, parents = group_quality(members)
+        merge_log = merge_group_weights(members, folded)
+        quality = merged_quality(members, quality_sets, parents)
+        report = group_report(members, self.sources, merge_log, quality, self.reference_log)
+        result = MergeResult(self.model_a, report, members[0].alignment, self.preprocessor, self.source_a.name_or_path)
+        result.more_transforms = {transform_file(i): m.alignment.applied for i, m in enumerate(members[1:], start=3)}
+        return result
+
+    def _reference_to_center(self, calibration) -> None:
+        """Make the most central model the reference (``group.reference="central"``)."""
+        run = open_calibration(self.pair, calibration, self.early_calibration)
+        index, self.reference_log = central_index(self.models, self.pair, run)
+        if index:
+            order = [index, *(i for i in range(len(self.models)) if i != index)]
+            self.models = [self.models[i] for i in order]
+            self.sources = [self.sources[i] for i in order]
+            self.pairs = self._pairs(self.pair.schema, self.config, self.preprocessor, self.dist)
+            self.pair = self.pairs[0]
+            self.source_a, self.source_b = self.sources[0], self.sources[1]

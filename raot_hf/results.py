@@ -50,6 +50,9 @@ class MergeResult:
     alignment: Alignment
     preprocessor: Any = None
     source_a: str | None = None
+    #: With more than two models: the alignments of models 3, 4, … by the file each is written to
+    #: (model 2's is ``alignment``'s, in ``raot_transform.safetensors``).
+    more_transforms: dict[str, TransformSequence] = field(default_factory=dict)
 
     def save_pretrained(self, out_dir: str | Path, *, overwrite: bool = False, max_shard_size: str = "2GB") -> Path:
         """Write a directory ``from_pretrained`` loads, with model card and ``raot_report.json``."""
@@ -66,6 +69,7 @@ class MergeResult:
             overwrite=overwrite,
             max_shard_size=max_shard_size,
             transform=self.alignment.applied,
+            more_transforms=self.more_transforms,
         )
         self.report.setdefault("timings", {})["write"] = time.perf_counter() - start
         return path

@@ -253,7 +253,7 @@ def cli_sandbox(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     seen = []
 
-    def stop_after_parsing(cls, a, b, *, config=None, **kwargs):
+    def stop_after_parsing(cls, *models, config=None, **kwargs):
         assert isinstance(config, RaotConfig)
         seen.append(config)
         raise RaotError(SENTINEL)

@@ -44,10 +44,13 @@ def merge_options(fn):
     """Options shared by ``merge`` and ``inspect``: every field of RaotConfig (generated from
     its dataclasses), then the options that are not part of the config."""
     opts = [
-        click.argument("model_a"),
-        click.argument("model_b"),
+        click.argument("models", nargs=-1),
         click.option(
-            "--config", "config_file", type=click.Path(dir_okay=False), help="RaotConfig JSON; flags override it."
+            "--config",
+            "config_file",
+            type=click.Path(dir_okay=False),
+            help="A merge file (mergekit-style YAML/JSON: models, merge_method, raot:) or a RaotConfig JSON; "
+            "flags override it.",
         ),
         *(_config_option(option) for option in config_cli_options()),
         click.option("--revision", help="Revision of A (and of B unless --revision-b)."),
@@ -64,25 +67,56 @@ def merge_options(fn):
     return fn
 
 
-def _read_config_file(name: str) -> RaotConfig:
-    """The RaotConfig in the ``--config`` file ``name``; unreadable files are a one-line error."""
+def _read_config_file(name: str):
+    """The ``--config`` file ``name``: a :class:`~raot_hf.config.mergefile.MergeFile` (models, base,
+    options) or a RaotConfig JSON; unreadable files are a one-line error."""
+    from raot_hf.config.mergefile import looks_like_merge_file, parse_text, read_merge_file
+
     path = Path(name)
     if not path.is_file():
-        raise RaotError(f"--config {path} does not exist; pass a JSON file written by RaotConfig.to_json()")
+        raise RaotError(f"--config {path} does not exist; pass a merge file (YAML) or a RaotConfig JSON")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise RaotError(
-            f"--config {path} cannot be read ({reason}); pass a JSON file written by RaotConfig.to_json()"
-        ) from None
-    return RaotConfig.from_json(text)
+        raise RaotError(f"--config {path} cannot be read ({reason}); pass a merge file or a RaotConfig JSON") from None
+    if path.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise RaotError(f"options are not valid JSON ({exc.msg} at line {exc.lineno}); fix the file") from None
+    else:
+        data = parse_text(text, str(path))
+    if looks_like_merge_file(data):
+        return read_merge_file(data)
+    if not isinstance(data, dict):
+        raise RaotError(f"--config {path} must hold a mapping (a merge file or RaotConfig options)")
+    return RaotConfig.from_dict(data)
 
 
-def build_config(options: dict) -> RaotConfig:
-    """The RaotConfig these CLI options describe (the same object the Python API takes): the
-    --config file (or the defaults), with every flag given on the command line set on top."""
-    base = _read_config_file(options["config_file"]) if options.get("config_file") else RaotConfig()
+def _config_and_models(options: dict) -> tuple[RaotConfig, list[str], str | None]:
+    """The config, the models (command line or merge file) and the base (--base or base_model:)."""
+    from raot_hf.config.mergefile import MergeFile
+
+    loaded = _read_config_file(options["config_file"]) if options.get("config_file") else RaotConfig()
+    models, base = list(options.get("models") or ()), options.get("base")
+    if isinstance(loaded, MergeFile):
+        if models:
+            raise RaotError("the merge file lists the models; do not also give them on the command line")
+        if base and loaded.base and base != loaded.base:
+            raise RaotError(f"--base {base} differs from the merge file's base_model: {loaded.base}; give one")
+        models, base, loaded = loaded.models, base or loaded.base, loaded.config
+    if len(models) < 2:
+        raise RaotError(f"give at least two models (got {len(models)}): raot-hf merge A B [C ...] --out DIR")
+    return build_config(options, loaded), models, base
+
+
+def build_config(options: dict, base: RaotConfig | None = None) -> RaotConfig:
+    """The RaotConfig these CLI options describe (the same object the Python API takes): ``base``
+    (the --config file's options, or the defaults), with every flag given on the command line set on top."""
+    if base is None:
+        base = _read_config_file(options["config_file"]) if options.get("config_file") else RaotConfig()
+        base = getattr(base, "config", base)
     data = base.to_dict()
     for option in config_cli_options():
         value = options.get(option.dest)
@@ -99,19 +133,20 @@ def build_config(options: dict) -> RaotConfig:
 def _merger(options: dict):
     from raot_hf.merger import RaotMerger
 
-    config = build_config(options)
+    config, models, base = _config_and_models(options)
     if config.needs_calibration and config.calibration.source is None:  # refused before any weights load
         raise RaotError("this merge needs calibration data; pass --calibration (or --alignment none)")
+    if len(models) > 2 and options.get("_two_only"):
+        raise RaotError(f"inspect compares two models, got {len(models)}; inspect each pair, or merge them all")
     return RaotMerger.from_pretrained(
-        options["model_a"],
-        options["model_b"],
+        *models,
         config=config,
         revision=options.get("revision"),
         revision_b=options.get("revision_b"),
         token=options.get("token"),
         trust_remote_code=options.get("trust_remote_code", False),
         allow_pickle=options.get("allow_pickle", False),
-        **({"base": options["base"], "base_revision": options.get("base_revision")} if options.get("base") else {}),
+        **({"base": base, "base_revision": options.get("base_revision")} if base else {}),
     )
 
 
@@ -153,7 +188,10 @@ def _merge_command() -> click.Command:
     @click.option("--max-shard-size", default="2GB", show_default=True)
     @friendly_errors
     def merge_command(out, overwrite, max_shard_size, **options):
-        """Align B to A, merge, and write a repository that from_pretrained loads."""
+        """Align B (and any further models) to A, merge, and write a repository that from_pretrained loads.
+
+        MODELS: two or more checkpoints (Hub ids or directories), the first the reference;
+        or none, with --config naming a merge file that lists them."""
         from raot_hf.outputs import check_destination, parse_size
 
         check_destination(out, overwrite)  # refuse before any heavy work
@@ -197,7 +235,7 @@ def _inspect_command() -> click.Command:
     @friendly_errors
     def inspect_command(as_json, **options):
         """Gate decisions and alignment scores without writing a model: do A and B share a basis?"""
-        merger = _merger(options)
+        merger = _merger({**options, "_two_only": True})
         if _followed_main(merger):
             return
         try:

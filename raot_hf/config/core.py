@@ -29,6 +29,7 @@ from raot_hf.estimators.weight_based import WeightMatchingOptions
 from raot_hf.gate import GATE_OBJECTIVES, GateOptions
 from raot_hf.merging import HEAD_POLICIES, available_merge_rules, merge_rule_spec
 from raot_hf.merging.base_rules import BaseRuleOptions
+from raot_hf.merging.nary import GroupOptions
 from raot_hf.merging.rules import FisherOptions, RegMeanOptions
 from raot_hf.refine import RefineOptions
 from raot_hf.version import __version__
@@ -97,6 +98,8 @@ class RaotConfig:
       and the functional check's inputs; ``check_batches``: held-out batches kept for the B′ ≡ B check.
     * ``correction``: :class:`~raot_hf.config.options.CorrectionOptions` — a post-merge correction of the
       merged model, layer by layer (``lsq``, ``repair``; docs/design.md §6.7).
+    * ``group``: :class:`~raot_hf.merging.nary.GroupOptions` — per-model weights and densities, and
+      the reference model, of a merge of several models (docs/design.md §6.9).
     * ``refine``: :class:`~raot_hf.config.options.RefineOptions` — learned alignment: gradient steps on the
       continuous symmetries of B′, label-free, early-stopped, competing with the estimate (§5.6).
     * ``calibration``: :class:`~raot_hf.calibration.settings.CalibrationConfig`.
@@ -137,6 +140,7 @@ class RaotConfig:
     regmean: RegMeanOptions = field(default_factory=RegMeanOptions)
     fisher: FisherOptions = field(default_factory=FisherOptions)
     base_rules: BaseRuleOptions = field(default_factory=BaseRuleOptions)
+    group: GroupOptions = field(default_factory=GroupOptions)
     correction: CorrectionOptions = field(default_factory=CorrectionOptions)
     refine: RefineOptions = field(default_factory=RefineOptions)
     dtype: str = field(default="auto", metadata=_help("Dtype the models load in (default auto).", choices=DTYPES))

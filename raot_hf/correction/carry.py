@@ -43,8 +43,8 @@ class LayerCall:
 
 @dataclass
 class Carried:
-    """One chunk of correction examples: the real-token mask, and per model ("a", "b", "m") the
-    layer call and the hidden states entering the current layer."""
+    """One chunk of correction examples: the real-token mask, and per model (the parents' sides
+    "a", "b", … and M's "m") the layer call and the hidden states entering the current layer."""
 
     mask: torch.Tensor  # (rows, seq) bool
     calls: dict[str, LayerCall]
@@ -78,9 +78,10 @@ def rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x.reshape(*mask.shape, x.shape[-1])[mask.to(x.device)]
 
 
-def capture(model_a, model_b, layer0: str, batches: Iterator, merged_rest: dict, examples: int) -> list[Carried]:
-    """Layer 0's calls and input states of A, B′ and M (A's module with the merged non-layer
-    parameters ``merged_rest``) over the first ``examples`` rows of ``batches``."""
+def capture(parents: dict, layer0: str, batches: Iterator, merged_rest: dict, examples: int) -> list[Carried]:
+    """Layer 0's calls and input states of every parent (side → model; ``"a"`` the reference) and
+    of M (A's module with the merged non-layer parameters ``merged_rest``) over the first
+    ``examples`` rows of ``batches``."""
     chunks, taken = [], 0
     for batch in batches:
         keep = min(examples - taken, len(batch))
@@ -89,7 +90,8 @@ def capture(model_a, model_b, layer0: str, batches: Iterator, merged_rest: dict,
         inputs = {k: v[:keep] for k, v in batch.inputs.items()}
         mask = batch.token_mask[:keep] if batch.token_mask is not None else None
         calls, hidden = {}, {}
-        for key, model, params in (("a", model_a, None), ("b", model_b, None), ("m", model_a, merged_rest)):
+        runs = [(side, model, None) for side, model in parents.items()] + [("m", parents["a"], merged_rest)]
+        for key, model, params in runs:
             device = next(model.parameters()).device
             call, h = layer0_call(model, layer0, {k: v.to(device) for k, v in inputs.items()}, params)
             calls[key], hidden[key] = call, h

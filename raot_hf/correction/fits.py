@@ -136,19 +136,20 @@ def least_squares_layer(
     params: dict,
     sites: list[Site],
     *,
-    alpha: float,
+    mix: dict[str, float],
     shrink: float,
     groups: SiteGroups,
 ) -> tuple[dict, list[torch.Tensor], dict]:
-    """Refit every Linear of the layer to ``(1−α)·Y_A + α·Y_B′`` on M's inputs, group by group in
-    call order (docs/design.md §6.7). ``groups``: the layer's :func:`site_groups` (one per layer
-    class). Returns the parameters, M's layer outputs, and the log."""
+    """Refit every Linear of the layer to the parents' mix ``Σ w_p·Y_p`` (``mix``: side → weight,
+    summing to 1; two models: ``(1−α)·Y_A + α·Y_B′``) on M's inputs, group by group in call order
+    (docs/design.md §6.7). ``groups``: the layer's :func:`site_groups` (one per layer class).
+    Returns the parameters, M's layer outputs, and the log."""
     by_module = {s.module: s for s in sites}
     mixed: dict[tuple[int, str], torch.Tensor] = {}
     energy: dict[tuple[int, str], float] = {}
 
     def parent(side, i, name, y):
-        w = (1 - alpha) if side == "a" else alpha
+        w = mix[side]
         key = (i, name)
         mixed[key] = mixed.get(key, 0) + w * y.to(torch.float32)
         energy[key] = energy.get(key, 0.0) + w * _squared_norm(y)
@@ -187,29 +188,32 @@ def least_squares_layer(
 
 
 def least_squares_readers(
-    chunks, norms: tuple, params: dict, sites: list[tuple[Site, tuple, tuple]], *, alpha: float, shrink: float
+    chunks, norms: tuple, params: dict, sites: list[tuple[Site, dict]], *, mix: dict[str, float], shrink: float
 ) -> tuple[dict, dict]:
     """The Linears that read the final stream through the final norm (an untied LM head), refitted
-    like a layer's: on M's final states through M's norm, to the α-mix of the parents' outputs.
-    ``norms``: the final norm module of A, of B′, and its merged parameters (relative names);
-    ``sites``: each reader with A's and B′'s (weight, bias)."""
+    like a layer's: on M's final states through M's norm, to the parents' mix of outputs.
+    ``norms``: the final norm module of every parent (side → module) and its merged parameters
+    (relative names); ``sites``: each reader with every parent's (weight, bias) by side."""
     from torch.func import functional_call
 
     from raot_hf.correction.carry import rows
 
-    norm_a, norm_b, norm_params = norms
+    modules, norm_params = norms
     params = dict(params)
     log = {}
-    for site, weights_a, weights_b in sites:
+    for site, weights in sites:
         n = _Normal()
         for c in chunks:
+            mixed, target = 0.0, 0.0
+            for side, w in mix.items():
+                with torch.no_grad():
+                    x = rows(modules[side](c.hidden[side]), c.mask).to(_F64)
+                y = _linear_out(x, site, weights[side])
+                mixed, target = mixed + w * y, target + w * float(y.pow(2).sum())
             with torch.no_grad():
-                xa, xb = (rows(norm(c.hidden[k]), c.mask).to(_F64) for k, norm in (("a", norm_a), ("b", norm_b)))
-                xm = rows(functional_call(norm_a, norm_params, (c.hidden["m"],)), c.mask).to(_F64)
-            ya, yb = _linear_out(xa, site, weights_a), _linear_out(xb, site, weights_b)
-            target = (1 - alpha) * float(ya.pow(2).sum()) + alpha * float(yb.pow(2).sum())
+                xm = rows(functional_call(modules["a"], norm_params, (c.hidden["m"],)), c.mask).to(_F64)
             ym = _linear_out(xm, site, _weights(params, site))
-            n.add(_augment(xm, site.bias is not None), (1 - alpha) * ya + alpha * yb, target, ym)
+            n.add(_augment(xm, site.bias is not None), mixed, target, ym)
         log[site.module] = _refit(params, site, n, _prior(params, site), shrink)
     return params, log
 
@@ -293,12 +297,15 @@ def _fold(params: dict, site: Site, t: torch.Tensor, shift: torch.Tensor | None)
         params[site.bias] = b.to(params[site.bias].dtype)
 
 
-def repair_layer(layer: LayerPass, params: dict, sites: list[Site], *, alpha: float) -> tuple[dict, list, dict]:
+def repair_layer(
+    layer: LayerPass, params: dict, sites: list[Site], *, mix: dict[str, float]
+) -> tuple[dict, list, dict]:
     """REPAIR (Jordan et al. 2023) inside one Transformer layer: the value channels first, then
-    the MLP's pre-activations given them, each reset to the α-interpolation of A's and B′'s
-    statistics (docs/design.md §6.7). Returns the parameters, M's layer outputs and the log."""
+    the MLP's pre-activations given them, each reset to the parents' weighted statistics (``mix``:
+    side → weight; two models: the α-interpolation of A's and B′'s) (docs/design.md §6.7).
+    Returns the parameters, M's layer outputs and the log."""
     by_module = {s.module: s for s in sites}
-    parents = {(side, s.module): _Moments() for side in "ab" for s in sites}
+    parents = {(side, s.module): _Moments() for side in mix for s in sites}
 
     def parent(side, _i, name, y):
         parents[(side, name)].add(_channels(y.to(_F64), by_module[name]))
@@ -315,11 +322,11 @@ def repair_layer(layer: LayerPass, params: dict, sites: list[Site], *, alpha: fl
             params, group, lambda _i, name, _x, y, m=merged: m[name].add(_channels(y.to(_F64), by_module[name]))
         )
         for name in group:
-            site, a, b = by_module[name], parents[("a", name)], parents[("b", name)]
+            site, stats = by_module[name], {side: parents[(side, name)] for side in mix}
             if site.bias is None:
-                target = ((1 - alpha) * a.rms() + alpha * b.rms(),)
+                target = (sum(w * stats[side].rms() for side, w in mix.items()),)
             else:
-                target = ((1 - alpha) * a.mean() + alpha * b.mean(), (1 - alpha) * a.std() + alpha * b.std())
+                target = tuple(sum(w * getattr(stats[side], f)() for side, w in mix.items()) for f in ("mean", "std"))
             t, shift = _affine(site, target, merged[name])
             _fold(params, site, t, shift)
             log[name] = {"channels": int(t.numel()), "scale_min": float(t.min()), "scale_max": float(t.max())}

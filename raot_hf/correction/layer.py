@@ -1,6 +1,7 @@
-"""One layer of the sequential correction pass (docs/design.md §6.7): A's and B′'s layer run once
-on their carried states (their module outputs kept), M's layer runs with the merged parameters as
-often as the correction needs, and every model's states move on to the next layer.
+"""One layer of the sequential correction pass (docs/design.md §6.7): every parent's layer (A's
+and B′'s; with more models, each aligned one's) runs once on its carried states (their module
+outputs kept), M's layer runs with the merged parameters as often as the correction needs, and
+every model's states move on to the next layer.
 
 A *site* is a module of the layer whose input rows (n × in) and output rows (n × out) over the
 chunk's real tokens a correction reads; the engine hands them to a callback, so nothing larger
@@ -33,19 +34,24 @@ def _per_token(x: torch.Tensor, chunk: Carried) -> bool:
 
 @dataclass
 class LayerPass:
-    """Layer ``prefix`` (its module in A and in B′) over the carried ``chunks``."""
+    """Layer ``prefix`` over the carried ``chunks``: its module in every parent (``parents``: side
+    → module; ``"a"`` is the reference, whose module M's layer computes with)."""
 
     chunks: list[Carried]
     prefix: str
-    module_a: torch.nn.Module
-    module_b: torch.nn.Module
-    next_a: list[torch.Tensor] = field(default_factory=list)
-    next_b: list[torch.Tensor] = field(default_factory=list)
+    parent_modules: dict[str, torch.nn.Module]
+    outs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def module_a(self) -> torch.nn.Module:
+        """The reference's module (M's layer runs it with the merged parameters)."""
+        return self.parent_modules["a"]
 
     def parents(self, sites: list[str], on_site: Callable[[str, int, str, torch.Tensor], None]) -> None:
-        """Run A's and B′'s layer on every chunk (``on_site(side, chunk, site, y)`` with the site's
+        """Run every parent's layer on every chunk (``on_site(side, chunk, site, y)`` with the site's
         output rows, in the model's precision); their outputs are the states entering the next layer."""
-        for side, module, out in (("a", self.module_a, self.next_a), ("b", self.module_b, self.next_b)):
+        for side, module in self.parent_modules.items():
+            out = self.outs.setdefault(side, [])
             out.clear()
             for i, c in enumerate(self.chunks):
 
@@ -112,8 +118,8 @@ class LayerPass:
 
     def advance(self, merged_out: list[torch.Tensor]) -> None:
         """Every model's states move on to the next layer (call after :meth:`parents`)."""
-        for c, a, b, m in zip(self.chunks, self.next_a, self.next_b, merged_out, strict=True):
-            c.hidden = {"a": a, "b": b, "m": m}
+        for i, (c, m) in enumerate(zip(self.chunks, merged_out, strict=True)):
+            c.hidden = {**{side: out[i] for side, out in self.outs.items()}, "m": m}
 
 
 class _SitesDone(Exception):

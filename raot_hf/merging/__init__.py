@@ -29,6 +29,15 @@ from raot_hf.merging.base_rules import (
     relative_task_norm,
     trim_to_top,
 )
+from raot_hf.merging.nary import (
+    merge_dare_ties_n,
+    merge_fisher_n,
+    merge_heads_n,
+    merge_linear_n,
+    merge_regmean_n,
+    merge_task_arithmetic_n,
+    merge_ties_n,
+)
 from raot_hf.merging.rules import (
     HEAD_POLICIES,
     FisherOptions,
@@ -55,6 +64,8 @@ class MergeRuleSpec:
       may call the rule on a few tensors at a time (no merged copy of the whole model is held).
     * ``options``: rule keyword → :class:`raot_hf.RaotConfig` field the merger passes as that keyword
       (a dotted path into a section, e.g. ``base_rules.density``; :meth:`RaotConfig.lookup`).
+    * ``nary``: the rule over N models (``nary(states, *, weights, ...)``, :mod:`raot_hf.merging.nary`),
+      called with the same options; None: the rule merges two models only.
     """
 
     name: str
@@ -64,6 +75,7 @@ class MergeRuleSpec:
     needs_fisher: bool = False
     per_tensor: bool = False
     options: Mapping[str, str] = field(default_factory=dict)
+    nary: Callable | None = None
 
 
 _RULES: dict[str, MergeRuleSpec] = {}
@@ -89,15 +101,17 @@ def register_merge_rule(
     per_tensor: bool = False,
     options: Mapping[str, str] | None = None,
     config: type | None = None,
+    nary: Callable | None = None,
 ) -> Callable:
     """Register ``fn`` as the merge rule ``name`` (see :class:`MergeRuleSpec` for the flags);
     refuses non-callables and duplicate names. ``config``: the rule's own options section (a
     dataclass :class:`~raot_hf.config.sections.OptionSection`), registered with it — then
     ``RaotConfig``, its JSON and the CLI's ``--<section>-<field>`` flags know it, and unless
-    ``options`` maps the rule's keywords elsewhere, the rule is called with every field of it."""
+    ``options`` maps the rule's keywords elsewhere, the rule is called with every field of it.
+    ``nary``: the same rule over N models (see :class:`MergeRuleSpec`)."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"a merge rule name must be a non-empty string, got {name!r}")
-    if not callable(fn):
+    if not callable(fn) or (nary is not None and not callable(nary)):
         raise TypeError(f"merge rule {name!r} must be callable, got {type(fn).__name__}")
     if name in _RULES:
         raise RaotError(
@@ -108,7 +122,7 @@ def register_merge_rule(
         register_section(config)
         if options is None:
             options = {f.name: f"{config.section}.{f.name}" for f in dataclasses.fields(config)}
-    _RULES[name] = MergeRuleSpec(name, fn, needs_base, needs_grams, needs_fisher, per_tensor, dict(options or {}))
+    _RULES[name] = MergeRuleSpec(name, fn, needs_base, needs_grams, needs_fisher, per_tensor, dict(options or {}), nary)
     return fn
 
 
@@ -117,6 +131,11 @@ def merge_rule_spec(name: str) -> MergeRuleSpec:
     if name not in _RULES:
         raise RaotError(f"unknown merge rule {name!r}; valid: {', '.join(available_merge_rules())}.")
     return _RULES[name]
+
+
+def nary_merge_rules() -> list[str]:
+    """The registered rules that merge more than two models, sorted."""
+    return sorted(name for name, spec in _RULES.items() if spec.nary is not None)
 
 
 def get_merge_rule(name: str) -> Callable:
@@ -137,9 +156,9 @@ def add_rule_log(total: dict[str, Any], part: dict[str, Any]) -> None:
         total.setdefault("totals", {})[name] = total.get("totals", {}).get(name, 0) + n
 
 
-register_merge_rule("linear", merge_linear, per_tensor=True)
-register_merge_rule("regmean", merge_regmean, needs_grams=True, config=RegMeanOptions)
-register_merge_rule("fisher", merge_fisher, needs_fisher=True, config=FisherOptions, options={})
+register_merge_rule("linear", merge_linear, per_tensor=True, nary=merge_linear_n)
+register_merge_rule("regmean", merge_regmean, needs_grams=True, config=RegMeanOptions, nary=merge_regmean_n)
+register_merge_rule("fisher", merge_fisher, needs_fisher=True, config=FisherOptions, options={}, nary=merge_fisher_n)
 register_merge_rule(
     "task_arithmetic",
     merge_task_arithmetic,
@@ -147,6 +166,7 @@ register_merge_rule(
     per_tensor=True,
     config=BaseRuleOptions,
     options={"scale": "base_rules.task_scale"},
+    nary=merge_task_arithmetic_n,
 )
 register_merge_rule(
     "ties",
@@ -155,6 +175,7 @@ register_merge_rule(
     per_tensor=True,
     config=BaseRuleOptions,
     options={"density": "base_rules.density", "scale": "base_rules.task_scale"},
+    nary=merge_ties_n,
 )
 register_merge_rule(
     "dare_ties",
@@ -163,6 +184,7 @@ register_merge_rule(
     per_tensor=True,
     config=BaseRuleOptions,
     options={"density": "base_rules.density", "scale": "base_rules.task_scale", "seed": "seed"},
+    nary=merge_dare_ties_n,
 )
 
 __all__ = [
@@ -178,6 +200,14 @@ __all__ = [
     "elect_and_average",
     "get_merge_rule",
     "merge_dare_ties",
+    "merge_dare_ties_n",
+    "merge_fisher_n",
+    "merge_heads_n",
+    "merge_linear_n",
+    "merge_regmean_n",
+    "merge_task_arithmetic_n",
+    "merge_ties_n",
+    "nary_merge_rules",
     "merge_fisher",
     "merge_heads",
     "merge_linear",

@@ -221,14 +221,23 @@ def _checks_table(rows: list[dict]) -> str:
 
 
 def _base_rows(card: dict) -> str:
-    """The inputs-table row of the base model (empty without one)."""
-    if not card.get("base_model"):
-        return ""
-    revision = card.get("revision_base") or "not pinned"
-    return f"| base (task vectors are measured from it) | `{_cell(card['base_model'])}` | {_cell(revision)} |"
+    """The inputs-table rows of models 3, 4, … (a merge of several) and of the base (if any)."""
+    rows = [
+        f"| model {i} (aligned to A) | `{_cell(m['id'])}` | {_cell(m.get('revision') or 'not pinned')} |"
+        for i, m in enumerate(card.get("more_models") or [], start=3)
+    ]
+    if card.get("base_model"):
+        revision = card.get("revision_base") or "not pinned"
+        rows.append(f"| base (task vectors are measured from it) | `{_cell(card['base_model'])}` | {_cell(revision)} |")
+    return "\n".join(rows)
 
 
 # ------------------------------------------------------------------------------ the card
+
+
+def _names(card: dict) -> str:
+    names = [str(card["model_a"]), str(card["model_b"]), *(str(m["id"]) for m in card.get("more_models") or [])]
+    return ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def _placeholder_values(card: dict) -> dict[str, str]:
@@ -237,7 +246,7 @@ def _placeholder_values(card: dict) -> dict[str, str]:
     alpha = card.get("alpha")
     return {
         "front_matter": _front_matter(card),
-        "title": f"RaOT merge of {card['model_a']} and {card['model_b']}",
+        "title": f"RaOT merge of {_names(card)}",
         "model_a": str(card["model_a"]),
         "model_b": str(card["model_b"]),
         "revision_a": str(card.get("revision_a") or "not pinned"),
@@ -267,6 +276,7 @@ def render_model_card(card: dict, *, template: str | None = None) -> str:
     * ``base_model``, ``revision_base`` (optional): the model A and B were fine-tuned from, for
       the base-relative rules; listed in ``base_model`` too and in the card's inputs.
     * ``revision_a``, ``revision_b``: the revisions (commit hashes) that were loaded.
+    * ``more_models`` (optional): with more than two models, ``{"id", "revision"}`` of models 3, 4, ….
     * ``method``: how B was aligned (estimator); ``scope``: what was aligned (heads, MLP, stream).
     * ``merge_rule``: e.g. ``linear`` or ``regmean``; ``alpha``: the interpolation weight.
     * ``gate_rows``: one dict per gate decision with ``transform``, ``layer``, ``identity``

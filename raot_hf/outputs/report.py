@@ -65,6 +65,9 @@ def model_card_context(report: dict[str, Any]) -> dict[str, Any]:
         "model_b": b.get("id", "B"),
         "revision_a": a.get("commit") or a.get("revision"),
         "revision_b": b.get("commit") or b.get("revision"),
+        "more_models": [
+            {"id": m.get("id"), "revision": m.get("commit") or m.get("revision")} for m in inputs.get("models", [])[2:]
+        ],
         "method": method,
         "merge_rule": _rule_description(settings, report.get("merge") or {}),
         "base_model": base.get("id"),
@@ -76,7 +79,10 @@ def model_card_context(report: dict[str, Any]) -> dict[str, Any]:
         "summary": summary_with_verdict(
             report.get("summary", ""), report.get("verdict"), describe_quality(report.get("quality"))
         ),
-        "command": report.get("command") or _command(a.get("id"), b.get("id"), settings, base.get("id")),
+        "command": report.get("command")
+        or _command(
+            [a.get("id"), b.get("id"), *(m.get("id") for m in inputs.get("models", [])[2:])], settings, base.get("id")
+        ),
         "pipeline_tag": tag,
         "version": report.get("raot_hf_version", __version__),
     }
@@ -86,7 +92,7 @@ def _gate_rows(decisions: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The card's gate-table rows from the report's decisions."""
     return [
         {
-            "transform": d["transform"],
+            "transform": d["transform"] if "model" not in d else f"{d['transform']} (model {d['model']})",
             "layer": "-" if d.get("layer") is None else d["layer"],
             "identity": d.get("identity"),
             "estimate": d.get("estimate"),
@@ -139,13 +145,13 @@ def _rule_with_options(settings: dict[str, Any], merge_log: dict[str, Any]) -> s
     return f"{rule} ({options}; relative to the base{tail})"
 
 
-def _command(a: str | None, b: str | None, settings: dict[str, Any], base: str | None = None) -> str:
+def _command(models: list[str | None], settings: dict[str, Any], base: str | None = None) -> str:
     """The ``raot-hf merge`` command line that reproduces a merge run from Python: every option
     whose value differs from its default, by its generated flag."""
     from raot_hf.config import RaotConfig
 
     defaults = RaotConfig().to_dict()
-    parts = ["raot-hf merge", str(a), str(b)]
+    parts = ["raot-hf merge", *map(str, models)]
     if base:
         parts += ["--base", str(base)]
     essential = {"alignment", "merge_rule", "alpha", "calibration.source"}

@@ -93,6 +93,7 @@ def write_merged_repo(
     max_shard_size: int | str = "2GB",
     trust_remote_code: bool = False,
     transform: Any = None,
+    more_transforms: dict | None = None,
 ) -> Path:
     """Write ``model`` as a repository directory that ``from_pretrained`` loads; return its path.
 
@@ -112,6 +113,8 @@ def write_merged_repo(
         trust_remote_code: passed to the preprocessor loaders.
         transform: the alignment applied to B (a :class:`~raot_hf.symmetry.TransformSequence`); when it
             is not empty it is written, bit-exact, to ``raot_transform.safetensors``.
+        more_transforms: file name → alignment of a further model (a merge of several models),
+            each written the same way when it is not empty.
 
     Everything is written to ``<parent>/.<name>.tmp-<random>``, the weight files are checked
     against the expected key set, then the directory is renamed into place. On any error the
@@ -130,9 +133,10 @@ def write_merged_repo(
         _save_weights(model, temporary, max_shard_bytes)
         (temporary / CARD_NAME).write_text(card_text, encoding="utf-8", newline="\n")
         (temporary / REPORT_NAME).write_text(report_text, encoding="utf-8", newline="\n")
-        if transform is not None and len(transform):
-            from raot_hf.symmetry.io import TRANSFORM_NAME, save_transform
+        from raot_hf.symmetry.io import TRANSFORM_NAME, save_transform
 
-            save_transform(transform, temporary / TRANSFORM_NAME)
+        for name, sequence in {TRANSFORM_NAME: transform, **(more_transforms or {})}.items():
+            if sequence is not None and len(sequence):
+                save_transform(sequence, temporary / name)
     logger.info("merged model written to %s", out)
     return out

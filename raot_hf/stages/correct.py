@@ -68,11 +68,12 @@ def repair_sites(model, schema: ModelSchema, index: int, prefix: str) -> tuple[l
     return sites, skipped
 
 
-def final_readers(model_a, model_b, schema: ModelSchema, rest: dict):
+def final_readers(parents: dict, schema: ModelSchema, rest: dict):
     """The trunk Linears that read the final norm's output (an untied causal-LM head: the head
-    policy's classifiers and tied heads are left alone), with that norm: ``((norm of A, norm of
-    B′, merged norm parameters), [(site, A's weights, B′'s weights)])``, or None."""
-    params_a, params_b = dict(model_a.named_parameters()), dict(model_b.named_parameters())
+    policy's classifiers and tied heads are left alone), with that norm: ``(({side: norm module},
+    merged norm parameters), [(site, {side: (weight, bias)})])`` over the parents (side → model),
+    or None."""
+    params = {side: dict(model.named_parameters()) for side, model in parents.items()}
     for fold in schema.folds:
         readers = [(w, b) for w, b in fold.readers if w in rest]
         if not readers or fold.norm_weight not in rest:  # layers' norms are not in the non-layer trunk
@@ -82,10 +83,9 @@ def final_readers(model_a, model_b, schema: ModelSchema, rest: dict):
         sites = []
         for w, b in readers:
             reader = w[: -len(".weight")]
-            site = Site(reader, w, b, _stored_in_out(model_a, reader))
-            pair = [(p[w], p[b] if b else None) for p in (params_a, params_b)]
-            sites.append((site, pair[0], pair[1]))
-        return (model_a.get_submodule(module), model_b.get_submodule(module), norm_params), sites
+            site = Site(reader, w, b, _stored_in_out(parents["a"], reader))
+            sites.append((site, {side: (p[w], p[b] if b else None) for side, p in params.items()}))
+        return ({side: m.get_submodule(module) for side, m in parents.items()}, norm_params), sites
     return None
 
 
@@ -103,6 +103,20 @@ def _rule(spec: MergeRuleSpec, alpha: float, inputs: dict, trunk_a: dict, trunk_
     return merge
 
 
+def _rule_n(spec: MergeRuleSpec, weights: list[float], inputs: dict, trunks: list[dict], merged_all: dict | None):
+    """:func:`_rule` for the N-ary form of the rule."""
+
+    def merge(keys: list[str]) -> tuple[dict, dict]:
+        if merged_all is not None:
+            return {k: merged_all[k] for k in keys}, {}
+        kw = dict(inputs)
+        if "base" in kw:
+            kw["base"] = {k: kw["base"][k] for k in keys if k in kw["base"]}
+        return spec.nary([{k: t[k] for k in keys} for t in trunks], weights=weights, return_log=True, **kw)
+
+    return merge
+
+
 @torch.no_grad()
 def corrected_merge(
     ctx: PairContext, spec: MergeRuleSpec, trunk_a: dict, trunk_b: dict, inputs: dict, run, method: str
@@ -111,46 +125,73 @@ def corrected_merge(
     A's module; returns the rule's log (summed over the calls) with the correction's under
     ``"correction"``."""
     cfg = ctx.config
-    if run is None:
-        raise RaotError(f"correction {method!r} needs calibration data; pass calibration=... (or --calibration)")
-    names = layer_module_names(ctx.model_a, ctx.schema)
-    merged_all = None
     log: dict[str, Any] = {"rule": spec.name, "settings": {}, "counts": {}}
+    merged_all = None
     if not spec.per_tensor:  # RegMean, Fisher: the whole trunk at once (as without correction)
         merged_all, rule_log = spec.fn(trunk_a, trunk_b, alpha=cfg.alpha, return_log=True, **inputs)
         rule_log.pop("params", None)
         add_rule_log(log, rule_log)
     merge = _rule(spec, cfg.alpha, inputs, trunk_a, trunk_b, merged_all)
+    parents = {"a": ctx.model_a, "b": ctx.model_b}
+    return _corrected(ctx, parents, {"a": 1.0 - cfg.alpha, "b": cfg.alpha}, merge, list(trunk_a), run, method, log)
+
+
+@torch.no_grad()
+def corrected_merge_group(members, spec: MergeRuleSpec, trunks: list[dict], weights: list[float], inputs, method):
+    """:func:`corrected_merge` over N models (docs/design.md §6.9): the N-ary rule's merge, each
+    layer fitted to the weighted mix of every parent's outputs."""
+    ctx = members[0].ctx
+    log: dict[str, Any] = {"rule": spec.name, "settings": {}, "counts": {}}
+    merged_all = None
+    if not spec.per_tensor:
+        merged_all, rule_log = spec.nary(trunks, weights=weights, return_log=True, **inputs)
+        rule_log.pop("params", None)
+        add_rule_log(log, rule_log)
+    merge = _rule_n(spec, weights, inputs, trunks, merged_all)
+    parents = {"a": ctx.model_a, **{f"b{i}": m.ctx.model_b for i, m in enumerate(members, start=2)}}
+    total = sum(weights)
+    mix = {side: w / total for side, w in zip(parents, weights, strict=True)}
+    return _corrected(ctx, parents, mix, merge, list(trunks[0]), members[0].run, method, log)
+
+
+def _corrected(ctx: PairContext, parents: dict, mix: dict, merge, names_all: list[str], run, method: str, log: dict):
+    """The layer-by-layer pass shared by two and N models: ``merge(keys)`` gives the rule's merge of
+    those trunk tensors, ``parents`` the models (side → model, ``"a"`` the reference) and ``mix``
+    their weights in the target."""
+    cfg = ctx.config
+    if run is None:
+        raise RaotError(f"correction {method!r} needs calibration data; pass calibration=... (or --calibration)")
+    names = layer_module_names(ctx.model_a, ctx.schema)
     in_layer = tuple(n + "." for n in names)
-    rest, part = merge([k for k in trunk_a if not k.startswith(in_layer)])
+    rest, part = merge([k for k in names_all if not k.startswith(in_layer)])
     add_rule_log(log, part)
     batches = run.batches(ctx.preprocessor, batch_size=cfg.correction.batch_size, split="fit")
-    chunks = capture(ctx.model_a, ctx.model_b, names[0], batches, rest, cfg.correction.examples)
+    chunks = capture(parents, names[0], batches, rest, cfg.correction.examples)
     layers, skipped = [], []
     groups: dict[tuple, SiteGroups] = {}  # layers of one class call their sites in one order
     for i, name in enumerate(tqdm(names, desc=f"correction ({method})", disable=not ctx.dist.is_main)):
-        merged, part = merge([k for k in trunk_a if k.startswith(name + ".")])
+        merged, part = merge([k for k in names_all if k.startswith(name + ".")])
         add_rule_log(log, part)
-        layer = LayerPass(chunks, name, ctx.model_a.get_submodule(name), ctx.model_b.get_submodule(name))
+        layer = LayerPass(chunks, name, {side: m.get_submodule(name) for side, m in parents.items()})
         if method == "lsq":
             sites = linear_sites(ctx.model_a, ctx.schema, i, name)
             key = (type(layer.module_a), tuple(s.module for s in sites))
             if key not in groups:
                 groups[key] = site_groups(layer, merged, [s.module for s in sites])
             merged, outputs, fits = least_squares_layer(
-                layer, merged, sites, alpha=cfg.alpha, shrink=cfg.correction.shrink, groups=groups[key]
+                layer, merged, sites, mix=mix, shrink=cfg.correction.shrink, groups=groups[key]
             )
         else:
             sites, why = repair_sites(ctx.model_a, ctx.schema, i, name)
             skipped += why
-            merged, outputs, fits = repair_layer(layer, merged, sites, alpha=cfg.alpha)
+            merged, outputs, fits = repair_layer(layer, merged, sites, mix=mix)
         layer.advance(outputs)
         load_state(ctx.model_a, merged)
         layers.append({"layer": i, "sites": fits})
-    readers = final_readers(ctx.model_a, ctx.model_b, ctx.schema, rest) if method == "lsq" else None
+    readers = final_readers(parents, ctx.schema, rest) if method == "lsq" else None
     if readers is not None:  # an untied LM head reads the final stream: refitted like the layers' Linears
         norms, sites = readers
-        rest, fits = least_squares_readers(chunks, norms, rest, sites, alpha=cfg.alpha, shrink=cfg.correction.shrink)
+        rest, fits = least_squares_readers(chunks, norms, rest, sites, mix=mix, shrink=cfg.correction.shrink)
         layers.append({"layer": "final", "sites": fits})
     load_state(ctx.model_a, rest)  # A's own non-layer parameters served its forward until now
     tokens = int(sum(int(c.mask.sum()) for c in chunks))

@@ -46,7 +46,8 @@ class LoadedPair:
     model_a: torch.nn.Module
     model_b: torch.nn.Module
     preprocessor: Any
-    sources: tuple[ModelSource, ModelSource]
+    sources: tuple[ModelSource, ...]
+    more_models: tuple[torch.nn.Module, ...] = ()
     base_model: torch.nn.Module | None = None
     source_base: ModelSource | None = None
     base_missing: tuple[str, ...] = ()
@@ -54,29 +55,34 @@ class LoadedPair:
     times: dict[str, float] = field(default_factory=dict)
 
 
+def _label(i: int) -> str:
+    return "AB"[i] if i < 2 else f"model {i + 1}"
+
+
 def _check_before_weights(config, sources, src_base):
     """Configs, shapes, tokenizers and the calibration sample — before any weights are read."""
-    src_a, src_b = sources
-    cfg_a, cfg_b = load_config(src_a, "A"), load_config(src_b, "B")
-    check_compatible(cfg_a, cfg_b, head_policy=config.head)
+    configs = [load_config(src, _label(i)) for i, src in enumerate(sources)]
+    for cfg in configs[1:]:
+        check_compatible(configs[0], cfg, head_policy=config.head)
     cfg_base = load_config(src_base, "base") if src_base else None
     if cfg_base is not None:
-        check_base_compatible(cfg_a, cfg_base)
-    pre_a, pre_b = load_preprocessor(src_a), load_preprocessor(src_b)
-    check_tokenizers(pre_a, pre_b)
+        check_base_compatible(configs[0], cfg_base)
+    pre_a = load_preprocessor(sources[0])
+    for src in sources[1:]:
+        check_tokenizers(pre_a, load_preprocessor(src))
     if src_base is not None:
         check_base_tokenizer(pre_a, load_preprocessor(src_base))
     early = None
     if config.needs_calibration and config.calibration.source is not None and pre_a is not None:
         early = check_calibration_early(config.calibration, pre_a)
-    return (cfg_a, cfg_b, cfg_base), pre_a, early
+    return (configs, cfg_base), pre_a, early
 
 
 def load_pair(
     a: str | Path,
     b: str | Path,
     config,
-    *,
+    *more: str | Path,
     revision: str | None = None,
     revision_b: str | None = None,
     token: str | bool | None = None,
@@ -85,23 +91,30 @@ def load_pair(
     base: str | Path | None = None,
     base_revision: str | None = None,
 ) -> LoadedPair:
-    """Load A and B (Hub ids or local directories) and the base, after every cheap check."""
+    """Load A and B (and ``more`` models: every one after A takes ``revision_b``, else
+    ``revision``) from Hub ids or local directories, and the base, after every cheap check."""
     check_base_matches_rule(config, base is not None)
     access = (token, trust_remote_code, allow_pickle)
-    src_a = ModelSource(str(a), revision, *access)
-    src_b = ModelSource(str(b), revision_b or revision, *access)
+    sources = [ModelSource(str(a), revision, *access)]
+    sources += [ModelSource(str(m), revision_b or revision, *access) for m in (b, *more)]
     src_base = ModelSource(str(base), base_revision, *access) if base else None
     timer = StageTimer()
     with timer.stage("load"):
-        (cfg_a, cfg_b, cfg_base), pre_a, early = _check_before_weights(config, (src_a, src_b), src_base)
+        (configs, cfg_base), pre_a, early = _check_before_weights(config, sources, src_base)
         stage = {"stage": True}  # a line the CLI shows by default (raot_hf.cli.verbosity)
-        logger.info("loading A (%s) and B (%s)", src_a.name_or_path, src_b.name_or_path, extra=stage)
-        model_a = load_model(src_a, "A", dtype=config.dtype, config=cfg_a)
-        model_b = load_model(src_b, "B", dtype=config.dtype, config=cfg_b)
+        names = ", ".join(f"{_label(i)} ({s.name_or_path})" for i, s in enumerate(sources))
+        logger.info("loading %s", names, extra=stage)
+        models = [
+            load_model(src, _label(i), dtype=config.dtype, config=cfg)
+            for i, (src, cfg) in enumerate(zip(sources, configs, strict=True))
+        ]
         base_model, missing = (
-            load_base_model(src_base, cfg_a, dtype=config.dtype, config=cfg_base) if src_base else (None, ())
+            load_base_model(src_base, configs[0], dtype=config.dtype, config=cfg_base) if src_base else (None, ())
         )
-    return LoadedPair(model_a, model_b, pre_a, (src_a, src_b), base_model, src_base, tuple(missing), early, timer.times)
+    return LoadedPair(
+        models[0], models[1], pre_a, tuple(sources), tuple(models[2:]), base_model, src_base, tuple(missing),
+        early, timer.times,
+    )  # fmt: skip
 
 
 def base_for(model_a, model_b, schema, base_model, source: ModelSource | None, missing) -> BaseModel | None:

@@ -1,0 +1,37 @@
+"""Stage: one model's alignment to the reference — the calibration pass (fit, candidates, held-out)
+and the gate (docs/design.md §4–§5); nothing is applied to the models here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from raot_hf.distributed import statistics_pass_needed
+from raot_hf.results import Alignment
+from raot_hf.stages.calibrate import CalibrationRun, fit_phase, heldout_phase, open_calibration
+from raot_hf.stages.context import PairContext
+from raot_hf.stages.decide import decide
+from raot_hf.stages.solve import solve
+
+
+def calibrate_and_solve(ctx: PairContext, calibration, early=None) -> tuple[Any, CalibrationRun | None, list, dict]:
+    """The fit phase, the candidates (solved by the main process and broadcast when the
+    statistics are sharded, §7), then the held-out phase that scores them. Returns the statistics
+    (held-out sums and Grams; the fit moments are freed), the run, the candidates and the logs."""
+    stats = run = None
+    if statistics_pass_needed(ctx.config, calibration):
+        with ctx.timer.stage("calibration"):
+            run = open_calibration(ctx, calibration, early)
+            stats = fit_phase(ctx, run)
+    parts, logs = solve(ctx, stats)
+    if stats is not None:
+        stats.fit = None  # the estimators are done with the fit moments: free them before the held-out phase
+        with ctx.timer.stage("calibration"):
+            heldout_phase(ctx, run, stats, parts)
+        run.fingerprint.update({"examples": stats.examples, "heldout_tokens": int(stats.heldout.tokens)})
+    return stats, run, parts, logs
+
+
+def calibrate_solve_decide(ctx: PairContext, calibration, early=None) -> tuple[Alignment, Any, CalibrationRun | None]:
+    """:func:`calibrate_and_solve`, then the gate: the alignment, the statistics and the run."""
+    stats, run, parts, logs = calibrate_and_solve(ctx, calibration, early)
+    return decide(ctx, parts, logs, stats, run), stats, run
