@@ -4,11 +4,12 @@ exact symmetries (rotation-aware optimal transport, RaOT)."""
 from raot_hf.adapters import get_adapter, register_adapter, schema_for, supported_model_types
 from raot_hf.config import RaotConfig
 from raot_hf.errors import EquivalenceError, RaotError
-from raot_hf.merger import Alignment, MergeResult, RaotMerger
+from raot_hf.merger import Alignment, MergeResult, RaotMerger, merge_checkpoints
 from raot_hf.symmetry import scramble
 from raot_hf.version import __version__
 
 __all__ = [
+    "merge_checkpoints",
     "Alignment",
     "MergeResult",
     "RaotConfig",

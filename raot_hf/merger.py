@@ -37,6 +37,7 @@ from raot_hf.stages.group import (
     group_report,
     merge_group_weights,
     merged_quality,
+    prepare_config,
     transform_file,
     two_model_config,
 )
@@ -311,3 +312,36 @@ class RaotMerger:
             self.pairs = self._pairs(self.pair.schema, self.config, self.preprocessor, self.dist)
             self.pair = self.pairs[0]
             self.source_a, self.source_b = self.sources[0], self.sources[1]
+
+
+def merge_checkpoints(
+    *models: str | Path,
+    out: str | Path,
+    base: str | Path | None = None,
+    config: RaotConfig | None = None,
+    calibration=None,
+    overwrite: bool = False,
+    max_shard_size: str | int = "2GB",
+    max_memory: str | int | None = None,
+    stream: bool = True,
+    **options,
+) -> tuple[Path, dict[str, Any]]:
+    """Merge checkpoints (two or more local directories or Hub ids) into the directory ``out``;
+    returns its path and the report. A merge that reads no data (no alignment, a per-tensor rule)
+    of local safetensors checkpoints is streamed from the files a few tensors at a time, whatever
+    their size (docs/design.md §7.3; ``stream=False`` loads them instead); any other merge runs
+    :class:`RaotMerger` in memory. Both give the same bytes. ``max_memory`` (e.g. ``"8GiB"``)
+    refuses, before any work, a merge that cannot keep under it."""
+    from raot_hf.stages.stream import run_streamed
+
+    config = prepare_config(_with_options(config, options), len(models), base is not None)
+    sources = [ModelSource(str(m)) for m in models]
+    base_source = ModelSource(str(base)) if base is not None else None
+    if stream:
+        done, max_shard_size = run_streamed(sources, base_source, config, out, overwrite=overwrite,
+                                            max_shard_size=max_shard_size, max_memory=max_memory)  # fmt: skip
+        if done is not None:
+            return done
+    merger = RaotMerger.from_pretrained(*models, config=config, **({"base": base} if base is not None else {}))
+    result = merger.merge(calibration)
+    return result.save_pretrained(out, overwrite=overwrite, max_shard_size=max_shard_size), result.report

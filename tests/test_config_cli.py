@@ -38,6 +38,8 @@ NOT_CONFIG = {
     "base_revision",
     "overwrite",
     "max_shard_size",
+    "stream",
+    "max_memory",
     "as_json",
     "help",
 }

@@ -186,8 +186,19 @@ def _merge_command() -> click.Command:
     @click.option("--base-revision", help="Revision of --base.")
     @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
     @click.option("--max-shard-size", default="2GB", show_default=True)
+    @click.option(
+        "--stream/--no-stream",
+        default=True,
+        help="Merges that read no data (no alignment, a per-tensor rule) of local safetensors checkpoints are "
+        "streamed from the files tensor by tensor (default); --no-stream loads the models. Same bytes either way.",
+    )
+    @click.option(
+        "--max-memory",
+        help="Cap on the process's memory, e.g. 8GiB: a merge that cannot keep under it is refused before any "
+        "work; a streamed merge writes smaller shards to fit.",
+    )
     @friendly_errors
-    def merge_command(out, overwrite, max_shard_size, **options):
+    def merge_command(out, overwrite, max_shard_size, stream, max_memory, **options):
         """Align B (and any further models) to A, merge, and write a repository that from_pretrained loads.
 
         MODELS: two or more checkpoints (Hub ids or directories), the first the reference;
@@ -196,6 +207,14 @@ def _merge_command() -> click.Command:
 
         check_destination(out, overwrite)  # refuse before any heavy work
         parse_size(max_shard_size)
+        command = "raot-hf " + " ".join(sys.argv[1:]) if sys.argv else None
+        options["max_memory"] = max_memory
+        streamed = _streamed({**options, "_stream": stream}, out, overwrite, max_shard_size, command)
+        if streamed is not None:
+            if not _quiet():
+                click.echo(streamed[1]["summary"])
+                click.echo(f"wrote {streamed[0]}")
+            return
         merger = _merger(options)
         if _followed_main(merger):
             return
@@ -203,7 +222,7 @@ def _merge_command() -> click.Command:
             result = merger.merge()
         finally:
             merger.dist.close()
-        result.report["command"] = "raot-hf " + " ".join(sys.argv[1:]) if sys.argv else None
+        result.report["command"] = command
         if not _quiet():
             click.echo(result.alignment.table() if result.alignment.decisions else "(no alignment)")
             click.echo(result.report["summary"])
@@ -212,6 +231,36 @@ def _merge_command() -> click.Command:
             click.echo(f"wrote {path}")
 
     return merge_command
+
+
+def _streamed(options: dict, out, overwrite: bool, max_shard_size, command):
+    """The merge streamed from the files when it reads no data (:mod:`raot_hf.stages.stream`):
+    (path, report), or None when the in-memory path runs. ``--max-memory`` is checked here, before
+    any weights are read, for both paths."""
+    from raot_hf.distributed import DistributedContext
+    from raot_hf.io.loading import ModelSource
+    from raot_hf.outputs.shards import parse_size
+    from raot_hf.stages.group import prepare_config
+    from raot_hf.stages.stream import run_streamed, shard_bytes_within
+
+    if DistributedContext.detect().is_distributed:
+        return None
+    config, models, base = _config_and_models(options)
+    config = prepare_config(config, len(models), base is not None)
+    access = (options.get("token"), options.get("trust_remote_code", False), options.get("allow_pickle", False))
+    revision, revision_b = options.get("revision"), options.get("revision_b")
+    sources = [
+        ModelSource(str(m), revision if i == 0 else revision_b or revision, *access) for i, m in enumerate(models)
+    ]
+    base_source = ModelSource(str(base), options.get("base_revision"), *access) if base else None
+    cap = options.get("max_memory")
+    if not options.get("_stream", True):  # --no-stream: only the cap's check of the in-memory path
+        if cap is not None:
+            shard_bytes_within(parse_size(cap), sources, base_source, False, parse_size(max_shard_size))
+        return None
+    done, _ = run_streamed(sources, base_source, config, out, overwrite=overwrite, max_shard_size=max_shard_size,
+                           max_memory=cap, command=command)  # fmt: skip
+    return done
 
 
 def _followed_main(merger) -> bool:

@@ -343,3 +343,18 @@ def two_model_config(config):
     if config.group.densities:
         raise RaotError("--densities sets one density per model for three or more; with two use --density")
     return config.replace(**changes, group={**config.group.to_dict(), "weights": []})
+
+
+def prepare_config(config, n: int, has_base: bool):
+    """The config of a merge of ``n`` models, checked before any weights are read: at least two
+    models; a base exactly when the rule reads one; the N-model refusals; two models' weights as α."""
+    from raot_hf.distributed import DistributedContext
+    from raot_hf.stages.load import check_base_matches_rule
+
+    if n < 2:
+        raise RaotError(f"give at least two models, got {n}")
+    check_base_matches_rule(config, has_base)
+    if n > 2:
+        check_group(config, n, DistributedContext.detect().is_distributed)
+        return config
+    return two_model_config(config) if config.group.weights else config

@@ -1,0 +1,431 @@
+"""Stage: a merge that reads no data, streamed from the checkpoints' files (docs/design.md §7.3).
+
+A merge with no alignment and a per-tensor rule (``linear``, ``task_arithmetic``, ``ties``,
+``dare_ties``; any number of models) needs no forward pass: each output tensor depends only on
+the same-named input tensors. Such a merge of local safetensors checkpoints is computed a few
+tensors at a time, read with ``safe_open`` from every model (and the base), merged by the rule and
+written shard by shard; no model is ever built beyond an empty (meta-device) skeleton that names
+the head's parameters. Memory holds one chunk of every model plus one output shard, whatever the
+models' size. The result is the in-memory merge's, bit for bit (tested), and the output directory
+is written atomically as always.
+
+:func:`stream_blocker` says why a merge cannot stream (then the in-memory path runs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+from safetensors import safe_open
+
+from raot_hf.errors import RaotError
+from raot_hf.merging import add_rule_log, merge_heads, merge_heads_n, merge_rule_spec
+from raot_hf.merging.base_rules import MAX_RELATIVE_TASK_NORM
+from raot_hf.plan import plan_for
+
+logger = logging.getLogger("raot_hf.stages.stream")
+_STAGE = {"stage": True}
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Tensors of A merged per call of the rule (about this many bytes).
+CHUNK_BYTES = 16 << 20
+
+
+def stream_blocker(config, sources: list, base=None) -> str | None:
+    """Why this merge cannot be streamed from the files (None: it can)."""
+    plan = plan_for(config)
+    spec = merge_rule_spec(config.merge_rule)
+    if plan.estimator is not None:
+        return "an alignment reads the models' activations"
+    if plan.needs_data or config.refine.steps:
+        return "the rule or the correction reads calibration data"
+    if not spec.per_tensor:
+        return f"merge_rule={config.merge_rule!r} merges whole layers"
+    if config.head == "b":
+        return "--head b adopts B's head module"
+    for src in [*sources, *([base] if base is not None else [])]:
+        if not src.is_local or not _weight_files(Path(src.name_or_path)):
+            return f"{src.name_or_path} is not a local safetensors checkpoint"
+    return None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / f for f in files]
+    return [path / "model.safetensors"] if (path / "model.safetensors").is_file() else []
+
+
+class Checkpoint:
+    """The tensors of one local safetensors checkpoint, read one at a time."""
+
+    def __init__(self, path: Path):
+        self.files = {}
+        for file in _weight_files(path):
+            with safe_open(str(file), framework="pt") as handle:
+                self.files.update(dict.fromkeys(handle.keys(), file))
+        self._open: dict[Path, Any] = {}
+
+    def keys(self) -> list[str]:
+        return list(self.files)
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` (a copy: the file's mapping is not kept in the returned tensor)."""
+        file = self.files[name]
+        if file not in self._open:
+            self._open[file] = safe_open(str(file), framework="pt").__enter__()
+        return self._open[file].get_tensor(name)
+
+    def release(self) -> None:
+        """Unmap the files read so far (their pages would otherwise count as the process's memory)."""
+        for handle in self._open.values():
+            handle.__exit__(None, None, None)
+        self._open.clear()
+
+
+def _skeleton(config):
+    """A's model on the meta device: its parameter names and schema, no memory."""
+    from raot_hf.adapters import schema_for
+    from raot_hf.io.loading import model_class
+
+    with torch.device("meta"):
+        model = model_class(config)._from_config(config)
+    return model, schema_for(model)
+
+
+def _base_key(name: str, base: Checkpoint, prefix: str) -> str | None:
+    """The base's tensor for A's ``name``: same name, or across A's ``base_model_prefix``."""
+    candidates = [name]
+    if prefix:
+        candidates += [f"{prefix}.{name}"]
+        if name.startswith(prefix + "."):
+            candidates.append(name[len(prefix) + 1 :])
+    return next((c for c in candidates if c in base.files), None)
+
+
+class _ShardWriter:
+    """Merged tensors into shards of at most ``max_bytes``, renamed and indexed at the end."""
+
+    def __init__(self, directory: Path, max_bytes: int):
+        self.directory, self.max_bytes = directory, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.size, self.files, self.total = 0, [], 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.size + nbytes > self.max_bytes:
+            self.flush()
+        self.pending[name] = tensor.detach().contiguous()
+        self.size += nbytes
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        file = self.directory / f"part-{len(self.files):05d}.safetensors"
+        safetensors.torch.save_file(self.pending, str(file), metadata={"format": "pt"})
+        self.files.append((file, list(self.pending)))
+        self.total += self.size
+        self.pending, self.size = {}, 0
+
+    def finish(self) -> set[str]:
+        from raot_hf.outputs.shards import INDEX_NAME, SINGLE_WEIGHTS_NAME
+
+        self.flush()
+        weight_map = {}
+        for i, (file, names) in enumerate(self.files, start=1):
+            final = (
+                SINGLE_WEIGHTS_NAME if len(self.files) == 1 else f"model-{i:05d}-of-{len(self.files):05d}.safetensors"
+            )
+            file.rename(self.directory / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+        (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        return set(weight_map)
+
+
+def _chunks(names: list[str], reader: Checkpoint) -> list[list[str]]:
+    chunks, chunk, size = [], [], 0
+    for name in names:
+        with safe_open(str(reader.files[name]), framework="pt") as handle:
+            shape = handle.get_slice(name).get_shape()
+        chunk.append(name)
+        size += 4 * int(torch.tensor(shape).prod()) if shape else 4
+        if size >= CHUNK_BYTES:
+            chunks.append(chunk)
+            chunk, size = [], 0
+    return [*chunks, chunk] if chunk else chunks
+
+
+def _resolved_dtype(config, hf_config) -> torch.dtype | None:
+    """The dtype the in-memory path would load the models in (``dtype="auto"``: the config's)."""
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    dtype = getattr(hf_config, "dtype", None)
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+class _Reading:
+    """The checkpoints of one streamed merge, with the names checked against A's skeleton."""
+
+    def __init__(self, sources, base_source, configs):
+        self.models = [Checkpoint(Path(s.name_or_path)) for s in sources]
+        self.base = Checkpoint(Path(base_source.name_or_path)) if base_source is not None else None
+        self.skeleton, self.schema = _skeleton(configs[0])
+        names = set(self.skeleton.state_dict())
+        self.keys = self.models[0].keys()
+        renamed = [k for k in self.keys if k not in names]
+        if renamed:
+            raise _NotStreamable(f"checkpoint key {renamed[0]!r} is not a parameter name of the model")
+        for i, m in enumerate(self.models[1:], start=2):
+            if set(m.keys()) != set(self.keys):
+                raise _NotStreamable(f"model {i} stores other tensors than model 1")
+        self.head = set(self.schema.head_params) & set(self.keys)
+
+
+class _NotStreamable(Exception):
+    """The files cannot be merged name by name (the in-memory path runs instead)."""
+
+
+def _task_ratio(tensor: torch.Tensor, origin: torch.Tensor) -> float | None:
+    if tensor.dim() != 2 or not tensor.is_floating_point():
+        return None
+    scale = float(torch.linalg.norm(origin.double()))
+    return float(torch.linalg.norm(tensor.double() - origin.double())) / scale if scale > 0 else None
+
+
+def _merge_chunk(reading: _Reading, config, configs, names: list[str], dtype, weights, ratios: list[list[float]]):
+    """One chunk of A's tensors merged (trunk by the rule, head by the policy); returns the merged
+    tensors and the rule's log."""
+    spec = merge_rule_spec(config.merge_rule)
+
+    def read(ckpt: Checkpoint, name: str) -> torch.Tensor:
+        t = ckpt.get(name)
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+    states = [{n: read(m, n) for n in names} for m in reading.models]
+    trunk = [n for n in names if n not in reading.head]
+    inputs: dict[str, Any] = {key: config.lookup(path) for key, path in spec.options.items()}
+    if "density" in inputs and config.group.densities:
+        inputs["densities"] = list(config.group.densities)
+    if spec.needs_base:
+        prefix = getattr(reading.skeleton, "base_model_prefix", "") or ""
+        found = {n: _base_key(n, reading.base, prefix) for n in trunk}
+        inputs["base"] = {n: read(reading.base, k) for n, k in found.items() if k is not None}
+        for n, origin in inputs["base"].items():
+            for i, state in enumerate(states):
+                if (r := _task_ratio(state[n], origin)) is not None:
+                    ratios[i].append(r)
+    parts = [{n: s[n] for n in trunk} for s in states]
+    if len(states) == 2:
+        merged, log = spec.fn(parts[0], parts[1], alpha=config.alpha, return_log=True, **inputs)
+    else:
+        merged, log = spec.nary(parts, weights=weights, return_log=True, **inputs)
+    head = [n for n in names if n in reading.head]
+    if head and config.head == "average":
+        if len(states) == 2:
+            labels = dict(
+                num_labels_a=configs[0].num_labels, num_labels_b=configs[1].num_labels,
+                id2label_a=getattr(configs[0], "id2label", None), id2label_b=getattr(configs[1], "id2label", None),
+            )  # fmt: skip
+            merged.update(merge_heads(states[0], states[1], head, policy="average", alpha=config.alpha, **labels))
+        else:
+            merged.update(merge_heads_n(states, head, weights))
+    else:
+        merged.update({n: states[0][n] for n in head})
+    return merged, log
+
+
+def _check_ratios(ratios: list[list[float]]) -> list[float]:
+    """Each model's median relative distance from the base (§6.6); refuses one that is not a fine-tune."""
+    medians = [statistics.median(r) if r else 0.0 for r in ratios]
+    for i, value in enumerate(medians, start=1):
+        if value > MAX_RELATIVE_TASK_NORM:
+            raise RaotError(
+                f"model {i} is not a fine-tune of the base in the base's basis (its weights differ from the base's "
+                f"by {value:.2f} of their norm, median over matrices); pass the right --base, or merge without one"
+            )
+    return medians
+
+
+def merge_streamed(
+    sources, config, out, *, base_source=None, overwrite: bool = False, max_shard_size="2GB", command: str | None = None
+):
+    """Merge the checkpoints ``sources`` (:class:`raot_hf.io.loading.ModelSource`, local safetensors)
+    tensor by tensor into the directory ``out``; returns its path and the report. Raises
+    :class:`_NotStreamable` (nothing written) when the files cannot be merged name by name."""
+    from raot_hf.outputs import model_card_context
+    from raot_hf.outputs.atomic import atomic_directory, check_destination
+    from raot_hf.outputs.card import CARD_NAME, render_model_card
+    from raot_hf.outputs.report import REPORT_NAME, report_to_json
+    from raot_hf.outputs.save import _save_config, _save_preprocessor
+    from raot_hf.outputs.shards import parse_size, verify_written_weights
+    from raot_hf.stages.group import group_weights
+    from raot_hf.stages.load import _check_before_weights
+
+    started = time.perf_counter()
+    max_bytes = parse_size(max_shard_size)
+    destination = check_destination(out, overwrite)
+    (configs, _), preprocessor, _ = _check_before_weights(config, sources, base_source)
+    reading = _Reading(sources, base_source, configs)
+    dtype = _resolved_dtype(config, configs[0])
+    weights = group_weights(config, len(sources)) if len(sources) > 2 else None
+    logger.info(
+        "streaming the merge of %d checkpoints tensor by tensor (no calibration needed)", len(sources), extra=_STAGE
+    )
+    log: dict[str, Any] = {"rule": config.merge_rule, "settings": {}, "counts": {}}
+    ratios: list[list[float]] = [[] for _ in sources]
+    with atomic_directory(destination) as temporary:
+        _save_preprocessor(preprocessor, temporary, False)
+        _save_config(reading.skeleton, temporary)
+        writer = _ShardWriter(temporary, max_bytes)
+        for names in _chunks(reading.keys, reading.models[0]):
+            merged, part = _merge_chunk(reading, config, configs, names, dtype, weights, ratios)
+            for checkpoint in [*reading.models, *([reading.base] if reading.base is not None else [])]:
+                checkpoint.release()
+            add_rule_log(log, part)
+            for name in names:
+                writer.add(name, merged[name])
+        verify_written_weights(temporary, writer.finish())
+        log.pop("params", None)
+        if weights is not None:
+            log["settings"]["weights"] = weights
+        medians = _check_ratios(ratios) if reading.base is not None else None
+        report = streamed_report(sources, base_source, config, reading, log, medians, time.perf_counter() - started)
+        if command:
+            report["command"] = command
+        (temporary / CARD_NAME).write_text(
+            render_model_card(model_card_context(report)), encoding="utf-8", newline="\n"
+        )
+        (temporary / REPORT_NAME).write_text(report_to_json(report), encoding="utf-8", newline="\n")
+    return destination, report
+
+
+def streamed_report(sources, base_source, config, reading: _Reading, merge_log, medians, seconds) -> dict[str, Any]:
+    """The provenance report of a streamed merge: no alignment, no calibration, every model listed."""
+    import platform
+
+    import transformers
+
+    from raot_hf.outputs import hash_checkpoint_files
+    from raot_hf.version import __version__
+
+    def describe(src) -> dict[str, Any]:
+        return {**src.describe(), "architecture": type(reading.skeleton).__name__,
+                "files": hash_checkpoint_files(src.name_or_path)}  # fmt: skip
+
+    inputs: dict[str, Any] = {"a": describe(sources[0]), "b": describe(sources[1])}
+    inputs["models"] = [{"model": i, **describe(s)} for i, s in enumerate(sources, start=1)]
+    if base_source is not None:
+        inputs["base"] = {**describe(base_source), "relative_task_norms": medians}
+    return {
+        "raot_hf_version": __version__,
+        "inputs": inputs,
+        "model_type": reading.schema.model_type,
+        "settings": config.to_dict(),
+        "calibration": None,
+        "decisions": [],
+        "shares_basis": False,
+        "verdict": "no alignment requested: the checkpoints were merged as stored, tensor by tensor",
+        "summary": f"{len(sources)} checkpoints merged by {config.merge_rule}, streamed from their files",
+        "applied_transform": {"file": None, "transforms": []},
+        "applied_exact": True,
+        "merge": merge_log,
+        "execution": "streamed",
+        "quality": None,
+        "checks": [],
+        "timings": {"streamed merge": seconds},
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },  # fmt: skip
+    }
+
+
+# ----------------------------------------------------------------------------- memory caps
+
+#: Resident memory of the interpreter with torch and transformers imported (measured: 364 MiB).
+RUNTIME_BYTES = 400 * 2**20
+#: Peak RSS of an in-memory merge per byte of its checkpoints (measured 2–3.5 ×, benchmarks/perf).
+IN_MEMORY_FACTOR = 3.5
+
+
+def _checkpoint_sizes(source) -> tuple[int, int]:
+    """(total bytes, largest tensor's bytes) of a local safetensors checkpoint, from its headers."""
+    total = largest = 0
+    for file in _weight_files(Path(source.name_or_path)):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - a safe_open handle is not iterable
+                piece = handle.get_slice(name)
+                size = torch.Size(piece.get_shape()).numel() * _DTYPE_BYTES.get(piece.get_dtype(), 4)
+                total, largest = total + size, max(largest, size)
+    return total, largest
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
+
+
+def shard_bytes_within(cap: int, sources, base_source, streamed: bool, max_shard_bytes: int) -> int:
+    """The output shard size a merge keeps under the memory cap ``cap`` (bytes), refusing in one
+    line, before any work, a cap it cannot keep: a streamed merge holds one tensor of every model
+    (and the base) in float64 beside the runtime and one output shard; an in-memory merge holds
+    the models (:data:`IN_MEMORY_FACTOR` × their checkpoints)."""
+    local = [
+        s
+        for s in [*sources, *([base_source] if base_source else [])]
+        if s.is_local and _weight_files(Path(s.name_or_path))
+    ]
+    if len(local) < len(sources) + (base_source is not None):
+        raise RaotError("--max-memory needs local safetensors checkpoints (their sizes are read from the files)")
+    sizes = [_checkpoint_sizes(s) for s in local]
+    gib = 2**30
+    if not streamed:
+        need = RUNTIME_BYTES + IN_MEMORY_FACTOR * sum(total for total, _ in sizes)
+        if cap < need:
+            raise RaotError(
+                f"--max-memory {cap / gib:.1f} GiB is below what this merge needs in memory ({need / gib:.1f} GiB: it "
+                "loads every model); raise it, or merge with --alignment none and a per-tensor rule, which streams"
+            )
+        return max_shard_bytes
+    largest = max(biggest for _, biggest in sizes)
+    need = RUNTIME_BYTES + 2 * (len(local) + 2) * largest  # float64 copies of one tensor per model, and the result
+    if cap < need + largest:
+        minimum = (need + largest) / gib
+        raise RaotError(
+            f"--max-memory {cap / gib:.2f} GiB is below what one tensor of every model needs ({minimum:.2f} GiB with "
+            "the runtime); raise it"
+        )
+    return max(largest, min(max_shard_bytes, int(cap - need)))
+
+
+def run_streamed(sources, base_source, config, out, *, overwrite=False, max_shard_size="2GB", max_memory=None,
+                 command=None):  # fmt: skip
+    """The merge streamed from the files when it can be: ``((path, report), shard_bytes)``, or
+    ``(None, shard_bytes)`` when the in-memory path must run (the reason is logged).
+    ``max_memory`` (bytes or a size string) caps the process's memory: too small a cap is
+    refused in one line before any work, and the output shards shrink to fit under it."""
+    from raot_hf.outputs.shards import parse_size
+
+    why = stream_blocker(config, sources, base_source)
+    shard = parse_size(max_shard_size)
+    cap = parse_size(max_memory) if max_memory is not None else None
+    if cap is not None:
+        shard = shard_bytes_within(cap, sources, base_source, why is None, shard)
+    if why is None:
+        try:
+            done = merge_streamed(sources, config, out, base_source=base_source, overwrite=overwrite,
+                                  max_shard_size=shard, command=command)  # fmt: skip
+            return done, shard
+        except _NotStreamable as exc:
+            why = str(exc)
+            if cap is not None:
+                shard_bytes_within(cap, sources, base_source, False, shard)
+    logger.info("merging in memory: %s", why)
+    return None, shard
