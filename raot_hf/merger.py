@@ -11,7 +11,6 @@ check → merge → report; each stage is a function of :mod:`raot_hf.stages` ta
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from raot_hf.stages.calibrate import CalibrationRun, fit_phase, heldout_phase, o
 from raot_hf.stages.combine import merge_weights
 from raot_hf.stages.context import PairContext, StageTimer
 from raot_hf.stages.group import (
-    align_member,
+    align_all,
     central_index,
     check_group,
     fold_all_if_any,
@@ -49,8 +48,6 @@ from raot_hf.symmetry import Transform
 
 __all__ = ["Alignment", "MergeResult", "RaotMerger"]
 
-logger = logging.getLogger("raot_hf.merger")
-_STAGE = {"stage": True}  # a line the CLI shows by default (raot_hf.cli.verbosity)
 
 _MERGED = (
     "this RaotMerger has already merged: model A now holds the merged weights and B was moved into A's "
@@ -288,10 +285,7 @@ class RaotMerger:
         """Align every model to the reference, fold all of them if any alignment folded, merge N-ary."""
         if self.config.group.reference == "central":
             self._reference_to_center(calibration)
-        members = []
-        for i, pair in enumerate(self.pairs, start=2):
-            logger.info("aligning model %d of %d to the reference", i, len(self.models), extra=_STAGE)
-            members.append(align_member(pair, calibration, self.early_calibration))
+        members = align_all(self.pairs, calibration, self.early_calibration)
         folded = fold_all_if_any(members)
         quality_sets, parents = group_quality(members)
         merge_log = merge_group_weights(members, folded)

@@ -39,11 +39,14 @@ SHARD_BYTES = 2 * 10**9
 def _config(shape: str):
     import transformers
 
-    return transformers.LlamaConfig(vocab_size=32000, max_position_embeddings=512, dtype="float32", **SHAPES[shape])
+    config = transformers.LlamaConfig(vocab_size=32000, max_position_embeddings=512, dtype="float32", **SHAPES[shape])
+    config.architectures = ["LlamaForCausalLM"]
+    return config
 
 
 def build(shape: str, out: Path, seed: int, base: Path | None = None, drift: float = 0.01) -> Path:
-    """A checkpoint of ``shape`` (random weights, or ``base`` plus a drift), written tensor by tensor."""
+    """A checkpoint of ``shape`` (random weights, or ``base`` plus a drift: a fine-tune-like
+    sibling), written tensor by tensor."""
     import safetensors.torch
     import torch
     import transformers
@@ -154,11 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     work = Path(args.workdir)
     started = time.perf_counter()
-    base = build(args.shape, work / f"{args.shape}-base", seed=0)
+    base = build(args.shape, work / f"{args.shape}-base", seed=0) if args.rule == "ties" else None
     models = [build(args.shape, work / f"{args.shape}-m{i}", seed=i, base=base) for i in range(1, args.models + 1)]
     built = time.perf_counter() - started
-    options = {"merge_rule": "ties", "base": str(base)} if args.rule == "ties" else {}
-    inputs = sum(_size(m) for m in models) + (_size(base) if args.rule == "ties" else 0)
+    options = {"merge_rule": "ties", "base": str(base)} if base is not None else {}
+    inputs = sum(_size(m) for m in models) + (_size(base) if base is not None else 0)
     rows = [("streamed", run_merge(models, work / "merged-stream", True, options))]
     if not args.skip_in_memory:
         rows.append(("in memory", run_merge(models, work / "merged-memory", False, options)))

@@ -282,6 +282,16 @@ def merge_task_arithmetic_n(
     return _base_relative_n("task_arithmetic", states, base, weights, scale, {}, combine, return_log)
 
 
+def _sparse_settings(states, weights, density, densities, scale) -> tuple[list[float], list[float], float]:
+    """The checked weights (not normalised), per-model densities and scale of TIES / DARE-TIES."""
+    n = len(states)
+    return (
+        check_weights(weights, n, normalise=False),
+        check_densities(density, densities, n),
+        _check_finite("scale", scale),
+    )
+
+
 def merge_ties_n(
     states,
     *,
@@ -294,9 +304,7 @@ def merge_ties_n(
 ):
     """TIES over N task vectors (mergekit): trim each to its top ``int(densityᵢ·n)`` magnitudes,
     elect signs by the weighted sum, take the weighted mean of the agreeing entries."""
-    weights = check_weights(weights, len(states), normalise=False)
-    kept = check_densities(density, densities, len(states))
-    scale = _check_finite("scale", scale)
+    weights, kept, scale = _sparse_settings(states, weights, density, densities, scale)
 
     def combine(key: str, tasks: list[torch.Tensor]) -> torch.Tensor:
         trimmed = [keep_top_magnitudes(t, d) for t, d in zip(tasks, kept, strict=True)]
@@ -322,9 +330,7 @@ def merge_dare_ties_n(
 ):
     """DARE-TIES over N task vectors (mergekit): drop at random with L1 rescale, elect signs by
     the weighted sum, add the agreeing weighted entries (not normalised)."""
-    weights = check_weights(weights, len(states), normalise=False)
-    kept = check_densities(density, densities, len(states))
-    scale = _check_finite("scale", scale)
+    weights, kept, scale = _sparse_settings(states, weights, density, densities, scale)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise RaotError(f"seed={seed!r} must be a non-negative integer.")
 

@@ -89,30 +89,19 @@ def final_readers(parents: dict, schema: ModelSchema, rest: dict):
     return None
 
 
-def _rule(spec: MergeRuleSpec, alpha: float, inputs: dict, trunk_a: dict, trunk_b: dict, merged_all: dict | None):
-    """The rule's merge of a subset of the trunk: per tensor, or sliced from a whole-trunk merge."""
+def _rule(spec: MergeRuleSpec, inputs: dict, trunks: list[dict], merged_all: dict | None, weighting: dict):
+    """The rule's merge of a subset of the trunk: per tensor (two models: ``spec.fn`` with
+    ``weighting={"alpha": α}``; more: ``spec.nary`` with ``{"weights": …}``), or sliced from a
+    whole-trunk merge."""
 
     def merge(keys: list[str]) -> tuple[dict, dict]:
         if merged_all is not None:
             return {k: merged_all[k] for k in keys}, {}
-        kw = dict(inputs)
+        kw = dict(inputs, **weighting, return_log=True)
         if "base" in kw:
             kw["base"] = {k: kw["base"][k] for k in keys if k in kw["base"]}
-        return spec.fn({k: trunk_a[k] for k in keys}, {k: trunk_b[k] for k in keys}, alpha=alpha, return_log=True, **kw)
-
-    return merge
-
-
-def _rule_n(spec: MergeRuleSpec, weights: list[float], inputs: dict, trunks: list[dict], merged_all: dict | None):
-    """:func:`_rule` for the N-ary form of the rule."""
-
-    def merge(keys: list[str]) -> tuple[dict, dict]:
-        if merged_all is not None:
-            return {k: merged_all[k] for k in keys}, {}
-        kw = dict(inputs)
-        if "base" in kw:
-            kw["base"] = {k: kw["base"][k] for k in keys if k in kw["base"]}
-        return spec.nary([{k: t[k] for k in keys} for t in trunks], weights=weights, return_log=True, **kw)
+        parts = [{k: t[k] for k in keys} for t in trunks]
+        return spec.fn(*parts, **kw) if "alpha" in weighting else spec.nary(parts, **kw)
 
     return merge
 
@@ -131,7 +120,7 @@ def corrected_merge(
         merged_all, rule_log = spec.fn(trunk_a, trunk_b, alpha=cfg.alpha, return_log=True, **inputs)
         rule_log.pop("params", None)
         add_rule_log(log, rule_log)
-    merge = _rule(spec, cfg.alpha, inputs, trunk_a, trunk_b, merged_all)
+    merge = _rule(spec, inputs, [trunk_a, trunk_b], merged_all, {"alpha": cfg.alpha})
     parents = {"a": ctx.model_a, "b": ctx.model_b}
     return _corrected(ctx, parents, {"a": 1.0 - cfg.alpha, "b": cfg.alpha}, merge, list(trunk_a), run, method, log)
 
@@ -147,7 +136,7 @@ def corrected_merge_group(members, spec: MergeRuleSpec, trunks: list[dict], weig
         merged_all, rule_log = spec.nary(trunks, weights=weights, return_log=True, **inputs)
         rule_log.pop("params", None)
         add_rule_log(log, rule_log)
-    merge = _rule_n(spec, weights, inputs, trunks, merged_all)
+    merge = _rule(spec, inputs, trunks, merged_all, {"weights": weights})
     parents = {"a": ctx.model_a, **{f"b{i}": m.ctx.model_b for i, m in enumerate(members, start=2)}}
     total = sum(weights)
     mix = {side: w / total for side, w in zip(parents, weights, strict=True)}

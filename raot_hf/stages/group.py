@@ -89,6 +89,19 @@ def align_member(ctx: PairContext, calibration, early) -> Member:
     return Member(ctx, alignment, stats if ctx.plan.grams else None, run, checks, norms)
 
 
+def align_all(pairs: list[PairContext], calibration, early) -> list[Member]:
+    """Align every model to the reference in turn. Once an alignment has folded the reference's
+    norms (§3.3), each later model is folded before its own pass (exact), so that its gate
+    compares merges of one parametrisation."""
+    members: list[Member] = []
+    for i, ctx in enumerate(pairs, start=2):
+        logger.info("aligning model %d of %d to the reference", i, len(pairs) + 1, extra=_STAGE)
+        if any(m.ctx.unfolded_norms is not None for m in members):
+            fold_model(ctx.model_b, ctx.schema)
+        members.append(align_member(ctx, calibration, early))
+    return members
+
+
 def fold_all_if_any(members: list[Member]) -> bool:
     """When an alignment folded the reference's norms, fold every model that is not yet (exact);
     returns whether the models are now folded."""
