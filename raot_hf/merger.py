@@ -20,6 +20,7 @@ from raot_hf.config import RaotConfig
 from raot_hf.distributed import DistributedContext
 from raot_hf.errors import RaotError
 from raot_hf.io.loading import ModelSource, check_compatible
+from raot_hf.memory import release_freed_memory
 from raot_hf.merging.siblings import refuse_moved_b
 from raot_hf.results import Alignment, MergeResult
 from raot_hf.stages.align import calibrate_and_solve, calibrate_solve_decide
@@ -267,6 +268,7 @@ class RaotMerger:
             refuse_moved_b(alignment.decisions, self.config.merge_rule)
         if not self.pair.plan.grams:
             stats = None  # only RegMean reads statistics after the gate: free them before apply/merge
+            release_freed_memory()
         if run is None and self.config.correction.method not in ("none", "auto"):  # the correction reads data
             run = open_calibration(self.pair, calibration, self.early_calibration)
         self.merged = True  # from here on A and B change

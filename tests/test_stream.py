@@ -143,7 +143,7 @@ def test_memory_caps_are_refused_before_any_work_and_shrink_the_shards(tmp_path)
     from raot_hf.stages.stream import _checkpoint_sizes
 
     total, largest = _checkpoint_sizes(ModelSource(paths[0]))
-    cap = RUNTIME_BYTES + 2 * (len(paths) + 2) * largest + total // 3  # room for a third of the output
+    cap = RUNTIME_BYTES + 4 * (len(paths) + 2) * largest + total // 3  # room for a third of the output
     _, report = merge_checkpoints(*paths, out=out, alignment="none", max_memory=cap)
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     assert report["execution"] == "streamed" and len(shards) > 1  # shards shrink to keep under the cap

@@ -8,7 +8,7 @@ streamed and — unless ``--skip-in-memory`` — loaded in memory, and records w
 directly. Writes a markdown table::
 
     python benchmarks/perf/stream.py --shape llama-0.5b-fp32 --models 3 --rule ties --workdir /tmp/sw
-    python benchmarks/perf/stream.py --shape llama-3.4b-fp32 --models 2 --skip-in-memory --workdir /data/sw
+    python benchmarks/perf/stream.py --shape llama-3.8b-fp32 --models 2 --skip-in-memory --workdir /data/sw
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ SHAPES = {
     "llama-0.5b-fp32": dict(
         hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=4, intermediate_size=4096
     ),  # fmt: skip
-    # ~3.4 B parameters: two of them in float32 (27 GB) exceed a 24 GiB machine's memory
-    "llama-3.4b-fp32": dict(
-        hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, intermediate_size=8192
+    # ~3.8 B parameters: two of them in float32 (30 GB) exceed a 24 GiB machine's memory
+    "llama-3.8b-fp32": dict(
+        hidden_size=3072, num_hidden_layers=36, num_attention_heads=24, num_key_value_heads=8, intermediate_size=8192
     ),  # fmt: skip
 }
 SHARD_BYTES = 2 * 10**9

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from raot_hf.distributed import statistics_pass_needed
+from raot_hf.memory import release_freed_memory
 from raot_hf.results import Alignment
 from raot_hf.stages.calibrate import CalibrationRun, fit_phase, heldout_phase, open_calibration
 from raot_hf.stages.context import PairContext
@@ -25,8 +26,10 @@ def calibrate_and_solve(ctx: PairContext, calibration, early=None) -> tuple[Any,
     parts, logs = solve(ctx, stats)
     if stats is not None:
         stats.fit = None  # the estimators are done with the fit moments: free them before the held-out phase
+        release_freed_memory()
         with ctx.timer.stage("calibration"):
             heldout_phase(ctx, run, stats, parts)
+        release_freed_memory()
         run.fingerprint.update({"examples": stats.examples, "heldout_tokens": int(stats.heldout.tokens)})
     return stats, run, parts, logs
 
@@ -34,4 +37,6 @@ def calibrate_and_solve(ctx: PairContext, calibration, early=None) -> tuple[Any,
 def calibrate_solve_decide(ctx: PairContext, calibration, early=None) -> tuple[Alignment, Any, CalibrationRun | None]:
     """:func:`calibrate_and_solve`, then the gate: the alignment, the statistics and the run."""
     stats, run, parts, logs = calibrate_and_solve(ctx, calibration, early)
-    return decide(ctx, parts, logs, stats, run), stats, run
+    alignment = decide(ctx, parts, logs, stats, run)
+    release_freed_memory()  # the gate's captured layer calls
+    return alignment, stats, run

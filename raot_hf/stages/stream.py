@@ -395,7 +395,9 @@ def shard_bytes_within(cap: int, sources, base_source, streamed: bool, max_shard
             )
         return max_shard_bytes
     largest = max(biggest for _, biggest in sizes)
-    need = RUNTIME_BYTES + 2 * (len(local) + 2) * largest  # float64 copies of one tensor per model, and the result
+    # the rules' float64 temporaries of the largest tensor: about two float64 copies per model and
+    # two more (TIES on three models and a base: ~3 GB for a 131 MB tensor)
+    need = RUNTIME_BYTES + 4 * (len(local) + 2) * largest
     if cap < need + largest:
         minimum = (need + largest) / gib
         raise RaotError(

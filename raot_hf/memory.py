@@ -1,0 +1,23 @@
+"""Handing freed memory back to the operating system between stages (docs/design.md §7.2).
+
+Activation temporaries under 32 MB come from the C heap, which keeps the pages after they are
+freed: without a trim, the resident size after the calibration pass stays at its high-water mark
+and the later stages' allocations come on top of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import sys
+
+
+def release_freed_memory() -> None:
+    """Collect garbage and return the heap's free pages to the OS (glibc's ``malloc_trim``; a
+    no-op where it is not available)."""
+    gc.collect()
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):  # musl or another libc: nothing to trim with
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
