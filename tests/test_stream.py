@@ -49,6 +49,7 @@ CASES = {
     "dare_ties-3": lambda p: dict(models=p[1:], base=p[0], merge_rule="dare_ties", density=0.5),
     "task_arithmetic-2": lambda p: dict(models=p[1:3], base=p[0], merge_rule="task_arithmetic", task_scale=1.3),
     "average-head": lambda p: dict(models=p[1:], head="average"),
+    "bfloat16": lambda p: dict(models=p[1:], dtype="bfloat16"),
 }
 
 

@@ -275,6 +275,9 @@ def merge_streamed(
     (configs, _), preprocessor, _ = _check_before_weights(config, sources, base_source)
     reading = _Reading(sources, base_source, configs)
     dtype = _resolved_dtype(config, configs[0])
+    if config.dtype != "auto":  # the written config names the dtype the weights were cast to (meta: no memory)
+        reading.skeleton.to(dtype)
+        reading.skeleton.config.dtype = dtype
     weights = group_weights(config, len(sources)) if len(sources) > 2 else None
     logger.info(
         "streaming the merge of %d checkpoints tensor by tensor (no calibration needed)", len(sources), extra=_STAGE
