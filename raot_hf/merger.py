@@ -31,7 +31,6 @@ from raot_hf.stages.context import PairContext, StageTimer
 from raot_hf.stages.group import (
     align_all,
     central_index,
-    check_group,
     fold_all_if_any,
     group_quality,
     group_report,
@@ -39,9 +38,8 @@ from raot_hf.stages.group import (
     merged_quality,
     prepare_config,
     transform_file,
-    two_model_config,
 )
-from raot_hf.stages.load import base_for, check_base_matches_rule, load_pair
+from raot_hf.stages.load import base_for, load_pair, model_sources
 from raot_hf.stages.provenance import build_report
 from raot_hf.stages.quality import merge_quality, parent_outputs, quality_inputs
 from raot_hf.stages.refine import refine_and_check
@@ -85,13 +83,8 @@ class RaotMerger:
         base_missing: list[str] | tuple[str, ...] = (),
         early_calibration: Any = None,
     ):
-        config = config or RaotConfig()
-        check_base_matches_rule(config, base_model is not None)
         models = [m.eval() for m in (model_a, model_b, *more_models)]
-        if len(models) > 2:
-            check_group(config, len(models), DistributedContext.detect().is_distributed)
-        elif config.group.weights:
-            config = two_model_config(config)
+        config = prepare_config(config or RaotConfig(), len(models), base_model is not None)
         for other in models[1:]:
             check_compatible(models[0].config, other.config, head_policy=config.head)
         schema = schema_for(models[0])
@@ -99,9 +92,10 @@ class RaotMerger:
             raise RaotError("the models resolve to different parameter sets; load every one with the same class.")
         self._base = (base_model, source_base, base_missing)
         self.models = models
+        given = [source_a, source_b, *more_sources]
         self.sources = [
-            src or ModelSource(getattr(m, "name_or_path", "") or f"model_{i + 1}")
-            for i, (m, src) in enumerate(zip(models, (source_a, source_b, *more_sources, *[None] * len(models))))
+            (given[i] if i < len(given) else None) or ModelSource(getattr(m, "name_or_path", "") or f"model_{i + 1}")
+            for i, m in enumerate(models)
         ]
         self.pairs = self._pairs(schema, config, preprocessor, DistributedContext.detect())
         self.pair = self.pairs[0]
@@ -159,9 +153,7 @@ class RaotMerger:
         unless ``revision_b`` is given); ``options`` override fields of ``config``. ``base``
         (with ``base_revision``) is the checkpoint the models were fine-tuned from, for the
         base-relative rules (``task_arithmetic``, ``ties``, ``dare_ties``)."""
-        config = _with_options(config, options)
-        if more:
-            check_group(config, 2 + len(more), DistributedContext.detect().is_distributed)
+        config = prepare_config(_with_options(config, options), 2 + len(more), base is not None)
         access = dict(token=token, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
         loaded = load_pair(
             a,
@@ -285,9 +277,8 @@ class RaotMerger:
 
     def _merge_group(self, calibration) -> MergeResult:
         """Align every model to the reference, fold all of them if any alignment folded, merge N-ary."""
-        if self.config.group.reference == "central":
-            self._reference_to_center(calibration)
-        members = align_all(self.pairs, calibration, self.early_calibration)
+        run = self._reference_to_center(calibration) if self.config.group.reference == "central" else None
+        members = align_all(self.pairs, calibration, self.early_calibration, run)
         folded = fold_all_if_any(members)
         quality_sets, parents = group_quality(members)
         merge_log = merge_group_weights(members, folded)
@@ -297,8 +288,9 @@ class RaotMerger:
         result.more_transforms = {transform_file(i): m.alignment.applied for i, m in enumerate(members[1:], start=3)}
         return result
 
-    def _reference_to_center(self, calibration) -> None:
-        """Make the most central model the reference (``group.reference="central"``)."""
+    def _reference_to_center(self, calibration) -> CalibrationRun:
+        """Make the most central model the reference (``group.reference="central"``); returns the
+        calibration run it read, for the alignments to reuse."""
         run = open_calibration(self.pair, calibration, self.early_calibration)
         index, self.reference_log = central_index(self.models, self.pair, run)
         if index:
@@ -308,6 +300,7 @@ class RaotMerger:
             self.pairs = self._pairs(self.pair.schema, self.config, self.preprocessor, self.dist)
             self.pair = self.pairs[0]
             self.source_a, self.source_b = self.sources[0], self.sources[1]
+        return run
 
 
 def merge_checkpoints(
@@ -331,13 +324,11 @@ def merge_checkpoints(
     from raot_hf.stages.stream import run_streamed
 
     config = prepare_config(_with_options(config, options), len(models), base is not None)
-    sources = [ModelSource(str(m)) for m in models]
-    base_source = ModelSource(str(base)) if base is not None else None
-    if stream:
-        done, max_shard_size = run_streamed(sources, base_source, config, out, overwrite=overwrite,
-                                            max_shard_size=max_shard_size, max_memory=max_memory)  # fmt: skip
-        if done is not None:
-            return done
+    sources, base_source = model_sources(models, base)
+    done, max_shard_size = run_streamed(sources, base_source, config, out, stream=stream, overwrite=overwrite,
+                                        max_shard_size=max_shard_size, max_memory=max_memory)  # fmt: skip
+    if done is not None:
+        return done
     merger = RaotMerger.from_pretrained(*models, config=config, **({"base": base} if base is not None else {}))
     result = merger.merge(calibration)
     return result.save_pretrained(out, overwrite=overwrite, max_shard_size=max_shard_size), result.report

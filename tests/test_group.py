@@ -280,17 +280,24 @@ def test_two_model_weights_set_alpha():
 # ----------------------------------------------------------------------------- merge files and the CLI
 
 
-@pytest.fixture(scope="module")
-def three_seeds(tmp_path_factory):
-    root = tmp_path_factory.mktemp("three")
+def _save_scrambles(root, names, calibration):
+    """A trained-like BERT saved as ``names[0]`` and scrambles of it as the others, with a
+    calibration csv; returns the model."""
     a, pre, _ = _trained_like("bert")
-    for i, name in enumerate("abc"):
+    for i, name in enumerate(names):
         model = clone(a)
         if i:
             scramble(model, seed=i)
         model.save_pretrained(root / name)
         pre.save_pretrained(root / name)
-    tiny_text_dataset(128).to_csv(root / "cal.csv")
+    tiny_text_dataset(128).to_csv(root / calibration)
+    return a
+
+
+@pytest.fixture(scope="module")
+def three_seeds(tmp_path_factory):
+    root = tmp_path_factory.mktemp("three")
+    _save_scrambles(root, "abc", "cal.csv")
     return root
 
 
@@ -366,14 +373,7 @@ def test_the_readme_merge_file_runs_as_written(tmp_path, monkeypatch):
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     yml = re.search(r"```yaml\n(# merge\.yml.*?)```", readme, re.S).group(1)
     command = re.search(r"```bash\n(raot-hf merge --config merge\.yml[^\n]*)\n```", readme).group(1)
-    a, pre, _ = _trained_like("bert")
-    for i, name in enumerate(("seed-a", "seed-b", "seed-c")):
-        model = clone(a)
-        if i:
-            scramble(model, seed=i)
-        model.save_pretrained(tmp_path / name)
-        pre.save_pretrained(tmp_path / name)
-    tiny_text_dataset(128).to_csv(tmp_path / "calib.csv")
+    a = _save_scrambles(tmp_path, ("seed-a", "seed-b", "seed-c"), "calib.csv")
     (tmp_path / "merge.yml").write_text(yml)
     monkeypatch.chdir(tmp_path)
     res = CliRunner().invoke(main, ["-q", *command.split()[1:]])

@@ -130,10 +130,12 @@ def build_config(options: dict, base: RaotConfig | None = None) -> RaotConfig:
     return RaotConfig.from_dict(data)
 
 
-def _merger(options: dict):
+def _merger(options: dict, resolved: tuple | None = None):
+    """The RaotMerger the options describe; ``resolved``: their (config, models, base), when the
+    caller has already read them."""
     from raot_hf.merger import RaotMerger
 
-    config, models, base = _config_and_models(options)
+    config, models, base = resolved or _config_and_models(options)
     if config.needs_calibration and config.calibration.source is None:  # refused before any weights load
         raise RaotError("this merge needs calibration data; pass --calibration (or --alignment none)")
     if len(models) > 2 and options.get("_two_only"):
@@ -208,14 +210,14 @@ def _merge_command() -> click.Command:
         check_destination(out, overwrite)  # refuse before any heavy work
         parse_size(max_shard_size)
         command = "raot-hf " + " ".join(sys.argv[1:]) if sys.argv else None
-        options["max_memory"] = max_memory
-        streamed = _streamed({**options, "_stream": stream}, out, overwrite, max_shard_size, command)
+        resolved = _config_and_models(options)
+        streamed = _streamed(options, resolved, out, overwrite, max_shard_size, stream, max_memory, command)
         if streamed is not None:
             if not _quiet():
                 click.echo(streamed[1]["summary"])
                 click.echo(f"wrote {streamed[0]}")
             return
-        merger = _merger(options)
+        merger = _merger(options, resolved)
         if _followed_main(merger):
             return
         try:
@@ -233,33 +235,24 @@ def _merge_command() -> click.Command:
     return merge_command
 
 
-def _streamed(options: dict, out, overwrite: bool, max_shard_size, command):
+def _streamed(options: dict, resolved: tuple, out, overwrite: bool, max_shard_size, stream: bool, max_memory, command):
     """The merge streamed from the files when it reads no data (:mod:`raot_hf.stages.stream`):
     (path, report), or None when the in-memory path runs. ``--max-memory`` is checked here, before
     any weights are read, for both paths."""
     from raot_hf.distributed import DistributedContext
-    from raot_hf.io.loading import ModelSource
-    from raot_hf.outputs.shards import parse_size
     from raot_hf.stages.group import prepare_config
-    from raot_hf.stages.stream import run_streamed, shard_bytes_within
+    from raot_hf.stages.load import model_sources
+    from raot_hf.stages.stream import run_streamed
 
     if DistributedContext.detect().is_distributed:
         return None
-    config, models, base = _config_and_models(options)
+    config, models, base = resolved
     config = prepare_config(config, len(models), base is not None)
     access = (options.get("token"), options.get("trust_remote_code", False), options.get("allow_pickle", False))
-    revision, revision_b = options.get("revision"), options.get("revision_b")
-    sources = [
-        ModelSource(str(m), revision if i == 0 else revision_b or revision, *access) for i, m in enumerate(models)
-    ]
-    base_source = ModelSource(str(base), options.get("base_revision"), *access) if base else None
-    cap = options.get("max_memory")
-    if not options.get("_stream", True):  # --no-stream: only the cap's check of the in-memory path
-        if cap is not None:
-            shard_bytes_within(parse_size(cap), sources, base_source, False, parse_size(max_shard_size))
-        return None
-    done, _ = run_streamed(sources, base_source, config, out, overwrite=overwrite, max_shard_size=max_shard_size,
-                           max_memory=cap, command=command)  # fmt: skip
+    revisions = (options.get("revision"), options.get("revision_b"), options.get("base_revision"))
+    sources, base_source = model_sources(models, base, *revisions, access)
+    done, _ = run_streamed(sources, base_source, config, out, stream=stream, overwrite=overwrite,
+                           max_shard_size=max_shard_size, max_memory=max_memory, command=command)  # fmt: skip
     return done
 
 

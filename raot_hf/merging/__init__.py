@@ -143,6 +143,23 @@ def get_merge_rule(name: str) -> Callable:
     return merge_rule_spec(name).fn
 
 
+def rule_options(spec: MergeRuleSpec, config, models: int = 2) -> dict[str, Any]:
+    """The keywords ``spec`` reads from ``config`` (its ``options``), and with more than two
+    models the per-model densities (``group.densities``) of a rule that takes a density."""
+    options: dict[str, Any] = {name: config.lookup(path) for name, path in spec.options.items()}
+    if models > 2 and "density" in options and config.group.densities:
+        options["densities"] = list(config.group.densities)
+    return options
+
+
+def apply_rule(spec: MergeRuleSpec, states: list, weighting: dict[str, Any], **inputs):
+    """Call the rule on ``states``: its two-model form with ``weighting={"alpha": α}``, its N-ary
+    form with ``weighting={"weights": [...]}``; returns ``(merged, log)``."""
+    if "alpha" in weighting:
+        return spec.fn(*states, **weighting, return_log=True, **inputs)
+    return spec.nary(list(states), **weighting, return_log=True, **inputs)
+
+
 def add_rule_log(total: dict[str, Any], part: dict[str, Any]) -> None:
     """Sum one chunk's rule log into ``total`` (counts and totals add, lists such as ``not_in_base`` extend)."""
     for key, value in part.get("settings", {}).items():
@@ -190,6 +207,7 @@ register_merge_rule(
 __all__ = [
     "HEAD_POLICIES",
     "add_rule_log",
+    "apply_rule",
     "MAX_RELATIVE_TASK_NORM",
     "MergeRuleSpec",
     "available_merge_rules",
@@ -217,6 +235,7 @@ __all__ = [
     "merge_ties",
     "register_merge_rule",
     "relative_task_norm",
+    "rule_options",
     "shrink_gram",
     "trim_to_top",
 ]

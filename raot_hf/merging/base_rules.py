@@ -80,14 +80,20 @@ def relative_task_norm(base: StateDict, state: StateDict) -> float:
     the base in another basis, e.g. with permuted MLP units) sits near √2. The median over
     matrices keeps LayerNorm gains (≈ 1 in every model) from hiding an unrelated base.
     """
-    ratios = []
-    for key, w in state.items():
-        origin = base.get(key)
-        if origin is None or w.dim() != 2 or not w.is_floating_point() or tuple(origin.shape) != tuple(w.shape):
-            continue
-        scale = float(torch.linalg.norm(_f64(origin)))
-        if scale > 0.0:
-            ratios.append(float(torch.linalg.norm(_f64(w) - _f64(origin).to(w.device))) / scale)
+    ratios = [task_norm_ratio(w, base[key]) for key, w in state.items() if key in base]
+    return median_ratio([r for r in ratios if r is not None])
+
+
+def task_norm_ratio(w: torch.Tensor, origin: torch.Tensor) -> float | None:
+    """``‖W − W_base‖ / ‖W_base‖`` of one 2-D floating-point weight (None for any other tensor)."""
+    if w.dim() != 2 or not w.is_floating_point() or tuple(origin.shape) != tuple(w.shape):
+        return None
+    scale = float(torch.linalg.norm(_f64(origin)))
+    return float(torch.linalg.norm(_f64(w) - _f64(origin).to(w.device))) / scale if scale > 0.0 else None
+
+
+def median_ratio(ratios: list[float]) -> float:
+    """The median of :func:`task_norm_ratio` values (the lower of the two middle ones; 0 if none)."""
     return float(torch.tensor(ratios, dtype=_F64).median()) if ratios else 0.0
 
 

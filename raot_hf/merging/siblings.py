@@ -41,6 +41,15 @@ def check_base_use(rule: str, needs_base: bool, has_base: bool, base_rules: Iter
         )
 
 
+def prefix_variants(name: str, prefix: str) -> list[str]:
+    """``name`` as a model with a head class and its bare model may call it: itself, under
+    ``prefix`` (the head class's ``base_model_prefix``) and without it."""
+    variants = [name, f"{prefix}.{name}"] if prefix else [name]
+    if prefix and name.startswith(prefix + "."):
+        variants.append(name[len(prefix) + 1 :])
+    return variants
+
+
 def base_state_for(
     names_a: Iterable[str], base_model: torch.nn.Module, missing: Iterable[str] = (), prefix: str = ""
 ) -> dict[str, torch.Tensor]:
@@ -55,10 +64,7 @@ def base_state_for(
     for name, param in base_model.named_parameters():
         if name in skip:
             continue
-        candidates = [name, f"{prefix}.{name}"] if prefix else [name]
-        if prefix and name.startswith(prefix + "."):
-            candidates.append(name[len(prefix) + 1 :])
-        target = next((c for c in candidates if c in wanted), None)
+        target = next((c for c in prefix_variants(name, prefix) if c in wanted), None)
         if target is not None:
             state[target] = param.detach()
     if not state:
@@ -73,15 +79,21 @@ def check_task_norms(base: Mapping[str, torch.Tensor], state_a, state_b) -> dict
     """Relative distances of A and B from the base (median over 2-D weights); refuses a model
     that is not a fine-tune of this base in this basis."""
     norms = {"a": relative_task_norm(base, state_a), "b": relative_task_norm(base, state_b)}
-    for side, value in norms.items():
+    refuse_unrelated({"A": norms["a"], "B": norms["b"]})
+    logger.info("relative task-vector norms: A %.3g, B %.3g", norms["a"], norms["b"])
+    return norms
+
+
+def refuse_unrelated(norms: Mapping[str, float]) -> None:
+    """Refuse, naming it, a model (label → its median relative distance from the base) that is not
+    a fine-tune of this base in this basis."""
+    for label, value in norms.items():
         if value > MAX_RELATIVE_TASK_NORM:
             raise RaotError(
-                f"{side.upper()} is not a fine-tune of the base in the base's basis (its weights differ from the "
+                f"{label} is not a fine-tune of the base in the base's basis (its weights differ from the "
                 f"base's by {value:.2f} of their norm, median over matrices; fine-tunes differ by far less than "
                 f"{MAX_RELATIVE_TASK_NORM:g}); pass the right --base, or merge without one (--merge-rule linear)."
             )
-    logger.info("relative task-vector norms: A %.3g, B %.3g", norms["a"], norms["b"])
-    return norms
 
 
 def refuse_moved_b(decisions, rule: str) -> None:

@@ -45,8 +45,10 @@ __all__ = [
     "SINGLE_WEIGHTS_NAME",
     "parse_size",
     "plan_shards",
+    "shard_name",
     "verify_written_weights",
     "weights_to_save",
+    "write_index",
     "write_safetensors_shards",
 ]
 
@@ -128,10 +130,6 @@ def plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[
     return shards
 
 
-def _shard_name(index: int, count: int) -> str:
-    return SINGLE_WEIGHTS_NAME if count == 1 else _SHARD_PATTERN.format(index=index, count=count)
-
-
 def _cpu_copy_for_saving(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor owning exactly its bytes (safetensors refuses partial aliases)."""
     tensor = tensor.detach().to("cpu").contiguous()
@@ -149,20 +147,33 @@ def write_safetensors_shards(
     weight_map: dict[str, str] = {}
     total_size = 0
     for number, names in enumerate(tqdm(shards, desc="Writing shards", unit="shard"), start=1):
-        filename = _shard_name(number, len(shards))
+        filename = shard_name(number, len(shards))
         shard = {name: _cpu_copy_for_saving(tensors[name]) for name in names}
         safetensors.torch.save_file(shard, str(directory / filename), metadata={"format": "pt"})
         total_size += sum(_tensor_nbytes(t) for t in shard.values())
         weight_map.update(dict.fromkeys(names, filename))
         del shard
+    index = write_index(directory, weight_map, total_size, total_parameters)
+    logger.info("wrote %d weights (%d bytes) in %d shard(s)", len(weight_map), total_size, len(shards))
+    return index
+
+
+def write_index(
+    directory: Path, weight_map: dict[str, str], total_size: int, total_parameters: int | None = None
+) -> dict[str, Any]:
+    """Write ``model.safetensors.index.json`` (tensor name → shard file) and return it."""
     metadata: dict[str, int] = {"total_size": total_size}
     if total_parameters is not None:
         metadata["total_parameters"] = total_parameters
     index = {"metadata": metadata, "weight_map": weight_map}
     with open(directory / INDEX_NAME, "w", encoding="utf-8", newline="\n") as handle:
         handle.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    logger.info("wrote %d weights (%d bytes) in %d shard(s)", len(weight_map), total_size, len(shards))
     return index
+
+
+def shard_name(index: int, count: int) -> str:
+    """The file name of shard ``index`` (1-based) of ``count``, as ``save_pretrained`` names it."""
+    return SINGLE_WEIGHTS_NAME if count == 1 else _SHARD_PATTERN.format(index=index, count=count)
 
 
 def verify_written_weights(directory: Path, expected_keys: set[str]) -> None:

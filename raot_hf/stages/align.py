@@ -14,14 +14,17 @@ from raot_hf.stages.decide import decide
 from raot_hf.stages.solve import solve
 
 
-def calibrate_and_solve(ctx: PairContext, calibration, early=None) -> tuple[Any, CalibrationRun | None, list, dict]:
+def calibrate_and_solve(
+    ctx: PairContext, calibration, early=None, like: CalibrationRun | None = None
+) -> tuple[Any, CalibrationRun | None, list, dict]:
     """The fit phase, the candidates (solved by the main process and broadcast when the
     statistics are sharded, §7), then the held-out phase that scores them. Returns the statistics
-    (held-out sums and Grams; the fit moments are freed), the run, the candidates and the logs."""
+    (held-out sums and Grams; the fit moments are freed), the run, the candidates and the logs.
+    ``like``: another pair's run on the same sample, whose dataset and tokens are reused."""
     stats = run = None
     if statistics_pass_needed(ctx.config, calibration):
         with ctx.timer.stage("calibration"):
-            run = open_calibration(ctx, calibration, early)
+            run = open_calibration(ctx, calibration, early, like)
             stats = fit_phase(ctx, run)
     parts, logs = solve(ctx, stats)
     if stats is not None:
@@ -34,9 +37,11 @@ def calibrate_and_solve(ctx: PairContext, calibration, early=None) -> tuple[Any,
     return stats, run, parts, logs
 
 
-def calibrate_solve_decide(ctx: PairContext, calibration, early=None) -> tuple[Alignment, Any, CalibrationRun | None]:
+def calibrate_solve_decide(
+    ctx: PairContext, calibration, early=None, like: CalibrationRun | None = None
+) -> tuple[Alignment, Any, CalibrationRun | None]:
     """:func:`calibrate_and_solve`, then the gate: the alignment, the statistics and the run."""
-    stats, run, parts, logs = calibrate_and_solve(ctx, calibration, early)
+    stats, run, parts, logs = calibrate_and_solve(ctx, calibration, early, like)
     alignment = decide(ctx, parts, logs, stats, run)
     release_freed_memory()  # the gate's captured layer calls
     return alignment, stats, run

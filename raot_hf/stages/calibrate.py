@@ -84,8 +84,13 @@ def resolve_calibration(ctx: PairContext, calibration) -> tuple[CalibrationConfi
     return cal, calibration  # an in-memory datasets.Dataset
 
 
-def open_calibration(ctx: PairContext, calibration, early=None) -> CalibrationRun:
-    """Load (or reuse the early check's) calibration sample and resolve its column."""
+def open_calibration(ctx: PairContext, calibration, early=None, like: CalibrationRun | None = None) -> CalibrationRun:
+    """Load (or reuse the early check's) calibration sample and resolve its column. ``like``: a run
+    of another pair on the same sample (a merge of several models): its dataset and tokens are
+    reused, so the sample is read and tokenized once."""
+    if like is not None:
+        fingerprint = dataset_fingerprint(like.dataset, like.config.column)
+        return CalibrationRun(like.dataset, like.config, fingerprint, encodings=like.encodings)
     if ctx.preprocessor is None:
         raise RaotError("no tokenizer or image processor for model A; pass preprocessor= to from_models")
     cal_cfg, data = resolve_calibration(ctx, calibration)

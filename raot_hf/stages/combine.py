@@ -15,7 +15,7 @@ import torch
 
 from raot_hf.errors import RaotError
 from raot_hf.io.loading import adopt_head
-from raot_hf.merging import MergeRuleSpec, add_rule_log, merge_heads, merge_rule_spec
+from raot_hf.merging import MergeRuleSpec, add_rule_log, apply_rule, merge_heads, merge_rule_spec, rule_options
 from raot_hf.merging.grams import aligned_grams, transposed_weights
 from raot_hf.results import Alignment
 from raot_hf.stages.context import PairContext
@@ -64,7 +64,7 @@ def _fishers(ctx: PairContext, run, names: set[str]) -> tuple[dict[str, torch.Te
 def rule_inputs(ctx: PairContext, spec: MergeRuleSpec, alignment: Alignment, stats, run, trunk: set[str]) -> dict:
     """What ``spec`` declares it reads besides A, B′ and α."""
     cfg = ctx.config
-    inputs: dict[str, Any] = {name: cfg.lookup(path) for name, path in spec.options.items()}
+    inputs = rule_options(spec, cfg)
     if spec.needs_grams:
         if stats is None or not stats.grams:
             raise RaotError(f"merge_rule={cfg.merge_rule!r} needs calibration data for its Gram matrices")
@@ -100,24 +100,37 @@ def _chunks(trunk: dict[str, torch.Tensor]):
         yield chunk
 
 
-def merge_in_place(ctx: PairContext, spec: MergeRuleSpec, trunk_a: dict, trunk_b: dict, inputs: dict) -> dict:
-    """Run a per-tensor rule chunk by chunk, writing each result straight into A's parameters
-    (float64 temporaries stay ~100 MB); returns the chunks' logs added up."""
+def merge_in_place(ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weighting: dict, inputs: dict) -> dict:
+    """Run a per-tensor rule chunk by chunk (``weighting``: see :func:`raot_hf.merging.apply_rule`),
+    writing each result straight into the reference's parameters (float64 temporaries stay
+    ~100 MB); returns the chunks' logs added up."""
     base = inputs.pop("base", None)
     log: dict[str, Any] = {"rule": spec.name, "settings": {}, "counts": {}}
-    for chunk in _chunks(trunk_a):
+    for chunk in _chunks(trunks[0]):
         if base is not None:
             inputs["base"] = {k: base[k] for k in chunk if k in base}
-        part, part_log = spec.fn(
-            {k: trunk_a[k] for k in chunk},
-            {k: trunk_b[k] for k in chunk},
-            alpha=ctx.config.alpha,
-            return_log=True,
-            **inputs,
-        )
+        part, part_log = apply_rule(spec, [{k: t[k] for k in chunk} for t in trunks], weighting, **inputs)
         load_state(ctx.model_a, part)
         add_rule_log(log, part_log)
         del part
+    return log
+
+
+def merge_trunks(
+    ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weighting: dict, inputs: dict, run, method: str,
+    parents: dict,
+) -> dict:  # fmt: skip
+    """The rule's merge of the trunks (the reference's first), written into the reference's module:
+    corrected layer by layer when ``method`` is not ``none`` (docs/design.md §6.7; ``parents``:
+    side → model, ``"a"`` the reference), a few tensors at a time for a per-tensor rule, else
+    whole. Returns the rule's log."""
+    if method != "none":
+        return corrected_merge(ctx, spec, trunks, weighting, inputs, run, method, parents)
+    if spec.per_tensor:
+        return merge_in_place(ctx, spec, trunks, weighting, inputs)
+    merged, log = apply_rule(spec, trunks, weighting, **inputs)
+    log.pop("params", None)
+    load_state(ctx.model_a, merged)
     return log
 
 
@@ -168,16 +181,10 @@ def merge_weights(ctx: PairContext, alignment: Alignment, stats, run) -> dict[st
         trunk_a = {k: v for k, v in state_a.items() if k not in head}
         trunk_b = {k: v for k, v in state_b.items() if k not in head}
         inputs = rule_inputs(ctx, spec, alignment, stats, run, set(trunk_a))
-        if corrected:  # the rule's merge, corrected layer by layer (docs/design.md §6.7)
-            log, merged = corrected_merge(ctx, spec, trunk_a, trunk_b, inputs, run, method), {}
-        elif spec.per_tensor:
-            log, merged = merge_in_place(ctx, spec, trunk_a, trunk_b, inputs), {}
-        else:
-            merged, log = spec.fn(trunk_a, trunk_b, alpha=cfg.alpha, return_log=True, **inputs)
-            log.pop("params", None)
+        parents = {"a": ctx.model_a, "b": ctx.model_b}
+        log = merge_trunks(ctx, spec, [trunk_a, trunk_b], {"alpha": cfg.alpha}, inputs, run, method, parents)
         if head:
-            merged.update(_merged_heads(ctx, state_a, state_b, head))
-        load_state(ctx.model_a, merged)
+            load_state(ctx.model_a, _merged_heads(ctx, state_a, state_b, head))
     if cfg.correction.method == "auto":
         log.setdefault("correction", {"method": "none"})["auto"] = why
     counts = ", ".join(f"{n} {m}" for m, n in sorted(log["counts"].items()))

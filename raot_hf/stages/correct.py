@@ -19,7 +19,7 @@ from raot_hf.correction import LayerPass, Site, capture, least_squares_layer, le
 from raot_hf.correction.layer import SiteGroups, site_groups
 from raot_hf.errors import RaotError
 from raot_hf.gate.fidelity import layer_module_names
-from raot_hf.merging import MergeRuleSpec, add_rule_log
+from raot_hf.merging import MergeRuleSpec, add_rule_log, apply_rule
 from raot_hf.stages.context import PairContext
 from raot_hf.symmetry import load_state
 
@@ -90,57 +90,46 @@ def final_readers(parents: dict, schema: ModelSchema, rest: dict):
 
 
 def _rule(spec: MergeRuleSpec, inputs: dict, trunks: list[dict], merged_all: dict | None, weighting: dict):
-    """The rule's merge of a subset of the trunk: per tensor (two models: ``spec.fn`` with
-    ``weighting={"alpha": α}``; more: ``spec.nary`` with ``{"weights": …}``), or sliced from a
-    whole-trunk merge."""
+    """The rule's merge of a subset of the trunk: per tensor (:func:`raot_hf.merging.apply_rule`),
+    or sliced from a whole-trunk merge."""
 
     def merge(keys: list[str]) -> tuple[dict, dict]:
         if merged_all is not None:
             return {k: merged_all[k] for k in keys}, {}
-        kw = dict(inputs, **weighting, return_log=True)
+        kw = dict(inputs)
         if "base" in kw:
             kw["base"] = {k: kw["base"][k] for k in keys if k in kw["base"]}
-        parts = [{k: t[k] for k in keys} for t in trunks]
-        return spec.fn(*parts, **kw) if "alpha" in weighting else spec.nary(parts, **kw)
+        return apply_rule(spec, [{k: t[k] for k in keys} for t in trunks], weighting, **kw)
 
     return merge
 
 
+def _mix(parents: dict, weighting: dict) -> dict[str, float]:
+    """Each parent's weight in the correction's target: (1 − α, α) for two models, else the
+    per-model weights normalised to sum 1."""
+    if "alpha" in weighting:
+        return {"a": 1.0 - weighting["alpha"], "b": weighting["alpha"]}
+    total = sum(weighting["weights"])
+    return {side: w / total for side, w in zip(parents, weighting["weights"], strict=True)}
+
+
 @torch.no_grad()
 def corrected_merge(
-    ctx: PairContext, spec: MergeRuleSpec, trunk_a: dict, trunk_b: dict, inputs: dict, run, method: str
-) -> dict:
-    """The rule's merge, corrected layer by layer (``method``: ``lsq`` or ``repair``), written into
-    A's module; returns the rule's log (summed over the calls) with the correction's under
-    ``"correction"``."""
-    cfg = ctx.config
+    ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weighting: dict, inputs: dict, run, method: str,
+    parents: dict,
+) -> dict:  # fmt: skip
+    """The rule's merge of ``trunks`` (``weighting``: see :func:`raot_hf.merging.apply_rule`),
+    corrected layer by layer (``method``: ``lsq`` or ``repair``) to the mix of ``parents`` (side →
+    model, ``"a"`` the reference, in the trunks' order) and written into the reference's module;
+    returns the rule's log (summed over the calls) with the correction's under ``"correction"``."""
     log: dict[str, Any] = {"rule": spec.name, "settings": {}, "counts": {}}
     merged_all = None
     if not spec.per_tensor:  # RegMean, Fisher: the whole trunk at once (as without correction)
-        merged_all, rule_log = spec.fn(trunk_a, trunk_b, alpha=cfg.alpha, return_log=True, **inputs)
+        merged_all, rule_log = apply_rule(spec, trunks, weighting, **inputs)
         rule_log.pop("params", None)
         add_rule_log(log, rule_log)
-    merge = _rule(spec, inputs, [trunk_a, trunk_b], merged_all, {"alpha": cfg.alpha})
-    parents = {"a": ctx.model_a, "b": ctx.model_b}
-    return _corrected(ctx, parents, {"a": 1.0 - cfg.alpha, "b": cfg.alpha}, merge, list(trunk_a), run, method, log)
-
-
-@torch.no_grad()
-def corrected_merge_group(members, spec: MergeRuleSpec, trunks: list[dict], weights: list[float], inputs, method):
-    """:func:`corrected_merge` over N models (docs/design.md §6.9): the N-ary rule's merge, each
-    layer fitted to the weighted mix of every parent's outputs."""
-    ctx = members[0].ctx
-    log: dict[str, Any] = {"rule": spec.name, "settings": {}, "counts": {}}
-    merged_all = None
-    if not spec.per_tensor:
-        merged_all, rule_log = spec.nary(trunks, weights=weights, return_log=True, **inputs)
-        rule_log.pop("params", None)
-        add_rule_log(log, rule_log)
-    merge = _rule(spec, inputs, trunks, merged_all, {"weights": weights})
-    parents = {"a": ctx.model_a, **{f"b{i}": m.ctx.model_b for i, m in enumerate(members, start=2)}}
-    total = sum(weights)
-    mix = {side: w / total for side, w in zip(parents, weights, strict=True)}
-    return _corrected(ctx, parents, mix, merge, list(trunks[0]), members[0].run, method, log)
+    merge = _rule(spec, inputs, trunks, merged_all, weighting)
+    return _corrected(ctx, parents, _mix(parents, weighting), merge, list(trunks[0]), run, method, log)
 
 
 def _corrected(ctx: PairContext, parents: dict, mix: dict, merge, names_all: list[str], run, method: str, log: dict):

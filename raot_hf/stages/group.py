@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from raot_hf.errors import RaotError
-from raot_hf.merging import merge_heads_n, merge_rule_spec, nary_merge_rules
+from raot_hf.merging import merge_heads_n, merge_rule_spec, nary_merge_rules, rule_options
 from raot_hf.merging.grams import aligned_grams, transposed_weights
 from raot_hf.merging.siblings import refuse_moved_b
 from raot_hf.outputs.card import alignment_summary
@@ -27,9 +27,9 @@ from raot_hf.results import Alignment
 from raot_hf.stages.align import calibrate_solve_decide
 from raot_hf.stages.apply import apply_and_check
 from raot_hf.stages.calibrate import open_calibration
-from raot_hf.stages.combine import _chunks, _finite_gram_keys, correction_method
+from raot_hf.stages.combine import _finite_gram_keys, correction_method, merge_trunks
 from raot_hf.stages.context import PairContext
-from raot_hf.stages.provenance import _inputs_of, build_report
+from raot_hf.stages.provenance import build_report, inputs_of
 from raot_hf.stages.quality import merge_quality, parent_outputs, quality_inputs
 from raot_hf.stages.refine import refine_and_check
 from raot_hf.symmetry import fold_model, load_state, model_state, norm_affines
@@ -77,20 +77,22 @@ def check_group(config, n: int, distributed: bool = False) -> None:
         raise RaotError(f"a merge of {n} models runs in one process; run it without accelerate launch")
 
 
-def align_member(ctx: PairContext, calibration, early) -> Member:
-    """Align one model to the reference: the two-model pipeline up to B′ ≡ B (nothing merged)."""
+def align_member(ctx: PairContext, calibration, early, like=None) -> Member:
+    """Align one model to the reference: the two-model pipeline up to B′ ≡ B (nothing merged);
+    ``like``: an earlier member's calibration run, whose sample and tokens are reused."""
     norms = (norm_affines(ctx.model_a, ctx.schema), norm_affines(ctx.model_b, ctx.schema)) if ctx.plan.grams else None
-    alignment, stats, run = calibrate_solve_decide(ctx, calibration, early)
+    alignment, stats, run = calibrate_solve_decide(ctx, calibration, early, like)
     if ctx.base is not None:
         refuse_moved_b(alignment.decisions, ctx.config.merge_rule)
     if run is None and ctx.config.correction.method not in ("none", "auto"):
-        run = open_calibration(ctx, calibration, early)
+        run = open_calibration(ctx, calibration, early, like)
     checks = apply_and_check(ctx, alignment, run) + refine_and_check(ctx, alignment, run)
     return Member(ctx, alignment, stats if ctx.plan.grams else None, run, checks, norms)
 
 
-def align_all(pairs: list[PairContext], calibration, early) -> list[Member]:
-    """Align every model to the reference in turn. Once an alignment has folded the reference's
+def align_all(pairs: list[PairContext], calibration, early, like=None) -> list[Member]:
+    """Align every model to the reference in turn, on one calibration sample read and tokenized
+    once (``like``: a run that already opened it). Once an alignment has folded the reference's
     norms (§3.3), each later model is folded before its own pass (exact), so that its gate
     compares merges of one parametrisation."""
     members: list[Member] = []
@@ -98,7 +100,8 @@ def align_all(pairs: list[PairContext], calibration, early) -> list[Member]:
         logger.info("aligning model %d of %d to the reference", i, len(pairs) + 1, extra=_STAGE)
         if any(m.ctx.unfolded_norms is not None for m in members):
             fold_model(ctx.model_b, ctx.schema)
-        members.append(align_member(ctx, calibration, early))
+        members.append(align_member(ctx, calibration, early, like))
+        like = like or members[-1].run
     return members
 
 
@@ -158,10 +161,7 @@ def group_models(members: list[Member]) -> list[torch.nn.Module]:
 
 def group_rule_inputs(members: list[Member], spec, folded: bool, trunk: set[str]) -> dict[str, Any]:
     """What the N-ary rule reads besides the models and their weights."""
-    cfg = members[0].ctx.config
-    inputs: dict[str, Any] = {name: cfg.lookup(path) for name, path in spec.options.items()}
-    if "density" in inputs and cfg.group.densities:
-        inputs["densities"] = list(cfg.group.densities)
+    inputs = rule_options(spec, members[0].ctx.config, len(members) + 1)
     if spec.needs_grams:
         grams, usable, transposed = _group_grams(members, folded)
         inputs.update(grams=grams, linear_weights=usable, transposed_weights=transposed)
@@ -172,27 +172,8 @@ def group_rule_inputs(members: list[Member], spec, folded: bool, trunk: set[str]
     return inputs
 
 
-def _merge_in_place_n(ref: PairContext, spec, trunks: list[dict], weights: list[float], inputs: dict) -> dict:
-    """A per-tensor N-ary rule, chunk by chunk, written straight into the reference's parameters."""
-    from raot_hf.merging import add_rule_log
-
-    base = inputs.pop("base", None)
-    log: dict[str, Any] = {"rule": spec.name, "settings": {}, "counts": {}}
-    for chunk in _chunks(trunks[0]):
-        if base is not None:
-            inputs["base"] = {k: base[k] for k in chunk if k in base}
-        part, part_log = spec.nary(
-            [{k: t[k] for k in chunk} for t in trunks], weights=weights, return_log=True, **inputs
-        )
-        load_state(ref.model_a, part)
-        add_rule_log(log, part_log)
-    return log
-
-
 def merge_group_weights(members: list[Member], folded: bool) -> dict[str, Any]:
     """Merge the reference and every aligned model into the reference's module; returns the rule's log."""
-    from raot_hf.stages.correct import corrected_merge_group
-
     ref = members[0].ctx
     cfg = ref.config
     spec = merge_rule_spec(cfg.merge_rule)
@@ -205,14 +186,8 @@ def merge_group_weights(members: list[Member], folded: bool) -> dict[str, Any]:
         head = sorted(ref.schema.head_params)
         trunks = [{k: v for k, v in s.items() if k not in head} for s in states]
         inputs = group_rule_inputs(members, spec, folded, set(trunks[0]))
-        if method != "none":
-            log = corrected_merge_group(members, spec, trunks, weights, inputs, method)
-        elif spec.per_tensor:
-            log = _merge_in_place_n(ref, spec, trunks, weights, inputs)
-        else:
-            merged, log = spec.nary(trunks, weights=weights, return_log=True, **inputs)
-            log.pop("params", None)
-            load_state(ref.model_a, merged)
+        parents = {"a": ref.model_a, **{f"b{i}": m.ctx.model_b for i, m in enumerate(members, start=2)}}
+        log = merge_trunks(ref, spec, trunks, {"weights": weights}, inputs, members[0].run, method, parents)
         if head and cfg.head == "average":
             load_state(ref.model_a, merge_heads_n(states, head, weights))
     log.pop("params", None)
@@ -325,11 +300,11 @@ def group_report(members, sources, merge_log, quality, reference_log) -> dict[st
         first.run.fingerprint if first.run is not None else None, first.checks, merge_log, quality[0],
     )  # fmt: skip
     records = [_member_record(i, m, q) for i, (m, q) in enumerate(zip(members, quality, strict=True), start=2)]
-    report["inputs"]["models"] = [
-        {"model": 1, "role": "reference", **_inputs_of(sources[0], first.ctx.model_a)},
-        *({"model": i, "role": "aligned", **_inputs_of(s, m.ctx.model_b)} for i, (s, m) in
-          enumerate(zip(sources[1:], members, strict=True), start=2)),
-    ]  # fmt: skip
+    inputs = report["inputs"]  # A's and B's entries are described (and their files hashed) once
+    described = [inputs["a"], inputs["b"], *(inputs_of(s, m.ctx.model_b) for s, m in zip(sources[2:], members[1:]))]
+    inputs["models"] = [
+        {"model": i, "role": "reference" if i == 1 else "aligned", **info} for i, info in enumerate(described, start=1)
+    ]
     report["models"] = records
     report["reference"] = reference_log or {"rule": "first", "chosen": 1}
     report["decisions"] = [{**d, "model": r["model"]} for r in records for d in r["decisions"]]

@@ -78,6 +78,17 @@ def _check_before_weights(config, sources, src_base):
     return (configs, cfg_base), pre_a, early
 
 
+def model_sources(
+    models, base=None, revision=None, revision_b=None, base_revision=None, access: tuple = ()
+) -> tuple[list[ModelSource], ModelSource | None]:
+    """The sources of ``models`` (the first at ``revision``, the others at ``revision_b`` or else
+    ``revision``) and of the base; ``access``: (token, trust_remote_code, allow_pickle)."""
+    sources = [
+        ModelSource(str(m), revision if i == 0 else revision_b or revision, *access) for i, m in enumerate(models)
+    ]
+    return sources, (ModelSource(str(base), base_revision, *access) if base else None)
+
+
 def load_pair(
     a: str | Path,
     b: str | Path,
@@ -95,9 +106,7 @@ def load_pair(
     ``revision``) from Hub ids or local directories, and the base, after every cheap check."""
     check_base_matches_rule(config, base is not None)
     access = (token, trust_remote_code, allow_pickle)
-    sources = [ModelSource(str(a), revision, *access)]
-    sources += [ModelSource(str(m), revision_b or revision, *access) for m in (b, *more)]
-    src_base = ModelSource(str(base), base_revision, *access) if base else None
+    sources, src_base = model_sources([a, b, *more], base, revision, revision_b, base_revision, access)
     timer = StageTimer()
     with timer.stage("load"):
         (configs, cfg_base), pre_a, early = _check_before_weights(config, sources, src_base)

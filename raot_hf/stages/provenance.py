@@ -17,7 +17,8 @@ from raot_hf.symmetry.io import TRANSFORM_NAME
 from raot_hf.version import __version__
 
 
-def _inputs_of(src: ModelSource, model) -> dict[str, Any]:
+def inputs_of(src: ModelSource, model) -> dict[str, Any]:
+    """One input checkpoint as the report lists it: its source, commit, class and (local) file hashes."""
     info = src.describe()
     info["commit"] = getattr(model.config, "_commit_hash", None)
     info["architecture"] = type(model).__name__
@@ -27,9 +28,9 @@ def _inputs_of(src: ModelSource, model) -> dict[str, Any]:
 
 
 def _inputs(ctx: PairContext, source_a: ModelSource, source_b: ModelSource) -> dict[str, Any]:
-    inputs = {"a": _inputs_of(source_a, ctx.model_a), "b": _inputs_of(source_b, ctx.model_b)}
+    inputs = {"a": inputs_of(source_a, ctx.model_a), "b": inputs_of(source_b, ctx.model_b)}
     if ctx.base is not None:
-        inputs["base"] = base = _inputs_of(ctx.base.source, ctx.base.model)
+        inputs["base"] = base = inputs_of(ctx.base.source, ctx.base.model)
         base.update(
             # loaded with A's class; the checkpoint's own class is the one its config names
             architecture=(getattr(ctx.base.model.config, "architectures", None) or [base["architecture"]])[0],
@@ -50,7 +51,6 @@ def build_report(
 ) -> dict[str, Any]:
     """The report dict: inputs (with file hashes), settings, calibration fingerprint, gate
     decisions and verdict, applied transforms, merge log, checks, timings and versions."""
-    import transformers
 
     return {
         "raot_hf_version": __version__,
@@ -76,9 +76,12 @@ def build_report(
         "estimator_logs": alignment.logs,
         "checks": checks,
         "timings": dict(ctx.timer.times),
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-        },
+        "versions": versions(),
     }
+
+
+def versions() -> dict[str, str]:
+    """The versions of torch, transformers and Python a report records."""
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}

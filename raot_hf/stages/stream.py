@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -26,13 +25,16 @@ import torch
 from safetensors import safe_open
 
 from raot_hf.errors import RaotError
-from raot_hf.merging import add_rule_log, merge_heads, merge_heads_n, merge_rule_spec
-from raot_hf.merging.base_rules import MAX_RELATIVE_TASK_NORM
+from raot_hf.io.loading import _DTYPES
+from raot_hf.merging import add_rule_log, apply_rule, merge_heads, merge_heads_n, merge_rule_spec, rule_options
+from raot_hf.merging.base_rules import median_ratio, task_norm_ratio
+from raot_hf.merging.siblings import prefix_variants, refuse_unrelated
 from raot_hf.plan import plan_for
 
 logger = logging.getLogger("raot_hf.stages.stream")
 _STAGE = {"stage": True}
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Bytes per element of the safetensors dtypes (for sizes read from the headers).
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 #: Tensors of A merged per call of the rule (about this many bytes).
 CHUNK_BYTES = 16 << 20
 
@@ -64,13 +66,18 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 class Checkpoint:
-    """The tensors of one local safetensors checkpoint, read one at a time."""
+    """The tensors of one local safetensors checkpoint, read one at a time; ``nbytes``: each
+    tensor's size, from the files' headers."""
 
     def __init__(self, path: Path):
-        self.files = {}
+        self.files: dict[str, Path] = {}
+        self.nbytes: dict[str, int] = {}
         for file in _weight_files(path):
             with safe_open(str(file), framework="pt") as handle:
-                self.files.update(dict.fromkeys(handle.keys(), file))
+                for name in handle.keys():  # noqa: SIM118 - a safe_open handle is not iterable
+                    piece = handle.get_slice(name)
+                    self.files[name] = file
+                    self.nbytes[name] = torch.Size(piece.get_shape()).numel() * _DTYPE_BYTES.get(piece.get_dtype(), 4)
         self._open: dict[Path, Any] = {}
 
     def keys(self) -> list[str]:
@@ -102,12 +109,7 @@ def _skeleton(config):
 
 def _base_key(name: str, base: Checkpoint, prefix: str) -> str | None:
     """The base's tensor for A's ``name``: same name, or across A's ``base_model_prefix``."""
-    candidates = [name]
-    if prefix:
-        candidates += [f"{prefix}.{name}"]
-        if name.startswith(prefix + "."):
-            candidates.append(name[len(prefix) + 1 :])
-    return next((c for c in candidates if c in base.files), None)
+    return next((c for c in prefix_variants(name, prefix) if c in base.files), None)
 
 
 class _ShardWriter:
@@ -135,28 +137,24 @@ class _ShardWriter:
         self.pending, self.size = {}, 0
 
     def finish(self) -> set[str]:
-        from raot_hf.outputs.shards import INDEX_NAME, SINGLE_WEIGHTS_NAME
+        from raot_hf.outputs.shards import shard_name, write_index
 
         self.flush()
         weight_map = {}
         for i, (file, names) in enumerate(self.files, start=1):
-            final = (
-                SINGLE_WEIGHTS_NAME if len(self.files) == 1 else f"model-{i:05d}-of-{len(self.files):05d}.safetensors"
-            )
+            final = shard_name(i, len(self.files))
             file.rename(self.directory / final)
             weight_map.update(dict.fromkeys(names, final))
-        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
-        (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        write_index(self.directory, weight_map, self.total)
         return set(weight_map)
 
 
-def _chunks(names: list[str], reader: Checkpoint) -> list[list[str]]:
+def _chunks(reader: Checkpoint) -> list[list[str]]:
+    """``reader``'s tensor names in runs of about :data:`CHUNK_BYTES`."""
     chunks, chunk, size = [], [], 0
-    for name in names:
-        with safe_open(str(reader.files[name]), framework="pt") as handle:
-            shape = handle.get_slice(name).get_shape()
+    for name, nbytes in reader.nbytes.items():
         chunk.append(name)
-        size += 4 * int(torch.tensor(shape).prod()) if shape else 4
+        size += nbytes
         if size >= CHUNK_BYTES:
             chunks.append(chunk)
             chunk, size = [], 0
@@ -193,13 +191,6 @@ class _NotStreamable(Exception):
     """The files cannot be merged name by name (the in-memory path runs instead)."""
 
 
-def _task_ratio(tensor: torch.Tensor, origin: torch.Tensor) -> float | None:
-    if tensor.dim() != 2 or not tensor.is_floating_point():
-        return None
-    scale = float(torch.linalg.norm(origin.double()))
-    return float(torch.linalg.norm(tensor.double() - origin.double())) / scale if scale > 0 else None
-
-
 def _merge_chunk(reading: _Reading, config, configs, names: list[str], dtype, weights, ratios: list[list[float]]):
     """One chunk of A's tensors merged (trunk by the rule, head by the policy); returns the merged
     tensors and the rule's log."""
@@ -211,22 +202,17 @@ def _merge_chunk(reading: _Reading, config, configs, names: list[str], dtype, we
 
     states = [{n: read(m, n) for n in names} for m in reading.models]
     trunk = [n for n in names if n not in reading.head]
-    inputs: dict[str, Any] = {key: config.lookup(path) for key, path in spec.options.items()}
-    if "density" in inputs and config.group.densities:
-        inputs["densities"] = list(config.group.densities)
+    inputs = rule_options(spec, config, len(states))
     if spec.needs_base:
         prefix = getattr(reading.skeleton, "base_model_prefix", "") or ""
         found = {n: _base_key(n, reading.base, prefix) for n in trunk}
         inputs["base"] = {n: read(reading.base, k) for n, k in found.items() if k is not None}
         for n, origin in inputs["base"].items():
             for i, state in enumerate(states):
-                if (r := _task_ratio(state[n], origin)) is not None:
+                if (r := task_norm_ratio(state[n], origin)) is not None:
                     ratios[i].append(r)
-    parts = [{n: s[n] for n in trunk} for s in states]
-    if len(states) == 2:
-        merged, log = spec.fn(parts[0], parts[1], alpha=config.alpha, return_log=True, **inputs)
-    else:
-        merged, log = spec.nary(parts, weights=weights, return_log=True, **inputs)
+    weighting = {"alpha": config.alpha} if len(states) == 2 else {"weights": weights}
+    merged, log = apply_rule(spec, [{n: s[n] for n in trunk} for s in states], weighting, **inputs)
     head = [n for n in names if n in reading.head]
     if head and config.head == "average":
         if len(states) == 2:
@@ -244,13 +230,8 @@ def _merge_chunk(reading: _Reading, config, configs, names: list[str], dtype, we
 
 def _check_ratios(ratios: list[list[float]]) -> list[float]:
     """Each model's median relative distance from the base (§6.6); refuses one that is not a fine-tune."""
-    medians = [statistics.median(r) if r else 0.0 for r in ratios]
-    for i, value in enumerate(medians, start=1):
-        if value > MAX_RELATIVE_TASK_NORM:
-            raise RaotError(
-                f"model {i} is not a fine-tune of the base in the base's basis (its weights differ from the base's "
-                f"by {value:.2f} of their norm, median over matrices); pass the right --base, or merge without one"
-            )
+    medians = [median_ratio(r) for r in ratios]
+    refuse_unrelated({f"model {i}": value for i, value in enumerate(medians, start=1)})
     return medians
 
 
@@ -288,7 +269,7 @@ def merge_streamed(
         _save_preprocessor(preprocessor, temporary, False)
         _save_config(reading.skeleton, temporary)
         writer = _ShardWriter(temporary, max_bytes)
-        for names in _chunks(reading.keys, reading.models[0]):
+        for names in _chunks(reading.models[0]):
             merged, part = _merge_chunk(reading, config, configs, names, dtype, weights, ratios)
             for checkpoint in [*reading.models, *([reading.base] if reading.base is not None else [])]:
                 checkpoint.release()
@@ -312,21 +293,14 @@ def merge_streamed(
 
 def streamed_report(sources, base_source, config, reading: _Reading, merge_log, medians, seconds) -> dict[str, Any]:
     """The provenance report of a streamed merge: no alignment, no calibration, every model listed."""
-    import platform
-
-    import transformers
-
-    from raot_hf.outputs import hash_checkpoint_files
+    from raot_hf.stages.provenance import inputs_of, versions
     from raot_hf.version import __version__
 
-    def describe(src) -> dict[str, Any]:
-        return {**src.describe(), "architecture": type(reading.skeleton).__name__,
-                "files": hash_checkpoint_files(src.name_or_path)}  # fmt: skip
-
-    inputs: dict[str, Any] = {"a": describe(sources[0]), "b": describe(sources[1])}
-    inputs["models"] = [{"model": i, **describe(s)} for i, s in enumerate(sources, start=1)]
+    described = [inputs_of(s, reading.skeleton) for s in sources]  # each model's files hashed once
+    inputs: dict[str, Any] = {"a": described[0], "b": described[1]}
+    inputs["models"] = [{"model": i, **info} for i, info in enumerate(described, start=1)]
     if base_source is not None:
-        inputs["base"] = {**describe(base_source), "relative_task_norms": medians}
+        inputs["base"] = {**inputs_of(base_source, reading.skeleton), "relative_task_norms": medians}
     return {
         "raot_hf_version": __version__,
         "inputs": inputs,
@@ -344,11 +318,7 @@ def streamed_report(sources, base_source, config, reading: _Reading, merge_log, 
         "quality": None,
         "checks": [],
         "timings": {"streamed merge": seconds},
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-        },  # fmt: skip
+        "versions": versions(),
     }
 
 
@@ -362,17 +332,8 @@ IN_MEMORY_FACTOR = 3.5
 
 def _checkpoint_sizes(source) -> tuple[int, int]:
     """(total bytes, largest tensor's bytes) of a local safetensors checkpoint, from its headers."""
-    total = largest = 0
-    for file in _weight_files(Path(source.name_or_path)):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 - a safe_open handle is not iterable
-                piece = handle.get_slice(name)
-                size = torch.Size(piece.get_shape()).numel() * _DTYPE_BYTES.get(piece.get_dtype(), 4)
-                total, largest = total + size, max(largest, size)
-    return total, largest
-
-
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
+    sizes = Checkpoint(Path(source.name_or_path)).nbytes.values()
+    return sum(sizes), max(sizes, default=0)
 
 
 def shard_bytes_within(cap: int, sources, base_source, streamed: bool, max_shard_bytes: int) -> int:
@@ -410,15 +371,15 @@ def shard_bytes_within(cap: int, sources, base_source, streamed: bool, max_shard
     return max(largest, min(max_shard_bytes, int(cap - need)))
 
 
-def run_streamed(sources, base_source, config, out, *, overwrite=False, max_shard_size="2GB", max_memory=None,
-                 command=None):  # fmt: skip
-    """The merge streamed from the files when it can be: ``((path, report), shard_bytes)``, or
-    ``(None, shard_bytes)`` when the in-memory path must run (the reason is logged).
-    ``max_memory`` (bytes or a size string) caps the process's memory: too small a cap is
-    refused in one line before any work, and the output shards shrink to fit under it."""
+def run_streamed(sources, base_source, config, out, *, stream=True, overwrite=False, max_shard_size="2GB",
+                 max_memory=None, command=None):  # fmt: skip
+    """The merge streamed from the files when it can be (and ``stream``): ``((path, report),
+    shard_bytes)``, or ``(None, shard_bytes)`` when the in-memory path must run (the reason is
+    logged). ``max_memory`` (bytes or a size string) caps the process's memory, for either path:
+    too small a cap is refused in one line before any work, and streamed shards shrink to fit."""
     from raot_hf.outputs.shards import parse_size
 
-    why = stream_blocker(config, sources, base_source)
+    why = stream_blocker(config, sources, base_source) if stream else "--no-stream"
     shard = parse_size(max_shard_size)
     cap = parse_size(max_memory) if max_memory is not None else None
     if cap is not None:
