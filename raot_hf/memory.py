@@ -17,8 +17,11 @@ def release_freed_memory() -> None:
     """Collect the young garbage generations and return the heap's free pages to the OS (glibc's
     ``malloc_trim``; a no-op where it is not available). A full collection is left to Python: it
     walks every object of transformers' import (~0.2 s), while the tensors a stage frees are freed
-    when their last reference goes."""
+    when their last reference goes. Offloaded models' resident weight pages are dropped too."""
     gc.collect(1)
+    from raot_hf.io.offload import release_all
+
+    release_all()  # offloaded models' weights: back to their files (docs/design.md §7.4)
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(OSError, AttributeError):  # musl or another libc: nothing to trim with

@@ -146,13 +146,20 @@ class RaotMerger:
         allow_pickle: bool = False,
         base: str | Path | None = None,
         base_revision: str | None = None,
+        offload: str | bool = "auto",
+        offload_dir: str | Path | None = None,
+        max_memory: str | int | None = None,
         **options,
     ) -> RaotMerger:
         """Load A and B — and any ``more`` models, aligned to the same reference (docs/design.md
         §6.9) — from Hub ids or local directories. ``revision`` applies to A (and to the others
         unless ``revision_b`` is given); ``options`` override fields of ``config``. ``base``
         (with ``base_revision``) is the checkpoint the models were fine-tuned from, for the
-        base-relative rules (``task_arithmetic``, ``ties``, ``dare_ties``)."""
+        base-relative rules (``task_arithmetic``, ``ties``, ``dare_ties``). ``offload`` ("auto",
+        "always", "never"): run layer by layer with the parameters in disk-backed working files in
+        ``offload_dir`` (default: the system's temporary directory) — automatically when an
+        in-memory merge would not fit in ``max_memory`` (e.g. ``"8GiB"``; default: the memory
+        available); the result is the same (docs/design.md §7.4)."""
         config = prepare_config(_with_options(config, options), 2 + len(more), base is not None)
         access = dict(token=token, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
         loaded = load_pair(
@@ -164,6 +171,9 @@ class RaotMerger:
             revision_b=revision_b,
             base=base,
             base_revision=base_revision,
+            offload=offload,
+            offload_dir=offload_dir,
+            max_memory=max_memory,
             **access,
         )
         merger = cls(
@@ -313,14 +323,17 @@ def merge_checkpoints(
     max_shard_size: str | int = "2GB",
     max_memory: str | int | None = None,
     stream: bool = True,
+    offload: str | bool = "auto",
+    offload_dir: str | Path | None = None,
     **options,
 ) -> tuple[Path, dict[str, Any]]:
     """Merge checkpoints (two or more local directories or Hub ids) into the directory ``out``;
     returns its path and the report. A merge that reads no data (no alignment, a per-tensor rule)
     of local safetensors checkpoints is streamed from the files a few tensors at a time, whatever
     their size (docs/design.md §7.3; ``stream=False`` loads them instead); any other merge runs
-    :class:`RaotMerger` in memory. Both give the same bytes. ``max_memory`` (e.g. ``"8GiB"``)
-    refuses, before any work, a merge that cannot keep under it."""
+    :class:`RaotMerger`, in memory or, when that would not fit (or ``offload="always"``), layer
+    by layer with the models offloaded to ``offload_dir``. All give the same bytes. ``max_memory``
+    (e.g. ``"8GiB"``) refuses, before any work, a merge that cannot keep under it."""
     from raot_hf.stages.stream import run_streamed
 
     config = prepare_config(_with_options(config, options), len(models), base is not None)
@@ -329,6 +342,7 @@ def merge_checkpoints(
                                         max_shard_size=max_shard_size, max_memory=max_memory)  # fmt: skip
     if done is not None:
         return done
-    merger = RaotMerger.from_pretrained(*models, config=config, **({"base": base} if base is not None else {}))
+    memory = {"offload": offload, "offload_dir": offload_dir, "max_memory": max_memory}
+    merger = RaotMerger.from_pretrained(*models, config=config, **memory, **({"base": base} if base else {}))
     result = merger.merge(calibration)
     return result.save_pretrained(out, overwrite=overwrite, max_shard_size=max_shard_size), result.report

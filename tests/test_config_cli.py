@@ -40,6 +40,8 @@ NOT_CONFIG = {
     "max_shard_size",
     "stream",
     "max_memory",
+    "offload",
+    "offload_dir",
     "as_json",
     "help",
 }

@@ -93,7 +93,7 @@ class RssSampler:
     peaks are sampled and may miss spikes shorter than the interval."""
 
     def __init__(self, interval: float = 0.02):
-        self.interval, self.stage, self.peaks = interval, "start", {}
+        self.interval, self.stage, self.peaks, self.anon_peak = interval, "start", {}, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -101,6 +101,8 @@ class RssSampler:
         while not self._stop.is_set():
             rss = _status_kib("VmRSS") * 1024
             self.peaks[self.stage] = max(self.peaks.get(self.stage, 0), rss)
+            # anonymous memory only: an offloaded model's weights are file pages the kernel may drop
+            self.anon_peak = max(self.anon_peak, _status_kib("RssAnon") * 1024)
             self._stop.wait(self.interval)
 
     def __enter__(self):
@@ -192,7 +194,7 @@ def worker_merge(args) -> dict:
         config = RaotConfig(
             calibration=_calibration_config(args), merge_rule=args.merge_rule, correction=_correction(args.correction)
         )
-        merger = RaotMerger.from_pretrained(work / "A", work / "B", config=config)
+        merger = RaotMerger.from_pretrained(work / "A", work / "B", config=config, offload=args.offload)
         timer_stage = merger.timer.stage
 
         def labelled_stage(name):  # label the sampler with the merger's own stage names
@@ -233,6 +235,8 @@ def worker_merge(args) -> dict:
         "peak_rss": peak,
         "rss_after_import": rss_import,
         "stage_rss": sampler.peaks,
+        "peak_anon": sampler.anon_peak,
+        "offload": args.offload,
         "statistics_bytes": stats_bytes,
     }
 
@@ -318,6 +322,7 @@ def _run_worker(kind: str, args, workdir: Path) -> dict:
     cmd += ["--threads", str(args.threads), "--moment-stride", str(args.moment_stride)]
     cmd += ["--merge-rule", args.merge_rule, "--moment-precision", args.moment_precision]
     cmd += ["--mlp-tokens-per-unit", str(args.mlp_tokens_per_unit), "--correction", args.correction]
+    cmd += ["--offload", args.offload]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -407,6 +412,11 @@ def render(results: dict, args) -> str:
             f"{(m['peak_rss'] - m['rss_after_import']) / size:.2f} × (A + B) (floor: "
             f"{(f['peak_rss'] - f['rss_after_import']) / size:.2f} ×). All totals (s): {r['all_totals']}."
         )
+        if m.get("peak_anon"):
+            lines.append(
+                f"  Sampled peak anonymous RSS (memory not backed by files) {_mib(m['peak_anon'])} = "
+                f"{m['peak_anon'] / size:.2f} × (A + B); offload {m.get('offload', 'auto')}."
+            )
         if m.get("moment_precision"):
             mp = m["moment_precision"]
             kept = m.get("mlp_moment_tokens") or []
@@ -448,6 +458,13 @@ def main(argv=None) -> None:
         help="comma list: one merge run per post-merge correction (auto, none, lsq, repair; lsq:384 = on 384 examples)",
     )
     parser.add_argument("--correction", default="auto", help=argparse.SUPPRESS)  # for a worker
+    parser.add_argument(
+        "--offload",
+        default="auto",
+        choices=["auto", "always", "never"],
+        help="run the merge layer by layer with the models in working files (always), in memory (never), or "
+        "whichever fits (auto)",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="runs of each kind; the fastest is reported")
     parser.add_argument("--workdir", help="where models and data go (default: a temporary directory)")
     parser.add_argument("--out", default=str(HERE / "results.md"))
@@ -507,6 +524,7 @@ def main(argv=None) -> None:
                 details += [f"moments {precision}"] if precision != "auto" else []
                 details += [f"≤ {budget} tokens per MLP unit"] if budget else []
                 details += [f"correction {correction}"] if correction != "auto" else []
+                details += [f"offload {args.offload}"] if args.offload != "auto" else []
                 label = ", ".join([shape, *details])
                 results[label] = {
                     "floor": best["floor"],

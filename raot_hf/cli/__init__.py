@@ -130,9 +130,9 @@ def build_config(options: dict, base: RaotConfig | None = None) -> RaotConfig:
     return RaotConfig.from_dict(data)
 
 
-def _merger(options: dict, resolved: tuple | None = None):
+def _merger(options: dict, resolved: tuple | None = None, memory: dict | None = None):
     """The RaotMerger the options describe; ``resolved``: their (config, models, base), when the
-    caller has already read them."""
+    caller has already read them; ``memory``: the offload options (:meth:`RaotMerger.from_pretrained`)."""
     from raot_hf.merger import RaotMerger
 
     config, models, base = resolved or _config_and_models(options)
@@ -149,6 +149,7 @@ def _merger(options: dict, resolved: tuple | None = None):
         trust_remote_code=options.get("trust_remote_code", False),
         allow_pickle=options.get("allow_pickle", False),
         **({"base": base, "base_revision": options.get("base_revision")} if base else {}),
+        **(memory or {}),
     )
 
 
@@ -196,11 +197,26 @@ def _merge_command() -> click.Command:
     )
     @click.option(
         "--max-memory",
-        help="Cap on the process's memory, e.g. 8GiB: a merge that cannot keep under it is refused before any "
-        "work; a streamed merge writes smaller shards to fit.",
+        help="Cap on the process's memory, e.g. 8GiB: a merge that would not fit in memory runs layer by layer "
+        "(--offload auto); one that cannot keep under it at all is refused before any work; a streamed merge "
+        "writes smaller shards to fit.",
+    )
+    @click.option(
+        "--offload",
+        type=click.Choice(["auto", "always", "never"]),
+        default="auto",
+        show_default=True,
+        help="Run the merge layer by layer with the models' weights in disk-backed working files: when an "
+        "in-memory merge would not fit in --max-memory (or in the memory available), always, or never. "
+        "Same bytes either way.",
+    )
+    @click.option(
+        "--offload-dir",
+        type=click.Path(file_okay=False),
+        help="Where the working files of an offloaded merge go (default: the system's temporary directory).",
     )
     @friendly_errors
-    def merge_command(out, overwrite, max_shard_size, stream, max_memory, **options):
+    def merge_command(out, overwrite, max_shard_size, stream, max_memory, offload, offload_dir, **options):
         """Align B (and any further models) to A, merge, and write a repository that from_pretrained loads.
 
         MODELS: two or more checkpoints (Hub ids or directories), the first the reference;
@@ -217,7 +233,8 @@ def _merge_command() -> click.Command:
                 click.echo(streamed[1]["summary"])
                 click.echo(f"wrote {streamed[0]}")
             return
-        merger = _merger(options, resolved)
+        memory = {"offload": offload, "offload_dir": offload_dir, "max_memory": max_memory}
+        merger = _merger(options, resolved, memory)
         if _followed_main(merger):
             return
         try:

@@ -32,6 +32,7 @@ from torch.func import functional_call
 from raot_hf.adapters.schema import ModelSchema
 from raot_hf.errors import RaotError
 from raot_hf.hooks import Call, Hooks, capture_calls, first_tensor
+from raot_hf.io.offload import release_tensor
 from raot_hf.symmetry import (
     Transform,
     apply_transform,
@@ -243,6 +244,7 @@ def _swapped(model: torch.nn.Module, layer_names: list[str], layer_params: Calla
     def restore_layer():
         for k, v in live.items():
             params[k].copy_(v)
+            release_tensor(params[k])  # an offloaded layer's pages go back to its file (§7.4)
         live.clear()
 
     def pre(i):

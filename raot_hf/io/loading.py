@@ -146,12 +146,18 @@ def model_class(config) -> type:
     return transformers.AutoModel._model_mapping[type(config)]
 
 
-def load_model(source: ModelSource, label: str, *, dtype: str = "auto", config=None) -> torch.nn.Module:
-    """Load one parent in eval mode (safetensors only unless ``allow_pickle``)."""
-    config = config if config is not None else load_config(source, label)
+def load_model_checks(source: ModelSource, label: str, config) -> None:
+    """What :func:`load_model` checks before reading weights: a supported architecture and, for a
+    local directory, weights it may read."""
     get_adapter(config.model_type)
     if source.is_local:
         _check_local_weights(source, label)
+
+
+def load_model(source: ModelSource, label: str, *, dtype: str = "auto", config=None) -> torch.nn.Module:
+    """Load one parent in eval mode (safetensors only unless ``allow_pickle``)."""
+    config = config if config is not None else load_config(source, label)
+    load_model_checks(source, label, config)
     return _load_weights(model_class(config), source, label, dtype=dtype, config=config)[0]
 
 

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from raot_hf.errors import RaotError
+from raot_hf.io.checkpoint import prefix_variants
 from raot_hf.merging.base_rules import MAX_RELATIVE_TASK_NORM, relative_task_norm
 
 logger = logging.getLogger("raot_hf.merging")
@@ -39,15 +40,6 @@ def check_base_use(rule: str, needs_base: bool, has_base: bool, base_rules: Iter
             f"a base model was given but merge_rule={rule!r} does not use one; choose one of "
             f"{', '.join(base_rules)} or drop --base."
         )
-
-
-def prefix_variants(name: str, prefix: str) -> list[str]:
-    """``name`` as a model with a head class and its bare model may call it: itself, under
-    ``prefix`` (the head class's ``base_model_prefix``) and without it."""
-    variants = [name, f"{prefix}.{name}"] if prefix else [name]
-    if prefix and name.startswith(prefix + "."):
-        variants.append(name[len(prefix) + 1 :])
-    return variants
 
 
 def base_state_for(

@@ -25,8 +25,10 @@ from raot_hf.io.loading import (
 )
 from raot_hf.merging import base_relative_rules, merge_rule_spec
 from raot_hf.merging.siblings import base_state_for, check_base_use, check_task_norms
+from raot_hf.outputs.shards import parse_size
 from raot_hf.stages.calibrate import check_calibration_early
 from raot_hf.stages.context import BaseModel, StageTimer
+from raot_hf.stages.offload import choose_offload, load_layerwise
 from raot_hf.symmetry import model_state
 
 logger = logging.getLogger("raot_hf.stages.load")
@@ -59,11 +61,16 @@ def _label(i: int) -> str:
     return "AB"[i] if i < 2 else f"model {i + 1}"
 
 
-def _check_before_weights(config, sources, src_base):
-    """Configs, shapes, tokenizers and the calibration sample — before any weights are read."""
+def _check_before_weights(config, sources, src_base, memory: dict | None = None):
+    """Configs, shapes, the memory the merge needs (``memory``: the ``offload`` and ``max_memory``
+    options; its "layerwise" entry is set to whether the models will be offloaded), tokenizers and
+    the calibration sample — before any weights are read."""
     configs = [load_config(src, _label(i)) for i, src in enumerate(sources)]
     for cfg in configs[1:]:
         check_compatible(configs[0], cfg, head_policy=config.head)
+    if memory is not None:
+        cap = parse_size(memory["max_memory"]) if memory["max_memory"] is not None else None
+        memory["layerwise"] = choose_offload(memory["offload"], sources, configs[0], config.dtype, cap)
     cfg_base = load_config(src_base, "base") if src_base else None
     if cfg_base is not None:
         check_base_compatible(configs[0], cfg_base)
@@ -101,22 +108,30 @@ def load_pair(
     allow_pickle: bool = False,
     base: str | Path | None = None,
     base_revision: str | None = None,
+    offload: str | bool = "auto",
+    offload_dir: str | Path | None = None,
+    max_memory: str | int | None = None,
 ) -> LoadedPair:
     """Load A and B (and ``more`` models: every one after A takes ``revision_b``, else
-    ``revision``) from Hub ids or local directories, and the base, after every cheap check."""
+    ``revision``) from Hub ids or local directories, and the base, after every cheap check.
+    ``offload`` ("auto", "always", "never"), ``offload_dir`` and ``max_memory``: whether the models
+    are offloaded into working files and run layer by layer (:mod:`raot_hf.stages.offload`)."""
     check_base_matches_rule(config, base is not None)
     access = (token, trust_remote_code, allow_pickle)
     sources, src_base = model_sources([a, b, *more], base, revision, revision_b, base_revision, access)
     timer = StageTimer()
     with timer.stage("load"):
-        (configs, cfg_base), pre_a, early = _check_before_weights(config, sources, src_base)
+        memory = {"offload": offload, "max_memory": max_memory}
+        (configs, cfg_base), pre_a, early = _check_before_weights(config, sources, src_base, memory)
         stage = {"stage": True}  # a line the CLI shows by default (raot_hf.cli.verbosity)
         names = ", ".join(f"{_label(i)} ({s.name_or_path})" for i, s in enumerate(sources))
         logger.info("loading %s", names, extra=stage)
-        models = [
-            load_model(src, _label(i), dtype=config.dtype, config=cfg)
-            for i, (src, cfg) in enumerate(zip(sources, configs, strict=True))
-        ]
+        models = []
+        for i, (src, cfg) in enumerate(zip(sources, configs, strict=True)):
+            if memory["layerwise"]:  # each model goes to its working file before the next is read
+                models.append(load_layerwise(src, _label(i), cfg, config.dtype, offload_dir))
+            else:
+                models.append(load_model(src, _label(i), dtype=config.dtype, config=cfg))
         base_model, missing = (
             load_base_model(src_base, configs[0], dtype=config.dtype, config=cfg_base) if src_base else (None, ())
         )

@@ -72,12 +72,21 @@ def build_report(
         },
         "applied_exact": alignment.exact,
         "merge": merge_log,
+        "execution": execution(ctx.model_a),
         "quality": quality,
         "estimator_logs": alignment.logs,
         "checks": checks,
         "timings": dict(ctx.timer.times),
         "versions": versions(),
     }
+
+
+def execution(model) -> str:
+    """How the merge ran: "layer-wise" with the models offloaded to working files (docs/design.md
+    §7.4), else "in memory"."""
+    from raot_hf.io.offload import offloaded
+
+    return "layer-wise" if offloaded(model) is not None else "in memory"
 
 
 def versions() -> dict[str, str]:

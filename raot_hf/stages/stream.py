@@ -14,7 +14,6 @@ is written atomically as always.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -22,19 +21,18 @@ from typing import Any
 
 import safetensors.torch
 import torch
-from safetensors import safe_open
 
 from raot_hf.errors import RaotError
+from raot_hf.io.checkpoint import Checkpoint, prefix_variants, weight_files
 from raot_hf.io.loading import _DTYPES
 from raot_hf.merging import add_rule_log, apply_rule, merge_heads, merge_heads_n, merge_rule_spec, rule_options
 from raot_hf.merging.base_rules import median_ratio, task_norm_ratio
-from raot_hf.merging.siblings import prefix_variants, refuse_unrelated
+from raot_hf.merging.siblings import refuse_unrelated
 from raot_hf.plan import plan_for
+from raot_hf.stages.offload import RUNTIME_BYTES
 
 logger = logging.getLogger("raot_hf.stages.stream")
 _STAGE = {"stage": True}
-#: Bytes per element of the safetensors dtypes (for sizes read from the headers).
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 #: Tensors of A merged per call of the rule (about this many bytes).
 CHUNK_BYTES = 16 << 20
 
@@ -52,49 +50,9 @@ def stream_blocker(config, sources: list, base=None) -> str | None:
     if config.head == "b":
         return "--head b adopts B's head module"
     for src in [*sources, *([base] if base is not None else [])]:
-        if not src.is_local or not _weight_files(Path(src.name_or_path)):
+        if not src.is_local or not weight_files(Path(src.name_or_path)):
             return f"{src.name_or_path} is not a local safetensors checkpoint"
     return None
-
-
-def _weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / f for f in files]
-    return [path / "model.safetensors"] if (path / "model.safetensors").is_file() else []
-
-
-class Checkpoint:
-    """The tensors of one local safetensors checkpoint, read one at a time; ``nbytes``: each
-    tensor's size, from the files' headers."""
-
-    def __init__(self, path: Path):
-        self.files: dict[str, Path] = {}
-        self.nbytes: dict[str, int] = {}
-        for file in _weight_files(path):
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 - a safe_open handle is not iterable
-                    piece = handle.get_slice(name)
-                    self.files[name] = file
-                    self.nbytes[name] = torch.Size(piece.get_shape()).numel() * _DTYPE_BYTES.get(piece.get_dtype(), 4)
-        self._open: dict[Path, Any] = {}
-
-    def keys(self) -> list[str]:
-        return list(self.files)
-
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor ``name`` (a copy: the file's mapping is not kept in the returned tensor)."""
-        file = self.files[name]
-        if file not in self._open:
-            self._open[file] = safe_open(str(file), framework="pt").__enter__()
-        return self._open[file].get_tensor(name)
-
-    def release(self) -> None:
-        """Unmap the files read so far (their pages would otherwise count as the process's memory)."""
-        for handle in self._open.values():
-            handle.__exit__(None, None, None)
-        self._open.clear()
 
 
 def _skeleton(config):
@@ -324,11 +282,6 @@ def streamed_report(sources, base_source, config, reading: _Reading, merge_log, 
 
 # ----------------------------------------------------------------------------- memory caps
 
-#: Resident memory of the interpreter with torch and transformers imported (measured: 364 MiB).
-RUNTIME_BYTES = 400 * 2**20
-#: Peak RSS of an in-memory merge per byte of its checkpoints (measured 2–3.5 ×, benchmarks/perf).
-IN_MEMORY_FACTOR = 3.5
-
 
 def _checkpoint_sizes(source) -> tuple[int, int]:
     """(total bytes, largest tensor's bytes) of a local safetensors checkpoint, from its headers."""
@@ -336,28 +289,20 @@ def _checkpoint_sizes(source) -> tuple[int, int]:
     return sum(sizes), max(sizes, default=0)
 
 
-def shard_bytes_within(cap: int, sources, base_source, streamed: bool, max_shard_bytes: int) -> int:
-    """The output shard size a merge keeps under the memory cap ``cap`` (bytes), refusing in one
-    line, before any work, a cap it cannot keep: a streamed merge holds one tensor of every model
-    (and the base) in float64 beside the runtime and one output shard; an in-memory merge holds
-    the models (:data:`IN_MEMORY_FACTOR` × their checkpoints)."""
+def shard_bytes_within(cap: int, sources, base_source, max_shard_bytes: int) -> int:
+    """The output shard size a streamed merge keeps under the memory cap ``cap`` (bytes), refusing
+    in one line, before any work, a cap it cannot keep: it holds one tensor of every model (and the
+    base) in float64 beside the runtime and one output shard. (A merge that loads the models
+    checks its cap when it loads them: :func:`raot_hf.stages.offload.choose_offload`.)"""
     local = [
         s
         for s in [*sources, *([base_source] if base_source else [])]
-        if s.is_local and _weight_files(Path(s.name_or_path))
+        if s.is_local and weight_files(Path(s.name_or_path))
     ]
     if len(local) < len(sources) + (base_source is not None):
         raise RaotError("--max-memory needs local safetensors checkpoints (their sizes are read from the files)")
     sizes = [_checkpoint_sizes(s) for s in local]
     gib = 2**30
-    if not streamed:
-        need = RUNTIME_BYTES + IN_MEMORY_FACTOR * sum(total for total, _ in sizes)
-        if cap < need:
-            raise RaotError(
-                f"--max-memory {cap / gib:.1f} GiB is below what this merge needs in memory ({need / gib:.1f} GiB: it "
-                "loads every model); raise it, or merge with --alignment none and a per-tensor rule, which streams"
-            )
-        return max_shard_bytes
     largest = max(biggest for _, biggest in sizes)
     # the rules' float64 temporaries of the largest tensor: about two float64 copies per model and
     # two more (TIES on three models and a base: ~3 GB for a 131 MB tensor)
@@ -382,8 +327,8 @@ def run_streamed(sources, base_source, config, out, *, stream=True, overwrite=Fa
     why = stream_blocker(config, sources, base_source) if stream else "--no-stream"
     shard = parse_size(max_shard_size)
     cap = parse_size(max_memory) if max_memory is not None else None
-    if cap is not None:
-        shard = shard_bytes_within(cap, sources, base_source, why is None, shard)
+    if cap is not None and why is None:
+        shard = shard_bytes_within(cap, sources, base_source, shard)
     if why is None:
         try:
             done = merge_streamed(sources, config, out, base_source=base_source, overwrite=overwrite,
@@ -391,7 +336,5 @@ def run_streamed(sources, base_source, config, out, *, stream=True, overwrite=Fa
             return done, shard
         except _NotStreamable as exc:
             why = str(exc)
-            if cap is not None:
-                shard_bytes_within(cap, sources, base_source, False, shard)
     logger.info("merging in memory: %s", why)
     return None, shard

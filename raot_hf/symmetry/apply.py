@@ -13,6 +13,7 @@ import torch
 
 from raot_hf.adapters.schema import Member, ModelSchema
 from raot_hf.errors import RaotError
+from raot_hf.io.offload import release_tensor
 from raot_hf.symmetry.transforms import SpaceAction, Transform
 
 logger = logging.getLogger("raot_hf.symmetry")
@@ -166,6 +167,7 @@ def load_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> Non
         if name not in params:
             raise KeyError(f"{name} is not a parameter of {type(model).__name__}")
         params[name].copy_(value.to(params[name].dtype))
+        release_tensor(params[name])
 
 
 class _WriteThrough(dict):
@@ -179,6 +181,7 @@ class _WriteThrough(dict):
         target = self[name]
         if value is not target:
             target.copy_(value)
+            release_tensor(target)  # an offloaded parameter's pages go back to its file
 
 
 def _parameters_in_place(model: torch.nn.Module, names: set[str]) -> _WriteThrough:

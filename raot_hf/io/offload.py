@@ -1,0 +1,275 @@
+"""Layer-wise execution: parameters kept in disk-backed working files (docs/design.md §7.4).
+
+A model is *offloaded* by writing its parameters, in the merge's dtype, into one working file and
+making every parameter a view of that file mapped shared into memory. From then on the weights
+are not held by the process: the operating system reads a layer's pages when a stage touches
+them and may drop them again at any time, writing modified pages back to the file (the stages
+transform and merge the parameters in place, as ever). Each layer's pages are released as soon as
+its forward returns, the transform and merge stages release each parameter after writing it, and
+every stage boundary releases everything, so the resident weights are about one layer of each
+model, while the computation is the in-memory path's, operation for operation.
+
+The working file is unlinked as soon as it is mapped: nothing is left on disk, even after a
+crash, and its space is freed when the model is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from raot_hf.errors import RaotError
+
+logger = logging.getLogger("raot_hf.io.offload")
+
+#: Offsets in the working file are multiples of this (any dtype's alignment; a cache line).
+_ALIGN = 64
+_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4
+#: Free disk space kept beyond the working files.
+DISK_MARGIN = 256 << 20
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _madvise():
+    """libc's madvise (None where there is none: release is then a no-op)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    with contextlib.suppress(OSError, AttributeError):
+        fn = ctypes.CDLL("libc.so.6", use_errno=True).madvise
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return fn
+    return None
+
+
+_MADVISE = _madvise()
+
+
+@dataclass(eq=False)
+class OffloadedWeights:
+    """One model's parameters in its mapped working file: the mapping and each parameter's byte
+    range in it (``spans``: a module prefix → the ranges of its parameters, merged)."""
+
+    label: str
+    mapping: torch.Tensor  # uint8, the whole file
+    ranges: dict[str, tuple[int, int]]
+    spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    hooks: object = None  # the per-layer release hooks (raot_hf.hooks.Hooks)
+
+    @property
+    def nbytes(self) -> int:
+        """The working file's size."""
+        return int(self.mapping.numel())
+
+    def _drop(self, start: int, stop: int) -> None:
+        base = self.mapping.data_ptr()
+        lo = (base + start) // _PAGE * _PAGE  # outward to whole pages: the file keeps the data
+        hi = -(-(base + stop) // _PAGE) * _PAGE
+        if _MADVISE is not None and hi > lo:
+            _MADVISE(lo, hi - lo, _MADV_DONTNEED)
+
+    def release(self, prefix: str | None = None) -> None:
+        """Drop the resident pages of the parameters under module ``prefix`` (None: all of them);
+        the data stays in the file and is read back when next touched."""
+        if prefix is None:
+            self._drop(0, self.nbytes)
+            return
+        if prefix not in self.spans:
+            dotted = prefix + "."
+            self.spans[prefix] = _merged([r for n, r in self.ranges.items() if n.startswith(dotted)])
+        for start, stop in self.spans[prefix]:
+            self._drop(start, stop)
+
+    def owns(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        """``tensor``'s byte range in the working file, or None if it lies elsewhere."""
+        start = tensor.data_ptr() - self.mapping.data_ptr()
+        stop = start + tensor.numel() * tensor.element_size()
+        return (start, stop) if start >= 0 and stop <= self.nbytes else None
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for start, stop in sorted(ranges):
+        if out and start <= out[-1][1] + _ALIGN:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        else:
+            out.append((start, stop))
+    return out
+
+
+def _layout(params: list[tuple[str, torch.Tensor]]) -> tuple[dict[str, tuple[int, int]], int]:
+    ranges, offset = {}, 0
+    for name, p in params:
+        nbytes = p.numel() * p.element_size()
+        ranges[name] = (offset, offset + nbytes)
+        offset = -(-(offset + nbytes) // _ALIGN) * _ALIGN
+    return ranges, max(offset, _ALIGN)
+
+
+def check_disk_space(directory: Path, need: int, what: str) -> None:
+    """Refuse, in one line, a working directory without room for ``need`` bytes."""
+    free = shutil.disk_usage(directory).free
+    if free < need + DISK_MARGIN:
+        gib = 2**30
+        raise RaotError(
+            f"the offload directory {directory} has {free / gib:.1f} GiB free, {what} needs "
+            f"{(need + DISK_MARGIN) / gib:.1f} GiB; pass --offload-dir on a larger disk"
+        )
+
+
+def _mapped_file(params: list[tuple[str, torch.Tensor]], directory: Path, label: str) -> OffloadedWeights:
+    """A zeroed working file laid out for ``params`` in ``directory``, mapped shared and unlinked."""
+    if not directory.is_dir():
+        raise RaotError(f"the offload directory {directory} does not exist; create it or pass another --offload-dir")
+    ranges, total = _layout(params)
+    check_disk_space(directory, total, f"model {label}'s working file")
+    fd, path = tempfile.mkstemp(dir=directory, prefix=f"raot-offload-{label}-", suffix=".bin")
+    try:
+        os.ftruncate(fd, total)
+        mapping = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+    finally:
+        os.close(fd)
+        os.unlink(path)  # the mapping keeps the file alive; its space goes when the mapping does
+    return OffloadedWeights(label, mapping, ranges)
+
+
+@torch.no_grad()
+def offload_model(model: torch.nn.Module, directory: str | Path | None, label: str) -> OffloadedWeights:
+    """Move ``model``'s parameters (tied ones once) into a working file in ``directory`` (None: the
+    system's temporary directory) and make each a view of the file mapped into memory. Values,
+    dtypes, shapes and ties are unchanged; the in-memory copies are freed."""
+    directory = Path(directory or tempfile.gettempdir())
+    params = [(n, p) for n, p in model.named_parameters() if p.device.type == "cpu"]
+    weights = _mapped_file(params, directory, label)
+    for name, p in params:
+        start, stop = weights.ranges[name]
+        view = weights.mapping[start:stop].view(p.dtype).view(p.shape)
+        view.copy_(p.detach())
+        p.data = view
+        weights._drop(start, stop)
+    model._raot_offload = weights
+    _LIVE.add(weights)
+    logger.info("model %s offloaded: %.1f MiB of parameters in a working file", label, weights.nbytes / 2**20)
+    return weights
+
+
+def offloaded(model: torch.nn.Module) -> OffloadedWeights | None:
+    """The working file behind ``model``'s parameters (None: they are in memory)."""
+    return getattr(model, "_raot_offload", None)
+
+
+def release_after_forward(model: torch.nn.Module, module_names: list[str]) -> None:
+    """Release each module's parameter pages as soon as its forward returns (layer by layer)."""
+    weights = offloaded(model)
+    if weights is None:
+        return
+    from raot_hf.hooks import Hooks
+
+    modules = dict(model.named_modules())
+    weights.hooks = Hooks()  # kept for the model's life
+    for name in module_names:
+        weights.hooks.on_output(modules[name], lambda *_args, n=name: weights.release(n))
+
+
+def release_tensor(tensor: torch.Tensor) -> None:
+    """Drop the resident pages of ``tensor`` if it is a view of a working file (else nothing)."""
+    for weights in list(_LIVE):
+        span = weights.owns(tensor)
+        if span is not None:
+            weights._drop(*span)
+            return
+
+
+def release_all() -> None:
+    """Drop the resident pages of every offloaded model (between stages)."""
+    for weights in list(_LIVE):
+        weights.release()
+
+
+def _model_dtype(dtype: str, config, ckpt) -> torch.dtype:
+    """The dtype ``from_pretrained`` builds the model in: the requested one, else the config's, else
+    the checkpoint's first floating tensor's."""
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(configured, str):
+        configured = getattr(torch, configured, None)
+    if isinstance(configured, torch.dtype):
+        return configured
+    stored = (ckpt.dtype(k) for k in ckpt.dtypes)
+    return next((d for d in stored if d.is_floating_point), torch.float32)
+
+
+def _checkpoint_keys(model: torch.nn.Module, names: list[str], keys: set[str]) -> dict[str, str] | None:
+    """Each parameter's key in the checkpoint (None if one has none: renamed keys)."""
+    from raot_hf.io.checkpoint import prefix_variants
+
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    found = {}
+    for name in names:
+        key = next((k for k in prefix_variants(name, prefix) if k in keys), None)
+        if key is None:
+            return None
+        found[name] = key
+    return found
+
+
+@torch.no_grad()
+def load_offloaded(cls: type, path: Path, config, dtype: str, directory: str | Path | None, label: str):
+    """``cls`` built empty and filled tensor by tensor from the safetensors checkpoint at ``path``
+    straight into a working file (:func:`offload_model`'s layout): no whole copy of the model is
+    ever in memory. Returns None when the checkpoint's names are not the model's (ViT's legacy
+    names): the caller then loads the model and offloads it."""
+    from accelerate import init_empty_weights
+
+    from raot_hf.io.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(path)
+    with init_empty_weights(include_buffers=False):  # built in the load dtype, as from_pretrained does:
+        model = cls._from_config(config, dtype=_model_dtype(dtype, config, ckpt))  # a few stay float32
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        module_name, _, leaf = name.rpartition(".")
+        owners.setdefault(id(param), []).append((model.get_submodule(module_name), leaf))
+    params = list(model.named_parameters())
+    keys = _checkpoint_keys(model, [n for n, _ in params], set(ckpt.keys()))
+    if keys is None:
+        return None
+    directory = Path(directory or tempfile.gettempdir())
+    weights = _mapped_file(params, directory, label)
+    for name, param in params:
+        start, stop = weights.ranges[name]
+        view = weights.mapping[start:stop].view(param.dtype).view(param.shape)
+        value = ckpt.get(keys[name])
+        if value.shape != view.shape:
+            raise RaotError(
+                f"{keys[name]} has shape {tuple(value.shape)} in {path}, the model expects {tuple(view.shape)}"
+            )
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise RaotError(
+                f"model {label} has NaN/Inf in {name}; the checkpoint is corrupt — re-train or re-download it"
+            )
+        view.copy_(value)
+        weights._drop(start, stop)
+        new = torch.nn.Parameter(view)
+        for module, leaf in owners[id(param)]:
+            module._parameters[leaf] = new
+    ckpt.release()
+    model.config._name_or_path = str(path)
+    model.eval()
+    model._raot_offload = weights
+    _LIVE.add(weights)
+    logger.info("model %s read into a working file: %.1f MiB of parameters", label, weights.nbytes / 2**20)
+    return model

@@ -1,0 +1,180 @@
+"""Stage: choosing between the in-memory merge and the layer-wise one, before any weights are read
+(docs/design.md §7.4).
+
+An aligned merge holds both models in memory (about :data:`IN_MEMORY_FACTOR` × the checkpoints
+with the statistics and the stages' temporaries). When that would not fit — in ``--max-memory``
+when it is given, else in the memory the system has available — the models are *offloaded*
+(:mod:`raot_hf.io.offload`): each is read tensor by tensor into a disk-backed working file (or,
+when its stored names are not the model's, loaded whole and then moved there), and from then on
+only about one layer of each is resident at a time. The layer-wise merge still holds the
+calibration statistics: a cap below what it needs is refused in one line.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from raot_hf.errors import RaotError
+from raot_hf.io.loading import load_model_checks
+from raot_hf.io.offload import load_offloaded, offload_model, release_after_forward
+from raot_hf.memory import release_freed_memory
+
+logger = logging.getLogger("raot_hf.stages.offload")
+
+#: The interpreter with torch and transformers imported (measured ~370 MiB).
+RUNTIME_BYTES = 400 * 2**20
+#: An in-memory aligned merge peaks at about this many times the checkpoints (measured 2–3.3 ×).
+IN_MEMORY_FACTOR = 3.5
+#: Activations, temporaries and the gate's captured calls beside the statistics, per model byte of
+#: the largest layer (a layer's weights touched, merged and transformed at once).
+LAYER_FACTOR = 6
+_GIB = 2**30
+_CHOICES = ("auto", "always", "never")
+
+
+def _dtype_bytes(dtype: str | None) -> int | None:
+    return {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}.get(dtype or "")
+
+
+def checkpoint_bytes(source, dtype: str = "auto") -> int | None:
+    """A local safetensors checkpoint's parameter bytes in the merge's dtype (None: not local)."""
+    from raot_hf.io.checkpoint import Checkpoint, weight_files
+
+    if not source.is_local or not weight_files(Path(source.name_or_path)):
+        return None
+    ckpt = Checkpoint(Path(source.name_or_path))
+    want = _dtype_bytes(dtype)
+    return sum(ckpt.nbytes.values()) if want is None else want * sum(ckpt.numel.values())
+
+
+def largest_tensor_bytes(source, dtype: str = "auto") -> int:
+    """A local safetensors checkpoint's largest tensor, in bytes in the merge's dtype."""
+    from raot_hf.io.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(Path(source.name_or_path))
+    want = _dtype_bytes(dtype)
+    return max((ckpt.nbytes[k] if want is None else want * ckpt.numel[k]) for k in ckpt.nbytes)
+
+
+def statistics_bytes(hf_config, dtype: str = "auto") -> int:
+    """The calibration statistics of one pair (fit moments: each layer's f × f MLP co-moment and
+    d × d-sized attention and stream moments, in float32 — float64 for float64 models)."""
+    text = getattr(hf_config, "get_text_config", lambda: hf_config)()
+    d = getattr(text, "hidden_size", None) or getattr(text, "n_embd", 0)
+    f = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * d
+    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", 0)
+    quad = 8 if dtype == "float64" else 4
+    return int(layers * (f * f + 4 * d * d) * quad + 4 * d * d * quad)
+
+
+def reads_tensorwise(source, hf_config) -> bool:
+    """Whether a layer-wise merge reads ``source`` tensor by tensor into its working file (a local
+    safetensors checkpoint storing the model's own parameter names), rather than loading it whole."""
+    import torch
+
+    from raot_hf.io.checkpoint import Checkpoint, weight_files
+    from raot_hf.io.loading import model_class
+    from raot_hf.io.offload import _checkpoint_keys
+
+    if not source.is_local or not weight_files(Path(source.name_or_path)):
+        return False
+    with torch.device("meta"):
+        model = model_class(hf_config)._from_config(hf_config)
+    names = [n for n, _ in model.named_parameters()]
+    return _checkpoint_keys(model, names, set(Checkpoint(Path(source.name_or_path)).keys())) is not None
+
+
+def layerwise_bytes(sizes: list[int], hf_config, dtype: str = "auto", largest: int | None = None) -> int:
+    """What the layer-wise merge keeps resident: the runtime, the statistics, a few copies of one
+    layer, and what loading needs — two copies of the ``largest`` tensor when the checkpoints are
+    read tensor by tensor, else (None) the largest model, loaded whole before it is offloaded."""
+    layers = getattr(getattr(hf_config, "get_text_config", lambda: hf_config)(), "num_hidden_layers", None) or 1
+    layer = max(sizes) // max(layers, 1)
+    loading = max(sizes) if largest is None else 2 * largest
+    return RUNTIME_BYTES + loading + statistics_bytes(hf_config, dtype) + LAYER_FACTOR * layer
+
+
+def available_memory() -> int | None:
+    """The memory the system can give this process now (Linux's MemAvailable; None elsewhere)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def choose_offload(offload, sources, hf_config, dtype: str = "auto", cap: int | None = None) -> bool:
+    """Whether the models are offloaded (``offload``: "auto", "always" or "never"; True / False
+    mean always / never). ``auto`` offloads when the in-memory merge would exceed ``cap`` (bytes;
+    None: the available memory). A cap the chosen path cannot keep is refused in one line."""
+    mode = {True: "always", False: "never", None: "auto"}.get(offload, offload)
+    if mode not in _CHOICES:
+        raise RaotError(f"offload must be one of {', '.join(_CHOICES)}, got {offload!r}")
+    sizes = [checkpoint_bytes(s, dtype) for s in sources]
+    known = None not in sizes
+    in_memory = RUNTIME_BYTES + IN_MEMORY_FACTOR * sum(sizes) if known else None
+    layerwise = None
+    if known:
+        tensorwise = all(reads_tensorwise(s, hf_config) for s in sources)
+        largest = max(largest_tensor_bytes(s, dtype) for s in sources) if tensorwise else None
+        layerwise = layerwise_bytes(sizes, hf_config, dtype, largest)
+    if mode == "never":
+        if cap is not None and known and cap < in_memory:
+            raise RaotError(
+                f"--max-memory {cap / _GIB:.1f} GiB is below what this merge needs in memory "
+                f"({in_memory / _GIB:.1f} GiB: it loads every model); raise it, or drop --offload never"
+            )
+        return False
+    if mode == "auto":
+        limit = cap if cap is not None else available_memory()
+        if not known or limit is None or in_memory <= limit:
+            return False
+    if cap is not None and known and cap < layerwise:
+        raise RaotError(
+            f"--max-memory {cap / _GIB:.2f} GiB is below what even a layer-wise merge needs ({layerwise / _GIB:.2f} "
+            "GiB: the calibration statistics, a few layers and what loading the checkpoints takes); raise it"
+        )
+    if mode == "auto":
+        why = f"--max-memory {cap / _GIB:.1f} GiB" if cap is not None else f"{limit / _GIB:.1f} GiB available"
+        logger.info(
+            "an in-memory merge needs about %.1f GiB (%s): the models are offloaded and run layer by layer",
+            in_memory / _GIB,
+            why,
+            extra={"stage": True},
+        )
+    return True
+
+
+def offload_models(models, labels, schema, directory) -> None:
+    """Offload each loaded model (:func:`raot_hf.io.offload.offload_model`) and release each
+    layer's pages after its forward."""
+    from raot_hf.gate.fidelity import layer_module_names
+
+    for model, label in zip(models, labels, strict=True):
+        offload_model(model, directory, label)
+        release_after_forward(model, layer_module_names(model, schema))
+        release_freed_memory()
+
+
+def load_layerwise(source, label: str, hf_config, dtype: str, directory):
+    """One model for a layer-wise merge: a local safetensors checkpoint is read tensor by tensor
+    straight into its working file (:func:`raot_hf.io.offload.load_offloaded`); anything else (a
+    Hub id, renamed keys) is loaded whole, then offloaded."""
+    from raot_hf.adapters import schema_for
+    from raot_hf.gate.fidelity import layer_module_names
+    from raot_hf.io.checkpoint import weight_files
+    from raot_hf.io.loading import load_model, model_class
+
+    model = None
+    if source.is_local and weight_files(Path(source.name_or_path)):
+        load_model_checks(source, label, hf_config)
+        model = load_offloaded(model_class(hf_config), Path(source.name_or_path), hf_config, dtype, directory, label)
+    if model is None:
+        model = load_model(source, label, dtype=dtype, config=hf_config)
+        offload_model(model, directory, label)
+    release_after_forward(model, layer_module_names(model, schema_for(model)))
+    release_freed_memory()
+    return model

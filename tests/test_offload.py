@@ -1,0 +1,248 @@
+"""Layer-wise execution with the models offloaded to working files (docs/design.md §7.4): the same
+merge as in memory, bit for bit, on every architecture; weights released layer by layer; memory
+caps and the offload directory checked before any work."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from raot_hf import RaotError, RaotMerger, merge_checkpoints, scramble
+from raot_hf.cli import main
+from raot_hf.io.offload import offload_model, offloaded, release_all
+from raot_hf.stages.offload import choose_offload, layerwise_bytes, offload_models
+from raot_hf.testing import (
+    clone,
+    tiny_image_dataset,
+    tiny_image_processor,
+    tiny_model,
+    tiny_text_dataset,
+    tiny_tokenizer,
+    trained_like,
+)
+
+ARCHS = ["bert", "roberta", "deberta", "deberta-v2", "vit", "deit", "gpt2", "llama", "mistral", "qwen2"]
+VOCAB = 100
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+
+
+def _pair(model_type, seed=1):
+    """A trained-like model and a drifted scramble of it (so the merge is neither A nor trivial)."""
+    shape = dict(hidden_size=32, num_heads=4, num_layers=4, intermediate_size=80)
+    if model_type in ("vit", "deit"):
+        head = "image" if model_type == "vit" else "teacher"
+        a, pre, data = trained_like(tiny_model(model_type, head, **shape)).float(), tiny_image_processor(), None
+        data = tiny_image_dataset(128)
+    elif model_type in ("gpt2", "llama", "mistral", "qwen2"):
+        a = trained_like(tiny_model(model_type, "causal", vocab_size=VOCAB, num_kv_heads=2, **shape)).float()
+        pre, data = tiny_tokenizer(VOCAB), tiny_text_dataset(192, vocab_size=VOCAB)
+    else:
+        a, pre, data = trained_like(tiny_model(model_type, "sequence", **shape)).float(), tiny_tokenizer(), None
+        data = tiny_text_dataset(128)
+    b = clone(a)
+    scramble(b, seed=seed)
+    g = torch.Generator().manual_seed(seed + 10)
+    with torch.no_grad():
+        for p in b.parameters():
+            p.add_(0.02 * p.abs().mean() * torch.randn(p.shape, generator=g))
+    return a, b, pre, data
+
+
+def _merge(a, b, pre, data, tmp_path, offload: bool):
+    a, b = clone(a), clone(b)
+    if offload:
+        from raot_hf.adapters import schema_for
+
+        offload_models([a, b], ["A", "B"], schema_for(a), tmp_path)
+        assert offloaded(a) is not None and offloaded(b) is not None
+    return RaotMerger.from_models(a, b, preprocessor=pre).merge(calibration=data)
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_layerwise_merge_is_the_in_memory_merge_bit_for_bit(model_type, tmp_path):
+    a, b, pre, data = _pair(model_type)
+    memory = _merge(a, b, pre, data, tmp_path, offload=False)
+    layerwise = _merge(a, b, pre, data, tmp_path, offload=True)
+    assert layerwise.report["execution"] == "layer-wise" and memory.report["execution"] == "in memory"
+    decisions = [(d["transform"], d["layer"], d["applied"]) for d in memory.report["decisions"]]
+    assert decisions == [(d["transform"], d["layer"], d["applied"]) for d in layerwise.report["decisions"]]
+    assert any(applied for *_, applied in decisions)  # the gate moved B: apply, fold and correction all ran
+    got, want = dict(layerwise.model.named_parameters()), dict(memory.model.named_parameters())
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert layerwise.report["checks"][0]["value"] == memory.report["checks"][0]["value"]
+    assert not list(tmp_path.iterdir())  # the working files were unlinked as soon as they were mapped
+
+
+def test_offloading_keeps_values_dtypes_and_ties(tmp_path):
+    model = tiny_model("llama", "causal", vocab_size=VOCAB, tie_word_embeddings=True, dtype=torch.float32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    inputs = {"input_ids": torch.randint(0, VOCAB, (2, 7))}
+    with torch.no_grad():
+        want = model(**inputs).logits
+    weights = offload_model(model, tmp_path, "A")
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    for name, p in model.named_parameters():
+        assert weights.owns(p) is not None and p.dtype == before[name].dtype and torch.equal(p, before[name])
+    release_all()
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, want)
+        model.model.norm.weight.mul_(2.0)  # a write lands in the working file and survives a release
+    release_all()
+    assert torch.equal(model.model.norm.weight, 2 * before["model.norm.weight"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_checkpoints_are_read_into_working_files_as_from_pretrained_loads_them(model_type, dtype, tmp_path):
+    """Read tensor by tensor into the working file: every parameter, dtype (DeBERTa keeps its q/v
+    biases in float32), buffer and tie as ``from_pretrained`` gives them. ViT's legacy key names
+    are declined (None): that model is then loaded whole and offloaded."""
+    from raot_hf.io.loading import ModelSource, load_config, load_model, model_class
+    from raot_hf.io.offload import load_offloaded
+
+    heads = {"vit": "image", "deit": "teacher", "gpt2": "causal", "llama": "causal", "mistral": "causal"}
+    tiny_model(model_type, heads.get(model_type, "causal" if model_type == "qwen2" else "sequence"),
+               dtype=dtype).save_pretrained(tmp_path / "m")  # fmt: skip
+    source = ModelSource(str(tmp_path / "m"))
+    config = load_config(source, "A")
+    want = load_model(source, "A", config=config)
+    got = load_offloaded(model_class(config), tmp_path / "m", config, "auto", tmp_path, "A")
+    if model_type in ("vit", "deit"):
+        assert got is None
+        return
+    assert offloaded(got) is not None and not got.training
+    params, expected = dict(got.named_parameters()), dict(want.named_parameters())
+    assert set(params) == set(expected)
+    for name, p in expected.items():
+        assert params[name].dtype == p.dtype and torch.equal(params[name], p) and offloaded(got).owns(params[name])
+    buffers, expected = dict(got.named_buffers()), dict(want.named_buffers())
+    assert set(buffers) == set(expected) and all(torch.equal(buffers[k], v) for k, v in expected.items())
+    if (
+        want.get_output_embeddings() is not None
+        and want.get_output_embeddings().weight is want.get_input_embeddings().weight
+    ):
+        assert got.get_output_embeddings().weight is got.get_input_embeddings().weight
+
+
+def _status_kib(field):
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+@linux_only
+def test_each_layer_leaves_memory_after_its_forward(tmp_path):
+    """A forward touches every layer, yet the resident file pages afterwards are the trunk's, not
+    the layers': each layer's pages were released as soon as it returned."""
+    from raot_hf.adapters import schema_for
+
+    model = tiny_model("llama", "base", vocab_size=8, hidden_size=256, num_layers=8, intermediate_size=1024,
+                       dtype=torch.float32)  # fmt: skip
+    size = sum(p.numel() * p.element_size() for p in model.parameters()) // 1024
+    offload_models([model], ["A"], schema_for(model), tmp_path)
+    release_all()
+    resident = _status_kib("RssFile")
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 8, (1, 16)))
+    assert _status_kib("RssFile") - resident < 0.2 * size  # one layer is 1/8 of the weights
+    with torch.no_grad():
+        total = sum(float(p.sum()) for p in model.parameters())  # outside a forward: every page read back
+    assert total == total and _status_kib("RssFile") - resident > 0.8 * size
+    release_all()
+    assert _status_kib("RssFile") - resident < 0.05 * size
+
+
+def _saved_pair(root, model_type="llama"):
+    a, b, pre, data = _pair(model_type)
+    for name, model in (("a", a), ("b", b)):
+        model.save_pretrained(root / name)
+        pre.save_pretrained(root / name)
+    data.to_csv(root / "cal.csv")
+    return [str(root / "a"), str(root / "b")], str(root / "cal.csv")
+
+
+def _weights(directory):
+    out = {}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+def test_checkpoints_merged_layer_wise_give_the_same_bytes(tmp_path, monkeypatch):
+    """The same bytes as in memory, with no model ever loaded whole: each is read tensor by tensor
+    into its working file."""
+    import transformers
+
+    paths, cal = _saved_pair(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    _, memory = merge_checkpoints(*paths, out=tmp_path / "m", calibration=cal, offload="never")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded whole")
+
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "from_pretrained", refuse)
+    _, layerwise = merge_checkpoints(*paths, out=tmp_path / "l", calibration=cal, offload="always", offload_dir=work)
+    assert memory["execution"] == "in memory" and layerwise["execution"] == "layer-wise"
+    a, b = _weights(tmp_path / "m"), _weights(tmp_path / "l")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "l" / "raot_report.json").read_text())["execution"] == "layer-wise"
+    assert not list(work.iterdir())
+
+
+def test_a_cap_between_the_two_needs_runs_layer_wise_and_one_below_both_is_refused(tmp_path):
+    from raot_hf.io.loading import ModelSource, load_config
+    from raot_hf.stages.offload import IN_MEMORY_FACTOR, RUNTIME_BYTES, checkpoint_bytes, largest_tensor_bytes
+
+    paths, cal = _saved_pair(tmp_path)
+    sources = [ModelSource(p) for p in paths]
+    sizes = [checkpoint_bytes(s) for s in sources]
+    hf_config = load_config(sources[0], "A")
+    in_memory = RUNTIME_BYTES + IN_MEMORY_FACTOR * sum(sizes)
+    least = layerwise_bytes(sizes, hf_config, largest=largest_tensor_bytes(sources[0]))
+    assert least < in_memory and least < layerwise_bytes(sizes, hf_config)  # read tensor by tensor: no whole model
+    assert choose_offload("auto", sources, hf_config, cap=int(in_memory) + 1) is False
+    assert choose_offload("auto", sources, hf_config, cap=least + 1) is True
+    args = ["merge", *paths, "--calibration", cal]
+    res = CliRunner().invoke(main, [*args, "--max-memory", str(least + 1), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "o" / "raot_report.json").read_text())["execution"] == "layer-wise"
+    for extra in (["--max-memory", str(least - 1)], ["--max-memory", str(int(in_memory) - 1), "--offload", "never"]):
+        out = tmp_path / "refused"
+        res = CliRunner().invoke(main, [*args, *extra, "--out", str(out)])
+        assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1, res.output
+        assert "--max-memory" in res.stderr and not out.exists()
+
+
+def test_an_offload_directory_without_room_is_refused(tmp_path, monkeypatch):
+    import shutil
+
+    model = tiny_model("bert", "base", dtype=torch.float32)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: shutil._ntuple_diskusage(1, 0, 1))
+    with pytest.raises(RaotError, match="--offload-dir"):
+        offload_model(model, tmp_path, "A")
+    assert offloaded(model) is None and not list(tmp_path.iterdir())
+    with pytest.raises(RaotError, match="does not exist"):
+        offload_model(model, tmp_path / "missing", "A")
+    with pytest.raises(RaotError, match="offload must be one of"):
+        choose_offload("sometimes", [], None)
+
+
+@linux_only
+def test_without_a_cap_the_available_memory_decides(tmp_path):
+    from raot_hf.io.loading import ModelSource, load_config
+    from raot_hf.stages.offload import available_memory
+
+    free = available_memory()
+    assert 0 < free <= _status_kib("VmSize") * 1024 + int(Path("/proc/meminfo").read_text().split()[1]) * 1024
+    paths, _ = _saved_pair(tmp_path)
+    sources = [ModelSource(p) for p in paths]
+    hf_config = load_config(sources[0], "A")
+    assert choose_offload("auto", sources, hf_config) is False  # a few hundred kB fit anywhere
+    assert choose_offload("always", sources, hf_config) is True
+    assert choose_offload("never", sources, hf_config) is False
