@@ -322,15 +322,34 @@ class StatisticsCollector:
     def update(self, batch: CalibrationBatch):
         """Forward A and B on ``batch`` and fold the activations of this phase's rows into the sums
         (a batch without such rows is skipped without a forward). Returns B's output (or None)."""
-        in_phase = self._in_phase(batch)
-        if not bool(in_phase.any()):
+        if not self.begin(batch):
             return None
-        self._batch = batch
-        self._shape = None
         dev_a = next(self.model_a.parameters()).device
         dev_b = next(self.model_b.parameters()).device
         inputs_a = {k: v.to(dev_a) for k, v in batch.inputs.items()}
         inputs_b = {k: v.to(dev_b) for k, v in batch.inputs.items()}
+        output_b = []
+        self.observe(lambda: self.model_a(**inputs_a), lambda: output_b.append(self.model_b(**inputs_b)))
+        self.finish(batch)
+        return output_b[0]
+
+    def begin(self, batch: CalibrationBatch, rows: tuple | None = None) -> bool:
+        """Start folding ``batch`` (``rows``: its row selection from :meth:`rows_state`, when an
+        earlier part of its forward made it); False if it has no row of this phase."""
+        if not bool(self._in_phase(batch).any()):
+            return False
+        self._batch = batch
+        self._shape, self._rows_index, self._moment_index, self._mlp_rows = rows or (None, None, None, None)
+        return True
+
+    def rows_state(self) -> tuple:
+        """The current batch's row selection (positions, moment rows, MLP budget rows, shape)."""
+        return self._shape, self._rows_index, self._moment_index, self._mlp_rows
+
+    def observe(self, run_a: Callable[[], None], run_b: Callable[[], None]) -> None:
+        """Run ``run_a`` (A's computation) and ``run_b`` (B's) in lockstep, folding every
+        activation they produce at an observed module (a whole forward, or a part of one)."""
+        dev_a = next(self.model_a.parameters()).device
         lockstep = _Lockstep(self._consume)
 
         def forward_a():  # runs in the helper thread, whose current CUDA device is not inherited
@@ -338,29 +357,29 @@ class StatisticsCollector:
                 torch.cuda.set_device(dev_a)
             self._obs_a.start(lockstep.offer)
             try:
-                self.model_a(**inputs_a)
+                run_a()
             finally:
                 self._obs_a.stop()
-
-        output_b = []
 
         def forward_b():
             self._obs_b.start(lockstep.take)
             try:
-                output_b.append(self.model_b(**inputs_b))
+                run_b()
             finally:
                 self._obs_b.stop()
 
         lockstep.run(forward_a, forward_b)
+
+    def finish(self, batch: CalibrationBatch) -> None:
+        """Count ``batch``'s examples and tokens once its whole forward has been observed."""
         if self._shape is None:
             raise RuntimeError("no activation was observed: the schema's modules did not run")
-        self.stats.examples += int(in_phase.sum())
+        self.stats.examples += int(self._in_phase(batch).sum())
         if self.phase == "fit":
             self.stats.fit.moment_tokens += int(self._moment_index.numel())
         split = self.stats.fit if self.phase == "fit" else self.stats.heldout
         split.tokens += int(self._rows_index.numel())
         self._rows_index = self._moment_index = None
-        return output_b[0]
 
     def _index_rows(self, x: torch.Tensor) -> None:
         """Per batch: the flat positions of this phase's real tokens, and the subset the moments use."""

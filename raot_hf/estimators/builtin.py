@@ -99,6 +99,15 @@ def _layer_candidates(request: EstimationRequest, i: int) -> tuple[list[Transfor
     return parts, logs
 
 
+def solve_layer_early(stats, schema, config, i: int) -> None:
+    """Layer ``i``'s candidates from its complete fit moments, kept in ``stats.layer_candidates``
+    for :func:`activation_candidates`; the layer's f × f MLP co-moment is then freed (the
+    layer-by-layer calibration pass, docs/design.md §7.4)."""
+    stats.layer_candidates[i] = _layer_candidates(EstimationRequest(stats, schema, {}, {}, config, False), i)
+    mlp = stats.fit.mlp[i]
+    mlp.comoment = mlp.comoment.new_zeros(0, 0)
+
+
 def activation_candidates(request: EstimationRequest) -> tuple[list[Transform], dict[str, Any]]:
     """RaOT's candidates from the fit moments: the residual map first, then every layer."""
     cfg, schema, fit = request.config, request.schema, request.stats.fit
@@ -111,8 +120,9 @@ def activation_candidates(request: EstimationRequest) -> tuple[list[Transform], 
             t, log = ResidualPermutation(torch.arange(schema.hidden_size)), SKIPPED
         parts.append(t)
         logs["residual"] = log
+    solved = request.stats.layer_candidates
     for i in tqdm(range(schema.num_layers), desc="solving", disable=not request.progress):
-        layer_parts, layer_logs = _layer_candidates(request, i)
+        layer_parts, layer_logs = solved[i] if i in solved else _layer_candidates(request, i)
         parts += layer_parts
         logs.update(layer_logs)
     return parts, logs

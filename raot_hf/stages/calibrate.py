@@ -166,13 +166,71 @@ def heldout_phase(ctx: PairContext, run: CalibrationRun, stats: CalibrationStati
 
 def _keep_check_rows(ctx: PairContext, run: CalibrationRun, batch, output_b) -> None:
     """B's outputs on the first held-out rows are the B′ ≡ B check's reference (as many rows as
-    a mixed batch holds held-out rows: the check is one forward)."""
+    a mixed batch holds held-out rows: the check is one forward); without ``output_b`` only the
+    inputs are kept."""
     if len(run.check_inputs) >= ctx.config.check_batches:
         return
     rows = max(1, run.config.batch_size // run.config.heldout_every)
     run.check_inputs.append({k: v[:rows] for k, v in batch.inputs.items()})
+    if output_b is None:
+        return
     reference = select_primary(output_b, rows)
     run.check_reference.append({k: v.detach().to("cpu", copy=True) for k, v in reference.items()})
+
+
+def layer_by_layer(ctx: PairContext) -> bool:
+    """Whether the calibration pass runs layer by layer: the models are offloaded to working
+    files (docs/design.md §7.4) and the pass is one process on the models' own device."""
+    from raot_hf.io.offload import offloaded
+
+    home = next(ctx.model_a.parameters()).device
+    return offloaded(ctx.model_a) is not None and not ctx.dist.is_distributed and ctx.stats_device == home
+
+
+def _early_solver(ctx: PairContext, stats: CalibrationStatistics):
+    """In the layer-by-layer fit phase of the activation estimator: each layer solved (and its MLP
+    co-moment freed) once its last batch has passed; else None."""
+    from raot_hf.estimators import estimator_spec
+    from raot_hf.estimators.builtin import activation_candidates, solve_layer_early
+    from raot_hf.stages.context import one_thread
+
+    cfg = ctx.config
+    if cfg.alignment == "none" or not ({"mlp", "heads"} & set(cfg.scope)):
+        return None
+    if estimator_spec(cfg.alignment).fn is not activation_candidates:
+        return None
+
+    def solve(i: int) -> None:
+        with ctx.timer.stage("solve"), one_thread():
+            solve_layer_early(stats, ctx.schema, cfg, i)
+
+    return solve
+
+
+def _fold_batches(ctx: PairContext, run: CalibrationRun, collector, phase: str, shard: dict, total: int) -> None:
+    """This process's batches of ``phase`` into ``collector``: batch by batch over the whole
+    models, or layer by layer (:func:`layer_by_layer`; the held-out phase then keeps only the
+    check's inputs: B's outputs on them are taken before B is transformed)."""
+    batches = run.batches(ctx.preprocessor, **shard)
+    progress = {"desc": f"calibration ({phase})", "disable": not ctx.dist.is_main}
+    if layer_by_layer(ctx):
+        from raot_hf.calibration.sequential import observe_layer_by_layer
+        from raot_hf.gate.fidelity import layer_module_names
+
+        kept = list(batches)
+        solver = _early_solver(ctx, collector.stats) if phase == "fit" else None
+        names = layer_module_names(ctx.model_a, ctx.schema)
+        observe_layer_by_layer(collector, kept, names, on_layer=solver, progress=not progress["disable"],
+                               desc=progress["desc"])  # fmt: skip
+        if phase == "heldout":
+            for batch in kept:
+                if bool(batch.heldout.any()):
+                    _keep_check_rows(ctx, run, batch, None)
+        return
+    for batch in tqdm(batches, total=total, **progress):
+        output_b = collector.update(batch)
+        if phase == "heldout" and output_b is not None:
+            _keep_check_rows(ctx, run, batch, output_b)
 
 
 def run_phase(
@@ -194,11 +252,8 @@ def run_phase(
         with StatisticsCollector(
             ctx.model_a, ctx.model_b, ctx.schema, phase=phase, grams=grams, **collector_options
         ) as collector:
-            batches = run.batches(ctx.preprocessor, **shard) if forward else ()
-            for batch in tqdm(batches, total=total, desc=f"calibration ({phase})", disable=not ctx.dist.is_main):
-                output_b = collector.update(batch)
-                if phase == "heldout":
-                    _keep_check_rows(ctx, run, batch, output_b)
+            if forward:
+                _fold_batches(ctx, run, collector, phase, shard, total)
         stats = collector.stats
         if world > 1 and forward:  # shards never pad or repeat examples, so the sums are exact (§7)
             ctx.dist.all_reduce_statistics(stats)

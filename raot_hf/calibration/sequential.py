@@ -1,0 +1,147 @@
+"""The calibration pass layer by layer (docs/design.md §7.4): every batch goes through layer 0 of
+A and B, then every batch through layer 1, and so on, each on its own hidden states carried from
+the layer before — the order GPTQ-style sequential calibration uses.
+
+With the models offloaded to working files (:mod:`raot_hf.io.offload`) each layer's weights are
+then read once per phase instead of once per batch, and a layer's fit moments are complete as
+soon as the last batch has left it: ``on_layer(i)`` may solve and free them before the next layer
+runs. The activations folded into the sums are the batch-by-batch pass's, in the same batch order
+per site; only the residual stream's moment, one sum over every stream site, adds its terms in
+another order (float64 rounding).
+
+Every layer's call (attention masks — which differ between sliding-window and full-attention
+layers —, rotary position embeddings, DeBERTa's relative embeddings) is captured once per batch
+from each model's own forward, in which only layer 0 computes: the later layers return their
+input, so the capture reads no weights beyond layer 0's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from huggingface_hub.utils import tqdm
+
+from raot_hf.calibration.batches import CalibrationBatch
+from raot_hf.calibration.collector import StatisticsCollector
+from raot_hf.correction.carry import LayerCall, layer0_call
+from raot_hf.hooks import Stop, _without_cache
+
+
+@dataclass
+class _Batch:
+    """One batch on its way through the layers: its row selection and, per model, the layer call
+    and the hidden states entering the next layer."""
+
+    batch: CalibrationBatch
+    rows: tuple
+    calls: dict[str, list[LayerCall]]
+    hidden: dict[str, torch.Tensor]
+
+
+def _as_call(args: tuple, kwargs: dict) -> tuple[LayerCall, torch.Tensor]:
+    if args:
+        return LayerCall(tuple(args[1:]), dict(kwargs), False), args[0]
+    rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+    return LayerCall((), rest, True), kwargs["hidden_states"]
+
+
+def layer_calls(model: torch.nn.Module, layer_names: list[str], inputs: dict) -> tuple[list[LayerCall], torch.Tensor]:
+    """Every layer's call on ``inputs`` and layer 0's input states, from one forward in which layer
+    0 computes and every later layer returns its input (in the structure of layer 0's output), so
+    that no later layer's weights are read; the forward stops after the last layer."""
+    modules = [model.get_submodule(n) for n in layer_names]
+    seen: list[tuple | None] = [None] * len(modules)
+    first: dict[str, object] = {}
+    saved = [m.__dict__.get("forward") for m in modules]
+
+    def patched(i: int, module: torch.nn.Module):
+        compute = module.forward
+
+        def forward(*args, **kwargs):
+            seen[i] = (args, kwargs)
+            if i == 0:
+                first["out"] = out = compute(*args, **kwargs)
+            else:
+                hidden = args[0] if args else kwargs["hidden_states"]
+                real = first["out"]
+                out = hidden if isinstance(real, torch.Tensor) else (hidden, *real[1:])
+            if i == len(modules) - 1:
+                raise Stop
+            return out
+
+        return forward
+
+    for i, module in enumerate(modules):
+        module.forward = patched(i, module)
+    try:
+        model(**_without_cache(model, inputs))
+    except Stop:
+        pass
+    finally:
+        for module, original in zip(modules, saved, strict=True):
+            del module.forward
+            if original is not None:
+                module.forward = original
+    calls = [_as_call(*call) for call in seen]
+    return [call for call, _ in calls], calls[0][1]
+
+
+def _to(model: torch.nn.Module, inputs: dict) -> dict:
+    device = next(model.parameters()).device
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def _enter(collector: StatisticsCollector, batches: Iterable[CalibrationBatch], names: list[str]) -> list[_Batch]:
+    """Every batch of this phase up to layer 0 of both models, the embeddings observed, with every
+    layer's call."""
+    carried = []
+    models = {"a": collector.model_a, "b": collector.model_b}
+    for batch in batches:
+        if not collector.begin(batch):
+            continue
+        calls = {side: layer_calls(model, names, _to(model, batch.inputs))[0] for side, model in models.items()}
+        hidden: dict[str, torch.Tensor] = {}
+
+        def run(side, batch=batch, hidden=hidden):  # observed: the embeddings' stream sites
+            model = models[side]
+            hidden[side] = layer0_call(model, names[0], _to(model, batch.inputs))[1]
+
+        collector.observe(lambda run=run: run("a"), lambda run=run: run("b"))
+        carried.append(_Batch(batch, collector.rows_state(), calls, hidden))
+    return carried
+
+
+@torch.no_grad()
+def observe_layer_by_layer(
+    collector: StatisticsCollector,
+    batches: Iterable[CalibrationBatch],
+    layer_names: list[str],
+    *,
+    on_layer: Callable[[int], None] | None = None,
+    progress: bool = False,
+    desc: str = "calibration",
+) -> int:
+    """Fold this phase's batches into ``collector``'s sums layer by layer (``layer_names``: each
+    layer's module, in order); ``on_layer(i)`` runs once layer ``i`` has seen every batch.
+    Returns the number of batches folded."""
+    carried = _enter(collector, batches, layer_names)
+    for i in tqdm(range(len(layer_names)), desc=desc, disable=not progress):
+        module_a = collector.model_a.get_submodule(layer_names[i])
+        module_b = collector.model_b.get_submodule(layer_names[i])
+        for item in carried:
+            collector.begin(item.batch, item.rows)
+            out: dict[str, torch.Tensor] = {}
+
+            def run(side, module, item=item, out=out, i=i):
+                out[side] = item.calls[side][i](module, item.hidden[side])
+
+            collector.observe(lambda run=run, m=module_a: run("a", m), lambda run=run, m=module_b: run("b", m))
+            item.hidden, item.rows = out, collector.rows_state()
+        if on_layer is not None:
+            on_layer(i)
+    for item in carried:
+        collector.begin(item.batch, item.rows)
+        collector.finish(item.batch)
+    return len(carried)
