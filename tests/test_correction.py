@@ -206,3 +206,27 @@ def test_quality_figures_are_one_for_a_scrambled_copy():
     quality = RaotMerger.from_models(a, b, preprocessor=pre).merge(calibration=data).report["quality"]
     assert quality["agreement_a"] == quality["agreement_b"] == quality["parents_agreement"] == 1.0
     assert quality["kl_a"] < 1e-8 and quality["positions"] > quality["examples"] > 0
+
+
+def test_each_layer_is_called_as_the_model_calls_it_sliding_window_layers_included():
+    """Layer by layer on carried states (correction and layer-wise calibration): each layer runs
+    with its own captured call. Qwen2's first layer attends through a sliding window and the
+    others do not; layer 0's call reused everywhere would give another output."""
+    from raot_hf.correction.carry import layer_calls
+    from raot_hf.hooks import capture_calls
+
+    model = tiny_model("qwen2", "causal", vocab_size=50, num_layers=4, dtype=torch.float64).eval()
+    assert len(set(model.config.layer_types)) == 2 and model.config.sliding_window < 12
+    names = [f"model.layers.{i}" for i in range(4)]
+    inputs = {"input_ids": torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))}
+    calls, hidden = layer_calls(model, names, inputs)
+    first = hidden
+    with torch.no_grad():
+        for name, call in zip(names, calls, strict=True):
+            hidden = call(model.get_submodule(name), hidden)
+        reused = first
+        for name in names:
+            reused = calls[0](model.get_submodule(name), reused)
+    want = capture_calls(model, names[-1:], inputs)[0].output
+    assert torch.allclose(hidden, want, rtol=0, atol=1e-12)
+    assert not torch.allclose(reused, want, atol=1e-6)

@@ -279,7 +279,7 @@ def test_layer_by_layer_calibration_sums_and_early_solves_match_the_batch_by_bat
     """The calibration pass layer by layer: every sum the batch-by-batch pass takes (Qwen2's first
     layer attends through a sliding window, the others do not: each layer keeps its own mask),
     and each layer solved as soon as it is complete equals the solve from the finished sums, with
-    its f × f co-moment freed."""
+    its f × f co-moment allocated only while its layer runs."""
     from raot_hf import RaotConfig
     from raot_hf.adapters import schema_for
     from raot_hf.calibration import CalibrationConfig, iter_calibration_batches
@@ -295,10 +295,17 @@ def test_layer_by_layer_calibration_sums_and_early_solves_match_the_batch_by_bat
     whole = StatisticsCollector(a, b, schema, phase="fit")
     for batch in batches:
         whole.update(batch)
-    layered = StatisticsCollector(a, b, schema, phase="fit")
+    layered = StatisticsCollector(a, b, schema, phase="fit", defer_mlp=True)
     stats = layered.stats
-    folded = observe_layer_by_layer(layered, batches, layer_module_names(a, schema),
-                                    on_layer=lambda i: solve_layer_early(stats, schema, config, i))  # fmt: skip
+    assert all(m.comoment.numel() == 0 for m in stats.fit.mlp)
+    alive = []
+
+    def solve(i):
+        alive.append([j for j, m in enumerate(stats.fit.mlp) if m.comoment.numel()])
+        solve_layer_early(stats, schema, config, i)
+
+    folded = observe_layer_by_layer(layered, batches, layer_module_names(a, schema), on_layer=solve)
+    assert alive == [[0], [1], [2], [3]]  # one layer's f × f sum at a time
     assert folded == len(batches) and stats.examples == whole.stats.examples
     assert all(m.comoment.numel() == 0 for m in stats.fit.mlp) and set(stats.layer_candidates) == {0, 1, 2, 3}
     for got, want in zip(stats.fit.q + stats.fit.ctx + [stats.fit.stream], whole.stats.fit.q + whole.stats.fit.ctx

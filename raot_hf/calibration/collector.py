@@ -245,6 +245,8 @@ class StatisticsCollector:
     (:mod:`raot_hf.calibration.precision`). ``mlp_token_budget`` > 0 with ``planned_examples``
     (this process's fit examples): about that many fit tokens enter each MLP cross moment, at
     random positions seeded by ``seed`` (:class:`_TokenBudget`); every token enters the rest.
+    ``defer_mlp``: the f × f MLP co-moments are allocated one layer at a time
+    (:meth:`start_layer`, the layer-by-layer pass).
     """
 
     def __init__(
@@ -264,6 +266,7 @@ class StatisticsCollector:
         mlp_token_budget: int = 0,
         planned_examples: int | None = None,
         seed: int = 0,
+        defer_mlp: bool = False,
     ):
         if phase not in ("fit", "heldout"):
             raise ValueError(f"phase must be 'fit' or 'heldout', got {phase!r}")
@@ -294,6 +297,7 @@ class StatisticsCollector:
                 stream_full=stream_full,
                 quad_dtype=quad,
                 mlp_product_dtype=mlp_product_dtype,
+                defer_mlp=defer_mlp,
             )
         else:
             self.stats.heldout = HeldoutStatistics.zeros(schema, device=self.device)
@@ -341,6 +345,11 @@ class StatisticsCollector:
         self._batch = batch
         self._shape, self._rows_index, self._moment_index, self._mlp_rows = rows or (None, None, None, None)
         return True
+
+    def start_layer(self, i: int) -> None:
+        """Layer ``i`` is next in a layer-by-layer pass: its deferred MLP co-moment is allocated."""
+        if self.phase == "fit" and self.moments:
+            self.stats.fit.mlp[i].allocate_comoment()
 
     def rows_state(self) -> tuple:
         """The current batch's row selection (positions, moment rows, MLP budget rows, shape)."""

@@ -25,8 +25,7 @@ from huggingface_hub.utils import tqdm
 
 from raot_hf.calibration.batches import CalibrationBatch
 from raot_hf.calibration.collector import StatisticsCollector
-from raot_hf.correction.carry import LayerCall, layer0_call
-from raot_hf.hooks import Stop, _without_cache
+from raot_hf.correction.carry import LayerCall, layer0_call, layer_calls
 
 
 @dataclass
@@ -38,54 +37,6 @@ class _Batch:
     rows: tuple
     calls: dict[str, list[LayerCall]]
     hidden: dict[str, torch.Tensor]
-
-
-def _as_call(args: tuple, kwargs: dict) -> tuple[LayerCall, torch.Tensor]:
-    if args:
-        return LayerCall(tuple(args[1:]), dict(kwargs), False), args[0]
-    rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-    return LayerCall((), rest, True), kwargs["hidden_states"]
-
-
-def layer_calls(model: torch.nn.Module, layer_names: list[str], inputs: dict) -> tuple[list[LayerCall], torch.Tensor]:
-    """Every layer's call on ``inputs`` and layer 0's input states, from one forward in which layer
-    0 computes and every later layer returns its input (in the structure of layer 0's output), so
-    that no later layer's weights are read; the forward stops after the last layer."""
-    modules = [model.get_submodule(n) for n in layer_names]
-    seen: list[tuple | None] = [None] * len(modules)
-    first: dict[str, object] = {}
-    saved = [m.__dict__.get("forward") for m in modules]
-
-    def patched(i: int, module: torch.nn.Module):
-        compute = module.forward
-
-        def forward(*args, **kwargs):
-            seen[i] = (args, kwargs)
-            if i == 0:
-                first["out"] = out = compute(*args, **kwargs)
-            else:
-                hidden = args[0] if args else kwargs["hidden_states"]
-                real = first["out"]
-                out = hidden if isinstance(real, torch.Tensor) else (hidden, *real[1:])
-            if i == len(modules) - 1:
-                raise Stop
-            return out
-
-        return forward
-
-    for i, module in enumerate(modules):
-        module.forward = patched(i, module)
-    try:
-        model(**_without_cache(model, inputs))
-    except Stop:
-        pass
-    finally:
-        for module, original in zip(modules, saved, strict=True):
-            del module.forward
-            if original is not None:
-                module.forward = original
-    calls = [_as_call(*call) for call in seen]
-    return [call for call, _ in calls], calls[0][1]
 
 
 def _to(model: torch.nn.Module, inputs: dict) -> dict:
@@ -128,6 +79,7 @@ def observe_layer_by_layer(
     Returns the number of batches folded."""
     carried = _enter(collector, batches, layer_names)
     for i in tqdm(range(len(layer_names)), desc=desc, disable=not progress):
+        collector.start_layer(i)
         module_a = collector.model_a.get_submodule(layer_names[i])
         module_b = collector.model_b.get_submodule(layer_names[i])
         for item in carried:

@@ -145,19 +145,29 @@ class Moments:
         device=None,
         quad_dtype=_F64,
         product_dtype: torch.dtype | None = None,
+        defer: bool = False,
     ) -> Moments:
         """Zero sums for k-dimensional samples; ``full`` keeps Σbᵀb (and Σaᵀa unless ``full_a=False``).
-        The k×k sums are kept in ``quad_dtype`` (see :func:`quadratic_dtype`), the rest in float64."""
+        The k×k sums are kept in ``quad_dtype`` (see :func:`quadratic_dtype`), the rest in float64;
+        ``defer``: the co-moment is created empty (:meth:`allocate_comoment`)."""
         full_a = full if full_a is None else full_a
 
         def z(*shape):
             return torch.zeros(*shape, dtype=_F64, device=device)
 
-        def zq():
-            return torch.zeros(k, k, dtype=quad_dtype, device=device)
+        def zq(size=k):
+            return torch.zeros(size, size, dtype=quad_dtype, device=device)
 
         full_a_sum, full_b_sum = zq() if full and full_a else None, zq() if full else None
-        return cls(z(()), z(k), z(k), z(k), z(k), zq(), full_a_sum, full_b_sum, z(()), z(k), z(k), product_dtype)
+        comoment = zq(0 if defer else k)
+        return cls(z(()), z(k), z(k), z(k), z(k), comoment, full_a_sum, full_b_sum, z(()), z(k), z(k), product_dtype)
+
+    def allocate_comoment(self) -> None:
+        """Give a co-moment created empty (a deferred f × f MLP sum, :meth:`SplitStatistics.zeros`)
+        its zero k × k sum."""
+        if self.comoment.numel() == 0 and self.sum_a.numel():
+            k = self.sum_a.numel()
+            self.comoment = torch.zeros(k, k, dtype=self.comoment.dtype, device=self.comoment.device)
 
     def update(self, a: torch.Tensor, b: torch.Tensor, cross_rows: torch.Tensor | None = None) -> None:
         """Add paired rows ``a``, ``b`` (n × k each) to the sums; with ``cross_rows`` only those
@@ -347,11 +357,20 @@ class SplitStatistics:
 
     @classmethod
     def zeros(
-        cls, schema: ModelSchema, *, device=None, stream_full: bool = True, quad_dtype=_F64, mlp_product_dtype=None
+        cls,
+        schema: ModelSchema,
+        *,
+        device=None,
+        stream_full: bool = True,
+        quad_dtype=_F64,
+        mlp_product_dtype=None,
+        defer_mlp: bool = False,
     ) -> SplitStatistics:
         """Zero sums for ``schema``; ``stream_full=False`` drops the stream's Σbᵀb (needed only to
         score a residual rotation); the k×k co-moments in ``quad_dtype`` (the MLP's products in
-        ``mlp_product_dtype``; None: the activations' dtype).
+        ``mlp_product_dtype``; None: the activations' dtype). ``defer_mlp``: the f × f MLP
+        co-moments are created empty, each allocated (:meth:`Moments.allocate_comoment`) when its
+        layer's turn comes in a layer-by-layer pass.
 
         The stream's d×d sums are float64 whatever the model's dtype: it is the one site where a
         few massive-activation tokens meet every other (docs/design.md §4.3); its rows are float64
@@ -360,7 +379,7 @@ class SplitStatistics:
         L, d, f = schema.num_layers, schema.hidden_size, schema.intermediate_size
         kw = dict(device=device, quad_dtype=quad_dtype)
         return cls(
-            mlp=[Moments.zeros(f, product_dtype=mlp_product_dtype, **kw) for _ in range(L)],
+            mlp=[Moments.zeros(f, product_dtype=mlp_product_dtype, defer=defer_mlp, **kw) for _ in range(L)],
             q=[Moments.zeros(d, **kw) for _ in range(L)],
             k=[Moments.zeros(d, **kw) for _ in range(L)],
             ctx=[Moments.zeros(d, **kw) for _ in range(L)],

@@ -5,9 +5,10 @@ its own hidden states carried from the layer before.
 Only the merged layer being corrected is ever built: M's layers are A's modules computing with
 merged parameters (``torch.func.functional_call``), so A's own parameters serve A's forward until
 its layer has been passed and the corrected merged layer is written into it — no third copy of
-the model. The layer calls (attention masks, rotary position embeddings, DeBERTa's relative
-embeddings) are captured once, at layer 0's input, from each model's own forward; the hidden
-states are replaced as the pass moves on.
+the model. Every layer's call (attention masks — a sliding-window layer's differs from a full-attention
+layer's —, rotary position embeddings, DeBERTa's relative embeddings) is captured once, from each
+model's own forward in which only layer 0 computes; the hidden states are replaced as the pass
+moves on.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch.func import functional_call
 
 from raot_hf.errors import RaotError
-from raot_hf.hooks import Hooks, capture_calls, first_tensor
+from raot_hf.hooks import Hooks, Stop, _without_cache, capture_calls, first_tensor
 
 
 @dataclass
@@ -44,11 +45,74 @@ class LayerCall:
 @dataclass
 class Carried:
     """One chunk of correction examples: the real-token mask, and per model (the parents' sides
-    "a", "b", … and M's "m") the layer call and the hidden states entering the current layer."""
+    "a", "b", … and M's "m") the current layer's call and the hidden states entering it
+    (``layers``: every layer's calls; ``layer``: the current one)."""
 
     mask: torch.Tensor  # (rows, seq) bool
     calls: dict[str, LayerCall]
     hidden: dict[str, torch.Tensor]
+    layers: dict[str, list[LayerCall]] | None = None
+    layer: int = 0
+
+    def next_layer(self, hidden: dict[str, torch.Tensor]) -> None:
+        """Move on to the next layer with these entering states."""
+        self.hidden, self.layer = hidden, self.layer + 1
+        if self.layers is not None and self.layer < len(next(iter(self.layers.values()))):
+            self.calls = {side: calls[self.layer] for side, calls in self.layers.items()}
+
+
+def _as_call(args: tuple, kwargs: dict) -> tuple[LayerCall, torch.Tensor]:
+    if args:
+        return LayerCall(tuple(args[1:]), dict(kwargs), False), args[0]
+    rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+    return LayerCall((), rest, True), kwargs["hidden_states"]
+
+
+@torch.no_grad()
+def layer_calls(
+    model: torch.nn.Module, layer_names: list[str], inputs: dict, params: dict | None = None
+) -> tuple[list[LayerCall], torch.Tensor]:
+    """Every layer's call on ``inputs`` (``model`` computing with ``params`` swapped in, if given)
+    and layer 0's input states, from one forward in which layer 0 computes and every later layer
+    returns its input (in the structure of layer 0's output), so that no later layer's weights are
+    read; the forward stops after the last layer. Layers may be called differently — a sliding-
+    window layer gets another attention mask than a full-attention one."""
+    modules = [model.get_submodule(n) for n in layer_names]
+    seen: list[tuple | None] = [None] * len(modules)
+    first: dict[str, object] = {}
+    saved = [m.__dict__.get("forward") for m in modules]
+
+    def patched(i: int, module: torch.nn.Module):
+        compute = module.forward
+
+        def forward(*args, **kwargs):
+            seen[i] = (args, kwargs)
+            if i == 0:
+                first["out"] = out = compute(*args, **kwargs)
+            else:
+                hidden = args[0] if args else kwargs["hidden_states"]
+                real = first["out"]
+                out = hidden if isinstance(real, torch.Tensor) else (hidden, *real[1:])
+            if i == len(modules) - 1:
+                raise Stop
+            return out
+
+        return forward
+
+    for i, module in enumerate(modules):
+        module.forward = patched(i, module)
+    try:
+        inputs = _without_cache(model, inputs)
+        model(**inputs) if params is None else functional_call(model, params, (), inputs)
+    except Stop:
+        pass
+    finally:
+        for module, original in zip(modules, saved, strict=True):
+            del module.forward
+            if original is not None:
+                module.forward = original
+    calls = [_as_call(*call) for call in seen]
+    return [call for call, _ in calls], calls[0][1]
 
 
 @torch.no_grad()
@@ -78,10 +142,12 @@ def rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x.reshape(*mask.shape, x.shape[-1])[mask.to(x.device)]
 
 
-def capture(parents: dict, layer0: str, batches: Iterator, merged_rest: dict, examples: int) -> list[Carried]:
-    """Layer 0's calls and input states of every parent (side → model; ``"a"`` the reference) and
-    of M (A's module with the merged non-layer parameters ``merged_rest``) over the first
-    ``examples`` rows of ``batches``."""
+def capture(
+    parents: dict, layer_names: list[str], batches: Iterator, merged_rest: dict, examples: int
+) -> list[Carried]:
+    """Every layer's calls and layer 0's input states of every parent (side → model; ``"a"`` the
+    reference) and of M (A's module with the merged non-layer parameters ``merged_rest``) over the
+    first ``examples`` rows of ``batches``."""
     chunks, taken = [], 0
     for batch in batches:
         keep = min(examples - taken, len(batch))
@@ -89,14 +155,16 @@ def capture(parents: dict, layer0: str, batches: Iterator, merged_rest: dict, ex
             break
         inputs = {k: v[:keep] for k, v in batch.inputs.items()}
         mask = batch.token_mask[:keep] if batch.token_mask is not None else None
-        calls, hidden = {}, {}
+        layers, hidden = {}, {}
         runs = [(side, model, None) for side, model in parents.items()] + [("m", parents["a"], merged_rest)]
         for key, model, params in runs:
             device = next(model.parameters()).device
-            call, h = layer0_call(model, layer0, {k: v.to(device) for k, v in inputs.items()}, params)
-            calls[key], hidden[key] = call, h
+            layers[key], hidden[key] = layer_calls(
+                model, layer_names, {k: v.to(device) for k, v in inputs.items()}, params
+            )
         if mask is None:  # images: every position the model produces is real
             mask = torch.ones(hidden["a"].shape[:2], dtype=torch.bool)
-        chunks.append(Carried(mask.to(torch.bool), calls, hidden))
+        calls = {side: every[0] for side, every in layers.items()}
+        chunks.append(Carried(mask.to(torch.bool), calls, hidden, layers))
         taken += keep
     return chunks

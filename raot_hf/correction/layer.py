@@ -119,7 +119,7 @@ class LayerPass:
     def advance(self, merged_out: list[torch.Tensor]) -> None:
         """Every model's states move on to the next layer (call after :meth:`parents`)."""
         for i, (c, m) in enumerate(zip(self.chunks, merged_out, strict=True)):
-            c.hidden = {**{side: out[i] for side, out in self.outs.items()}, "m": m}
+            c.next_layer({**{side: out[i] for side, out in self.outs.items()}, "m": m})
 
 
 class _SitesDone(Exception):

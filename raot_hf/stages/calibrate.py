@@ -187,17 +187,26 @@ def layer_by_layer(ctx: PairContext) -> bool:
     return offloaded(ctx.model_a) is not None and not ctx.dist.is_distributed and ctx.stats_device == home
 
 
-def _early_solver(ctx: PairContext, stats: CalibrationStatistics):
-    """In the layer-by-layer fit phase of the activation estimator: each layer solved (and its MLP
-    co-moment freed) once its last batch has passed; else None."""
+def _solves_early(ctx: PairContext) -> bool:
+    """Whether a layer-by-layer fit phase solves each layer as soon as it is complete: the
+    activation estimator with layers in scope, on models offloaded to working files."""
     from raot_hf.estimators import estimator_spec
-    from raot_hf.estimators.builtin import activation_candidates, solve_layer_early
+    from raot_hf.estimators.builtin import activation_candidates
+
+    cfg = ctx.config
+    if not layer_by_layer(ctx) or cfg.alignment == "none" or not ({"mlp", "heads"} & set(cfg.scope)):
+        return False
+    return estimator_spec(cfg.alignment).fn is activation_candidates
+
+
+def _early_solver(ctx: PairContext, stats: CalibrationStatistics):
+    """Each layer solved (and its MLP co-moment freed) once its last batch has passed, when
+    :func:`_solves_early`; else None."""
+    from raot_hf.estimators.builtin import solve_layer_early
     from raot_hf.stages.context import one_thread
 
     cfg = ctx.config
-    if cfg.alignment == "none" or not ({"mlp", "heads"} & set(cfg.scope)):
-        return None
-    if estimator_spec(cfg.alignment).fn is not activation_candidates:
+    if not _solves_early(ctx):
         return None
 
     def solve(i: int) -> None:
@@ -248,6 +257,8 @@ def run_phase(
     if phase == "heldout":
         run.check_inputs, run.check_reference = [], []
     grams = ctx.plan.grams
+    if phase == "fit" and forward and _solves_early(ctx):
+        collector_options["defer_mlp"] = True  # each layer's f × f sum lives only while its layer runs
     try:
         with StatisticsCollector(
             ctx.model_a, ctx.model_b, ctx.schema, phase=phase, grams=grams, **collector_options

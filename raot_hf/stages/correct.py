@@ -144,7 +144,7 @@ def _corrected(ctx: PairContext, parents: dict, mix: dict, merge, names_all: lis
     rest, part = merge([k for k in names_all if not k.startswith(in_layer)])
     add_rule_log(log, part)
     batches = run.batches(ctx.preprocessor, batch_size=cfg.correction.batch_size, split="fit")
-    chunks = capture(parents, names[0], batches, rest, cfg.correction.examples)
+    chunks = capture(parents, names, batches, rest, cfg.correction.examples)
     layers, skipped = [], []
     groups: dict[tuple, SiteGroups] = {}  # layers of one class call their sites in one order
     for i, name in enumerate(tqdm(names, desc=f"correction ({method})", disable=not ctx.dist.is_main)):

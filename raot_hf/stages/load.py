@@ -70,7 +70,8 @@ def _check_before_weights(config, sources, src_base, memory: dict | None = None)
         check_compatible(configs[0], cfg, head_policy=config.head)
     if memory is not None:
         cap = parse_size(memory["max_memory"]) if memory["max_memory"] is not None else None
-        memory["layerwise"] = choose_offload(memory["offload"], sources, configs[0], config.dtype, cap)
+        per_layer = config.alignment == "activation"  # its layers are solved as the pass completes them
+        memory["layerwise"] = choose_offload(memory["offload"], sources, configs[0], config.dtype, cap, per_layer)
     cfg_base = load_config(src_base, "base") if src_base else None
     if cfg_base is not None:
         check_base_compatible(configs[0], cfg_base)

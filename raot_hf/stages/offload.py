@@ -57,15 +57,17 @@ def largest_tensor_bytes(source, dtype: str = "auto") -> int:
     return max((ckpt.nbytes[k] if want is None else want * ckpt.numel[k]) for k in ckpt.nbytes)
 
 
-def statistics_bytes(hf_config, dtype: str = "auto") -> int:
+def statistics_bytes(hf_config, dtype: str = "auto", per_layer: bool = False) -> int:
     """The calibration statistics of one pair (fit moments: each layer's f × f MLP co-moment and
-    d × d-sized attention and stream moments, in float32 — float64 for float64 models)."""
+    d × d-sized attention and stream moments, in float32 — float64 for float64 models);
+    ``per_layer``: one f × f co-moment at a time (the layer-by-layer pass solving each layer as it
+    completes)."""
     text = getattr(hf_config, "get_text_config", lambda: hf_config)()
     d = getattr(text, "hidden_size", None) or getattr(text, "n_embd", 0)
     f = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * d
     layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", 0)
     quad = 8 if dtype == "float64" else 4
-    return int(layers * (f * f + 4 * d * d) * quad + 4 * d * d * quad)
+    return int(((1 if per_layer else layers) * f * f + layers * 4 * d * d) * quad + 4 * d * d * quad)
 
 
 def reads_tensorwise(source, hf_config) -> bool:
@@ -85,14 +87,17 @@ def reads_tensorwise(source, hf_config) -> bool:
     return _checkpoint_keys(model, names, set(Checkpoint(Path(source.name_or_path)).keys())) is not None
 
 
-def layerwise_bytes(sizes: list[int], hf_config, dtype: str = "auto", largest: int | None = None) -> int:
-    """What the layer-wise merge keeps resident: the runtime, the statistics, a few copies of one
-    layer, and what loading needs — two copies of the ``largest`` tensor when the checkpoints are
-    read tensor by tensor, else (None) the largest model, loaded whole before it is offloaded."""
+def layerwise_bytes(
+    sizes: list[int], hf_config, dtype: str = "auto", largest: int | None = None, per_layer: bool = True
+) -> int:
+    """What the layer-wise merge keeps resident: the runtime, the statistics (``per_layer``: the
+    MLP's solved and freed layer by layer), a few copies of one layer, and what loading needs —
+    two copies of the ``largest`` tensor when the checkpoints are read tensor by tensor, else
+    (None) the largest model, loaded whole before it is offloaded."""
     layers = getattr(getattr(hf_config, "get_text_config", lambda: hf_config)(), "num_hidden_layers", None) or 1
     layer = max(sizes) // max(layers, 1)
     loading = max(sizes) if largest is None else 2 * largest
-    return RUNTIME_BYTES + loading + statistics_bytes(hf_config, dtype) + LAYER_FACTOR * layer
+    return RUNTIME_BYTES + loading + statistics_bytes(hf_config, dtype, per_layer) + LAYER_FACTOR * layer
 
 
 def available_memory() -> int | None:
@@ -106,10 +111,13 @@ def available_memory() -> int | None:
     return None
 
 
-def choose_offload(offload, sources, hf_config, dtype: str = "auto", cap: int | None = None) -> bool:
+def choose_offload(
+    offload, sources, hf_config, dtype: str = "auto", cap: int | None = None, per_layer: bool = True
+) -> bool:
     """Whether the models are offloaded (``offload``: "auto", "always" or "never"; True / False
     mean always / never). ``auto`` offloads when the in-memory merge would exceed ``cap`` (bytes;
-    None: the available memory). A cap the chosen path cannot keep is refused in one line."""
+    None: the available memory). A cap the chosen path cannot keep is refused in one line.
+    ``per_layer``: the estimator solves each layer as the layer-by-layer pass completes it."""
     mode = {True: "always", False: "never", None: "auto"}.get(offload, offload)
     if mode not in _CHOICES:
         raise RaotError(f"offload must be one of {', '.join(_CHOICES)}, got {offload!r}")
@@ -120,7 +128,7 @@ def choose_offload(offload, sources, hf_config, dtype: str = "auto", cap: int | 
     if known:
         tensorwise = all(reads_tensorwise(s, hf_config) for s in sources)
         largest = max(largest_tensor_bytes(s, dtype) for s in sources) if tensorwise else None
-        layerwise = layerwise_bytes(sizes, hf_config, dtype, largest)
+        layerwise = layerwise_bytes(sizes, hf_config, dtype, largest, per_layer)
     if mode == "never":
         if cap is not None and known and cap < in_memory:
             raise RaotError(
