@@ -28,28 +28,14 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.perf.stream import SHAPES as STREAM_SHAPES  # noqa: E402
-from benchmarks.perf.stream import _size  # noqa: E402
+from benchmarks.perf.stream import SHAPES, _size, build  # noqa: E402
 
-SHAPES = {
-    **STREAM_SHAPES,
-    # ~3.4 B parameters: two of them in float32 (27.5 GB) exceed a 24 GiB machine's memory
-    "llama-3.4b-fp32": dict(
-        hidden_size=3072, num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8, intermediate_size=8192
-    ),  # fmt: skip
-    "llama-tiny-fp32": dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128
-    ),  # fmt: skip
-}
 VOCAB = 32000
 
 
 def build_pair(shape: str, work: Path, examples: int, seq: int) -> tuple[Path, Path, Path]:
     """A (random, tensor by tensor), B = scramble(A), and the calibration file; reused when present."""
-    import benchmarks.perf.stream as stream
-
-    stream.SHAPES.update(SHAPES)
-    a = stream.build(shape, work / f"{shape}-A", seed=0)
+    a = build(shape, work / f"{shape}-A", seed=0)
     b = work / f"{shape}-B"
     if not (b / "model.safetensors.index.json").is_file() and not (b / "model.safetensors").is_file():
         code = (  # A read into a working file, scrambled in place and written shard by shard: never in memory

@@ -32,6 +32,13 @@ SHAPES = {
     "llama-3.8b-fp32": dict(
         hidden_size=3072, num_hidden_layers=36, num_attention_heads=24, num_key_value_heads=8, intermediate_size=8192
     ),  # fmt: skip
+    # ~3.4 B parameters: two of them in float32 (27.5 GB) exceed a 24 GiB machine's memory too
+    "llama-3.4b-fp32": dict(
+        hidden_size=3072, num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8, intermediate_size=8192
+    ),  # fmt: skip
+    "llama-tiny-fp32": dict(  # for a quick check of the scripts
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128
+    ),  # fmt: skip
 }
 SHARD_BYTES = 2 * 10**9
 
