@@ -47,6 +47,7 @@ from raot_hf.gate.fidelity import (
     stream_matrix,
 )
 from raot_hf.gate.lineage import LineageEvidence, detect_siblings
+from raot_hf.io.offload import release_all
 from raot_hf.symmetry import (
     HeadAlignment,
     HeadRescale,
@@ -233,6 +234,7 @@ def run_merge_gate(
             decided.update(layer_decisions)
             if chosen:
                 accepted[i] = chosen
+        release_all()  # an offloaded layer's pages, read to merge it, go back to their files (§7.4)
     every: dict[int, list[Transform]] = {}
     for key in decided:
         every.setdefault(key[1], []).extend(per_layer[key])

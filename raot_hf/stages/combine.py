@@ -15,6 +15,7 @@ import torch
 
 from raot_hf.errors import RaotError
 from raot_hf.io.loading import adopt_head
+from raot_hf.io.offload import release_all
 from raot_hf.merging import MergeRuleSpec, add_rule_log, apply_rule, merge_heads, merge_rule_spec, rule_options
 from raot_hf.merging.grams import aligned_grams, transposed_weights
 from raot_hf.results import Alignment
@@ -113,6 +114,7 @@ def merge_in_place(ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], we
         load_state(ctx.model_a, part)
         add_rule_log(log, part_log)
         del part
+        release_all()  # the chunk's offloaded pages of every model (§7.4)
     return log
 
 

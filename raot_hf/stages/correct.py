@@ -19,6 +19,7 @@ from raot_hf.correction import LayerPass, Site, capture, least_squares_layer, le
 from raot_hf.correction.layer import SiteGroups, site_groups
 from raot_hf.errors import RaotError
 from raot_hf.gate.fidelity import layer_module_names
+from raot_hf.io.offload import release_all
 from raot_hf.merging import MergeRuleSpec, add_rule_log, apply_rule
 from raot_hf.stages.context import PairContext
 from raot_hf.symmetry import load_state
@@ -166,6 +167,7 @@ def _corrected(ctx: PairContext, parents: dict, mix: dict, merge, names_all: lis
         layer.advance(outputs)
         load_state(ctx.model_a, merged)
         layers.append({"layer": i, "sites": fits})
+        release_all()  # the layer's offloaded pages, read by the parents and the merge (§7.4)
     readers = final_readers(parents, ctx.schema, rest) if method == "lsq" else None
     if readers is not None:  # an untied LM head reads the final stream: refitted like the layers' Linears
         norms, sites = readers
