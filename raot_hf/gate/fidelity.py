@@ -7,9 +7,10 @@
   pre-LN LayerNorms folded when the residual map is a rotation, as the merge does (§3.3);
 * **block-local fidelity**: a merged layer run with ``functional_call`` on A's layer at A's
   captured call and at B′'s (B's, with its stream tensors mapped into A's basis);
-* **model fidelity**: A's model computing with merged parameters — the non-layer trunk swapped
-  in for the forward, each layer's just before it runs and A's restored right after — up to
-  its last layer.
+* **model fidelity**: A's modules computing with merged parameters (``functional_call``), layer
+  by layer over every gate chunk — each layer's merged parameters made once — up to its last
+  layer; every layer called as A's model calls it (:func:`raot_hf.correction.carry.layer_calls`,
+  with the merged trunk).
 
 Fidelity of an output ``m`` to a parent's ``y`` is ``1 − Σ_t w_t‖m_t − y_t‖² / Σ_t w_t‖y_t − x_t‖²``
 over real tokens t, ``x`` the stream entering the block (one layer, or all layers): the part of
@@ -22,17 +23,16 @@ few massive-activation tokens do not decide the score. The score of a merged blo
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch.func import functional_call
 
 from raot_hf.adapters.schema import ModelSchema
+from raot_hf.correction.carry import layer_calls
 from raot_hf.errors import RaotError
-from raot_hf.hooks import Call, Hooks, capture_calls, first_tensor
-from raot_hf.io.offload import release_tensor
+from raot_hf.hooks import Call, capture_calls, first_tensor
+from raot_hf.io.offload import release_all
 from raot_hf.symmetry import (
     Transform,
     apply_transform,
@@ -230,47 +230,6 @@ def layer_fidelity(
     return torch.cat(scores).cpu()
 
 
-@contextmanager
-def _swapped(model: torch.nn.Module, layer_names: list[str], layer_params: Callable[[int], dict], other: dict):
-    """``model`` computing with merged parameters: ``other`` copied in for the whole block, each
-    layer's copied in just before the layer runs and A's restored right after — never a third
-    copy of the model, and A's parameters are restored exactly (also on error)."""
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
-    saved_other = {k: params[k].detach().clone() for k in other}
-    live: dict[str, torch.Tensor] = {}
-    hooks = Hooks()
-
-    def restore_layer():
-        for k, v in live.items():
-            params[k].copy_(v)
-            release_tensor(params[k])  # an offloaded layer's pages go back to its file (§7.4)
-        live.clear()
-
-    def pre(i):
-        def hook(_args):
-            for k, v in layer_params(i).items():
-                live[k] = params[k].detach().clone()
-                params[k].copy_(v)
-
-        return hook
-
-    for i, name in enumerate(layer_names):
-        hooks.on_input(modules[name], pre(i))
-        hooks.on_output(modules[name], lambda *_: restore_layer())
-    try:
-        with torch.no_grad():
-            for k, v in other.items():
-                params[k].copy_(v)
-        yield
-    finally:
-        with torch.no_grad():
-            restore_layer()
-            for k, v in saved_other.items():
-                params[k].copy_(v)
-        hooks.remove()
-
-
 @torch.no_grad()
 def model_fidelity(
     model_a, layer_names, merged: MergedParameters, chunks, layer_transforms: dict[int, list[Transform]] | None, alpha
@@ -278,24 +237,31 @@ def model_fidelity(
     """Per-example fidelity of the merged model's last-layer output to A's and B′'s.
 
     ``layer_transforms=None``: the identity merge; otherwise the aligned merge with the residual
-    candidate of ``merged`` and these per-layer transforms."""
+    candidate of ``merged`` and these per-layer transforms. M runs layer by layer over every chunk
+    (A's modules computing with merged parameters, ``functional_call``): each layer's merged
+    parameters are made once, not once per chunk, and A's own parameters are never written."""
     aligned = layer_transforms is not None
     stream = stream_matrix(merged.residual, merged.schema) if aligned else None
+    trunk = merged.merged(None, aligned=aligned)
+    carried = []
+    for c in chunks:
+        device = next(model_a.parameters()).device
+        calls, hidden = layer_calls(model_a, layer_names, {k: v.to(device) for k, v in c.inputs.items()}, trunk)
+        carried.append([calls, hidden])
+    for i, name in enumerate(layer_names):
+        params = _relative(merged.merged(i, (layer_transforms or {}).get(i, []), aligned=aligned), name)
+        module = model_a.get_submodule(name)
+        for item in carried:
+            item[1] = item[0][i](module, item[1], params)
+        release_all()  # offloaded models: the layer's pages, read to merge it (docs/design.md §7.4)
     scores = []
-    with _swapped(
-        model_a,
-        layer_names,
-        lambda i: merged.merged(i, (layer_transforms or {}).get(i, []), aligned=aligned),
-        merged.merged(None, aligned=aligned),
-    ):
-        for c in chunks:
-            out = capture_layers(model_a, layer_names, c.inputs)[-1].output
-            ref_b = _map_stream(c.b[-1].output, stream)
-            start_a = _hidden_in(c.a[0].args, c.a[0].kwargs)
-            start_b = _map_stream(_hidden_in(c.b[0].args, c.b[0].kwargs), stream)
-            err_a = _rse(out, c.a[-1].output, c.mask, start_a)
-            err = (1 - alpha) * err_a + alpha * _rse(out, ref_b, c.mask, start_b)
-            scores.append(1 - err)
+    for c, (_, out) in zip(chunks, carried, strict=True):
+        ref_b = _map_stream(c.b[-1].output, stream)
+        start_a = _hidden_in(c.a[0].args, c.a[0].kwargs)
+        start_b = _map_stream(_hidden_in(c.b[0].args, c.b[0].kwargs), stream)
+        err_a = _rse(out, c.a[-1].output, c.mask, start_a)
+        err = (1 - alpha) * err_a + alpha * _rse(out, ref_b, c.mask, start_b)
+        scores.append(1 - err)
     return torch.cat(scores).cpu()
 
 
