@@ -14,7 +14,7 @@ import torch
 from raot_hf.errors import EquivalenceError
 from raot_hf.results import Alignment
 from raot_hf.stages.context import PairContext, on_device_of
-from raot_hf.symmetry import fold_model, needs_folding, norm_affines, transform_model
+from raot_hf.symmetry import fold_model, needs_folding, norm_affines, stream_actions, transform_model
 from raot_hf.symmetry.equivalence import compare_outputs, example_inputs, primary_outputs
 
 logger = logging.getLogger("raot_hf.stages.apply")
@@ -68,7 +68,7 @@ def apply_and_check(ctx: PairContext, alignment: Alignment, run) -> list[dict[st
     B′ ≡ B, and return the report's checks; an exact alignment that fails raises."""
     with ctx.timer.stage("apply"):
         inputs, reference = _check_inputs(ctx, run)
-        actions = alignment.applied.actions(ctx.schema) if len(alignment.applied) else {}
+        actions = stream_actions(alignment.applied, ctx.schema) if len(alignment.applied) else {}
         if len(alignment.applied):
             if needs_folding(ctx.schema, actions):  # both parents fold: record what the fold removes
                 ctx.unfolded_norms = (norm_affines(ctx.model_a, ctx.schema), norm_affines(ctx.model_b, ctx.schema))

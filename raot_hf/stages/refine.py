@@ -14,7 +14,7 @@ from raot_hf.refine import refine_alignment
 from raot_hf.results import Alignment
 from raot_hf.stages.apply import _check_inputs, deviation, exactness_threshold
 from raot_hf.stages.context import PairContext
-from raot_hf.symmetry import TransformSequence, transform_model
+from raot_hf.symmetry import TransformSequence, stream_actions, transform_model
 
 
 def refine_and_check(ctx: PairContext, alignment: Alignment, run) -> list[dict[str, Any]]:
@@ -30,7 +30,7 @@ def refine_and_check(ctx: PairContext, alignment: Alignment, run) -> list[dict[s
         transform_model(ctx.model_b, ctx.schema, TransformSequence(delta))
         alignment.applied = TransformSequence([*alignment.applied.transforms, *delta])
         inputs, reference = _check_inputs(ctx, run)
-        value = deviation(ctx, reference, inputs, alignment.applied.actions(ctx.schema))
+        value = deviation(ctx, reference, inputs, stream_actions(alignment.applied, ctx.schema))
         threshold = exactness_threshold(next(ctx.model_b.parameters()).dtype, ctx.schema.norm_dtype)
         if alignment.exact and value > threshold:
             raise EquivalenceError(

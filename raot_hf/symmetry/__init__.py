@@ -9,6 +9,7 @@ from raot_hf.symmetry.apply import (
     model_state,
     needs_folding,
     norm_affines,
+    stream_actions,
     transform_model,
 )
 from raot_hf.symmetry.group import (
@@ -53,6 +54,7 @@ __all__ = [
     "is_exact",
     "is_folded",
     "needs_folding",
+    "stream_actions",
     "norm_affines",
     "load_state",
     "mean_axis_basis",

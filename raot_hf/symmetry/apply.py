@@ -75,10 +75,9 @@ def apply_transform(
     (:func:`fold_layernorms`); ``norm_second_moments`` (LayerNorm weight name → second
     moment of its normalized input) refines γ′ of post-LN norms under a rotation.
     """
-    actions = transform.actions(schema)
-    if needs_folding(schema, actions):
+    if needs_folding(schema, stream_actions(transform, schema)):
         _require_folded(state, schema)
-    for space_name, action in actions.items():
+    for space_name, action in transform.space_actions(schema):
         inverse_t = action.inverse_transpose()
         for member in schema.space(space_name).members:
             if member.name not in state:
@@ -89,6 +88,14 @@ def apply_transform(
             else:
                 state[member.name] = _contract(state[member.name], member, action if member.covariant else inverse_t)
     return state
+
+
+def stream_actions(transform: Transform, schema: ModelSchema) -> dict[str, SpaceAction]:
+    """``transform``'s action on the residual stream alone, as a one-entry actions dict (empty if
+    it does not move the stream): what the fold condition and the stream's output check read,
+    without composing every head space of a model-wide sequence."""
+    action = transform.space_action(schema, "residual")
+    return {} if action is None else {"residual": action}
 
 
 def needs_folding(schema: ModelSchema, actions: Mapping[str, SpaceAction]) -> bool:
@@ -195,7 +202,7 @@ def transform_model(model: torch.nn.Module, schema: ModelSchema, transform: Tran
     names = schema.parameter_names() | {n for f in schema.folds for n in (f.norm_weight, f.norm_bias) if n}
     names |= {n for f in schema.folds for r in f.readers for n in r if n}
     state = _parameters_in_place(model, names)
-    if needs_folding(schema, transform.actions(schema)) and not is_folded(state, schema):
+    if needs_folding(schema, stream_actions(transform, schema)) and not is_folded(state, schema):
         logger.debug("folding pre-LN LayerNorms before a residual rotation")
         fold_layernorms(state, schema)
     apply_transform(state, schema, transform, **kw)

@@ -8,6 +8,7 @@ round-trip through JSON (floats are written with ``repr`` precision, so exactly)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -153,6 +154,15 @@ class Transform:
 
     def actions(self, schema: ModelSchema) -> dict[str, SpaceAction]:
         raise NotImplementedError
+
+    def space_actions(self, schema: ModelSchema) -> Iterator[tuple[str, SpaceAction]]:
+        """:meth:`actions` one space at a time, in the same order (a sequence composes each space's
+        action only when its turn comes)."""
+        yield from self.actions(schema).items()
+
+    def space_action(self, schema: ModelSchema, name: str) -> SpaceAction | None:
+        """The action on the space ``name`` alone (None: this transform does not touch it)."""
+        return self.actions(schema).get(name)
 
     def exact_for(self, schema: ModelSchema) -> bool:
         """Whether this transform leaves the function of a model with ``schema`` unchanged."""
@@ -475,6 +485,29 @@ class TransformSequence(Transform):
         for t in self.transforms:
             for name, act in t.actions(schema).items():
                 out[name] = out[name].then(act, schema.space(name).size) if name in out else act
+        return out
+
+    def space_actions(self, schema):
+        """The composed action of each space as :meth:`actions` gives it, one space at a time: a
+        model-wide sequence's dense head actions (four spaces × layers × (H·h)²: 10 GB at a 3 B
+        model) are never all held at once."""
+        touching: dict[str, list[Transform]] = {}
+        for t in self.transforms:
+            for name in t.actions(schema):
+                touching.setdefault(name, []).append(t)
+        for name, parts in touching.items():
+            yield name, self._composed(schema, name, parts)
+
+    def space_action(self, schema, name):
+        return self._composed(schema, name, self.transforms)
+
+    @staticmethod
+    def _composed(schema, name: str, parts: list[Transform]) -> SpaceAction | None:
+        out = None
+        for t in parts:
+            act = t.space_action(schema, name)
+            if act is not None:
+                out = act if out is None else out.then(act, schema.space(name).size)
         return out
 
     def to_dict(self):
