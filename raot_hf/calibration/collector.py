@@ -245,8 +245,8 @@ class StatisticsCollector:
     (:mod:`raot_hf.calibration.precision`). ``mlp_token_budget`` > 0 with ``planned_examples``
     (this process's fit examples): about that many fit tokens enter each MLP cross moment, at
     random positions seeded by ``seed`` (:class:`_TokenBudget`); every token enters the rest.
-    ``defer_mlp``: the f × f MLP co-moments are allocated one layer at a time
-    (:meth:`start_layer`, the layer-by-layer pass).
+    ``defer_mlp``: each layer's co-moments are allocated when its turn comes (:meth:`start_layer`,
+    the layer-by-layer pass).
     """
 
     def __init__(
@@ -347,9 +347,11 @@ class StatisticsCollector:
         return True
 
     def start_layer(self, i: int) -> None:
-        """Layer ``i`` is next in a layer-by-layer pass: its deferred MLP co-moment is allocated."""
+        """Layer ``i`` is next in a layer-by-layer pass: its deferred co-moments are allocated."""
         if self.phase == "fit" and self.moments:
-            self.stats.fit.mlp[i].allocate_comoment()
+            fit = self.stats.fit
+            for moments in (fit.mlp[i], fit.q[i], fit.k[i], fit.ctx[i]):
+                moments.allocate_comoment()
 
     def rows_state(self) -> tuple:
         """The current batch's row selection (positions, moment rows, MLP budget rows, shape)."""

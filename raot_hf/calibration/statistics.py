@@ -368,9 +368,10 @@ class SplitStatistics:
     ) -> SplitStatistics:
         """Zero sums for ``schema``; ``stream_full=False`` drops the stream's Σbᵀb (needed only to
         score a residual rotation); the k×k co-moments in ``quad_dtype`` (the MLP's products in
-        ``mlp_product_dtype``; None: the activations' dtype). ``defer_mlp``: the f × f MLP
-        co-moments are created empty, each allocated (:meth:`Moments.allocate_comoment`) when its
-        layer's turn comes in a layer-by-layer pass.
+        ``mlp_product_dtype``; None: the activations' dtype). ``defer_mlp``: every layer's
+        co-moments (the f × f MLP's and the d × d q, k and context ones) are created empty, each
+        allocated (:meth:`Moments.allocate_comoment`) when its layer's turn comes in a
+        layer-by-layer pass.
 
         The stream's d×d sums are float64 whatever the model's dtype: it is the one site where a
         few massive-activation tokens meet every other (docs/design.md §4.3); its rows are float64
@@ -380,9 +381,9 @@ class SplitStatistics:
         kw = dict(device=device, quad_dtype=quad_dtype)
         return cls(
             mlp=[Moments.zeros(f, product_dtype=mlp_product_dtype, defer=defer_mlp, **kw) for _ in range(L)],
-            q=[Moments.zeros(d, **kw) for _ in range(L)],
-            k=[Moments.zeros(d, **kw) for _ in range(L)],
-            ctx=[Moments.zeros(d, **kw) for _ in range(L)],
+            q=[Moments.zeros(d, defer=defer_mlp, **kw) for _ in range(L)],
+            k=[Moments.zeros(d, defer=defer_mlp, **kw) for _ in range(L)],
+            ctx=[Moments.zeros(d, defer=defer_mlp, **kw) for _ in range(L)],
             stream=Moments.zeros(d, full=stream_full, full_a=False, device=device, quad_dtype=_F64, product_dtype=_F64),
             tokens=torch.zeros((), dtype=_F64, device=device),
             moment_tokens=torch.zeros((), dtype=_F64, device=device),

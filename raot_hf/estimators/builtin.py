@@ -101,11 +101,12 @@ def _layer_candidates(request: EstimationRequest, i: int) -> tuple[list[Transfor
 
 def solve_layer_early(stats, schema, config, i: int) -> None:
     """Layer ``i``'s candidates from its complete fit moments, kept in ``stats.layer_candidates``
-    for :func:`activation_candidates`; the layer's f × f MLP co-moment is then freed (the
-    layer-by-layer calibration pass, docs/design.md §7.4)."""
+    for :func:`activation_candidates`; the layer's co-moments (MLP, q, k, context) are then freed
+    (the layer-by-layer calibration pass, docs/design.md §7.4)."""
     stats.layer_candidates[i] = _layer_candidates(EstimationRequest(stats, schema, {}, {}, config, False), i)
-    mlp = stats.fit.mlp[i]
-    mlp.comoment = mlp.comoment.new_zeros(0, 0)
+    fit = stats.fit
+    for moments in (fit.mlp[i], fit.q[i], fit.k[i], fit.ctx[i]):
+        moments.comoment = moments.comoment.new_zeros(0, 0)
 
 
 def activation_candidates(request: EstimationRequest) -> tuple[list[Transform], dict[str, Any]]:

@@ -60,14 +60,14 @@ def largest_tensor_bytes(source, dtype: str = "auto") -> int:
 def statistics_bytes(hf_config, dtype: str = "auto", per_layer: bool = False) -> int:
     """The calibration statistics of one pair (fit moments: each layer's f × f MLP co-moment and
     d × d-sized attention and stream moments, in float32 — float64 for float64 models);
-    ``per_layer``: one f × f co-moment at a time (the layer-by-layer pass solving each layer as it
-    completes)."""
+    ``per_layer``: one layer's co-moments at a time (the layer-by-layer pass solving each layer as
+    it completes)."""
     text = getattr(hf_config, "get_text_config", lambda: hf_config)()
     d = getattr(text, "hidden_size", None) or getattr(text, "n_embd", 0)
     f = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * d
     layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", 0)
     quad = 8 if dtype == "float64" else 4
-    return int(((1 if per_layer else layers) * f * f + layers * 4 * d * d) * quad + 4 * d * d * quad)
+    return int(((1 if per_layer else layers) * (f * f + 3 * d * d) + 4 * d * d) * quad)
 
 
 def reads_tensorwise(source, hf_config) -> bool:
