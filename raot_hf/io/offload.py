@@ -296,6 +296,8 @@ def load_offloaded(cls: type, path: Path, config, dtype: str, directory: str | P
             )
         view.copy_(value)
         weights._drop(start, stop)
+        del value
+        ckpt.release()  # the checkpoint's mapped pages would otherwise count as this process's memory
         new = torch.nn.Parameter(view)
         for module, leaf in owners[id(param)]:
             module._parameters[leaf] = new
