@@ -208,9 +208,13 @@ def release_tensor(tensor: torch.Tensor) -> None:
 
 
 def release_all() -> None:
-    """Drop the resident pages of every offloaded model (between stages)."""
-    for weights in list(_LIVE):
+    """Drop the resident pages of every offloaded model (between stages and layers), and, when
+    there is one, hand the heap's free pages back too."""
+    live = list(_LIVE)
+    for weights in live:
         weights.release()
+    if live and _TRIM is not None:
+        _TRIM(0)
 
 
 def _model_dtype(dtype: str, config, ckpt) -> torch.dtype:
