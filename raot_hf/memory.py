@@ -7,10 +7,7 @@ and the later stages' allocations come on top of it.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import gc
-import sys
 
 
 def release_freed_memory() -> None:
@@ -19,10 +16,7 @@ def release_freed_memory() -> None:
     walks every object of transformers' import (~0.2 s), while the tensors a stage frees are freed
     when their last reference goes. Offloaded models' resident weight pages are dropped too."""
     gc.collect(1)
-    from raot_hf.io.offload import release_all
+    from raot_hf.io.offload import release_all, trim_heap
 
     release_all()  # offloaded models' weights: back to their files (docs/design.md §7.4)
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):  # musl or another libc: nothing to trim with
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    trim_heap()

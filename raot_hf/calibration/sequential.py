@@ -26,6 +26,7 @@ from huggingface_hub.utils import tqdm
 from raot_hf.calibration.batches import CalibrationBatch
 from raot_hf.calibration.collector import StatisticsCollector
 from raot_hf.correction.carry import LayerCall, layer0_call, layer_calls
+from raot_hf.stages.context import on_device_of
 
 
 @dataclass
@@ -39,11 +40,6 @@ class _Batch:
     hidden: dict[str, torch.Tensor]
 
 
-def _to(model: torch.nn.Module, inputs: dict) -> dict:
-    device = next(model.parameters()).device
-    return {k: v.to(device) for k, v in inputs.items()}
-
-
 def _enter(collector: StatisticsCollector, batches: Iterable[CalibrationBatch], names: list[str]) -> list[_Batch]:
     """Every batch of this phase up to layer 0 of both models, the embeddings observed, with every
     layer's call."""
@@ -52,12 +48,14 @@ def _enter(collector: StatisticsCollector, batches: Iterable[CalibrationBatch], 
     for batch in batches:
         if not collector.begin(batch):
             continue
-        calls = {side: layer_calls(model, names, _to(model, batch.inputs))[0] for side, model in models.items()}
+        calls = {
+            side: layer_calls(model, names, on_device_of(model, batch.inputs))[0] for side, model in models.items()
+        }
         hidden: dict[str, torch.Tensor] = {}
 
         def run(side, batch=batch, hidden=hidden):  # observed: the embeddings' stream sites
             model = models[side]
-            hidden[side] = layer0_call(model, names[0], _to(model, batch.inputs))[1]
+            hidden[side] = layer0_call(model, names[0], on_device_of(model, batch.inputs))[1]
 
         collector.observe(lambda run=run: run("a"), lambda run=run: run("b"))
         carried.append(_Batch(batch, collector.rows_state(), calls, hidden))

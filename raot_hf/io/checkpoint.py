@@ -49,6 +49,12 @@ class Checkpoint:
     def keys(self) -> list[str]:
         return list(self.files)
 
+    def sizes(self, dtype: torch.dtype | None = None) -> list[int]:
+        """Every tensor's bytes as stored, or in ``dtype`` (None: as stored)."""
+        if dtype is None:
+            return list(self.nbytes.values())
+        return [n * dtype.itemsize for n in self.numel.values()]
+
     def dtype(self, name: str) -> torch.dtype:
         """The stored dtype of tensor ``name`` (from the header)."""
         return _TORCH_DTYPES.get(self.dtypes[name], torch.float32)

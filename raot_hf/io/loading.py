@@ -146,6 +146,12 @@ def model_class(config) -> type:
     return transformers.AutoModel._model_mapping[type(config)]
 
 
+def meta_model(config) -> torch.nn.Module:
+    """The model ``config`` describes on the meta device: its parameter names and shapes, no memory."""
+    with torch.device("meta"):
+        return model_class(config)._from_config(config)
+
+
 def load_model_checks(source: ModelSource, label: str, config) -> None:
     """What :func:`load_model` checks before reading weights: a supported architecture and, for a
     local directory, weights it may read."""

@@ -60,12 +60,18 @@ _MADVISE = _madvise()
 def _malloc_trim():
     if not sys.platform.startswith("linux"):
         return None
-    with contextlib.suppress(OSError, AttributeError):
+    with contextlib.suppress(OSError, AttributeError):  # musl or another libc: nothing to trim with
         return ctypes.CDLL("libc.so.6").malloc_trim
     return None
 
 
 _TRIM = _malloc_trim()
+
+
+def trim_heap() -> None:
+    """Return the C heap's free pages to the OS (glibc's ``malloc_trim``; a no-op elsewhere)."""
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 @dataclass(eq=False)
@@ -202,8 +208,7 @@ def release_tensor(tensor: torch.Tensor) -> None:
         span = weights.owns(tensor)
         if span is not None:
             weights._drop(*span)
-            if _TRIM is not None:
-                _TRIM(0)
+            trim_heap()
             return
 
 
@@ -213,8 +218,8 @@ def release_all() -> None:
     live = list(_LIVE)
     for weights in live:
         weights.release()
-    if live and _TRIM is not None:
-        _TRIM(0)
+    if live:
+        trim_heap()
 
 
 def _model_dtype(dtype: str, config, ckpt) -> torch.dtype:

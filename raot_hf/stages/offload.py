@@ -33,28 +33,26 @@ _GIB = 2**30
 _CHOICES = ("auto", "always", "never")
 
 
-def _dtype_bytes(dtype: str | None) -> int | None:
-    return {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}.get(dtype or "")
+def _tensor_sizes(source, dtype: str = "auto") -> list[int] | None:
+    """Every tensor's bytes of a local safetensors checkpoint in the merge's dtype, from the
+    headers (None: not a local safetensors checkpoint)."""
+    from raot_hf.io.checkpoint import Checkpoint, weight_files
+    from raot_hf.io.loading import _DTYPES
+
+    if not source.is_local or not weight_files(Path(source.name_or_path)):
+        return None
+    return Checkpoint(Path(source.name_or_path)).sizes(_DTYPES.get(dtype))
 
 
 def checkpoint_bytes(source, dtype: str = "auto") -> int | None:
     """A local safetensors checkpoint's parameter bytes in the merge's dtype (None: not local)."""
-    from raot_hf.io.checkpoint import Checkpoint, weight_files
-
-    if not source.is_local or not weight_files(Path(source.name_or_path)):
-        return None
-    ckpt = Checkpoint(Path(source.name_or_path))
-    want = _dtype_bytes(dtype)
-    return sum(ckpt.nbytes.values()) if want is None else want * sum(ckpt.numel.values())
+    sizes = _tensor_sizes(source, dtype)
+    return None if sizes is None else sum(sizes)
 
 
 def largest_tensor_bytes(source, dtype: str = "auto") -> int:
     """A local safetensors checkpoint's largest tensor, in bytes in the merge's dtype."""
-    from raot_hf.io.checkpoint import Checkpoint
-
-    ckpt = Checkpoint(Path(source.name_or_path))
-    want = _dtype_bytes(dtype)
-    return max((ckpt.nbytes[k] if want is None else want * ckpt.numel[k]) for k in ckpt.nbytes)
+    return max(_tensor_sizes(source, dtype), default=0)
 
 
 def statistics_bytes(hf_config, dtype: str = "auto", per_layer: bool = False) -> int:
@@ -73,16 +71,13 @@ def statistics_bytes(hf_config, dtype: str = "auto", per_layer: bool = False) ->
 def reads_tensorwise(source, hf_config) -> bool:
     """Whether a layer-wise merge reads ``source`` tensor by tensor into its working file (a local
     safetensors checkpoint storing the model's own parameter names), rather than loading it whole."""
-    import torch
-
     from raot_hf.io.checkpoint import Checkpoint, weight_files
-    from raot_hf.io.loading import model_class
+    from raot_hf.io.loading import meta_model
     from raot_hf.io.offload import _checkpoint_keys
 
     if not source.is_local or not weight_files(Path(source.name_or_path)):
         return False
-    with torch.device("meta"):
-        model = model_class(hf_config)._from_config(hf_config)
+    model = meta_model(hf_config)
     names = [n for n, _ in model.named_parameters()]
     return _checkpoint_keys(model, names, set(Checkpoint(Path(source.name_or_path)).keys())) is not None
 
@@ -121,13 +116,14 @@ def choose_offload(
     mode = {True: "always", False: "never", None: "auto"}.get(offload, offload)
     if mode not in _CHOICES:
         raise RaotError(f"offload must be one of {', '.join(_CHOICES)}, got {offload!r}")
-    sizes = [checkpoint_bytes(s, dtype) for s in sources]
-    known = None not in sizes
+    tensors = [_tensor_sizes(s, dtype) for s in sources]  # each checkpoint's headers read once
+    known = None not in tensors
+    sizes = [sum(t) for t in tensors] if known else []
     in_memory = RUNTIME_BYTES + IN_MEMORY_FACTOR * sum(sizes) if known else None
     layerwise = None
     if known:
         tensorwise = all(reads_tensorwise(s, hf_config) for s in sources)
-        largest = max(largest_tensor_bytes(s, dtype) for s in sources) if tensorwise else None
+        largest = max(max(t, default=0) for t in tensors) if tensorwise else None
         layerwise = layerwise_bytes(sizes, hf_config, dtype, largest, per_layer)
     if mode == "never":
         if cap is not None and known and cap < in_memory:

@@ -58,10 +58,9 @@ def stream_blocker(config, sources: list, base=None) -> str | None:
 def _skeleton(config):
     """A's model on the meta device: its parameter names and schema, no memory."""
     from raot_hf.adapters import schema_for
-    from raot_hf.io.loading import model_class
+    from raot_hf.io.loading import meta_model
 
-    with torch.device("meta"):
-        model = model_class(config)._from_config(config)
+    model = meta_model(config)
     return model, schema_for(model)
 
 
@@ -285,7 +284,7 @@ def streamed_report(sources, base_source, config, reading: _Reading, merge_log, 
 
 def _checkpoint_sizes(source) -> tuple[int, int]:
     """(total bytes, largest tensor's bytes) of a local safetensors checkpoint, from its headers."""
-    sizes = Checkpoint(Path(source.name_or_path)).nbytes.values()
+    sizes = Checkpoint(Path(source.name_or_path)).sizes()
     return sum(sizes), max(sizes, default=0)
 
 
