@@ -126,6 +126,38 @@ def test_least_squares_fits_every_linear_better_and_the_merge_follows_its_parent
     assert corrected["kl_a"] + corrected["kl_b"] < plain["kl_a"] + plain["kl_b"]
 
 
+@pytest.mark.parametrize("pair", ["independent", "scrambled"])
+def test_screening_the_rules_error_on_a_few_rows_changes_no_decision_and_no_weight(monkeypatch, pair):
+    """The rule's error at each Linear is screened on a few evenly spaced rows; only where it is
+    clearly large is the rest left to the summed products. Against every error taken from every
+    row: the same Linears kept (all of them for a scrambled copy), bitwise the same weights, and
+    the logged errors before the fit equal: from the same rows where a Linear is kept, to float32
+    rounding where it is refitted."""
+    from raot_hf.correction import fits
+
+    pre, data = _data("llama", 160)
+    runs = {}
+    for rows in (10**9, 16):  # never screened; screened on 16 rows
+        monkeypatch.setattr(fits, "SCREEN_ROWS", rows)
+        a, b = _independent_pair()
+        if pair == "scrambled":
+            b = clone(a)
+            scramble(b, seed=1)
+        correction = {"method": "lsq", "examples": 64, "batch_size": 64}  # one chunk: refitted as M runs
+        runs[rows] = RaotMerger.from_models(a, b, preprocessor=pre, correction=correction).merge(calibration=data)
+    layers = [r.report["merge"]["correction"]["layers"] for r in runs.values()]
+    sites = [[s for layer in run for s in layer["sites"].values()] for run in layers]
+    assert [s.get("kept", False) for s in sites[0]] == [s.get("kept", False) for s in sites[1]]
+    assert all(s.get("kept", False) for s in sites[0]) == (pair == "scrambled")
+    for full, screened in zip(*sites, strict=True):
+        if full.get("kept", False):
+            assert screened["error_before"] == full["error_before"]
+        else:
+            assert screened["error_before"] == pytest.approx(full["error_before"], rel=1e-4)
+    states = [r.model.state_dict() for r in runs.values()]
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
 def test_repair_gives_each_unit_the_interpolated_statistics():
     """After REPAIR, layer 0's MLP pre-activations (gate and up, no bias: their RMS) of the merged
     model equal the α-interpolation of A's and B′'s on the correction examples."""

@@ -164,6 +164,33 @@ def test_each_layer_leaves_memory_after_its_forward(tmp_path):
     assert _status_kib("RssFile") - resident < 0.05 * size
 
 
+@linux_only
+@pytest.mark.parametrize("model_type,head", [("llama", "base"), ("gpt2", "causal")])
+def test_writing_an_offloaded_model_copies_nothing_and_leaves_no_pages_behind(tmp_path, model_type, head):
+    """The shard writer reads each weight from the working file once, with no copy of the shard
+    (the weights share the file's storage, which safetensors' writer would clone whole), and drops
+    each tensor's pages once written. The names written are the in-memory model's (tied aliases
+    dropped, GPT-2's LM head included), with the same values."""
+    from raot_hf.adapters import schema_for
+    from raot_hf.outputs.shards import weights_to_save, write_safetensors_shards
+
+    model = tiny_model(model_type, head, vocab_size=8, hidden_size=256, num_layers=8, intermediate_size=1024,
+                       dtype=torch.float32)  # fmt: skip
+    expected = {k: v.clone() for k, v in weights_to_save(model).items()}
+    size = sum(p.numel() * p.element_size() for p in model.parameters()) // 1024
+    offload_models([model], ["A"], schema_for(model), tmp_path)
+    release_all()
+    file_pages, anonymous = _status_kib("RssFile"), _status_kib("RssAnon")
+    (tmp_path / "out").mkdir()
+    write_safetensors_shards(tmp_path / "out", weights_to_save(model), 10**9)
+    assert _status_kib("RssFile") - file_pages < 0.05 * size
+    assert _status_kib("RssAnon") - anonymous < 0.5 * size
+    from safetensors.torch import load_file
+
+    written = load_file(str(next((tmp_path / "out").glob("*.safetensors"))))
+    assert set(written) == set(expected) and all(torch.equal(written[k], expected[k]) for k in written)
+
+
 def _saved_pair(root, model_type="llama"):
     a, b, pre, data = _pair(model_type)
     for name, model in (("a", a), ("b", b)):

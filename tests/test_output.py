@@ -22,6 +22,7 @@ from raot_hf.outputs import (
     hash_checkpoint_files,
     parse_size,
     render_model_card,
+    shards,
     write_merged_repo,
 )
 from raot_hf.outputs.card import _FALLBACK_TEMPLATE
@@ -209,17 +210,49 @@ def test_overwrite_refuses_a_directory_that_is_no_model(tmp_path):
     assert _siblings(out) == ["notes.txt"]
 
 
+def test_the_streaming_writer_writes_the_bytes_safetensors_writes(tmp_path):
+    """Tensor by tensor, every dtype a model holds, views and non-contiguous tensors included:
+    the same file, byte for byte, as safetensors' own writer, and the same tensors read back."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 10, generator=g, dtype=torch.float64)
+    tensors = {
+        "z.f64": base,
+        "a.f32.transposed": torch.randn(5, 7, generator=g).T,
+        "m.bf16": torch.randn(9, generator=g).to(torch.bfloat16),
+        "m.f16": torch.randn(3, 3, generator=g).to(torch.float16),
+        "b.view": base[2:4, 1:],
+        "ids": torch.arange(5, dtype=torch.int64),
+        "i32": torch.arange(3, dtype=torch.int32),
+        "i8": torch.arange(3, dtype=torch.int8),
+        "u8": torch.arange(7, dtype=torch.uint8),
+        "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+    }
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    shards.write_safetensors_shards(ours, tensors, 10**9)
+    reference = {k: v.contiguous().clone() for k, v in tensors.items()}
+    safetensors.torch.save_file(reference, str(tmp_path / "reference.safetensors"), metadata={"format": "pt"})
+    (written,) = ours.glob("*.safetensors")
+    assert written.read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+    with safe_open(str(written), "pt") as handle:
+        assert all(torch.equal(handle.get_tensor(k), v) for k, v in tensors.items())
+
+
 def _fail_on_second_shard(monkeypatch):
-    real_save = safetensors.torch.save_file
+    """The second shard's file write fails (a full disk), after the first shard was written."""
+    real_write = shards._write_shard
     calls = []
 
-    def save_file(tensors, filename, metadata=None):
-        calls.append(filename)
+    def write_shard(path, tensors, names, metadata):
+        calls.append(path)
         if len(calls) == 2:
+            path.write_bytes(b"partial")
             raise OSError("disk full (injected)")
-        return real_save(tensors, filename, metadata=metadata)
+        return real_write(path, tensors, names, metadata)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    monkeypatch.setattr(shards, "_write_shard", write_shard)
     return calls
 
 

@@ -57,6 +57,8 @@ SHAPES = {
 }
 # the same in float32 (CPUs without fast bf16 kernels: there bf16 forwards are several times slower)
 SHAPES["llama-0.5b-fp32"] = {**SHAPES["llama-0.5b"], "dtype": "float32"}
+# four of its layers: per-layer costs and memory of the 0.49 B shape in a fraction of the time
+SHAPES["llama-0.5b-fp32-4l"] = {**SHAPES["llama-0.5b-fp32"], "num_hidden_layers": 4}
 # a 24-layer Llama-shaped decoder that computes like a trained one (raot_hf.testing.trained_like):
 # unit-gain weights, peaked attention, and massive activations (~10³ on the first and last token
 # of every text, against a median stream entry of ~1); the merge must give A back

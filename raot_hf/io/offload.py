@@ -200,15 +200,17 @@ def release_after_forward(model: torch.nn.Module, module_names: list[str]) -> No
         weights.hooks.on_output(modules[name], lambda *_args, n=name: weights.release(n))
 
 
-def release_tensor(tensor: torch.Tensor) -> None:
+def release_tensor(tensor: torch.Tensor, *, trim: bool = True) -> None:
     """Drop the resident pages of ``tensor`` if it is a view of a working file (else nothing), and
-    hand the heap's free pages back: the temporaries of a parameter-by-parameter transform (under
-    glibc's 32 MB mmap threshold) otherwise pile up as fragmented heap — 11 GB for a 3.4 B model."""
+    (``trim``) hand the heap's free pages back: the temporaries of a parameter-by-parameter
+    transform (under glibc's 32 MB mmap threshold) otherwise pile up as fragmented heap — 11 GB for
+    a 3.4 B model."""
     for weights in list(_LIVE):
         span = weights.owns(tensor)
         if span is not None:
             weights._drop(*span)
-            trim_heap()
+            if trim:
+                trim_heap()
             return
 
 

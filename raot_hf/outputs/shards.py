@@ -1,7 +1,9 @@
 """The weights of a merged model as safetensors shards with ``model.safetensors.index.json``.
 
 A streaming writer: the tensors are grouped into shards of at most ``max_shard_size`` bytes and
-each shard is materialised on the CPU only while it is written. The key set is the one
+each shard's file is written tensor by tensor (the safetensors layout: an 8-byte header length,
+the JSON header, the raw little-endian bytes), so at most one tensor is copied at a time and an
+offloaded model's pages are dropped as soon as they are written (docs/design.md §7.4). The key set is the one
 ``PreTrainedModel.save_pretrained`` writes (tied aliases dropped, weight renamings reverted to the
 checkpoint format), so the output reloads with no missing or unexpected keys. The index is
 written even for a single shard; identical tensors give byte-identical files.
@@ -12,6 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +81,20 @@ def _drop_tied_targets(state: dict[str, torch.Tensor], model: torch.nn.Module) -
     return state
 
 
+def _without_tied(state: dict[str, torch.Tensor], model: torch.nn.Module, remove) -> dict[str, torch.Tensor]:
+    """``state`` less its tied aliases (``remove``: transformers' rule of which name is kept).
+
+    An offloaded model's weights all share one storage, the working file, which ``remove`` would
+    take for disjoint aliases and clone — a copy of the whole model in memory. It is then given
+    meta stand-ins instead, whose ties are found by parameter identity, and keeps the real tensors."""
+    from raot_hf.io.offload import offloaded
+
+    if offloaded(model) is None:
+        return remove(state, model)
+    kept = remove({name: torch.empty_like(t, device="meta") for name, t in state.items()}, model)
+    return {name: state[name] for name in kept}
+
+
 def weights_to_save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The tensors ``save_pretrained`` would write, by checkpoint name, without copying them.
 
@@ -96,7 +114,7 @@ def weights_to_save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     except ImportError:  # older or newer transformers
         remove_tied_weights_from_state_dict = _drop_tied_targets
     all_names = set(state)
-    state = remove_tied_weights_from_state_dict(state, model)
+    state = _without_tied(state, model, remove_tied_weights_from_state_dict)
     tied_targets = set((getattr(model, "all_tied_weights_keys", None) or {}).keys())
     unexplained = all_names - set(state) - tied_targets
     if unexplained:
@@ -138,6 +156,72 @@ def _cpu_copy_for_saving(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+#: safetensors' names of the dtypes the streaming writer writes (any other goes through safetensors).
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+#: safetensors' layout order: widest dtype first (then by name), so every tensor stays aligned.
+_LAYOUT_ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "I8", "U8", "BOOL")
+
+
+def _layout(tensors: dict[str, torch.Tensor], names: list[str]) -> list[str]:
+    """``names`` in the order safetensors lays them out (its files and ours are byte-identical)."""
+    rank = {dtype: i for i, dtype in enumerate(_LAYOUT_ORDER)}
+    return sorted(names, key=lambda n: (rank[_SAFETENSORS_DTYPES[tensors[n].dtype]], n.encode("utf-8")))
+
+
+def _shard_header(tensors: dict[str, torch.Tensor], names: list[str], metadata: dict[str, str]) -> bytes:
+    """The safetensors header of ``names`` laid out in that order, padded with spaces to 8 bytes."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name in names:
+        tensor = tensors[name]
+        size = _tensor_nbytes(tensor)
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    return text + b" " * (-len(text) % 8)
+
+
+def _write_shard(path: Path, tensors: dict[str, torch.Tensor], names: list[str], metadata: dict[str, str]) -> None:
+    """Write one shard's safetensors file, one tensor at a time; each written tensor's offloaded
+    pages are dropped (:func:`raot_hf.io.offload.release_tensor`)."""
+    from raot_hf.io.offload import release_tensor, trim_heap
+
+    names = _layout(tensors, names)
+    header = _shard_header(tensors, names, metadata)
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(header)))
+        handle.write(header)
+        for name in names:
+            tensor = tensors[name].detach().to("cpu")
+            data = tensor.contiguous()
+            if data.numel():
+                handle.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+            del data
+            release_tensor(tensor, trim=False)
+    trim_heap()
+
+
+def _streamable(tensors: dict[str, torch.Tensor], names: list[str]) -> bool:
+    return sys.byteorder == "little" and all(tensors[n].dtype in _SAFETENSORS_DTYPES for n in names)
+
+
 def write_safetensors_shards(
     directory: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int, *, total_parameters: int | None = None
 ) -> dict[str, Any]:
@@ -148,11 +232,14 @@ def write_safetensors_shards(
     total_size = 0
     for number, names in enumerate(tqdm(shards, desc="Writing shards", unit="shard"), start=1):
         filename = shard_name(number, len(shards))
-        shard = {name: _cpu_copy_for_saving(tensors[name]) for name in names}
-        safetensors.torch.save_file(shard, str(directory / filename), metadata={"format": "pt"})
-        total_size += sum(_tensor_nbytes(t) for t in shard.values())
+        if _streamable(tensors, names):
+            _write_shard(directory / filename, tensors, names, {"format": "pt"})
+        else:  # a dtype the streaming writer does not name: the whole shard through safetensors
+            shard = {name: _cpu_copy_for_saving(tensors[name]) for name in names}
+            safetensors.torch.save_file(shard, str(directory / filename), metadata={"format": "pt"})
+            del shard
+        total_size += sum(_tensor_nbytes(tensors[name]) for name in names)
         weight_map.update(dict.fromkeys(names, filename))
-        del shard
     index = write_index(directory, weight_map, total_size, total_parameters)
     logger.info("wrote %d weights (%d bytes) in %d shard(s)", len(weight_map), total_size, len(shards))
     return index
