@@ -11,8 +11,8 @@ another order (float64 rounding).
 
 Every layer's call (attention masks — which differ between sliding-window and full-attention
 layers —, rotary position embeddings, DeBERTa's relative embeddings) is captured once per batch
-from each model's own forward, in which only layer 0 computes: the later layers return their
-input, so the capture reads no weights beyond layer 0's.
+from each model's own forward, in which every layer returns its input (layer 0 computes only the
+first time it is met, to learn its output's structure), so the capture reads no layer's weights.
 """
 
 from __future__ import annotations

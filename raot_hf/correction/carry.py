@@ -7,12 +7,13 @@ merged parameters (``torch.func.functional_call``), so A's own parameters serve 
 its layer has been passed and the corrected merged layer is written into it — no third copy of
 the model. Every layer's call (attention masks — a sliding-window layer's differs from a full-attention
 layer's —, rotary position embeddings, DeBERTa's relative embeddings) is captured once, from each
-model's own forward in which only layer 0 computes; the hidden states are replaced as the pass
-moves on.
+model's own forward in which no layer computes (layer 0 only the first time it is met, to learn
+its output's structure); the hidden states are replaced as the pass moves on.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -68,15 +69,28 @@ def _as_call(args: tuple, kwargs: dict) -> tuple[LayerCall, torch.Tensor]:
     return LayerCall((), rest, True), kwargs["hidden_states"]
 
 
+#: Layer 0's module → what its output carries after the states: None for a bare tensor, else the
+#: number of ``None`` entries that follow (DeBERTa's attention slot). Read from its first call.
+_OUTPUT_TAILS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _output_tail(out) -> int | None:
+    """``out``'s structure if every call can be given it without computing: None (a tensor) or the
+    number of trailing ``None`` entries; -1 when it carries tensors beside the states."""
+    if isinstance(out, torch.Tensor):
+        return None
+    return len(out) - 1 if all(x is None for x in out[1:]) else -1
+
+
 @torch.no_grad()
 def layer_calls(
     model: torch.nn.Module, layer_names: list[str], inputs: dict, params: dict | None = None
 ) -> tuple[list[LayerCall], torch.Tensor]:
     """Every layer's call on ``inputs`` (``model`` computing with ``params`` swapped in, if given)
-    and layer 0's input states, from one forward in which layer 0 computes and every later layer
-    returns its input (in the structure of layer 0's output), so that no later layer's weights are
-    read; the forward stops after the last layer. Layers may be called differently — a sliding-
-    window layer gets another attention mask than a full-attention one."""
+    and layer 0's input states, from one forward in which every layer returns its input (in the
+    structure of layer 0's output, which layer 0 computes the first time it is met), so that no
+    layer's weights are read; the forward stops after the last layer. Layers may be called
+    differently — a sliding-window layer gets another attention mask than a full-attention one."""
     modules = [model.get_submodule(n) for n in layer_names]
     seen: list[tuple | None] = [None] * len(modules)
     first: dict[str, object] = {}
@@ -87,12 +101,17 @@ def layer_calls(
 
         def forward(*args, **kwargs):
             seen[i] = (args, kwargs)
+            hidden = args[0] if args else kwargs["hidden_states"]
             if i == 0:
-                first["out"] = out = compute(*args, **kwargs)
-            else:
-                hidden = args[0] if args else kwargs["hidden_states"]
-                real = first["out"]
-                out = hidden if isinstance(real, torch.Tensor) else (hidden, *real[1:])
+                tail = _OUTPUT_TAILS.get(module, -1)
+                if tail == -1:  # not met yet, or an output that carries tensors: computed
+                    first["out"] = real = compute(*args, **kwargs)
+                    tail = _output_tail(real)
+                    if tail != -1:
+                        _OUTPUT_TAILS[module] = tail
+                first["tail"] = tail
+            tail = first["tail"]
+            out = hidden if tail is None else (hidden, *(first["out"][1:] if tail == -1 else [None] * tail))
             if i == len(modules) - 1:
                 raise Stop
             return out

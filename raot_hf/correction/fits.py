@@ -60,17 +60,16 @@ class _Normal:
     residual: float | None = None
     tokens: int = 0
 
-    def add(
-        self,
-        x: torch.Tensor,
-        y_mix: torch.Tensor,
-        target: float,
-        y_merged: torch.Tensor | None = None,
-        gram: torch.Tensor | None = None,
-    ) -> None:
-        """Add one chunk: M's inputs ``x`` (x̃), the mix ``y_mix``, Σ_p w_p‖y_p‖², M's outputs
-        (None: the rule's error is left to :func:`_rule_error`) and, when a group's Linears share
-        their input, its float64 Gram ``gram`` (x̃ᵀx̃, computed once for the group)."""
+    def add(self, x: torch.Tensor, y_mix: torch.Tensor, target: float, y_merged: torch.Tensor) -> None:
+        """Add one chunk: M's inputs ``x`` (x̃), the mix ``y_mix``, Σ_p w_p‖y_p‖² and M's outputs."""
+        self.add_products(x, y_mix)
+        self.target += target
+        self.tokens += x.shape[0]
+        self.add_residual(y_merged, y_mix, target)
+
+    def add_products(self, x: torch.Tensor, y_mix: torch.Tensor, gram: torch.Tensor | None = None) -> None:
+        """Add one chunk's x̃ᵀx̃ and x̃ᵀȳ; ``gram``: x̃ᵀx̃ (float64) already made for a group of
+        Linears that read one input."""
         dt = _F64 if x.dtype == _F64 else torch.float32
         x = x.to(dt)
         g = _gram(x) if gram is None else gram
@@ -80,10 +79,11 @@ class _Normal:
         else:
             self.gram.add_(g)
         self.cross = c if self.cross is None else self.cross.add_(c)
-        self.target += target
-        self.tokens += x.shape[0]
-        if y_merged is not None:
-            self.add_residual(y_merged, y_mix, target)
+
+    @property
+    def kept(self) -> bool:
+        """Whether the rule's error, measured from the rows, is small enough to keep the Linear."""
+        return self.residual is not None and self.residual / max(self.target, 1e-300) <= KEEP_BELOW
 
     def add_residual(self, y_merged: torch.Tensor, y_mix: torch.Tensor, target: float) -> None:
         """Add one chunk's Σ_p w_p‖y_M − y_p‖² = ‖y_M − ȳ‖² + Σ_p w_p‖y_p‖² − ‖ȳ‖² (Σ_p w_p = 1),
@@ -213,15 +213,18 @@ def least_squares_layer(
     if len(layer.chunks) == 1 and groups.once:  # one forward of M: each group refitted as it is reached
 
         def fit(group: list[str], x: torch.Tensor) -> dict[str, torch.Tensor]:
-            normals, grams = {name: _Normal() for name in group}, {}
-            for name in group:  # q, k and v (gate and up) read one input: its Gram is made once
+            normals, grams = {}, {}
+            for name in group:
                 site, key = by_module[name], (0, name)
+                n = normals[name] = _Normal(target=energy[key], tokens=x.shape[0])
+                _rule_error(x, site, _weights(params, site), mixed[key], energy[key], n)
+                if n.kept:  # an exact merge: nothing to fit, no products made
+                    continue
                 biased = site.bias is not None
                 augmented = _augment(x, biased)
-                if biased not in grams:
+                if biased not in grams:  # q, k and v (gate and up) read one input: its Gram is made once
                     grams[biased] = _gram(augmented.to(_F64 if x.dtype == _F64 else torch.float32))
-                normals[name].add(augmented, mixed[key], energy[key], gram=grams[biased])
-                _rule_error(x, site, _weights(params, site), mixed[key], energy[key], normals[name])
+                n.add_products(augmented, mixed[key], gram=grams[biased])
             refit(group, normals)
             return {k: params[k] for name in group for k in (by_module[name].weight, by_module[name].bias) if k}
 
