@@ -95,7 +95,7 @@ class RssSampler:
     peaks are sampled and may miss spikes shorter than the interval."""
 
     def __init__(self, interval: float = 0.02):
-        self.interval, self.stage, self.peaks, self.anon_peak = interval, "start", {}, 0
+        self.interval, self.stage, self.peaks, self.anon_peak, self.anon_peaks = interval, "start", {}, 0, {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -104,7 +104,9 @@ class RssSampler:
             rss = _status_kib("VmRSS") * 1024
             self.peaks[self.stage] = max(self.peaks.get(self.stage, 0), rss)
             # anonymous memory only: an offloaded model's weights are file pages the kernel may drop
-            self.anon_peak = max(self.anon_peak, _status_kib("RssAnon") * 1024)
+            anon = _status_kib("RssAnon") * 1024
+            self.anon_peak = max(self.anon_peak, anon)
+            self.anon_peaks[self.stage] = max(self.anon_peaks.get(self.stage, 0), anon)
             self._stop.wait(self.interval)
 
     def __enter__(self):
@@ -238,6 +240,7 @@ def worker_merge(args) -> dict:
         "rss_after_import": rss_import,
         "stage_rss": sampler.peaks,
         "peak_anon": sampler.anon_peak,
+        "stage_anon": sampler.anon_peaks,
         "offload": args.offload,
         "statistics_bytes": stats_bytes,
     }
@@ -376,7 +379,11 @@ def render(results: dict, args) -> str:
             f"| {m['peak_rss'] / size:.2f} | {_mib(m['statistics_bytes'])} "
             f"| {_mib(m['gram_bytes']) if m.get('gram_bytes') else '–'} |"
         )
-    lines += ["", "Per-stage times (s) and sampled peak RSS per stage:", ""]
+    lines += [
+        "",
+        "Per-stage times (s) and sampled peak RSS (and anonymous RSS, memory not backed by files) per stage:",
+        "",
+    ]
     stages = ["load", "calibration", "solve", "gate", "apply", "refine", "merge", "correction", "write"]
     lines += ["| shape | run | " + " | ".join(stages) + " | other |", "|---|---|" + "---|" * (len(stages) + 1)]
     for shape, r in results.items():
@@ -395,6 +402,10 @@ def render(results: dict, args) -> str:
             if "forward" in rss:
                 rss_cells[1] = _mib(rss["forward"])
             lines.append(f"| {shape} | {kind} RSS | " + " | ".join(rss_cells) + " | |")
+            anon = x.get("stage_anon")
+            if anon:
+                anon_cells = [_mib(anon[s]) if s in anon else "" for s in stages]
+                lines.append(f"| {shape} | {kind} anonymous | " + " | ".join(anon_cells) + " | |")
     lines += ["", "Targets:", ""]
     for shape, r in results.items():
         if shape.startswith("_"):

@@ -199,8 +199,11 @@ def least_squares_layer(
     def parent(side, i, name, y):
         w = mix[side]
         key = (i, name)
-        mixed[key] = mixed.get(key, 0) + w * y.to(torch.float32)
         energy[key] = energy.get(key, 0.0) + w * _squared_norm(y)
+        if key in mixed:  # in place: a site's rows are as large as the layer's activations
+            mixed[key].add_(y.to(torch.float32), alpha=w)
+        else:
+            mixed[key] = y.to(torch.float32).mul_(w) if y.dtype != torch.float32 else y.mul(w)
 
     layer.parents(list(by_module), parent)
     params = dict(params)
@@ -226,6 +229,8 @@ def least_squares_layer(
                     grams[biased] = _gram(augmented.to(_F64 if x.dtype == _F64 else torch.float32))
                 n.add_products(augmented, mixed[key], gram=grams[biased])
             refit(group, normals)
+            for name in group:  # the group's mixed outputs are not read again
+                del mixed[(0, name)]
             return {k: params[k] for name in group for k in (by_module[name].weight, by_module[name].bias) if k}
 
         return params, layer.merged_fitting(params, groups.groups, fit), log
