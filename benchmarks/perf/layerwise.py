@@ -74,12 +74,20 @@ def kib(field):
     with open("/proc/self/status") as fh:
         return next(int(l.split()[1]) for l in fh if l.startswith(field + ":"))
 
-peak_anon, done = [0], threading.Event()
+peak_anon, stage_anon, stage, done = [0], {}, ["load"], threading.Event()
 def sample():
     while not done.is_set():
-        peak_anon[0] = max(peak_anon[0], kib("RssAnon"))
+        anon = kib("RssAnon")
+        peak_anon[0] = max(peak_anon[0], anon)
+        stage_anon[stage[0]] = max(stage_anon.get(stage[0], 0), anon)
         done.wait(0.05)
 threading.Thread(target=sample, daemon=True).start()
+from raot_hf.stages.context import StageTimer
+timer_stage = StageTimer.stage
+def labelled_stage(self, name):  # the sampler labelled with the merge's own stage names
+    stage[0] = name
+    return timer_stage(self, name)
+StageTimer.stage = labelled_stage
 from raot_hf import RaotConfig, merge_checkpoints
 from raot_hf.calibration import CalibrationConfig
 calibration = CalibrationConfig(source=spec["calibration"], num_samples=spec["examples"], max_length=spec["seq"],
@@ -92,6 +100,7 @@ seconds = time.perf_counter() - start
 done.set()
 applied = sum(d["applied"] for d in report["decisions"])
 print(json.dumps({"seconds": seconds, "peak_kib": kib("VmHWM"), "peak_anon_kib": peak_anon[0],
+                  "stage_anon_kib": stage_anon,
                   "execution": report["execution"], "timings": report["timings"],
                   "applied": applied, "decisions": len(report["decisions"]),
                   "check": report["checks"][0]["value"], "verdict": report["verdict"]}))
@@ -169,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{anon / 2**30:.2f} GiB ({anon / inputs:.2f} ×) | {inputs / 2**30:.1f} GiB | "
             f"{result['applied']}/{result['decisions']} | {result['check']:.1e} | {logits['relative']:.1e} |",
             f"\nStages: {stages}. Verdict: {result['verdict']}\n",
+            "Peak anonymous memory per stage (sampled every 50 ms): "
+            + ", ".join(f"{k} {v / 2**20:.1f} GiB" for k, v in result.get("stage_anon_kib", {}).items())
+            + ".\n",
         ]
     )
     print(text)

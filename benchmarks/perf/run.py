@@ -379,11 +379,7 @@ def render(results: dict, args) -> str:
             f"| {m['peak_rss'] / size:.2f} | {_mib(m['statistics_bytes'])} "
             f"| {_mib(m['gram_bytes']) if m.get('gram_bytes') else '–'} |"
         )
-    lines += [
-        "",
-        "Per-stage times (s) and sampled peak RSS (and anonymous RSS, memory not backed by files) per stage:",
-        "",
-    ]
+    lines += ["", "Per-stage times (s), sampled peak RSS and anonymous RSS (not backed by files) per stage:", ""]
     stages = ["load", "calibration", "solve", "gate", "apply", "refine", "merge", "correction", "write"]
     lines += ["| shape | run | " + " | ".join(stages) + " | other |", "|---|---|" + "---|" * (len(stages) + 1)]
     for shape, r in results.items():
