@@ -18,5 +18,5 @@ def release_freed_memory() -> None:
     gc.collect(1)
     from raot_hf.io.offload import release_all, trim_heap
 
-    release_all()  # offloaded models' weights: back to their files (docs/design.md §7.4)
+    release_all(trim=False)  # offloaded models' weights: back to their files (docs/design.md §7.4)
     trim_heap()

@@ -70,14 +70,11 @@ class _Normal:
     def add_products(self, x: torch.Tensor, y_mix: torch.Tensor, gram: torch.Tensor | None = None) -> None:
         """Add one chunk's x̃ᵀx̃ and x̃ᵀȳ; ``gram``: x̃ᵀx̃ (float64) already made for a group of
         Linears that read one input."""
-        dt = _F64 if x.dtype == _F64 else torch.float32
+        dt = _product_dtype(x)
         x = x.to(dt)
         g = _gram(x) if gram is None else gram
         c = (x.T @ y_mix.to(dt)).to(_F64)
-        if self.gram is None:
-            self.gram = g if gram is None else g.clone()  # a shared Gram is not summed into
-        else:
-            self.gram.add_(g)
+        self.gram = g if self.gram is None else self.gram + g  # not in place: a group's Gram is shared
         self.cross = c if self.cross is None else self.cross.add_(c)
 
     @property
@@ -93,6 +90,11 @@ class _Normal:
             mix = y_mix[block].to(_F64)
             total += float((y_merged[block].to(_F64) - mix).pow(2).sum()) - float(mix.pow(2).sum())
         self.residual = total if self.residual is None else self.residual + total
+
+
+def _product_dtype(x: torch.Tensor) -> torch.dtype:
+    """The precision of a chunk's products: float64 rows stay float64, others are float32."""
+    return _F64 if x.dtype == _F64 else torch.float32
 
 
 def _gram(x: torch.Tensor) -> torch.Tensor:
@@ -203,7 +205,7 @@ def least_squares_layer(
         if key in mixed:  # in place: a site's rows are as large as the layer's activations
             mixed[key].add_(y.to(torch.float32), alpha=w)
         else:
-            mixed[key] = y.to(torch.float32).mul_(w) if y.dtype != torch.float32 else y.mul(w)
+            mixed[key] = y.to(torch.float32, copy=True).mul_(w)
 
     layer.parents(list(by_module), parent)
     params = dict(params)
@@ -216,7 +218,7 @@ def least_squares_layer(
     if len(layer.chunks) == 1 and groups.once:  # one forward of M: each group refitted as it is reached
 
         def fit(group: list[str], x: torch.Tensor) -> dict[str, torch.Tensor]:
-            normals, grams = {}, {}
+            normals, inputs = {}, {}
             for name in group:
                 site, key = by_module[name], (0, name)
                 n = normals[name] = _Normal(target=energy[key], tokens=x.shape[0])
@@ -224,10 +226,11 @@ def least_squares_layer(
                 if n.kept:  # an exact merge: nothing to fit, no products made
                     continue
                 biased = site.bias is not None
-                augmented = _augment(x, biased)
-                if biased not in grams:  # q, k and v (gate and up) read one input: its Gram is made once
-                    grams[biased] = _gram(augmented.to(_F64 if x.dtype == _F64 else torch.float32))
-                n.add_products(augmented, mixed[key], gram=grams[biased])
+                if biased not in inputs:  # q, k and v (gate and up) read one input: x̃ and its Gram made once
+                    augmented = _augment(x, biased).to(_product_dtype(x))
+                    inputs[biased] = augmented, _gram(augmented)
+                augmented, gram = inputs[biased]
+                n.add_products(augmented, mixed[key], gram=gram)
             refit(group, normals)
             for name in group:  # the group's mixed outputs are not read again
                 del mixed[(0, name)]

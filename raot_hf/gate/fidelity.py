@@ -243,9 +243,9 @@ def model_fidelity(
     aligned = layer_transforms is not None
     stream = stream_matrix(merged.residual, merged.schema) if aligned else None
     trunk = merged.merged(None, aligned=aligned)
+    device = next(model_a.parameters()).device
     carried = []
     for c in chunks:
-        device = next(model_a.parameters()).device
         calls, hidden = layer_calls(model_a, layer_names, {k: v.to(device) for k, v in c.inputs.items()}, trunk)
         carried.append([calls, hidden])
     for i, name in enumerate(layer_names):

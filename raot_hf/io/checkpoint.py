@@ -12,7 +12,8 @@ from safetensors import safe_open
 
 #: Bytes per element of the safetensors dtypes (for sizes read from the headers).
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-_TORCH_DTYPES = {
+#: The safetensors dtype names and the torch dtypes they hold (read here, written by the shard writer).
+TORCH_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
     "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }  # fmt: skip
@@ -57,7 +58,7 @@ class Checkpoint:
 
     def dtype(self, name: str) -> torch.dtype:
         """The stored dtype of tensor ``name`` (from the header)."""
-        return _TORCH_DTYPES.get(self.dtypes[name], torch.float32)
+        return TORCH_DTYPES.get(self.dtypes[name], torch.float32)
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor ``name`` (a copy: the file's mapping is not kept in the returned tensor)."""

@@ -214,13 +214,13 @@ def release_tensor(tensor: torch.Tensor, *, trim: bool = True) -> None:
             return
 
 
-def release_all() -> None:
+def release_all(*, trim: bool = True) -> None:
     """Drop the resident pages of every offloaded model (between stages and layers), and, when
-    there is one, hand the heap's free pages back too."""
+    there is one (and ``trim``), hand the heap's free pages back too."""
     live = list(_LIVE)
     for weights in live:
         weights.release()
-    if live:
+    if live and trim:
         trim_heap()
 
 

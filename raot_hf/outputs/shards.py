@@ -25,6 +25,8 @@ from huggingface_hub.utils import tqdm
 from safetensors import safe_open
 
 from raot_hf.errors import RaotError
+from raot_hf.io.checkpoint import TORCH_DTYPES
+from raot_hf.io.offload import offloaded, release_tensor, trim_heap
 
 logger = logging.getLogger("raot_hf.outputs.shards")
 
@@ -87,8 +89,6 @@ def _without_tied(state: dict[str, torch.Tensor], model: torch.nn.Module, remove
     An offloaded model's weights all share one storage, the working file, which ``remove`` would
     take for disjoint aliases and clone — a copy of the whole model in memory. It is then given
     meta stand-ins instead, whose ties are found by parameter identity, and keeps the real tensors."""
-    from raot_hf.io.offload import offloaded
-
     if offloaded(model) is None:
         return remove(state, model)
     kept = remove({name: torch.empty_like(t, device="meta") for name, t in state.items()}, model)
@@ -157,18 +157,7 @@ def _cpu_copy_for_saving(tensor: torch.Tensor) -> torch.Tensor:
 
 
 #: safetensors' names of the dtypes the streaming writer writes (any other goes through safetensors).
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+_SAFETENSORS_DTYPES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
 
 #: safetensors' layout order: widest dtype first (then by name), so every tensor stays aligned.
@@ -201,8 +190,6 @@ def _shard_header(tensors: dict[str, torch.Tensor], names: list[str], metadata: 
 def _write_shard(path: Path, tensors: dict[str, torch.Tensor], names: list[str], metadata: dict[str, str]) -> None:
     """Write one shard's safetensors file, one tensor at a time; each written tensor's offloaded
     pages are dropped (:func:`raot_hf.io.offload.release_tensor`)."""
-    from raot_hf.io.offload import release_tensor, trim_heap
-
     names = _layout(tensors, names)
     header = _shard_header(tensors, names, metadata)
     with open(path, "wb") as handle:
