@@ -198,3 +198,44 @@ def test_model_card_states_the_verdict(tmp_path):
     assert f"**Basis verdict:** {result.alignment.verdict}." in card
     report = json.loads((out / "raot_report.json").read_text())
     assert report["verdict"] == result.alignment.verdict and report["model_fidelity"]["passed"]
+
+
+@pytest.mark.parametrize("alignment", ["activation", "weight"])
+def test_the_model_level_check_in_the_layer_sweep_equals_separate_sweeps(monkeypatch, alignment):
+    """The check's merged models advance with the per-layer decisions (one sweep over the layers);
+    its fidelities must equal those of separate sweeps of the identity merge and of the aligned
+    merge with the accepted set (``model_fidelity``), bit for bit — with a residual map (activation
+    alignment of a fully scrambled pair) and without one (weight matching, vetoed)."""
+    from raot_hf.gate import merge as gate_merge
+    from raot_hf.gate.fidelity import MergedParameters, model_fidelity
+
+    seen = {}
+    real = gate_merge.run_merge_gate
+
+    def spy(*args, **kwargs):
+        seen.update(args=args, kwargs=kwargs, result=real(*args, **kwargs))
+        return seen["result"]
+
+    monkeypatch.setattr(gate_merge, "run_merge_gate", spy)
+    pre, data = _data("bert")
+    a, b = _scrambled()
+    RaotMerger.from_models(a, b, preprocessor=pre, alignment=alignment).align(data)
+    model_a, model_b, schema, parts, rows, chunks = seen["args"]
+    alpha, names, result = seen["kwargs"]["alpha"], seen["kwargs"]["layer_names"], seen["result"]
+    per_layer = gate_merge._per_layer(parts)
+    block_accepted = {"accepted", "vetoed"}
+    accepted = {}
+    for d in result.decisions:
+        if d.layer is not None and d.status in block_accepted:
+            accepted.setdefault(d.layer, []).extend(per_layer[(d.transform, d.layer)])
+    residual = next((t for t in parts if t.__class__.__name__.startswith("Residual")), None)
+    residual_row = next((d for d in rows if d.transform == "residual"), None)
+    if residual_row is None or not (residual_row.applied or residual_row.scored):
+        residual = None
+    assert (residual is not None) == (alignment == "activation") and accepted
+    merged = MergedParameters(model_a, model_b, schema, names, residual, alpha)
+    identity = model_fidelity(model_a, names, merged, chunks, None, alpha)
+    aligned = model_fidelity(model_a, names, merged, chunks, accepted, alpha)
+    fid = result.model_fidelity
+    assert fid["identity"] == float(identity.mean()) and fid["aligned"] == float(aligned.mean())
+    assert fid["aligned"] != fid["identity"]

@@ -246,6 +246,12 @@ def test_invalid_transforms_are_refused():
         ResidualRotation(torch.eye(schema.hidden_size).flip(0) * -1).actions(schema)
     with pytest.raises(RaotError, match="shape"):
         HeadAlignment(0, torch.arange(schema.num_heads), torch.zeros(1, 2, 2), torch.zeros(1, 2, 2)).actions(schema)
+    # the orthogonality check runs once per matrix, and again once the matrix is changed in place
+    rotation = ResidualRotation(torch.eye(schema.hidden_size))
+    rotation.actions(schema)
+    rotation.matrix[0, 0] = 2.0
+    with pytest.raises(RaotError, match="orthogonal"):
+        rotation.actions(schema)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -297,3 +303,22 @@ def test_transform_file_round_trip_reapplies_exactly(tmp_path, model_type, head)
     with pytest.raises(RaotError, match="not a raot_hf transform file"):
         safetensors_save({"x": torch.zeros(1)}, tmp_path / "plain.safetensors")
         load_transform(tmp_path / "plain.safetensors")
+
+
+@pytest.mark.parametrize("n", [4, 96, 320])
+def test_composing_with_a_diagonal_action_equals_the_dense_product(n):
+    """A head rescale composed with a head alignment scales rows or columns instead of an n³
+    product; the numbers must be the dense product's, bit for bit (zeros and signs included)."""
+    from raot_hf.symmetry.transforms import SpaceAction
+
+    g = torch.Generator().manual_seed(n)
+    dense = torch.randn(n, n, dtype=torch.float64, generator=g)
+    dense[0] = 0.0
+    scale = torch.randn(n, dtype=torch.float64, generator=g)
+    diagonal = SpaceAction(matrix=torch.diag(scale), orthogonal=False, contra=torch.diag(1 / scale))
+    rotation = SpaceAction(matrix=dense, orthogonal=True)
+    for first, second in ((rotation, diagonal), (diagonal, rotation)):
+        composed = first.then(second, n)
+        assert torch.equal(composed.matrix, first.dense(n) @ second.dense(n))
+        assert torch.equal(composed.contra, first.inverse_transpose().dense(n) @ second.inverse_transpose().dense(n))
+    assert torch.equal(rotation.then(rotation, n).matrix, dense @ dense)

@@ -36,6 +36,10 @@ SHAPES = {
     "llama-3.4b-fp32": dict(
         hidden_size=3072, num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8, intermediate_size=8192
     ),  # fmt: skip
+    # the 3.4 B shape's layers, four of them: its per-layer costs in minutes instead of an hour
+    "llama-3.4b-fp32-4l": dict(
+        hidden_size=3072, num_hidden_layers=4, num_attention_heads=24, num_key_value_heads=8, intermediate_size=8192
+    ),  # fmt: skip
     "llama-tiny-fp32": dict(  # for a quick check of the scripts
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128
     ),  # fmt: skip

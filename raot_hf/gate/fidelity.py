@@ -8,8 +8,9 @@
 * **block-local fidelity**: a merged layer run with ``functional_call`` on A's layer at A's
   captured call and at B′'s (B's, with its stream tensors mapped into A's basis);
 * **model fidelity**: A's modules computing with merged parameters (``functional_call``), layer
-  by layer over every gate chunk — each layer's merged parameters made once — up to its last
-  layer; every layer called as A's model calls it (:func:`raot_hf.correction.carry.layer_calls`,
+  by layer over every gate chunk up to its last layer (:class:`MergedModelRun`), in the gate's
+  own sweep over the layers — each layer's merged parameters made once for its decisions and the
+  check; every layer called as A's model calls it (:func:`raot_hf.correction.carry.layer_calls`,
   with the merged trunk).
 
 Fidelity of an output ``m`` to a parent's ``y`` is ``1 − Σ_t w_t‖m_t − y_t‖² / Σ_t w_t‖y_t − x_t‖²``
@@ -230,39 +231,64 @@ def layer_fidelity(
     return torch.cat(scores).cpu()
 
 
-@torch.no_grad()
+class MergedModelRun:
+    """One merged model (identity or aligned) carried layer by layer over every gate chunk: A's
+    modules computing with merged parameters (``functional_call``), A's own parameters never
+    written; each layer called as A's model calls it (:func:`raot_hf.correction.carry.layer_calls`,
+    with the merged trunk). :meth:`advance` runs the next layer with its merged parameters, so a
+    caller that makes them anyway (the gate's per-layer decisions) runs the model-level check in
+    the same sweep over the layers; :meth:`scores` is the fidelity once the last layer has run."""
+
+    @torch.no_grad()
+    def __init__(self, model_a, layer_names, merged: MergedParameters, chunks, *, aligned: bool):
+        self.model_a, self.layer_names, self.chunks, self.aligned = model_a, layer_names, chunks, aligned
+        self.stream = stream_matrix(merged.residual, merged.schema) if aligned else None
+        trunk = merged.merged(None, aligned=aligned)
+        device = next(model_a.parameters()).device
+        self.carried = []
+        for c in chunks:
+            calls, hidden = layer_calls(model_a, layer_names, {k: v.to(device) for k, v in c.inputs.items()}, trunk)
+            self.carried.append([calls, hidden])
+        self.next_layer = 0
+
+    @torch.no_grad()
+    def advance(self, params: dict) -> None:
+        """Run layer ``next_layer`` (full parameter names → merged values) on every chunk."""
+        i = self.next_layer
+        name = self.layer_names[i]
+        rel, module = _relative(params, name), self.model_a.get_submodule(name)
+        for item in self.carried:
+            item[1] = item[0][i](module, item[1], rel)
+        self.next_layer += 1
+
+    @torch.no_grad()
+    def scores(self, alpha: float) -> torch.Tensor:
+        """Per-example fidelity of the last layer's output to A's and B′'s (weights 1−α, α)."""
+        if self.next_layer != len(self.layer_names):
+            raise RaotError(f"the merged model ran {self.next_layer} of {len(self.layer_names)} layers")
+        scores = []
+        for c, (_, out) in zip(self.chunks, self.carried, strict=True):
+            ref_b = _map_stream(c.b[-1].output, self.stream)
+            start_a = _hidden_in(c.a[0].args, c.a[0].kwargs)
+            start_b = _map_stream(_hidden_in(c.b[0].args, c.b[0].kwargs), self.stream)
+            err_a = _rse(out, c.a[-1].output, c.mask, start_a)
+            err = (1 - alpha) * err_a + alpha * _rse(out, ref_b, c.mask, start_b)
+            scores.append(1 - err)
+        return torch.cat(scores).cpu()
+
+
 def model_fidelity(
     model_a, layer_names, merged: MergedParameters, chunks, layer_transforms: dict[int, list[Transform]] | None, alpha
 ) -> torch.Tensor:
-    """Per-example fidelity of the merged model's last-layer output to A's and B′'s.
-
-    ``layer_transforms=None``: the identity merge; otherwise the aligned merge with the residual
-    candidate of ``merged`` and these per-layer transforms. M runs layer by layer over every chunk
-    (A's modules computing with merged parameters, ``functional_call``): each layer's merged
-    parameters are made once, not once per chunk, and A's own parameters are never written."""
+    """Per-example fidelity of the merged model's last-layer output to A's and B′'s, in one sweep
+    of its own (:class:`MergedModelRun`). ``layer_transforms=None``: the identity merge; otherwise
+    the aligned merge with the residual candidate of ``merged`` and these per-layer transforms."""
     aligned = layer_transforms is not None
-    stream = stream_matrix(merged.residual, merged.schema) if aligned else None
-    trunk = merged.merged(None, aligned=aligned)
-    device = next(model_a.parameters()).device
-    carried = []
-    for c in chunks:
-        calls, hidden = layer_calls(model_a, layer_names, {k: v.to(device) for k, v in c.inputs.items()}, trunk)
-        carried.append([calls, hidden])
-    for i, name in enumerate(layer_names):
-        params = _relative(merged.merged(i, (layer_transforms or {}).get(i, []), aligned=aligned), name)
-        module = model_a.get_submodule(name)
-        for item in carried:
-            item[1] = item[0][i](module, item[1], params)
+    run = MergedModelRun(model_a, layer_names, merged, chunks, aligned=aligned)
+    for i in range(len(layer_names)):
+        run.advance(merged.merged(i, (layer_transforms or {}).get(i, []), aligned=aligned))
         release_all()  # offloaded models: the layer's pages, read to merge it (docs/design.md §7.4)
-    scores = []
-    for c, (_, out) in zip(chunks, carried, strict=True):
-        ref_b = _map_stream(c.b[-1].output, stream)
-        start_a = _hidden_in(c.a[0].args, c.a[0].kwargs)
-        start_b = _map_stream(_hidden_in(c.b[0].args, c.b[0].kwargs), stream)
-        err_a = _rse(out, c.a[-1].output, c.mask, start_a)
-        err = (1 - alpha) * err_a + alpha * _rse(out, ref_b, c.mask, start_b)
-        scores.append(1 - err)
-    return torch.cat(scores).cpu()
+    return run.scores(alpha)
 
 
 def stream_matrix(residual: Transform | None, schema: ModelSchema) -> torch.Tensor | None:

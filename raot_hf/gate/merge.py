@@ -39,11 +39,11 @@ from raot_hf.adapters.schema import ModelSchema
 from raot_hf.gate import GateDecision, Status, paired_test
 from raot_hf.gate.fidelity import (
     GateChunk,
+    MergedModelRun,
     MergedParameters,
     gate_chunks,
     layer_fidelity,
     layer_module_names,
-    model_fidelity,
     stream_matrix,
 )
 from raot_hf.gate.lineage import LineageEvidence, detect_siblings
@@ -170,16 +170,35 @@ class _GateRun:
             chosen = tuple(k for k in chosen if k != worst)
         return decided, [t for key in chosen for t in per_layer[key]]
 
-    def fidelity(self, layer_transforms: dict[int, list[Transform]] | None) -> torch.Tensor:
-        return model_fidelity(self.model_a, self.layer_names, self.merged, self.chunks, layer_transforms, self.alpha)
+    def start_check(self) -> None:
+        """The model-level check's merged models, carried through the layers as they are decided:
+        the identity merge, the aligned merge with the accepted set (residual map included), and —
+        while the check could still need it (no residual map, nothing accepted yet) — the aligned
+        merge with every re-decided estimate."""
+        runs = dict(model_a=self.model_a, layer_names=self.layer_names, merged=self.merged, chunks=self.chunks)
+        self.identity = MergedModelRun(**runs, aligned=False)
+        self.accepted = MergedModelRun(**runs, aligned=True)
+        self.every = MergedModelRun(**runs, aligned=True) if self.merged.residual is None else None
+
+    def advance_check(self, i: int, chosen: list[Transform], every: list[Transform]) -> None:
+        """Layer ``i`` of the check's merged models, right after its decisions: its merged
+        parameters are those just scored (B′'s layer is reused, not transformed again)."""
+        self.accepted.advance(self.merged.merged(i, chosen))
+        if self.every is not None:
+            if chosen:  # something is accepted: the check compares the accepted set, not this one
+                self.every = None
+            else:
+                self.every.advance(self.merged.merged(i, every))
+        self.identity.advance(self.merged.merged(i, aligned=False))
 
     def check(self, accepted: dict, every: dict) -> tuple[GateDecision, bool]:
         """The model-level check: the aligned merge (accepted set, residual map included) against
         the identity merge. With nothing accepted it still measures every re-decided estimate at
         once, as the verdict's evidence, and passes nothing."""
-        identity = self.fidelity(None)
+        identity = self.identity.scores(self.alpha)
         anything = self.merged.residual is not None or bool(accepted)
-        aligned = self.fidelity(accepted if anything else every) if anything or every else identity
+        measured = self.accepted if anything else self.every if every else None
+        aligned = identity if measured is None else measured.scores(self.alpha)
         check = _paired(
             "model",
             None,
@@ -227,17 +246,19 @@ def run_merge_gate(
     per_layer = _per_layer(parts)
     decided: dict[tuple, GateDecision] = {}
     accepted: dict[int, list[Transform]] = {}
+    every: dict[int, list[Transform]] = {}
+    run.start_check()
     for i in tqdm(range(len(layer_names)), desc="gate", disable=not progress):
         keys = [k for k in (("heads", i), ("mlp", i)) if k in rows and k in per_layer and _eligible(rows[k])]
+        chosen = []
         if keys:
             layer_decisions, chosen = run.decide_layer(i, keys, per_layer, rows)
             decided.update(layer_decisions)
+            every[i] = [t for key in keys for t in per_layer[key]]
             if chosen:
                 accepted[i] = chosen
+        run.advance_check(i, chosen, every.get(i, []))
         release_all()  # an offloaded layer's pages, read to merge it, go back to their files (§7.4)
-    every: dict[int, list[Transform]] = {}
-    for key in decided:
-        every.setdefault(key[1], []).extend(per_layer[key])
     check, passed = run.check(accepted, every)
     return _result(rows, decided, check, passed, residual is not None)
 
