@@ -208,6 +208,7 @@ def test_the_model_level_check_in_the_layer_sweep_equals_separate_sweeps(monkeyp
     alignment of a fully scrambled pair) and without one (weight matching, vetoed)."""
     from raot_hf.gate import merge as gate_merge
     from raot_hf.gate.fidelity import MergedParameters, model_fidelity
+    from raot_hf.symmetry import ResidualPermutation, ResidualRotation
 
     seen = {}
     real = gate_merge.run_merge_gate
@@ -228,7 +229,7 @@ def test_the_model_level_check_in_the_layer_sweep_equals_separate_sweeps(monkeyp
     for d in result.decisions:
         if d.layer is not None and d.status in block_accepted:
             accepted.setdefault(d.layer, []).extend(per_layer[(d.transform, d.layer)])
-    residual = next((t for t in parts if t.__class__.__name__.startswith("Residual")), None)
+    residual = next((t for t in parts if isinstance(t, (ResidualPermutation, ResidualRotation))), None)
     residual_row = next((d for d in rows if d.transform == "residual"), None)
     if residual_row is None or not (residual_row.applied or residual_row.scored):
         residual = None

@@ -23,6 +23,7 @@ few massive-activation tokens do not decide the score. The score of a merged blo
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 
@@ -241,7 +242,7 @@ class MergedModelRun:
 
     @torch.no_grad()
     def __init__(self, model_a, layer_names, merged: MergedParameters, chunks, *, aligned: bool):
-        self.model_a, self.layer_names, self.chunks, self.aligned = model_a, layer_names, chunks, aligned
+        self.model_a, self.layer_names, self.chunks = model_a, layer_names, chunks
         self.stream = stream_matrix(merged.residual, merged.schema) if aligned else None
         trunk = merged.merged(None, aligned=aligned)
         device = next(model_a.parameters()).device
@@ -250,6 +251,14 @@ class MergedModelRun:
             calls, hidden = layer_calls(model_a, layer_names, {k: v.to(device) for k, v in c.inputs.items()}, trunk)
             self.carried.append([calls, hidden])
         self.next_layer = 0
+
+    def fork(self) -> MergedModelRun:
+        """A run that goes on from this one's carried states: another merged model that has
+        computed the same so far (the layers' outputs are new tensors, so the two never share
+        a write)."""
+        twin = copy.copy(self)
+        twin.carried = [list(item) for item in self.carried]
+        return twin
 
     @torch.no_grad()
     def advance(self, params: dict) -> None:

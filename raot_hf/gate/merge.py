@@ -174,30 +174,35 @@ class _GateRun:
         """The model-level check's merged models, carried through the layers as they are decided:
         the identity merge, the aligned merge with the accepted set (residual map included), and —
         while the check could still need it (no residual map, nothing accepted yet) — the aligned
-        merge with every re-decided estimate."""
+        merge with every re-decided estimate. Without a residual map an aligned merge computes
+        what the identity merge does until its first transformed layer: it goes on from the
+        identity merge's states there (:meth:`MergedModelRun.fork`) instead of repeating them."""
         runs = dict(model_a=self.model_a, layer_names=self.layer_names, merged=self.merged, chunks=self.chunks)
         self.identity = MergedModelRun(**runs, aligned=False)
-        self.accepted = MergedModelRun(**runs, aligned=True)
-        self.every = MergedModelRun(**runs, aligned=True) if self.merged.residual is None else None
+        self.accepted = MergedModelRun(**runs, aligned=True) if self.merged.residual is not None else None
+        self.every: MergedModelRun | None = None
 
     def advance_check(self, i: int, chosen: list[Transform], every: list[Transform]) -> None:
         """Layer ``i`` of the check's merged models, right after its decisions: its merged
         parameters are those just scored (B′'s layer is reused, not transformed again)."""
-        self.accepted.advance(self.merged.merged(i, chosen))
-        if self.every is not None:
-            if chosen:  # something is accepted: the check compares the accepted set, not this one
-                self.every = None
-            else:
-                self.every.advance(self.merged.merged(i, every))
+        if chosen and self.accepted is None:
+            self.accepted = self.identity.fork()
+        if self.accepted is not None:  # something is accepted: the check compares that set
+            self.every = None
+            self.accepted.advance(self.merged.merged(i, chosen))
+        elif every:
+            self.every = self.every or self.identity.fork()
+            self.every.advance(self.merged.merged(i, every))
+        elif self.every is not None:
+            self.every.advance(self.merged.merged(i))
         self.identity.advance(self.merged.merged(i, aligned=False))
 
-    def check(self, accepted: dict, every: dict) -> tuple[GateDecision, bool]:
+    def check(self) -> tuple[GateDecision, bool]:
         """The model-level check: the aligned merge (accepted set, residual map included) against
         the identity merge. With nothing accepted it still measures every re-decided estimate at
         once, as the verdict's evidence, and passes nothing."""
         identity = self.identity.scores(self.alpha)
-        anything = self.merged.residual is not None or bool(accepted)
-        measured = self.accepted if anything else self.every if every else None
+        measured = self.accepted if self.accepted is not None else self.every
         aligned = identity if measured is None else measured.scores(self.alpha)
         check = _paired(
             "model",
@@ -209,7 +214,7 @@ class _GateRun:
             description="merged model vs identity merge",
             alignment=None,
         )
-        return check, anything and check.applied
+        return check, self.accepted is not None and check.applied
 
 
 def run_merge_gate(
@@ -245,21 +250,17 @@ def run_merge_gate(
     run = _GateRun(model_a, layer_names, merged, chunks, alpha, z, floor)
     per_layer = _per_layer(parts)
     decided: dict[tuple, GateDecision] = {}
-    accepted: dict[int, list[Transform]] = {}
-    every: dict[int, list[Transform]] = {}
     run.start_check()
     for i in tqdm(range(len(layer_names)), desc="gate", disable=not progress):
         keys = [k for k in (("heads", i), ("mlp", i)) if k in rows and k in per_layer and _eligible(rows[k])]
-        chosen = []
+        chosen, every = [], []
         if keys:
             layer_decisions, chosen = run.decide_layer(i, keys, per_layer, rows)
             decided.update(layer_decisions)
-            every[i] = [t for key in keys for t in per_layer[key]]
-            if chosen:
-                accepted[i] = chosen
-        run.advance_check(i, chosen, every.get(i, []))
+            every = [t for key in keys for t in per_layer[key]]
+        run.advance_check(i, chosen, every)
         release_all()  # an offloaded layer's pages, read to merge it, go back to their files (§7.4)
-    check, passed = run.check(accepted, every)
+    check, passed = run.check()
     return _result(rows, decided, check, passed, residual is not None)
 
 
