@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from raot_hf.errors import RaotError
+from raot_hf.hooks import Hooks
 from raot_hf.symmetry.equivalence import example_inputs, output_deviation  # noqa: F401 (re-exported for tests and selfcheck)
 
 _CONFIGS = {
@@ -173,6 +174,8 @@ def trained_like(
     qk_gain: float = 2.0,
     massive: float | None = None,
     triggers: tuple[int, ...] = (2, 3),
+    twins: float | None = None,
+    twin_layer: int | None = None,
 ) -> torch.nn.Module:
     """Make a tiny random model compute like a trained one, in place, and return it.
 
@@ -186,7 +189,17 @@ def trained_like(
     ``triggers`` tokens only (by default ids 2 and 3, the test tokenizer's [CLS] and [SEP]: the
     first and the last token of every text), against a median stream entry of ~1. The
     triggers' embeddings point along one direction that no other token, position or earlier
-    writer has a component along, and unit 0 of layer 1 reads that direction only."""
+    writer has a component along, and unit 0 of layer 1 reads that direction only.
+
+    ``twins`` (any architecture): a pair of **near-twin massive MLP units** of different
+    magnitude, the pattern of real checkpoints (in a 135 M-parameter Llama-family LLM two SwiGLU
+    units of one layer have RMS 522 and 182 against a median unit RMS of 0.16, and correlate at
+    0.9994 over text tokens). In layer ``twin_layer`` (default: the middle layer) units 0 and 1
+    read the direction of the first token's MLP input; unit 0 reaches about ``twins`` on that
+    token, unit 1 about 0.35 × as much, and unit 1's input rows carry a little noise, so that the
+    two correlate at ~0.999 but not 1. They write to the stream along different random directions,
+    so a swap of the two changes the model's outputs. Their correlation margin is below bf16
+    rounding (docs/design.md §4.3)."""
     from transformers.pytorch_utils import Conv1D
 
     g = torch.Generator().manual_seed(int(seed) + 7919)
@@ -204,14 +217,80 @@ def trained_like(
         fan_in = p.shape[0] if name in stored_in_out else p.shape[1]
         p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) / fan_in**0.5)
     d = model.config.hidden_size
+    matched = False
     for name, p in model.named_parameters():
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             p.mul_(qk_gain)
+            matched = True
         elif name.endswith("c_attn.weight"):  # GPT-2: q and k are the first 2·d output columns
             p[:, : 2 * d].mul_(qk_gain)
+            matched = True
+    if not matched:  # BERT / RoBERTa (query, key), DeBERTa-v2 (query_proj, key_proj), DeBERTa v1 (in_proj)
+        _scale_queries_and_keys(model, qk_gain)
     if massive is not None:
         _plant_massive_activation(model, float(massive), tuple(triggers), g)
+    if twins is not None:
+        _plant_near_twins(model, float(twins), twin_layer, g)
     return model
+
+
+def _scale_queries_and_keys(model: torch.nn.Module, gain: float) -> None:
+    """Scale every layer's query and key rows by ``gain``, located through the adapter's schema
+    (the rows of the q / k modules at the heads' feature positions)."""
+    from raot_hf.adapters import schema_for
+
+    params = dict(model.named_parameters())
+    for layer in schema_for(model).layers:
+        heads = layer.heads
+        for module, index in ((heads.q_module, heads.q_index), (heads.k_module, heads.k_index)):
+            weight = params[f"{module}.weight"]
+            rows = slice(None) if index is None else torch.tensor(index, dtype=torch.long)
+            weight[rows] *= gain
+
+
+def _plant_near_twins(model: torch.nn.Module, amplitude: float, layer: int | None, g: torch.Generator) -> None:
+    from raot_hf.adapters import schema_for
+
+    schema = schema_for(model)
+    layer = schema.num_layers // 2 if layer is None else int(layer)
+    params = dict(model.named_parameters())
+    members = schema.mlp_space(layer).members
+    readers = [m for m in members if m.role == "fc1" and params[m.name].ndim == 2]
+    writers = [m for m in members if m.role == "fc2"]
+    # the first token's input to the MLP (its [CLS] / first token: present in every input)
+    reader_module = model.get_submodule(readers[0].name.rsplit(".", 1)[0])
+    seen = []
+    inputs = example_inputs(model)
+    if "input_ids" in inputs:
+        inputs["input_ids"][:, 0] = 2  # [CLS] of the test tokenizer: the first token of every text
+    with Hooks().on_input(reader_module, lambda args: seen.append(args[0].detach())):
+        model(**inputs)
+    x = seen[0].reshape(-1, seen[0].shape[-1])[0].double()
+    direction = x / x.norm().clamp_min(1e-12)
+    reach = x.norm()
+    gated = len(readers) > 1  # SwiGLU: the unit is silu(gate·x)·(up·x); otherwise act(fc1·x + b)
+    per_reader = (amplitude**0.5 if gated else amplitude) / float(reach)
+    for unit, ratio in ((0, 1.0), (1, 0.35)):
+        for m in readers:
+            w = params[m.name]
+            row = per_reader * direction * (ratio if (m is readers[-1] or not gated) else 1.0)
+            if unit == 1:
+                noise = torch.randn(row.shape, generator=g, dtype=torch.float64)
+                row = row + 0.05 * per_reader * noise / noise.numel() ** 0.5
+            if m.axis == 0:
+                w[unit] = row.to(w.dtype)
+            else:
+                w[:, unit] = row.to(w.dtype)
+        for m in members:
+            if m.role == "fc1" and params[m.name].ndim == 1:
+                params[m.name][unit] = 0.0
+        for m in writers:
+            w = params[m.name]
+            column = torch.randn(w.shape[1 - m.axis], generator=g, dtype=torch.float64) * 2.0 / amplitude
+            if m.axis == 1:
+                w[:, unit] = column.to(w.dtype)
+            else:
+                w[unit] = column.to(w.dtype)
 
 
 def _plant_massive_activation(model, amplitude: float, triggers: tuple[int, ...], g: torch.Generator) -> None:

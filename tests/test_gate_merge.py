@@ -240,3 +240,42 @@ def test_the_model_level_check_in_the_layer_sweep_equals_separate_sweeps(monkeyp
     fid = result.model_fidelity
     assert fid["identity"] == float(identity.mean()) and fid["aligned"] == float(aligned.mean())
     assert fid["aligned"] != fid["identity"]
+
+
+def test_a_swap_of_two_massive_units_is_accepted_but_never_as_exact(monkeypatch, caplog):
+    """Two near-twin massive MLP units swapped in one layer (what bf16 rounding did to a real
+    LLM): the gate still prefers that estimate to the identity — the merge's fidelity reads
+    near 1, since it weighs tokens by 1/rms² — but the layer's worst token and the model-level
+    check's per-layer path say where the merge is not exact, and the verdict says so."""
+    import dataclasses
+
+    import raot_hf.estimators.builtin as builtin
+    from raot_hf.testing import tiny_text_dataset, tiny_tokenizer, trained_like
+
+    estimate = builtin.estimate_mlp_permutation
+    swapped_layer = 2
+
+    def swapping(stats, layer, *, return_log=False):
+        t, log = estimate(stats, layer, return_log=True)
+        if layer == swapped_layer:  # units 0 and 1 of A are the twins: give each the other's match
+            perm = t.perm.clone()
+            perm[[0, 1]] = perm[[1, 0]]
+            t = dataclasses.replace(t, perm=perm)
+        return (t, log) if return_log else t
+
+    monkeypatch.setattr(builtin, "estimate_mlp_permutation", swapping)
+    shape = dict(hidden_size=64, num_layers=4, intermediate_size=144, num_heads=4, num_kv_heads=2, vocab_size=100)
+    a = trained_like(tiny_model("llama", "causal", **shape), massive=1000.0, twins=300.0, twin_layer=2).float()
+    b = clone(a)
+    scramble(b, seed=1)
+    with caplog.at_level(logging.WARNING, logger="raot_hf.gate.merge"):
+        result = RaotMerger.from_models(a, b, preprocessor=tiny_tokenizer(100), correction={"method": "none"}).merge(
+            calibration=tiny_text_dataset(192, vocab_size=100)
+        )
+    mlp = {d.layer: d for d in result.alignment.decisions if d.transform == "mlp"}
+    assert mlp[swapped_layer].applied and mlp[swapped_layer].fidelity_estimate > 0.99  # looks exact on average
+    assert mlp[swapped_layer].worst_token > 1e-2 and "not exact" in mlp[swapped_layer].reason
+    assert all(mlp[i].worst_token < 1e-3 and "not exact" not in mlp[i].reason for i in mlp if i != swapped_layer)
+    path = result.alignment.model_fidelity["worst_token_by_layer"]
+    assert max(path[:swapped_layer]) < 1e-3 < path[swapped_layer]  # where the merge leaves the parents' path
+    assert f"from layer {swapped_layer}" in result.alignment.verdict and "not an exact recovery" in caplog.text

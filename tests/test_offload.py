@@ -81,9 +81,10 @@ def test_layerwise_merge_is_the_in_memory_merge(model_type, tmp_path):
     assert worst <= 1e-5, worst
     x = example_inputs(memory.model)
     assert output_deviation(memory.model, layerwise.model, x, relative=True) <= 1e-6
-    assert layerwise.report["checks"][0]["value"] == pytest.approx(
-        memory.report["checks"][0]["value"], rel=0.1, abs=1e-7
-    )
+    # the B′ ≡ B deviations are float round-off of different summation orders: each is held to the
+    # check's own bound, never to the other (two round-off values need not agree to any ratio)
+    for check in (layerwise.report["checks"][0], memory.report["checks"][0]):
+        assert check["passed"] and check["value"] <= check["threshold"], check
     assert not list(tmp_path.iterdir())  # the working files were unlinked as soon as they were mapped
 
 

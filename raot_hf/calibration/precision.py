@@ -59,3 +59,24 @@ def resolve_moment_precision(requested: str, param_dtype: torch.dtype, device) -
     if units is not None:
         return torch.bfloat16, f"auto: this CPU has bf16 matrix instructions ({units})"
     return torch.float32, "auto: this CPU has no bf16 matrix instructions (AMX or AVX-512 BF16)"
+
+
+#: Unit roundoff of a product's 16-bit inputs: bf16 keeps 8 significant bits, fp16 11.
+_INPUT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def correlation_error_bound(product_dtype: torch.dtype | None) -> float:
+    """How far a correlation read from co-moments whose per-batch products take ``product_dtype``
+    may lie from the exact one (docs/design.md §4.3).
+
+    Rounding a product's two inputs to ``product_dtype`` moves each term x·y by at most
+    (2u + u²)·|x·y| (u its unit roundoff); by Cauchy–Schwarz the sum moves by at most that times
+    ‖x‖·‖y‖, which the correlation divides by (the per-batch centered norms are at most the total
+    ones). This bound is deterministic: it holds when a few massive-activation tokens carry the
+    sums, where rounding errors do not average out. Float32 accumulation adds at most √k·u₃₂ per
+    product of k ≤ 2¹⁴ rows with high probability (Higham and Mary 2019), 2⁻¹⁷ here — the whole
+    bound of float32 products, whose inputs are already float32."""
+    if product_dtype == torch.float64:
+        return 2.0**-40
+    u = _INPUT_ROUNDOFF.get(product_dtype, 0.0)  # float32 (or None: the float32 rows' own) inputs are exact
+    return 2 * u + u * u + 2.0**-17

@@ -223,12 +223,18 @@ class Moments:
         outer = torch.outer(self.xsum_a, self.xsum_b).div_(self.n_cross.clamp_min(1))
         return outer.add_(self.comoment.to(_F64))
 
-    def correlation(self, eps: float = 1e-12) -> torch.Tensor:
-        """Pearson correlation of every (a_i, b_j) pair; constant units correlate 0."""
+    def unit_statistics(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each coordinate's mean and standard deviation over every row, of A and of B (float64
+        sums: exact whatever precision the co-moment's products took)."""
         n = self.n.clamp_min(1)
         ma, mb = self.sum_a / n, self.sum_b / n
         sa = (self.sq_a / n - ma**2).clamp_min(0).sqrt()
         sb = (self.sq_b / n - mb**2).clamp_min(0).sqrt()
+        return ma, sa, mb, sb
+
+    def correlation(self, eps: float = 1e-12) -> torch.Tensor:
+        """Pearson correlation of every (a_i, b_j) pair; constant units correlate 0."""
+        _, sa, _, sb = self.unit_statistics()
         # k×k work in place: three k×k buffers, not seven; C may hold fewer rows (a budget)
         corr = self.comoment.to(_F64, copy=True).div_(self.n_cross.clamp_min(1))
         denom = torch.outer(sa, sb)

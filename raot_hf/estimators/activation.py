@@ -13,8 +13,10 @@ from collections.abc import Callable
 
 import torch
 
+from raot_hf.calibration.precision import correlation_error_bound
 from raot_hf.calibration.statistics import Moments, PairedDiagonal
 from raot_hf.estimators.head_fit import assign, matched_scales, normalised_blocks, procrustes
+from raot_hf.estimators.ties import resolve_near_ties, unit_mismatch
 from raot_hf.symmetry.group import mean_axis_basis
 from raot_hf.symmetry.transforms import (
     HeadAlignment,
@@ -30,9 +32,16 @@ _F64 = torch.float64
 
 # -- MLP units (§4: correlation + exact assignment) -----------------------------------------------
 def estimate_mlp_permutation(stats: Moments, layer: int, *, return_log: bool = False):
-    """P maximising Σᵢ corr(a_i, b_P(i)) over units of one layer's MLP."""
+    """P maximising Σᵢ corr(a_i, b_P(i)) over units of one layer's MLP, with the near ties that
+    the co-moment's precision cannot order resolved from each unit's exact mean and spread
+    (:func:`~raot_hf.estimators.ties.resolve_near_ties`, docs/design.md §4.4)."""
     corr = stats.correlation()
-    perm = assign(corr)
+    mean_a, std_a, mean_b, std_b = stats.unit_statistics()
+
+    def mismatch(rows, cols):
+        return unit_mismatch(mean_a, std_a, mean_b, std_b, rows, cols)
+
+    perm, ties = resolve_near_ties(corr, assign(corr), correlation_error_bound(stats.product_dtype), mismatch)
     if not return_log:
         return MLPPermutation(layer, perm)
     ar = torch.arange(len(perm))
@@ -41,6 +50,7 @@ def estimate_mlp_permutation(stats: Moments, layer: int, *, return_log: bool = F
         "moved": int((perm != ar).sum()),
         "fit_mean_corr_identity": float(corr.diagonal().mean()),
         "fit_mean_corr_estimate": float(corr[ar, perm].mean()),
+        "near_ties": ties.to_dict(),
     }
     return MLPPermutation(layer, perm), log
 

@@ -101,6 +101,9 @@ class GateDecision:
     alignment_gain: float | None = None  # diagnostic under the merge objective
     examples: int = 0
     status: str = Status.BELOW_MARGIN.value
+    # merge objective: the largest deviation of one token of the layer merged with the estimate
+    # (unweighted, relative to what the block computes for it: gate.fidelity.worst_token_deviation)
+    worst_token: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

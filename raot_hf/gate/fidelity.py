@@ -106,6 +106,39 @@ def _rse(out: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, start: torch.
     return num / (scale**2 * m).sum(dim=(1, 2)).clamp_min(1e-30)
 
 
+def worst_token_deviation(
+    out: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, start: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per example, the largest deviation of one real token: ‖out_t − ref_t‖ over ‖ref_t − start_t‖
+    (what the block computes for that token; ``start`` None: over ‖ref_t‖), with that denominator
+    raised to the median token's so a token the block barely changes does not divide by ~0.
+
+    Unweighted, unlike the fidelity (docs/design.md §5.3): the fidelity weighs tokens by 1/rms²
+    so that massive-activation tokens do not swamp it, and so it hardly sees an error confined to
+    them — a swap of two massive MLP units leaves a fidelity of 0.997. This measure sees it."""
+    ref = ref.to(torch.float64)
+    err = (out.to(torch.float64) - ref).norm(dim=-1)
+    size = (ref if start is None else ref - start.to(torch.float64)).norm(dim=-1)
+    real = mask.to(out.device).bool()
+    worst = []
+    for e, s, m in zip(err, size, real, strict=True):
+        if not m.any():
+            worst.append(torch.zeros((), dtype=torch.float64, device=out.device))
+            continue
+        s_real = s[m]
+        worst.append((e[m] / torch.maximum(s_real, s_real.median()).clamp_min(1e-30)).max())
+    return torch.stack(worst).cpu()
+
+
+@dataclass(frozen=True)
+class LayerFidelity:
+    """A merged layer's per-example fidelity and per-example worst-token deviation
+    (:func:`worst_token_deviation`) on the gate examples."""
+
+    scores: torch.Tensor
+    worst_token: torch.Tensor
+
+
 def _hidden_in(call_args: tuple, call_kwargs: dict) -> torch.Tensor:
     return Call(call_args, call_kwargs, None).hidden
 
@@ -212,24 +245,25 @@ def layer_fidelity(
     stream: torch.Tensor | None,
     alpha: float,
     hidden: int,
-) -> torch.Tensor:
+) -> LayerFidelity:
     """Per-example fidelity of the merged layer ``index`` (block-local): on an "a" chunk to A's
     output at A's call, on a "b" chunk to B′'s at B′'s call, the error weighted 2(1−α) and 2α so
-    that the mean over a balanced gate set is the (1−α, α) mix of both."""
+    that the mean over a balanced gate set is the (1−α, α) mix of both; with each example's
+    worst-token deviation from the parent it is scored against."""
     rel = _relative(params, prefix)
-    scores = []
+    scores, worst = [], []
     for c in chunks:
         ca, cb = c.a[index], c.b[index]
         if c.side == "a":
             out = first_tensor(functional_call(module, rel, ca.args, ca.kwargs))
-            err = 2 * (1 - alpha) * _rse(out, ca.output, c.mask, _hidden_in(ca.args, ca.kwargs))
+            ref, start, weight = ca.output, _hidden_in(ca.args, ca.kwargs), 2 * (1 - alpha)
         else:
             args_b, kwargs_b = _b_prime_call(ca, cb, stream, hidden)
             out = first_tensor(functional_call(module, rel, args_b, kwargs_b))
-            ref = _map_stream(cb.output, stream)
-            err = 2 * alpha * _rse(out, ref, c.mask, _hidden_in(args_b, kwargs_b))
-        scores.append(1 - err)
-    return torch.cat(scores).cpu()
+            ref, start, weight = _map_stream(cb.output, stream), _hidden_in(args_b, kwargs_b), 2 * alpha
+        scores.append(1 - weight * _rse(out, ref, c.mask, start))
+        worst.append(worst_token_deviation(out, ref, c.mask, start))
+    return LayerFidelity(torch.cat(scores).cpu(), torch.cat(worst))
 
 
 class MergedModelRun:
@@ -251,6 +285,8 @@ class MergedModelRun:
             calls, hidden = layer_calls(model_a, layer_names, {k: v.to(device) for k, v in c.inputs.items()}, trunk)
             self.carried.append([calls, hidden])
         self.next_layer = 0
+        self.alpha = merged.alpha
+        self.worst_token: list[float] = []  # per layer run: the worst token's deviation from the parents' mix
 
     def fork(self) -> MergedModelRun:
         """A run that goes on from this one's carried states: another merged model that has
@@ -258,6 +294,7 @@ class MergedModelRun:
         a write)."""
         twin = copy.copy(self)
         twin.carried = [list(item) for item in self.carried]
+        twin.worst_token = list(self.worst_token)
         return twin
 
     @torch.no_grad()
@@ -266,8 +303,14 @@ class MergedModelRun:
         i = self.next_layer
         name = self.layer_names[i]
         rel, module = _relative(params, name), self.model_a.get_submodule(name)
-        for item in self.carried:
+        worst = 0.0
+        for c, item in zip(self.chunks, self.carried, strict=True):
             item[1] = item[0][i](module, item[1], rel)
+            # where the merged model leaves the parents' path: its state against their mix at this layer
+            ref_b = _map_stream(c.b[i].output, self.stream).double()
+            ref = torch.lerp(c.a[i].output.to(torch.float64), ref_b, self.alpha)
+            worst = max(worst, float(worst_token_deviation(item[1], ref, c.mask).max()))
+        self.worst_token.append(worst)
         self.next_layer += 1
 
     @torch.no_grad()

@@ -39,6 +39,7 @@ from raot_hf.adapters.schema import ModelSchema
 from raot_hf.gate import GateDecision, Status, paired_test
 from raot_hf.gate.fidelity import (
     GateChunk,
+    LayerFidelity,
     MergedModelRun,
     MergedParameters,
     gate_chunks,
@@ -61,6 +62,10 @@ logger = logging.getLogger("raot_hf.gate.merge")
 
 #: Below this many gate examples there is no spread to learn the noise from: the identity stands.
 MIN_GATE_EXAMPLES = 4
+
+#: A merge whose state leaves its parents' by more than this on some token is no exact recovery,
+#: whatever its fidelity (which weighs tokens by 1/rms², so hardly sees massive-activation tokens).
+WORST_TOKEN_NOTE = 1e-2
 
 
 def _paired(
@@ -89,6 +94,15 @@ def _paired(
         examples=int(with_.numel()),
         status=status.value,
     )
+
+
+def _with_worst_token(d: GateDecision, worst: float) -> GateDecision:
+    """``d`` with its layer's worst-token deviation; an accepted estimate whose fidelity reads as
+    exact while one token is far off says so in its reason (docs/design.md §5.3)."""
+    reason = d.reason
+    if d.applied and d.fidelity_estimate >= 1 - WORST_TOKEN_NOTE and worst > WORST_TOKEN_NOTE:
+        reason += f"; not exact: one token deviates by {worst:.2g}"
+    return dataclasses.replace(d, worst_token=worst, reason=reason)
 
 
 def _reject(d: GateDecision, reason: str, status: Status) -> GateDecision:
@@ -142,9 +156,9 @@ class _GateRun:
         and the accepted transforms."""
         name = self.layer_names[i]
         module = self.model_a.get_submodule(name)
-        scores: dict[tuple, torch.Tensor] = {}
+        scores: dict[tuple, LayerFidelity] = {}
 
-        def score(chosen: tuple) -> torch.Tensor:
+        def score(chosen: tuple) -> LayerFidelity:
             if chosen not in scores:
                 transforms = [t for key in chosen for t in per_layer[key]]
                 params = self.merged.merged(i, transforms)
@@ -161,8 +175,9 @@ class _GateRun:
                 without = score(tuple(k for k in chosen if k != key))
                 description = rows[key].description
                 decided[key] = _paired(
-                    key[0], i, with_, without, z=self.z, description=description, alignment=rows[key]
+                    key[0], i, with_.scores, without.scores, z=self.z, description=description, alignment=rows[key]
                 )
+                decided[key] = _with_worst_token(decided[key], float(with_.worst_token.max()))
             rejected = [key for key in chosen if not decided[key].applied]
             if not rejected:
                 break
@@ -197,10 +212,12 @@ class _GateRun:
             self.every.advance(self.merged.merged(i))
         self.identity.advance(self.merged.merged(i, aligned=False))
 
-    def check(self) -> tuple[GateDecision, bool]:
+    def check(self) -> tuple[GateDecision, bool, list[float]]:
         """The model-level check: the aligned merge (accepted set, residual map included) against
         the identity merge. With nothing accepted it still measures every re-decided estimate at
-        once, as the verdict's evidence, and passes nothing."""
+        once, as the verdict's evidence, and passes nothing. Also returns, per layer, the worst
+        token's deviation of the measured merge's state from the parents' mix: where the merged
+        model leaves their path."""
         identity = self.identity.scores(self.alpha)
         measured = self.accepted if self.accepted is not None else self.every
         aligned = identity if measured is None else measured.scores(self.alpha)
@@ -214,7 +231,9 @@ class _GateRun:
             description="merged model vs identity merge",
             alignment=None,
         )
-        return check, self.accepted is not None and check.applied
+        worst = [] if measured is None else measured.worst_token
+        check = dataclasses.replace(check, worst_token=max(worst, default=None))
+        return check, self.accepted is not None and check.applied, worst
 
 
 def run_merge_gate(
@@ -260,11 +279,13 @@ def run_merge_gate(
             every = [t for key in keys for t in per_layer[key]]
         run.advance_check(i, chosen, every)
         release_all()  # an offloaded layer's pages, read to merge it, go back to their files (§7.4)
-    check, passed = run.check()
-    return _result(rows, decided, check, passed, residual is not None)
+    check, passed, worst = run.check()
+    return _result(rows, decided, check, passed, residual is not None, worst)
 
 
-def _result(rows: dict, decided: dict, check: GateDecision, passed: bool, has_residual: bool) -> MergeGateResult:
+def _result(
+    rows: dict, decided: dict, check: GateDecision, passed: bool, has_residual: bool, worst: list[float]
+) -> MergeGateResult:
     """Final decisions (the check decides the residual map and can veto the rest) and the verdict."""
     out = []
     for key, d in rows.items():
@@ -289,7 +310,16 @@ def _result(rows: dict, decided: dict, check: GateDecision, passed: bool, has_re
             f"on {k} held-out examples (no gain beyond the margin {margin:.2g})"
         )
     info = {"identity": fi, "aligned": fa, "gain": fa - fi, "stderr": check.stderr, "margin": margin}
-    info.update({"examples": k, "passed": passed})
+    info.update({"examples": k, "passed": passed, "worst_token_by_layer": worst})
+    if passed and fa >= 1 - WORST_TOKEN_NOTE and worst and max(worst) > WORST_TOKEN_NOTE:
+        # a near-exact fidelity with one token far off (a massive-activation token): not an exact recovery
+        layer = max(range(len(worst)), key=worst.__getitem__)
+        first = next(i for i, w in enumerate(worst) if w > WORST_TOKEN_NOTE)
+        verdict += (
+            f"; but one token leaves the parents' path by {worst[layer]:.2g} (from layer {first}, largest at layer "
+            f"{layer}): not an exact recovery there"
+        )
+        logger.warning("merge gate: %s", verdict)
     return MergeGateResult(out, verdict, info)
 
 

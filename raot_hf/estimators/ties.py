@@ -1,0 +1,95 @@
+"""Assignments that the precision of their scores cannot flip (docs/design.md §4.4).
+
+A correlation read from co-moments of finite precision lies within ε of the exact one
+(:func:`raot_hf.calibration.precision.correlation_error_bound`: 2⁻⁷ for bf16 products). Real
+checkpoints hold near-twin units — in a 135 M-parameter LLM two massive SwiGLU units correlate
+at 0.9994 — whose scores differ by less than that, so the assignment between them is decided by
+rounding. Such **near ties** are resolved from statistics that are exact whatever the products'
+precision: each unit's float64 mean and standard deviation, which an exact permutation carries
+over unchanged and which near-twins of different magnitude do not share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from raot_hf.estimators.head_fit import assign
+
+_F64 = torch.float64
+
+#: Magnitude mismatch (in log-std plus standardized-mean units) at which the tie penalty is whole.
+MISMATCH_SCALE = 0.05
+
+
+@dataclass(frozen=True)
+class TieResolution:
+    """What the near-tie rule saw and did: the units with a rival within 2ε of their match, the
+    units whose match it changed, the smallest margin of a match over its best rival, and ε."""
+
+    near_tied: int
+    changed: int
+    smallest_margin: float
+    tolerance: float
+
+    def to_dict(self) -> dict:
+        return {
+            "near_tied": self.near_tied,
+            "changed": self.changed,
+            "smallest_margin": self.smallest_margin,
+            "tolerance": self.tolerance,
+        }
+
+
+def match_margins(score: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """Per row i: score[i, perm[i]] minus the best rival — another column of row i, or another
+    row of column perm[i] (inf for a 1 × 1 problem)."""
+    n = score.shape[0]
+    ar = torch.arange(n)
+    matched = score[ar, perm]
+    rivals = score.clone()
+    rivals[ar, perm] = -torch.inf
+    best = torch.maximum(rivals.max(1).values, rivals.max(0).values[perm])
+    return matched - best
+
+
+def unit_mismatch(mean_a, std_a, mean_b, std_b, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Per (row, col) pair: how unlike unit ``row`` of A and unit ``col`` of B are in their exact
+    float64 statistics, in [0, 1] — |log σ_a − log σ_b| + |μ_a/σ_a − μ_b/σ_b| over
+    :data:`MISMATCH_SCALE`, capped at 1; 0 for an exact permutation's pairs."""
+    tiny = torch.finfo(_F64).tiny
+    sa, sb = std_a[rows].clamp_min(tiny), std_b[cols].clamp_min(tiny)
+    spread = (sa.log() - sb.log()).abs() + (mean_a[rows] / sa - mean_b[cols] / sb).abs()
+    return (spread / MISMATCH_SCALE).clamp_max(1.0)
+
+
+def resolve_near_ties(score: torch.Tensor, perm: torch.Tensor, tolerance: float, mismatch) -> tuple:
+    """The assignment ``perm`` of ``score`` with its near ties resolved, and a :class:`TieResolution`.
+
+    The **band** holds the pairs that score within 2ε (ε = ``tolerance``) of their row's or their
+    column's match: between them the scores cannot tell the exact order. Rows and columns with
+    more than one pair in the band are near-tied; their band pairs lose 4ε·mismatch
+    (``mismatch(rows, cols)`` in [0, 1], from exact statistics) and the assignment is solved
+    again. Why 4ε: with every score off by at most ε, a rival with mismatch 1 then scores at least
+    2ε below its exact value's reach, below the exact match (mismatch 0) whatever the rounding.
+    Pairs outside the band keep their scores, so a match with no rival within 2ε never moves."""
+    margins = match_margins(score, perm)
+    smallest = float(margins.min()) if margins.numel() else float("inf")
+    if tolerance <= 0 or score.numel() == 0:
+        return perm, TieResolution(0, 0, smallest, tolerance)
+    ar = torch.arange(score.shape[0])
+    inverse = torch.empty_like(perm)
+    inverse[perm] = ar
+    matched = score[ar, perm]
+    band = (score >= (matched - 2 * tolerance)[:, None]) | (score >= (matched[inverse] - 2 * tolerance)[None, :])
+    tied_rows, tied_cols = band.sum(1) > 1, band.sum(0) > 1
+    band &= tied_rows[:, None] | tied_cols[None, :]
+    near = int(tied_rows.sum())
+    if not band.any():
+        return perm, TieResolution(0, 0, smallest, tolerance)
+    rows, cols = band.nonzero(as_tuple=True)
+    penalised = score.to(_F64, copy=True)
+    penalised[rows, cols] -= 4 * tolerance * mismatch(rows, cols)
+    resolved = assign(penalised)
+    return resolved, TieResolution(near, int((resolved != perm).sum()), smallest, tolerance)
