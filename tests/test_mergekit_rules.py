@@ -322,3 +322,37 @@ def test_command_line_gradient_equals_the_merge_file(pair, tmp_path):
     assert res.exit_code == 0, res.output
     x, y = _weights(tmp_path / "cli"), _weights(tmp_path / "yml")
     assert set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.mark.parametrize(
+    "rule,options,with_base",
+    [
+        ("slerp", {"t": {"self_attn": [0.0, 1.0], "default": [0.2, 0.6]}}, False),
+        ("della", {"density": [0.5, 0.7], "epsilon": 0.1}, True),
+        ("breadcrumbs_ties", {"density": {"mlp": [0.6, 0.9], "default": 0.8}, "gamma": 0.05}, True),
+        ("model_stock", {}, True),
+    ],
+)
+def test_streamed_merge_with_layer_settings_is_the_in_memory_merge(pair, tmp_path, rule, options, with_base):
+    from raot_hf import RaotConfig, merge_checkpoints
+
+    models = [pair / "a", pair / "b"]
+    base = {}
+    if with_base:  # two drifts of A, A the base
+        models = []
+        for i in (1, 2):
+            model = tiny_model("llama", "causal", seed=0, dtype=torch.float32)
+            g = torch.Generator().manual_seed(i)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.05 * p.abs().mean() * torch.randn(p.shape, generator=g))
+            model.save_pretrained(tmp_path / f"m{i}")
+            tiny_tokenizer().save_pretrained(tmp_path / f"m{i}")
+            models.append(tmp_path / f"m{i}")
+        base = {"base": pair / "a"}
+    config = RaotConfig.from_dict({"merge_rule": rule, "alignment": "none", "mergekit": options})
+    streamed, report = merge_checkpoints(*models, out=tmp_path / "s", config=config, **base)
+    loaded, _ = merge_checkpoints(*models, out=tmp_path / "m", config=config, stream=False, **base)
+    assert report["execution"] == "streamed"
+    x, y = _weights(streamed), _weights(loaded)
+    assert set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in x)
