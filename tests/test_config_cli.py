@@ -113,7 +113,15 @@ LEGACY = {
 # One value per click type that every field of that type accepts and that no default equals.
 VALUE_FOR_TYPE = {click.INT: "5", click.FLOAT: "0.125", click.STRING: "mlp"}
 #: Values of the string options that are number lists, and what they parse to.
-VALUE_FOR_FLAG = {"--weights": ("0.5,0.25", (0.5, 0.25)), "--densities": ("0.5,0.25", (0.5, 0.25))}
+VALUE_FOR_FLAG = {
+    "--weights": ("0.5,0.25", (0.5, 0.25)),
+    "--densities": ("0.5,0.25", (0.5, 0.25)),
+    "--t": ("self_attn=0,1;default=0.5", {"self_attn": [0.0, 1.0], "default": 0.5}),
+    "--mergekit-density": ("0,0.5,1", [0.0, 0.5, 1.0]),
+    "--mergekit-epsilon": ("0.1", 0.1),
+    "--mergekit-gamma": ("0.02", 0.02),
+    "--mergekit-scale": ("1.5", 1.5),
+}
 
 
 def _field_paths(cls, prefix=()):

@@ -347,7 +347,7 @@ raot:
             "merge_method: 'karcher' is not supported",
         ),
         ("models:\n  - model: {a}\n  - parameters: {{weight: 1}}\nmerge_method: linear\n", "entry 2 has no 'model:'"),
-        ("slices:\n  - sources: []\nmerge_method: passthrough\n", "slices: (layer ranges"),
+        ("slices:\n  - sources: []\nmerge_method: linear\n", "slices: entry must hold sources"),
         ("models:\n  - model: {a}\n  - model: {b}\nmerge_method: passthrough\n", "passthrough (frankenmerges"),
         (
             "models:\n  - model: {a}\n    parameters: {{weight: [0, 1]}}\n  - model: {b}\nmerge_method: linear\n",

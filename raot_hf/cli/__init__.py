@@ -70,7 +70,7 @@ def merge_options(fn):
 def _read_config_file(name: str):
     """The ``--config`` file ``name``: a :class:`~raot_hf.config.mergefile.MergeFile` (models, base,
     options) or a RaotConfig JSON; unreadable files are a one-line error."""
-    from raot_hf.config.mergefile import looks_like_merge_file, parse_text, read_merge_file
+    from raot_hf.config.mergefile import check_layer_range, looks_like_merge_file, parse_text, read_merge_file
 
     path = Path(name)
     if not path.is_file():
@@ -88,7 +88,9 @@ def _read_config_file(name: str):
     else:
         data = parse_text(text, str(path))
     if looks_like_merge_file(data):
-        return read_merge_file(data)
+        merge_file = read_merge_file(data)
+        check_layer_range(merge_file)
+        return merge_file
     if not isinstance(data, dict):
         raise RaotError(f"--config {path} must hold a mapping (a merge file or RaotConfig options)")
     return RaotConfig.from_dict(data)

@@ -14,11 +14,17 @@ a :class:`raot_hf.RaotConfig` (docs/design.md §6.9)::
       calibration: {source: calibration.csv, num_samples: 256}
 
 ``merge_method`` is a registered merge rule; ``base_model`` the checkpoint the models were
-fine-tuned from (a ``models:`` entry naming it is the base, not a model to merge, as in mergekit);
-per-model ``parameters`` are ``weight`` and ``density``; the top-level ``parameters`` take
-``lambda`` (the task-vector scale), a default ``weight`` and ``density``, and mergekit's
-``normalize`` / ``rescale`` / ``int8_mask`` where they keep the method's definition. What this
-project cannot do — ``slices:`` and passthrough frankenmerges, per-layer parameter gradients,
+fine-tuned from (a ``models:`` entry naming it is the base, not a model to merge, as in mergekit)
+— for ``slerp`` the model at ``t = 0``, merged with the other; per-model ``parameters`` are
+``weight`` and ``density``; the top-level ``parameters`` take ``lambda`` (the task-vector scale),
+a default ``weight`` and ``density``, mergekit's ``normalize`` / ``rescale`` / ``int8_mask`` where
+they keep the method's definition, and the mergekit rules' own (``t``, ``epsilon``, ``gamma``,
+``filter_wise``, ``nuslerp_row_wise``, ``nuslerp_flatten``). For those rules a parameter may be a
+per-layer gradient or a list of ``{filter, value}`` entries (:mod:`raot_hf.merging.layered`).
+
+``slices:`` with one slice whose sources all cover the same whole layer range ``[0, L]`` is the
+whole-model merge and reads like ``models:`` (:func:`check_layer_range` checks ``L`` against the
+models' configs). What this project cannot do — other slices (frankenmerges), passthrough,
 another model's tokenizer — is refused in one line before any weights are read.
 """
 
@@ -32,11 +38,9 @@ from typing import Any
 from raot_hf.errors import RaotError
 
 #: Top-level keys of a merge file this project reads.
-KEYS = ("models", "merge_method", "base_model", "parameters", "dtype", "raot")
+KEYS = ("models", "slices", "merge_method", "base_model", "parameters", "dtype", "raot")
 #: mergekit keys with no meaning here, and why.
 REFUSED_KEYS = {
-    "slices": "slices: (layer ranges stitched from several models) are not supported: raot-hf merges models of "
-    "one architecture layer for layer; list whole models under models:",
     "tokenizer_source": "tokenizer_source: is not supported: the merged model takes the reference model's tokenizer",
     "tokenizer": "tokenizer: is not supported: the merged model takes the reference model's tokenizer",
     "chat_template": "chat_template: is not supported: the merged model keeps the reference model's tokenizer files",
@@ -52,7 +56,19 @@ _DEFAULTS = {
     "task_arithmetic": {"normalize": False, "rescale": False},
     "ties": {"normalize": True, "rescale": False},
     "dare_ties": {"normalize": False, "rescale": True},
+    "della": {"normalize": True, "rescale": True},
+    "della_linear": {"normalize": False, "rescale": True},
+    "breadcrumbs": {"normalize": False, "rescale": False},
+    "breadcrumbs_ties": {"normalize": False, "rescale": False},
 }
+#: The mergekit rules' parameters → their mergekit-section option (settings may vary by layer or module).
+_MERGEKIT_PARAMETERS = {
+    "t": "t", "density": "density", "lambda": "scale", "epsilon": "epsilon", "gamma": "gamma",
+    "filter_wise": "filter_wise", "nuslerp_row_wise": "row_wise", "nuslerp_flatten": "flatten",
+}  # fmt: skip
+#: Rules whose base_model is one of the two models merged, not the origin of task vectors.
+_BASE_IS_A_MODEL = ("slerp",)
+_SLICE_FIX = "list whole models under models: (or one slice whose sources all cover every layer)"
 _DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
            "bfloat16": "bfloat16", "bf16": "bfloat16", "float64": "float64"}  # fmt: skip
 
@@ -64,6 +80,8 @@ class MergeFile:
     models: list[str]
     base: str | None
     config: Any  # raot_hf.RaotConfig
+    #: ``slices:``'s layer range ``[0, L]`` (checked against the models by :func:`check_layer_range`), or None.
+    layer_range: tuple[int, int] | None = None
 
 
 def looks_like_merge_file(data: Any) -> bool:
@@ -92,8 +110,43 @@ def _number(value: Any, what: str) -> float:
     return float(value)
 
 
-def _model_entries(data: dict, base: str | None) -> tuple[list[str], list[dict]]:
-    entries = data.get("models")
+def _slice_entries(data: dict) -> tuple[list[dict], tuple[int, int]]:
+    """The sources of a whole-model ``slices:`` as ``models:`` entries, and their layer range."""
+    if "models" in data:
+        raise RaotError("the merge file has both models: and slices:; keep one (models: for a whole-model merge)")
+    slices = data["slices"]
+    if not isinstance(slices, list) or len(slices) != 1:
+        count = len(slices) if isinstance(slices, list) else 0
+        raise RaotError(f"slices: has {count} slices; raot-hf merges whole models layer for layer: {_SLICE_FIX}")
+    piece = slices[0] if isinstance(slices[0], dict) else {}
+    extra = sorted(set(piece) - {"sources", "parameters"})
+    if extra or not isinstance(piece.get("sources"), list) or not piece["sources"]:
+        raise RaotError(
+            f"slices: entry must hold sources: (and parameters:) only, got {extra or 'no sources'}; {_SLICE_FIX}"
+        )
+    ranges, entries = set(), []
+    for i, source in enumerate(piece["sources"], start=1):
+        if not isinstance(source, dict) or not source.get("model") or "layer_range" not in source:
+            raise RaotError(f"slices: source {i} needs model: and layer_range: [0, <layers>]")
+        bounds = source["layer_range"]
+        if not (isinstance(bounds, list) and len(bounds) == 2 and all(isinstance(b, int) for b in bounds)):
+            raise RaotError(f"slices: source {i} layer_range {bounds!r} must be [start, end], two integers")
+        ranges.add(tuple(bounds))
+        entries.append({k: v for k, v in source.items() if k != "layer_range"})
+    if len(ranges) != 1:
+        raise RaotError(
+            f"slices: sources cover different layer ranges {sorted(ranges)}: stitching layers from several models "
+            f"is a frankenmerge; {_SLICE_FIX}"
+        )
+    ((start, end),) = ranges
+    if start != 0 or end <= 0:
+        raise RaotError(
+            f"slices: layer_range [{start}, {end}] does not cover every layer; use [0, <layers>]: {_SLICE_FIX}"
+        )
+    return entries, (start, end)
+
+
+def _model_entries(entries: Any, base: str | None) -> tuple[list[str], list[dict]]:
     if not isinstance(entries, list) or not entries:
         raise RaotError("the merge file has no models: list; add one '- model: <path or Hub id>' entry per model")
     models, params = [], []
@@ -116,13 +169,18 @@ def _model_entries(data: dict, base: str | None) -> tuple[list[str], list[dict]]
     return models, params
 
 
-def _global_parameters(method: str, params: Any) -> dict[str, float]:
+def _global_parameters(method: str, params: Any, layered: bool) -> dict[str, Any]:
     if params is None:
         return {}
     if not isinstance(params, dict):
         raise RaotError("parameters: must be a mapping (lambda, weight, density, normalize, rescale, int8_mask)")
     out = {}
     for key, value in params.items():
+        if layered and key in _MERGEKIT_PARAMETERS:
+            from raot_hf.merging.layered import check_setting
+
+            out[key] = check_setting(f"parameters: {key}", value)
+            continue
         if key in ("normalize", "rescale"):
             default = _DEFAULTS.get(method, {}).get(key)
             if value != default:
@@ -135,7 +193,10 @@ def _global_parameters(method: str, params: Any) -> dict[str, float]:
         elif key in ("lambda", "weight", "density"):
             out[key] = _number(value, f"parameters: {key}")
         else:
-            raise RaotError(f"parameters: {key} is not supported; valid: lambda, weight, density, normalize, rescale")
+            valid = ["lambda", "weight", "density", "normalize", "rescale", *(_MERGEKIT_PARAMETERS if layered else ())]
+            raise RaotError(
+                f"parameters: {key} is not supported for {method}; valid: {', '.join(dict.fromkeys(valid))}"
+            )
     return out
 
 
@@ -166,9 +227,30 @@ def _raot_section(data: dict) -> dict:
     return raot
 
 
+def _models_and_base(data: dict, method: str) -> tuple[list[str], list[dict], str | None, tuple | None]:
+    """The models to merge, their parameters, the base (None when it is a model merged) and the slice's range."""
+    entries, layer_range = _slice_entries(data) if "slices" in data else (data.get("models"), None)
+    base = str(data["base_model"]) if data.get("base_model") else None
+    if method in _BASE_IS_A_MODEL:
+        if base is None:
+            raise RaotError(f"merge_method: {method} needs base_model: (the model at t = 0, merged with the other)")
+        models, params = _model_entries(entries, None)
+        if base not in models:
+            raise RaotError(f"base_model: {base} is not among the models; {method} merges it with one other model")
+        order = sorted(range(len(models)), key=lambda i: models[i] != base)  # the base first: the reference
+        return [models[i] for i in order], [params[i] for i in order], None, layer_range
+    if method == "nuslerp" and base is not None:
+        raise RaotError(
+            "merge_method: nuslerp with a base_model (task-vector SLERP) is not supported; remove base_model:"
+        )
+    models, params = _model_entries(entries, base)
+    return models, params, base, layer_range
+
+
 def read_merge_file(data: dict) -> MergeFile:
     """The models, base and RaotConfig a parsed merge file describes (see the module docstring)."""
     from raot_hf.config import RaotConfig
+    from raot_hf.merging import merge_rule_spec
 
     for key in data:
         if key in REFUSED_KEYS:
@@ -176,29 +258,70 @@ def read_merge_file(data: dict) -> MergeFile:
         if key not in KEYS:
             raise RaotError(f"unknown merge-file key {key!r}; valid: {', '.join(KEYS)}")
     method = _check_method(data.get("merge_method"))
-    base = str(data["base_model"]) if data.get("base_model") else None
-    models, params = _model_entries(data, base)
-    top = _global_parameters(method, data.get("parameters"))
+    layered = merge_rule_spec(method).layered
+    models, params, base, layer_range = _models_and_base(data, method)
+    given = data.get("parameters")
+    if "slices" in data and isinstance(data["slices"][0].get("parameters"), dict):  # the one slice's, over the top's
+        given = {**(given or {}), **data["slices"][0]["parameters"]}
+    top = _global_parameters(method, given, layered)
     options = _raot_section(data)
+    if not isinstance(top.get("weight", 0.0), float):
+        raise RaotError("parameters: weight must be one number (per-layer weights are not supported); give one")
     weights = [p.get("weight", top.get("weight", 1.0 / len(models))) for p in params]
     densities = [p["density"] for p in params if "density" in p]
     section = dict(options.get("group") or {})
     section["weights"] = weights
     if densities:
+        if not isinstance(top.get("density", 1.0), float):
+            raise RaotError("parameters: density varies by layer but a model sets its own density; give one kind")
         section["densities"] = [p.get("density", top.get("density", 1.0)) for p in params]
-    rules = dict(options.get("base_rules") or {})
-    if "lambda" in top:
-        rules["task_scale"] = top["lambda"]
-    if "density" in top:
-        rules["density"] = top["density"]
     config = {**options, "merge_rule": method, "group": section}
-    if rules:
-        config["base_rules"] = rules
+    if layered:
+        mergekit = dict(options.get("mergekit") or {})
+        mergekit.update({_MERGEKIT_PARAMETERS[k]: v for k, v in top.items() if k in _MERGEKIT_PARAMETERS})
+        config["mergekit"] = mergekit
+    else:
+        rules = dict(options.get("base_rules") or {})
+        if "lambda" in top:
+            rules["task_scale"] = top["lambda"]
+        if "density" in top:
+            rules["density"] = top["density"]
+        if rules:
+            config["base_rules"] = rules
     if data.get("dtype") is not None:
         if str(data["dtype"]) not in _DTYPES:
             raise RaotError(f"dtype: {data['dtype']!r} is not supported; choose one of: {', '.join(sorted(_DTYPES))}")
         config["dtype"] = _DTYPES[str(data["dtype"])]
-    return MergeFile(models, base, RaotConfig.from_dict(config))
+    return MergeFile(models, base, RaotConfig.from_dict(config), layer_range)
+
+
+def model_layers(model: str) -> int | None:
+    """The number of layers a checkpoint's config.json declares (None when unknown or unreadable)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except Exception:  # noqa: BLE001 - the merge itself reports an unreadable model
+        return None
+    config = getattr(config, "text_config", None) or config
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        if isinstance(getattr(config, name, None), int):
+            return getattr(config, name)
+    return None
+
+
+def check_layer_range(merge_file: MergeFile) -> None:
+    """Refuse a ``slices:`` layer range that does not cover every layer of every model."""
+    if merge_file.layer_range is None:
+        return
+    start, end = merge_file.layer_range
+    for model in [*merge_file.models, *([merge_file.base] if merge_file.base else [])]:
+        layers = model_layers(model)
+        if layers is not None and layers != end:
+            raise RaotError(
+                f"slices: layer_range [{start}, {end}] but {model} has {layers} layers: a partial range is a "
+                f"frankenmerge; use layer_range: [0, {layers}] for every source"
+            )
 
 
 def load_merge_file(path: str | Path) -> MergeFile:
@@ -209,7 +332,9 @@ def load_merge_file(path: str | Path) -> MergeFile:
     data = parse_text(path.read_text(encoding="utf-8"), str(path))
     if not looks_like_merge_file(data):
         raise RaotError(f"--config {path} names no models: or merge_method:; it is not a merge file")
-    return read_merge_file(data)
+    merge_file = read_merge_file(data)
+    check_layer_range(merge_file)
+    return merge_file
 
 
-__all__ = ["MergeFile", "load_merge_file", "looks_like_merge_file", "read_merge_file"]
+__all__ = ["MergeFile", "check_layer_range", "load_merge_file", "looks_like_merge_file", "read_merge_file"]

@@ -29,6 +29,20 @@ from raot_hf.merging.base_rules import (
     relative_task_norm,
     trim_to_top,
 )
+from raot_hf.merging.layered import count_layers
+from raot_hf.merging.mergekit_rules import (
+    TASK_RULES,
+    MergekitOptions,
+    breadcrumbs,
+    breadcrumbs_ties,
+    della,
+    della_linear,
+    group_form,
+    model_stock,
+    nuslerp,
+    pair_form,
+    slerp,
+)
 from raot_hf.merging.nary import (
     merge_dare_ties_n,
     merge_fisher_n,
@@ -66,6 +80,10 @@ class MergeRuleSpec:
       (a dotted path into a section, e.g. ``base_rules.density``; :meth:`RaotConfig.lookup`).
     * ``nary``: the rule over N models (``nary(states, *, weights, ...)``, :mod:`raot_hf.merging.nary`),
       called with the same options; None: the rule merges two models only.
+    * ``layered``: its options may vary by layer or module (:mod:`raot_hf.merging.layered`); called
+      with ``layer_count=`` (the model's layers) so that a few tensors at a time evaluate them right.
+    * ``absolute_weights``: it reads the models' weights as given, not normalised (mergekit's); the
+      two-model form is called with ``pair_weights=`` (``group.weights``) when two are given.
     """
 
     name: str
@@ -76,6 +94,8 @@ class MergeRuleSpec:
     per_tensor: bool = False
     options: Mapping[str, str] = field(default_factory=dict)
     nary: Callable | None = None
+    layered: bool = False
+    absolute_weights: bool = False
 
 
 _RULES: dict[str, MergeRuleSpec] = {}
@@ -102,6 +122,8 @@ def register_merge_rule(
     options: Mapping[str, str] | None = None,
     config: type | None = None,
     nary: Callable | None = None,
+    layered: bool = False,
+    absolute_weights: bool = False,
 ) -> Callable:
     """Register ``fn`` as the merge rule ``name`` (see :class:`MergeRuleSpec` for the flags);
     refuses non-callables and duplicate names. ``config``: the rule's own options section (a
@@ -122,7 +144,18 @@ def register_merge_rule(
         register_section(config)
         if options is None:
             options = {f.name: f"{config.section}.{f.name}" for f in dataclasses.fields(config)}
-    _RULES[name] = MergeRuleSpec(name, fn, needs_base, needs_grams, needs_fisher, per_tensor, dict(options or {}), nary)
+    _RULES[name] = MergeRuleSpec(
+        name,
+        fn,
+        needs_base,
+        needs_grams,
+        needs_fisher,
+        per_tensor,
+        dict(options or {}),
+        nary,
+        layered,
+        absolute_weights,
+    )
     return fn
 
 
@@ -143,12 +176,18 @@ def get_merge_rule(name: str) -> Callable:
     return merge_rule_spec(name).fn
 
 
-def rule_options(spec: MergeRuleSpec, config, models: int = 2) -> dict[str, Any]:
+def rule_options(spec: MergeRuleSpec, config, models: int = 2, names=None) -> dict[str, Any]:
     """The keywords ``spec`` reads from ``config`` (its ``options``), and with more than two
-    models the per-model densities (``group.densities``) of a rule that takes a density."""
+    models the per-model densities (``group.densities``) of a rule that takes a density; for a
+    ``layered`` rule the layer count of the parameter ``names`` (all of the model's), and for an
+    ``absolute_weights`` rule of two models the two ``group.weights`` when given."""
     options: dict[str, Any] = {name: config.lookup(path) for name, path in spec.options.items()}
-    if models > 2 and "density" in options and config.group.densities:
+    if (models > 2 or spec.absolute_weights) and "density" in options and config.group.densities:
         options["densities"] = list(config.group.densities)
+    if spec.layered and names is not None:
+        options["layer_count"] = count_layers(names)
+    if spec.absolute_weights and models == 2 and len(config.group.weights) == 2:
+        options["pair_weights"] = list(config.group.weights)
     return options
 
 
@@ -203,6 +242,46 @@ register_merge_rule(
     options={"density": "base_rules.density", "scale": "base_rules.task_scale", "seed": "seed"},
     nary=merge_dare_ties_n,
 )
+register_merge_rule(
+    "slerp", pair_form(slerp), per_tensor=True, layered=True, config=MergekitOptions, options={"t": "mergekit.t"}
+)
+register_merge_rule(
+    "nuslerp",
+    pair_form(nuslerp),
+    per_tensor=True,
+    layered=True,
+    absolute_weights=True,
+    config=MergekitOptions,
+    options={"row_wise": "mergekit.row_wise", "flatten": "mergekit.flatten"},
+)
+register_merge_rule(
+    "model_stock",
+    pair_form(model_stock),
+    needs_base=True,
+    per_tensor=True,
+    layered=True,
+    config=MergekitOptions,
+    options={"filter_wise": "mergekit.filter_wise"},
+    nary=group_form(model_stock),
+)
+for _name, _rule in zip(TASK_RULES, (della, della_linear, breadcrumbs, breadcrumbs_ties), strict=True):
+    _extra = "epsilon" if TASK_RULES[_name][0] == "della" else "gamma"
+    register_merge_rule(
+        _name,
+        pair_form(_rule),
+        needs_base=True,
+        per_tensor=True,
+        layered=True,
+        absolute_weights=True,
+        config=MergekitOptions,
+        options={
+            "density": "mergekit.density",
+            _extra: f"mergekit.{_extra}",
+            "scale": "mergekit.scale",
+            **({"seed": "seed"} if _extra == "epsilon" else {}),
+        },
+        nary=group_form(_rule),
+    )
 
 __all__ = [
     "HEAD_POLICIES",
@@ -225,6 +304,7 @@ __all__ = [
     "merge_regmean_n",
     "merge_task_arithmetic_n",
     "merge_ties_n",
+    "MergekitOptions",
     "nary_merge_rules",
     "merge_fisher",
     "merge_heads",

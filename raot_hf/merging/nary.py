@@ -224,7 +224,12 @@ def random_keep_rescaled(task: torch.Tensor, density: float, *, seed: int, name:
         return task.clone()
     generator = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, name, f"model{model}"))
     keep = torch.rand(task.shape, generator=generator, dtype=_F64).to(task.device) < density
-    kept = torch.where(keep, task, torch.zeros_like(task))
+    return l1_rescaled(task, torch.where(keep, task, torch.zeros_like(task)))
+
+
+def l1_rescaled(task: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """``kept`` (a sparsified ``task``) rescaled to ``task``'s L1 norm, as mergekit rescales; left
+    as is when either norm is below :data:`RESCALE_EPS`."""
     before, after = float(task.abs().sum()), float(kept.abs().sum())
     if before < RESCALE_EPS or after < RESCALE_EPS:
         return kept

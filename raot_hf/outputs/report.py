@@ -131,18 +131,35 @@ def _rule_description(settings: dict[str, Any], merge_log: dict[str, Any]) -> st
     return f"{described}, then corrected layer by layer ({how} on {correction['examples']} calibration examples)"
 
 
+def _shown(value: Any) -> Any:
+    """An option's value for the card (None: the rule's default)."""
+    return "default" if value is None else value
+
+
+def _mergekit_note(rule: str | None, settings: dict[str, Any]) -> str:
+    """For a mergekit rule, whether the merge is mergekit's own (no alignment) or ran on A and B′."""
+    from raot_hf.merging import available_merge_rules, merge_rule_spec
+
+    if rule not in available_merge_rules() or not merge_rule_spec(rule).layered:
+        return ""
+    if settings.get("alignment") == "none":
+        return " — mergekit's definition on the checkpoints as stored: the merge mergekit writes"
+    return " — mergekit's definition run on A and B′ (B aligned to A), not on the checkpoints as stored"
+
+
 def _rule_with_options(settings: dict[str, Any], merge_log: dict[str, Any]) -> str | None:
     rule = settings.get("merge_rule")
     fields = _base_rule_options(rule)
+    note = _mergekit_note(rule, settings)
     if not fields:
-        return rule
-    options = ", ".join(f"{key.rsplit('.', 1)[-1]} {setting_at(settings, key)}" for key in fields)
+        return f"{rule}{note}" if rule else rule
+    options = ", ".join(f"{key.rsplit('.', 1)[-1]} {_shown(setting_at(settings, key))}" for key in fields)
     fallback = len((merge_log.get("settings") or {}).get("not_in_base") or [])
     tail = f"; {fallback} parameter(s) not in the base merged linearly" if fallback else ""
     totals = merge_log.get("totals") or {}
     if totals.get("entries") and "sign_conflicts" in totals:
         tail += f"; kept signs conflict in {totals['sign_conflicts'] / totals['entries']:.2%} of the entries"
-    return f"{rule} ({options}; relative to the base{tail})"
+    return f"{rule} ({options}; relative to the base{tail}){note}"
 
 
 def _command(models: list[str | None], settings: dict[str, Any], base: str | None = None) -> str:

@@ -65,7 +65,7 @@ def _fishers(ctx: PairContext, run, names: set[str]) -> tuple[dict[str, torch.Te
 def rule_inputs(ctx: PairContext, spec: MergeRuleSpec, alignment: Alignment, stats, run, trunk: set[str]) -> dict:
     """What ``spec`` declares it reads besides A, B′ and α."""
     cfg = ctx.config
-    inputs = rule_options(spec, cfg)
+    inputs = rule_options(spec, cfg, names=trunk)
     if spec.needs_grams:
         if stats is None or not stats.grams:
             raise RaotError(f"merge_rule={cfg.merge_rule!r} needs calibration data for its Gram matrices")

@@ -161,7 +161,7 @@ def group_models(members: list[Member]) -> list[torch.nn.Module]:
 
 def group_rule_inputs(members: list[Member], spec, folded: bool, trunk: set[str]) -> dict[str, Any]:
     """What the N-ary rule reads besides the models and their weights."""
-    inputs = rule_options(spec, members[0].ctx.config, len(members) + 1)
+    inputs = rule_options(spec, members[0].ctx.config, len(members) + 1, names=trunk)
     if spec.needs_grams:
         grams, usable, transposed = _group_grams(members, folded)
         inputs.update(grams=grams, linear_weights=usable, transposed_weights=transposed)

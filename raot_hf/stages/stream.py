@@ -159,7 +159,7 @@ def _merge_chunk(reading: _Reading, config, configs, names: list[str], dtype, we
 
     states = [{n: read(m, n) for n in names} for m in reading.models]
     trunk = [n for n in names if n not in reading.head]
-    inputs = rule_options(spec, config, len(states))
+    inputs = rule_options(spec, config, len(states), names=reading.keys)
     if spec.needs_base:
         prefix = getattr(reading.skeleton, "base_model_prefix", "") or ""
         found = {n: _base_key(n, reading.base, prefix) for n in trunk}
