@@ -144,11 +144,15 @@ def _flat(cfg: RaotConfig) -> dict:
     return {path: cfg.lookup(path) for path in _field_paths(RaotConfig)}
 
 
+def _params(command: str, args: list[str]) -> dict:
+    """The parsed parameters of ``raot-hf <command> a b <args>`` (nothing runs)."""
+    extra = ["--out", "o"] if command == "merge" else []
+    return main.get_command(None, command).make_context(command, ["a", "b", *extra, *args]).params
+
+
 def _parse(command: str, args: list[str]) -> RaotConfig:
     """The RaotConfig ``raot-hf <command> a b <args>`` builds (nothing runs)."""
-    extra = ["--out", "o"] if command == "merge" else []
-    ctx = main.get_command(None, command).make_context(command, ["a", "b", *extra, *args])
-    return build_config(ctx.params)
+    return build_config(_params(command, args))
 
 
 def _config_params(command: str) -> list[click.Option]:
@@ -312,5 +316,41 @@ def test_readme_command_lines_still_parse():
         for flag in (w for w in words if w.startswith("--")):
             assert flag in known and flag in help_text, (words, flag)
         params = command.make_context(words[0], words[1:]).params
-        if params.get("config_file") != "merge.yml":  # the merge file is tested in test_group.py
+        if params.get("config_file") not in ("merge.yml", "slerp.yml"):  # merge files: test_group, test_mergekit_rules
             build_config(params)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_flag_is_a_python_keyword_of_the_same_name(command):
+    """``--moment-precision float32`` is ``moment_precision="float32"``, ``--correction none`` is
+    ``correction="none"``, ``--no-gate`` is ``gate=False``: every config option of the command line
+    sets the same field to the same value as a keyword of RaotConfig (and so of
+    ``RaotMerger.from_pretrained``); every other option is a keyword of ``from_pretrained`` or of
+    ``save_pretrained`` (``--out`` is its ``out_dir``), or is the command line's own."""
+    import inspect as pyinspect
+
+    from raot_hf.config.options import flag_keyword
+    from raot_hf.results import MergeResult
+
+    for param in _config_params(command):
+        for args in _invocations(param):
+            want = _parse(command, args)
+            value = _params(command, args)[param.name]
+            keyword = flag_keyword(param.opts[0])
+            got = RaotConfig().replace(**{keyword: value})
+            assert got.to_dict() == want.to_dict(), (args, keyword, value)
+    python = set(pyinspect.signature(RaotMerger.from_pretrained).parameters)
+    python |= set(pyinspect.signature(MergeResult.save_pretrained).parameters) | {"out"}
+    cli_only = {"models", "config_file", "debug", "as_json", "stream", "overwrite"}
+    others = {p.name for p in main.get_command(None, command).params} & NOT_CONFIG
+    assert others - cli_only <= python, others - cli_only - python
+
+
+def test_an_unknown_keyword_names_the_closest_valid_one():
+    with pytest.raises(RaotError, match="'moment_precison' \\(did you mean 'moment_precision'\\?\\)"):
+        RaotConfig().replace(moment_precison="float32")
+    with pytest.raises(RaotError, match="did you mean 'correction'"):
+        RaotConfig.from_dict({"corection": "none"})
+    # nested sections keep working, and a section name with a plain value sets its flag's field
+    cfg = RaotConfig().replace(correction="none", calibration={"moment_precision": "float32"}, gate=False)
+    assert (cfg.correction.method, cfg.calibration.moment_precision, cfg.gate.enabled) == ("none", "float32", False)

@@ -6,8 +6,10 @@ section defined beside the method's code and registered with it
 ``regmean``, ``fisher``, ``base_rules``, ``correction``, ``refine`` and ``calibration`` are typed
 fields; a section registered later (a merge rule or estimator added from outside the package) is
 held the same way, read as ``config.<section>`` and written to JSON beside the others. The flat
-keys of earlier versions (``gate_z``, ``regmean_shrink``, ``gate=False`` …) are still read by
-:meth:`RaotConfig.from_dict`, :meth:`RaotConfig.replace` and hence ``RaotMerger.from_pretrained(a, b, **options)``.
+keys of earlier versions (``gate_z``, ``regmean_shrink``, ``gate=False`` …) and every section field's
+command-line name (``correction="none"``, ``moment_precision="float32"``, ``correction_examples=32``)
+are read by :meth:`RaotConfig.from_dict`, :meth:`RaotConfig.replace` and hence
+``RaotMerger.from_pretrained(a, b, **options)``.
 Field metadata (``help``, ``flag``, ``choices``) generates the ``raot-hf merge`` / ``inspect``
 options (:func:`raot_hf.config.options.cli_options`).
 """
@@ -16,10 +18,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
+from difflib import get_close_matches
 from typing import Any
 
 from raot_hf.calibration.settings import CalibrationConfig
-from raot_hf.config.options import check_choice, check_field_types, check_non_negative_int, legacy_keys
+from raot_hf.config.options import check_choice, check_field_types, check_non_negative_int, option_keywords
 from raot_hf.config.sections import registered_sections
 from raot_hf.correction import CorrectionOptions
 from raot_hf.errors import RaotError
@@ -262,14 +265,17 @@ class RaotConfig:
             raise RaotError(f"options must be a dict of option names to values, got {type(data).__name__}")
         typed = {f.name for f in fields(cls)} - {"extra"}
         known = typed | set(registered_sections())
-        legacy = legacy_keys()
-        unknown = sorted(str(k) for k in set(data) - known - set(legacy))
+        keywords = option_keywords()
+        unknown = sorted(str(k) for k in set(data) - known - set(keywords))
         if unknown:
+            valid = sorted(known | set(keywords))
+            hints = [f"{k!r} (did you mean {close[0]!r}?)" if (close := get_close_matches(k, valid, 1)) else repr(k)
+                     for k in unknown]  # fmt: skip
             raise RaotError(
-                f"unknown option(s) {', '.join(map(repr, unknown))}; valid: {', '.join(sorted(known))} "
-                f"(flat keys also read: {', '.join(sorted(legacy))})"
+                f"unknown option(s) {', '.join(hints)}; valid: {', '.join(sorted(known))} "
+                f"and each section field by its command-line name ({', '.join(sorted(keywords))})"
             )
-        data = _fold_legacy_keys({}, data)
+        data = _fold_keywords({}, data)
         data.pop("version", None)
         extra = {k: data.pop(k) for k in list(data) if k not in typed}
         return cls(**data, extra=extra)
@@ -295,26 +301,28 @@ class RaotConfig:
         ``calibration=None`` keeps the calibration settings."""
         if "calibration" in changes and changes["calibration"] is None:
             changes = {k: v for k, v in changes.items() if k != "calibration"}
-        return RaotConfig.from_dict(_fold_legacy_keys(self.to_dict(), changes))
+        return RaotConfig.from_dict(_fold_keywords(self.to_dict(), changes))
 
 
 def _is_section_value(name: str, value: Any) -> bool:
     return isinstance(value, (dict, registered_sections()[name]))
 
 
-def _fold_legacy_keys(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
-    """``base`` updated by ``changes``: fields and whole sections replace, then each flat key of
-    earlier versions (:func:`raot_hf.config.options.legacy_keys`) sets its field inside its section.
-    ``gate`` is both: a dict or GateOptions is the section, anything else ``gate.enabled``."""
+def _fold_keywords(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """``base`` updated by ``changes``: fields and whole sections replace, then each flat keyword
+    (:func:`raot_hf.config.options.option_keywords`: a section field's command-line name, or a flat
+    key of earlier versions) sets its field inside its section. A section's name is both: a dict
+    or the section's object is the section, anything else its flag's field (``gate=False`` →
+    ``gate.enabled``, ``correction="none"`` → ``correction.method``)."""
     out = dict(base)
-    legacy = {}
-    flat, sections = legacy_keys(), registered_sections()
+    flat_values = {}
+    flat, sections = option_keywords(), registered_sections()
     for key, value in changes.items():
         if key in flat and not (key in sections and _is_section_value(key, value)):
-            legacy[key] = value
+            flat_values[key] = value
         else:
             out[key] = value
-    for key, value in legacy.items():
+    for key, value in flat_values.items():
         section, name = flat[key]
         current = out.get(section, {})
         if isinstance(current, sections[section]):

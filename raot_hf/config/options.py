@@ -64,8 +64,9 @@ def meta(help: str, legacy: str | None = None, **extra: Any) -> dict[str, Any]:
 
 
 def __getattr__(name: str) -> Any:
-    """``SECTIONS`` (section name → class) and ``LEGACY_KEYS`` (flat key → (section, field)),
-    read from the live section registry (:func:`raot_hf.config.sections.register_section`)."""
+    """``SECTIONS`` (section name → class) and ``LEGACY_KEYS`` (flat key of earlier versions →
+    (section, field)), read from the live section registry
+    (:func:`raot_hf.config.sections.register_section`)."""
     if name == "SECTIONS":
         return registered_sections()
     if name == "LEGACY_KEYS":
@@ -81,6 +82,28 @@ def legacy_keys() -> dict[str, tuple[str, str]]:
         for f in dataclasses.fields(cls)
         if "legacy" in f.metadata
     }
+
+
+def flag_keyword(flag: str) -> str:
+    """The Python keyword of a command-line flag: ``--moment-precision`` → ``moment_precision``."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+def option_keywords() -> dict[str, tuple[str, str]]:
+    """Every flat keyword that sets one field of a section → (section, field): the section
+    fields' command-line flags as keywords (``correction="none"`` for ``--correction none``,
+    ``moment_precision="float32"`` for ``--moment-precision float32``) and the flat keys of
+    earlier versions (:func:`legacy_keys`). A keyword that is also a section's name (``gate``,
+    ``correction``, ``calibration``) sets that field unless its value is a whole section."""
+    out = dict(legacy_keys())
+    for name, cls in registered_sections().items():
+        for f in dataclasses.fields(cls):
+            meta = field_metadata(cls, f)
+            if meta.get("cli", True) is False or dataclasses.is_dataclass(field_default(f)):
+                continue
+            flag = meta.get("flag") or f"--{name}-{f.name}".replace("_", "-")
+            out.setdefault(flag_keyword(flag), (name, f.name))
+    return out
 
 
 #: CLI metadata of CalibrationConfig's fields (that class keeps plain fields): today's flags.
