@@ -55,7 +55,7 @@ def test_a_correction_keeps_a_scrambled_copy_equal_to_a(model_type, head, method
     scramble(b, seed=1)
     reference = clone(a)
     pre, data = _data(model_type)
-    result = RaotMerger.from_models(a, b, preprocessor=pre, correction={"method": method}).merge(calibration=data)
+    result = RaotMerger.from_models(a, b, preprocessor=pre, correction={"method": method, "compete": False}).merge(calibration=data)
     assert all(d.applied for d in result.alignment.decisions)
     assert output_deviation(reference, result.model, example_inputs(reference), relative=True) <= 1e-5
     correction = result.report["merge"]["correction"]
@@ -83,7 +83,7 @@ def test_least_squares_groups_the_linears_by_the_input_they_read(model_type):
     head = dict(ARCHITECTURES)[model_type]
     a, b = _model(model_type, head), _model(model_type, head, seed=1)
     pre, data = _data(model_type)
-    result = RaotMerger.from_models(a, b, preprocessor=pre, correction={"method": "lsq"}).merge(calibration=data)
+    result = RaotMerger.from_models(a, b, preprocessor=pre, correction={"method": "lsq", "compete": False}).merge(calibration=data)
     groups = result.report["merge"]["correction"]["groups"]
     assert groups == [LAYER_GROUPS[model_type]]
 
@@ -99,7 +99,7 @@ def test_one_forward_per_layer_equals_one_forward_per_group(model_type, head):
     for batch_size in (64, 16):
         a, b = _model(model_type, head), _model(model_type, head, seed=1)
         pre, data = _data(model_type)
-        correction = {"method": "lsq", "batch_size": batch_size}
+        correction = {"method": "lsq", "batch_size": batch_size, "compete": False}
         merged.append(
             RaotMerger.from_models(a, b, preprocessor=pre, correction=correction).merge(calibration=data).model
         )
@@ -118,7 +118,7 @@ def test_least_squares_fits_every_linear_better_and_the_merge_follows_its_parent
     results = {}
     for method in ("none", "lsq"):
         a, b = _independent_pair()
-        merger = RaotMerger.from_models(a, b, preprocessor=pre, correction={"method": method, "examples": 96})
+        merger = RaotMerger.from_models(a, b, preprocessor=pre, correction={"method": method, "examples": 96, "compete": False})
         results[method] = merger.merge(calibration=data).report
     fits = [site for layer in results["lsq"]["merge"]["correction"]["layers"] for site in layer["sites"].values()]
     assert len(fits) == 3 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the untied LM head
@@ -144,7 +144,7 @@ def test_screening_the_rules_error_on_a_few_rows_changes_no_decision_and_no_weig
         if pair == "scrambled":
             b = clone(a)
             scramble(b, seed=1)
-        correction = {"method": "lsq", "examples": 64, "batch_size": 64}  # one chunk: refitted as M runs
+        correction = {"method": "lsq", "examples": 64, "batch_size": 64, "compete": False}  # one chunk: refitted as M runs
         runs[rows] = RaotMerger.from_models(a, b, preprocessor=pre, correction=correction).merge(calibration=data)
     layers = [r.report["merge"]["correction"]["layers"] for r in runs.values()]
     sites = [[s for layer in run for s in layer["sites"].values()] for run in layers]
@@ -168,7 +168,7 @@ def test_repair_gives_each_unit_the_interpolated_statistics():
     a, b = _independent_pair()
     reference_a, reference_b = clone(a), clone(b)
     pre, data = _data("llama", 96)
-    merger = RaotMerger.from_models(a, b, preprocessor=pre, alignment="none", correction={"method": "repair"})
+    merger = RaotMerger.from_models(a, b, preprocessor=pre, alignment="none", correction={"method": "repair", "compete": False})
     run = open_calibration(merger.pair, data)
     batches = list(iter_calibration_batches(run.dataset, pre, run.config, split="fit"))
     merged = merger.merge(calibration=data).model
@@ -223,7 +223,7 @@ def test_the_cli_flag_runs_the_correction_and_the_card_says_so(tmp_path):
     assert "corrected layer by layer (merged-input least squares on 16 calibration examples)" in card
     assert "How the merge follows its parents" in card
     # from Python, the card's reproduction line is generated from the options that differ from the defaults
-    merger = RaotMerger.from_pretrained(tmp_path / "a", tmp_path / "b", correction={"method": "repair"})
+    merger = RaotMerger.from_pretrained(tmp_path / "a", tmp_path / "b", correction={"method": "repair", "compete": False})
     merger.merge(calibration=str(tmp_path / "cal.csv")).save_pretrained(tmp_path / "m2")
     card = (tmp_path / "m2" / "README.md").read_text()
     reproduction = card[card.index("## Reproduction") :]
@@ -291,3 +291,34 @@ def test_capturing_the_layer_calls_runs_no_layer_after_the_first_time(model_type
         for name, call in zip(names, calls, strict=True):
             hidden = call(model.get_submodule(name), hidden)
     assert torch.allclose(hidden, want, rtol=0, atol=1e-12)
+
+
+def test_a_correction_that_does_not_help_on_held_out_examples_is_dropped():
+    """B = scramble(A): the rule's merge is A already, so no layer's refit can make the merge follow
+    its parents more closely on held-out examples; each loses to the rule's merge and the merge
+    written is the uncorrected one, bit for bit. The report says it was tried and dropped."""
+    merged = {}
+    for correction in ({"method": "lsq"}, {"method": "none"}):
+        a = _model("llama", "causal")
+        b = clone(a)
+        scramble(b, seed=1)
+        pre, data = _data("llama")
+        result = RaotMerger.from_models(a, b, preprocessor=pre, correction=correction).merge(calibration=data)
+        merged[correction["method"]] = result
+    tried = merged["lsq"].report["merge"]["correction"]
+    assert [layer["kept"] for layer in tried["layers"]] == [False, False, False, False]  # 3 layers, the LM head
+    assert tried["competition"]["layers_kept"] == 0
+    state_lsq, state_none = merged["lsq"].model.state_dict(), merged["none"].model.state_dict()
+    assert state_lsq.keys() == state_none.keys()
+    assert all(torch.equal(state_lsq[k], state_none[k]) for k in state_none)
+
+
+def test_a_correction_that_helps_is_kept_and_the_merge_is_no_worse_than_the_rule_alone():
+    """Independent parents: the refit layers that make the merge follow its parents more closely on
+    held-out examples are kept, and the written merge's held-out fidelity is at least the rule's."""
+    a, b = _independent_pair()
+    pre, data = _data("llama", 160)
+    result = RaotMerger.from_models(a, b, preprocessor=pre, correction={"method": "lsq"}).merge(calibration=data)
+    competition = result.report["merge"]["correction"]["competition"]
+    assert competition["layers_kept"] >= 1 and competition["examples"] >= 4
+    assert competition["written"] >= competition["rule"]

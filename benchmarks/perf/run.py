@@ -72,6 +72,19 @@ SHAPES["llama-24l-massive"] = dict(
     dtype="float32",
     trained_like={"massive": 1000.0},
 )
+# stands in for real small LLMs (a 135 M-parameter Llama-family shape: 30 layers, d 576, 9 query /
+# 3 KV heads, SwiGLU f 1,536), computing like a trained one: massive activations and a pair of
+# near-twin massive MLP units of different magnitude (raot_hf.testing.trained_like's twins)
+SHAPES["llama-135m-like"] = dict(
+    hidden_size=576,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    intermediate_size=1536,
+    family="llama",
+    dtype="float32",
+    trained_like={"massive": 1000.0, "twins": 300.0},
+)
 VOCAB = 30522
 #: Targets of the issue: total ≤ 1.25 × floor; solve ≤ 10 s (base shape, 2 cores); peak RSS ≤ 3 × (A + B).
 TARGET_RATIO, TARGET_SOLVE_S, TARGET_RSS = 1.25, 10.0, 3.0

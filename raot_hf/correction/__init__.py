@@ -46,7 +46,10 @@ class CorrectionOptions(OptionSection):
     towards the rule's merged weight); ``repair`` resets value channels and MLP pre-activations to
     the interpolation of the parents' statistics; ``none`` runs no pass; ``auto`` (default) is
     ``lsq`` when the gate moved B (the parents differ in basis) and ``none`` when they share one
-    (fine-tuned siblings keep the plain merge their rules define) or the rule is base-relative."""
+    (fine-tuned siblings keep the plain merge their rules define) or the rule is base-relative.
+    ``compete`` (default on, with the gate): each layer's correction competes with the rule's merge
+    of that layer on held-out examples and is kept only where it makes the merge follow its
+    parents more closely."""
 
     section = "correction"
 
@@ -75,6 +78,14 @@ class CorrectionOptions(OptionSection):
     shrink: float = field(
         default=0.99,
         metadata=meta("lsq: off-diagonal scale of the merged inputs' Gram (default 0.99).", "correction_shrink"),
+    )
+    compete: bool = field(
+        default=True,
+        metadata=meta(
+            "Keep each layer's correction only where, on the gate's held-out examples, the merge follows its "
+            "parents more closely with it than with the rule's merge of that layer (default on; needs the gate).",
+            flag="--correction-compete",
+        ),
     )
 
     def __post_init__(self) -> None:

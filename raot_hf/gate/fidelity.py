@@ -93,7 +93,9 @@ def capture_layers(model: torch.nn.Module, layer_names: list[str], inputs: dict)
     return out
 
 
-def _rse(out: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
+def relative_squared_error(
+    out: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, start: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-example squared error of ``out`` to ``ref`` over real tokens, in float64, relative to
     ``‖ref‖²`` — or, for one layer, to ``‖ref − start‖²``, the part of the output the layer
     computes (its input passes through the residual connection and would swamp the score)."""
@@ -261,7 +263,7 @@ def layer_fidelity(
             args_b, kwargs_b = _b_prime_call(ca, cb, stream, hidden)
             out = first_tensor(functional_call(module, rel, args_b, kwargs_b))
             ref, start, weight = _map_stream(cb.output, stream), _hidden_in(args_b, kwargs_b), 2 * alpha
-        scores.append(1 - weight * _rse(out, ref, c.mask, start))
+        scores.append(1 - weight * relative_squared_error(out, ref, c.mask, start))
         worst.append(worst_token_deviation(out, ref, c.mask, start))
     return LayerFidelity(torch.cat(scores).cpu(), torch.cat(worst))
 
@@ -323,8 +325,8 @@ class MergedModelRun:
             ref_b = _map_stream(c.b[-1].output, self.stream)
             start_a = _hidden_in(c.a[0].args, c.a[0].kwargs)
             start_b = _map_stream(_hidden_in(c.b[0].args, c.b[0].kwargs), self.stream)
-            err_a = _rse(out, c.a[-1].output, c.mask, start_a)
-            err = (1 - alpha) * err_a + alpha * _rse(out, ref_b, c.mask, start_b)
+            err_a = relative_squared_error(out, c.a[-1].output, c.mask, start_a)
+            err = (1 - alpha) * err_a + alpha * relative_squared_error(out, ref_b, c.mask, start_b)
             scores.append(1 - err)
         return torch.cat(scores).cpu()
 

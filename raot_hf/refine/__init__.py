@@ -23,7 +23,7 @@ from raot_hf.config.options import check_field_types, check_non_negative_int, me
 from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
 from raot_hf.gate import paired_test
-from raot_hf.gate.fidelity import _rse, capture_layers, layer_module_names
+from raot_hf.gate.fidelity import capture_layers, layer_module_names, relative_squared_error
 from raot_hf.hooks import capture_calls
 from raot_hf.refine.parameters import RefineParameters, as_transforms, dense_actions, transformed
 from raot_hf.symmetry import HeadAlignment, ResidualRotation, Transform, model_state
@@ -103,7 +103,8 @@ class _Objective:
             (xa, ya), (xb, yb) = c["a"], c["b"]
             if stream is not None:  # B″ = Δ(B′) computes B′'s stream mapped by Δ's rotation
                 xb, yb = xb.to(torch.float64) @ stream, yb.to(torch.float64) @ stream
-            err = (1 - self.alpha) * _rse(y, ya, c["mask"], xa) + self.alpha * _rse(y, yb, c["mask"], xb)
+            err_a = relative_squared_error(y, ya, c["mask"], xa)
+            err = (1 - self.alpha) * err_a + self.alpha * relative_squared_error(y, yb, c["mask"], xb)
             out.append(err)
         return torch.cat(out)
 

@@ -13,12 +13,15 @@ from typing import Any
 
 import torch
 from huggingface_hub.utils import tqdm
+from torch.func import functional_call
 
 from raot_hf.adapters.schema import ModelSchema
 from raot_hf.correction import LayerPass, Site, capture, least_squares_layer, least_squares_readers, repair_layer
 from raot_hf.correction.layer import SiteGroups, site_groups
 from raot_hf.errors import RaotError
-from raot_hf.gate.fidelity import layer_module_names
+from raot_hf.gate import PairedTest, paired_test
+from raot_hf.gate.fidelity import layer_module_names, relative_squared_error
+from raot_hf.gate.merge import MIN_GATE_EXAMPLES
 from raot_hf.io.offload import release_all
 from raot_hf.merging import MergeRuleSpec, add_rule_log, apply_rule
 from raot_hf.stages.context import PairContext
@@ -133,10 +136,92 @@ def corrected_merge(
     return _corrected(ctx, parents, _mix(parents, weighting), merge, list(trunks[0]), run, method, log)
 
 
+class HeldoutPaths:
+    """The merge with and without each layer's correction, carried over held-out examples
+    (docs/design.md §6.7, "the correction competes"): the parents run their own layers, and two
+    merged models run A's modules with merged parameters — the *written* path (each layer as
+    decided so far) and the *rule* path (the rule's merge everywhere, what the merge would be
+    without any correction), both from the merged trunk's states.
+
+    At each layer the corrected layer competes with the rule's own on the written path's states:
+    per held-out example, the fidelity of the layer's output to the parents' mix is
+    ``1 − Σ_p w_p·RSE(out, y_p)`` (the gate's relative squared error, §5.3, relative to what the
+    parents computed since layer 0's input), and the correction is kept iff its gains pass the
+    gate's paired test (z standard errors, or the sign test). The identity — the rule's merge —
+    wins ties."""
+
+    def __init__(self, parents: dict, names: list[str], batches, rest: dict, examples: int, mix: dict, z: float):
+        self.chunks = capture(parents, names, batches, rest, examples)
+        self.mix, self.z, self.parents = mix, z, parents
+        self.starts = [{side: c.hidden[side] for side in parents} for c in self.chunks]
+        self.rule_states = [c.hidden["m"] for c in self.chunks]  # the rule's merge, never corrected
+
+    def fidelity(self, outs: list[torch.Tensor], targets: dict[str, list[torch.Tensor]]) -> torch.Tensor:
+        """Per held-out example, 1 − Σ_p w_p·RSE of ``outs`` to the parents' outputs ``targets``."""
+        scores = []
+        for i, (c, out) in enumerate(zip(self.chunks, outs, strict=True)):
+            err = sum(
+                w * relative_squared_error(out, targets[side][i], c.mask, self.starts[i][side])
+                for side, w in self.mix.items()
+            )
+            scores.append(1 - err)
+        return torch.cat(scores).cpu()
+
+    def decide(self, name: str, rule: dict, corrected: dict) -> tuple[bool, dict, PairedTest]:
+        """Layer ``name``: whether its correction is kept; moves every path on to the next layer."""
+        layer = LayerPass(self.chunks, name, {side: m.get_submodule(name) for side, m in self.parents.items()})
+        layer.parents([], lambda *_: None)
+        out_rule = layer.merged(rule, [], lambda *_: None)
+        out_corrected = layer.merged(corrected, [], lambda *_: None)
+        score_rule = self.fidelity(out_rule, layer.outs)
+        test = paired_test(self.fidelity(out_corrected, layer.outs) - score_rule, z=self.z, sign_test=True)
+        # the rule path: every layer the rule's (its own states, not the written path's)
+        rel = {k[len(name) + 1 :]: v for k, v in rule.items()}
+        self.rule_states = [
+            c.calls["m"](layer.module_a, state, rel) for c, state in zip(self.chunks, self.rule_states, strict=True)
+        ]
+        layer.advance(out_corrected if test.passed else out_rule)
+        return test.passed, (corrected if test.passed else rule), test
+
+    def decide_readers(self, norms: tuple, rule: dict, corrected: dict, sites: list) -> tuple[bool, PairedTest]:
+        """The final readers' refit (an untied LM head) against the rule's readers: their outputs
+        on the written path's final states through M's final norm, per held-out example, against
+        each parent's readers on its own final states."""
+        modules, norm_params = norms
+
+        def out(x: torch.Tensor, site: Site, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            y = x @ (weight if site.transposed else weight.T).to(x.dtype)
+            return y if bias is None else y + bias.to(x.dtype)
+
+        scores = {"rule": [], "corrected": []}
+        for c in self.chunks:
+            xm = functional_call(modules["a"], norm_params, (c.hidden["m"],)).double()
+            x_parent = {side: modules[side](c.hidden[side]).double() for side in self.mix}
+            for name, params in (("rule", rule), ("corrected", corrected)):
+                err = 0.0
+                for site, weights in sites:
+                    bias = params[site.bias] if site.bias else None
+                    ym = out(xm, site, params[site.weight], bias)
+                    for side, w in self.mix.items():
+                        err = err + w * relative_squared_error(ym, out(x_parent[side], site, *weights[side]), c.mask)
+                scores[name].append(1 - err / len(sites))
+        gains = torch.cat(scores["corrected"]) - torch.cat(scores["rule"])
+        test = paired_test(gains.cpu(), z=self.z, sign_test=True)
+        return test.passed, test
+
+    def final(self) -> dict[str, float]:
+        """The last layer's fidelity, as written and with the rule alone (the report's evidence)."""
+        targets = {side: [c.hidden[side] for c in self.chunks] for side in self.parents}
+        written = self.fidelity([c.hidden["m"] for c in self.chunks], targets)
+        rule = self.fidelity(self.rule_states, targets)
+        return {"written": float(written.mean()), "rule": float(rule.mean()), "examples": int(written.numel())}
+
+
 def _corrected(ctx: PairContext, parents: dict, mix: dict, merge, names_all: list[str], run, method: str, log: dict):
     """The layer-by-layer pass shared by two and N models: ``merge(keys)`` gives the rule's merge of
     those trunk tensors, ``parents`` the models (side → model, ``"a"`` the reference) and ``mix``
-    their weights in the target."""
+    their weights in the target. Each layer's correction competes with the rule's merge of that
+    layer on held-out examples (:class:`HeldoutPaths`) when the gate is on and there are enough."""
     cfg = ctx.config
     if run is None:
         raise RaotError(f"correction {method!r} needs calibration data; pass calibration=... (or --calibration)")
@@ -146,33 +231,53 @@ def _corrected(ctx: PairContext, parents: dict, mix: dict, merge, names_all: lis
     add_rule_log(log, part)
     batches = run.batches(ctx.preprocessor, batch_size=cfg.correction.batch_size, split="fit")
     chunks = capture(parents, names, batches, rest, cfg.correction.examples)
+    held = None
+    if cfg.gate.enabled and cfg.correction.compete:
+        heldout = run.batches(ctx.preprocessor, batch_size=cfg.correction.batch_size, split="heldout")
+        held = HeldoutPaths(parents, names, heldout, rest, cfg.gate.examples, mix, cfg.gate.z)
+        if sum(c.mask.shape[0] for c in held.chunks) < MIN_GATE_EXAMPLES:
+            logger.warning("correction: fewer than %d held-out examples; every layer's correction is kept untested",
+                           MIN_GATE_EXAMPLES)  # fmt: skip
+            held = None
     layers, skipped = [], []
     groups: dict[tuple, SiteGroups] = {}  # layers of one class call their sites in one order
     for i, name in enumerate(tqdm(names, desc=f"correction ({method})", disable=not ctx.dist.is_main)):
-        merged, part = merge([k for k in names_all if k.startswith(name + ".")])
+        rule, part = merge([k for k in names_all if k.startswith(name + ".")])
         add_rule_log(log, part)
         layer = LayerPass(chunks, name, {side: m.get_submodule(name) for side, m in parents.items()})
         if method == "lsq":
             sites = linear_sites(ctx.model_a, ctx.schema, i, name)
             key = (type(layer.module_a), tuple(s.module for s in sites))
             if key not in groups:
-                groups[key] = site_groups(layer, merged, [s.module for s in sites])
+                groups[key] = site_groups(layer, rule, [s.module for s in sites])
             merged, outputs, fits = least_squares_layer(
-                layer, merged, sites, mix=mix, shrink=cfg.correction.shrink, groups=groups[key]
+                layer, rule, sites, mix=mix, shrink=cfg.correction.shrink, groups=groups[key]
             )
         else:
             sites, why = repair_sites(ctx.model_a, ctx.schema, i, name)
             skipped += why
-            merged, outputs, fits = repair_layer(layer, merged, sites, mix=mix)
+            merged, outputs, fits = repair_layer(layer, rule, sites, mix=mix)
+        entry: dict[str, Any] = {"layer": i, "sites": fits}
+        if held is not None:
+            kept, merged, test = held.decide(name, rule, merged)
+            entry.update(kept=kept, heldout_gain=test.mean, heldout_stderr=test.stderr, reason=test.reason)
+            if not kept:  # the fit examples' merged states follow the layer as written
+                outputs = layer.merged(rule, [], lambda *_: None)
         layer.advance(outputs)
         load_state(ctx.model_a, merged)
-        layers.append({"layer": i, "sites": fits})
+        layers.append(entry)
         release_all()  # the layer's offloaded pages, read by the parents and the merge (§7.4)
     readers = final_readers(parents, ctx.schema, rest) if method == "lsq" else None
     if readers is not None:  # an untied LM head reads the final stream: refitted like the layers' Linears
         norms, sites = readers
-        rest, fits = least_squares_readers(chunks, norms, rest, sites, mix=mix, shrink=cfg.correction.shrink)
-        layers.append({"layer": "final", "sites": fits})
+        refit, fits = least_squares_readers(chunks, norms, rest, sites, mix=mix, shrink=cfg.correction.shrink)
+        entry = {"layer": "final", "sites": fits}
+        kept = True
+        if held is not None:
+            kept, test = held.decide_readers(norms, rest, refit, sites)
+            entry.update(kept=kept, heldout_gain=test.mean, heldout_stderr=test.stderr, reason=test.reason)
+        rest = refit if kept else rest
+        layers.append(entry)
     load_state(ctx.model_a, rest)  # A's own non-layer parameters served its forward until now
     tokens = int(sum(int(c.mask.sum()) for c in chunks))
     log["correction"] = {
@@ -183,5 +288,11 @@ def _corrected(ctx: PairContext, parents: dict, mix: dict, merge, names_all: lis
         "skipped": skipped,
         **({"shrink": cfg.correction.shrink, "groups": [g.groups for g in groups.values()]} if method == "lsq" else {}),
     }
+    if held is not None:
+        kept = sum(1 for e in layers if e.get("kept") and e["layer"] != "final")
+        log["correction"]["competition"] = {**held.final(), "layers_kept": kept, "layers": len(names)}
+        logger.info("correction %s: kept in %d of %d layers (held-out fidelity %.4f, rule alone %.4f)", method,
+                    kept, len(names), log["correction"]["competition"]["written"],
+                    log["correction"]["competition"]["rule"])  # fmt: skip
     logger.info("correction %s: %d layers on %d tokens", method, len(layers), tokens)
     return log
