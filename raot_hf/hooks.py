@@ -76,7 +76,7 @@ class Call:
         return self.args[0] if self.args else self.kwargs["hidden_states"]
 
 
-def _without_cache(model: torch.nn.Module, inputs: dict) -> dict:
+def without_cache(model: torch.nn.Module, inputs: dict) -> dict:
     """A decoder's KV cache would grow each time a captured layer call is replayed."""
     if "use_cache" in inspect.signature(model.forward).parameters:
         return {**inputs, "use_cache": False}
@@ -120,7 +120,7 @@ def capture_calls(
             if outputs:
                 hooks.on_output(module, after(i))
         try:
-            inputs = _without_cache(model, inputs)
+            inputs = without_cache(model, inputs)
             model(**inputs) if params is None else functional_call(model, params, (), inputs)
         except Stop:
             pass

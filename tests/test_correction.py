@@ -55,7 +55,9 @@ def test_a_correction_keeps_a_scrambled_copy_equal_to_a(model_type, head, method
     scramble(b, seed=1)
     reference = clone(a)
     pre, data = _data(model_type)
-    result = RaotMerger.from_models(a, b, preprocessor=pre, correction={"method": method, "compete": False}).merge(calibration=data)
+    result = RaotMerger.from_models(a, b, preprocessor=pre, correction={"method": method, "compete": False}).merge(
+        calibration=data
+    )
     assert all(d.applied for d in result.alignment.decisions)
     assert output_deviation(reference, result.model, example_inputs(reference), relative=True) <= 1e-5
     correction = result.report["merge"]["correction"]
@@ -83,7 +85,9 @@ def test_least_squares_groups_the_linears_by_the_input_they_read(model_type):
     head = dict(ARCHITECTURES)[model_type]
     a, b = _model(model_type, head), _model(model_type, head, seed=1)
     pre, data = _data(model_type)
-    result = RaotMerger.from_models(a, b, preprocessor=pre, correction={"method": "lsq", "compete": False}).merge(calibration=data)
+    result = RaotMerger.from_models(a, b, preprocessor=pre, correction={"method": "lsq", "compete": False}).merge(
+        calibration=data
+    )
     groups = result.report["merge"]["correction"]["groups"]
     assert groups == [LAYER_GROUPS[model_type]]
 
@@ -118,7 +122,9 @@ def test_least_squares_fits_every_linear_better_and_the_merge_follows_its_parent
     results = {}
     for method in ("none", "lsq"):
         a, b = _independent_pair()
-        merger = RaotMerger.from_models(a, b, preprocessor=pre, correction={"method": method, "examples": 96, "compete": False})
+        merger = RaotMerger.from_models(
+            a, b, preprocessor=pre, correction={"method": method, "examples": 96, "compete": False}
+        )
         results[method] = merger.merge(calibration=data).report
     fits = [site for layer in results["lsq"]["merge"]["correction"]["layers"] for site in layer["sites"].values()]
     assert len(fits) == 3 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the untied LM head
@@ -144,7 +150,12 @@ def test_screening_the_rules_error_on_a_few_rows_changes_no_decision_and_no_weig
         if pair == "scrambled":
             b = clone(a)
             scramble(b, seed=1)
-        correction = {"method": "lsq", "examples": 64, "batch_size": 64, "compete": False}  # one chunk: refitted as M runs
+        correction = {
+            "method": "lsq",
+            "examples": 64,
+            "batch_size": 64,
+            "compete": False,
+        }  # one chunk: refitted as M runs
         runs[rows] = RaotMerger.from_models(a, b, preprocessor=pre, correction=correction).merge(calibration=data)
     layers = [r.report["merge"]["correction"]["layers"] for r in runs.values()]
     sites = [[s for layer in run for s in layer["sites"].values()] for run in layers]
@@ -168,7 +179,9 @@ def test_repair_gives_each_unit_the_interpolated_statistics():
     a, b = _independent_pair()
     reference_a, reference_b = clone(a), clone(b)
     pre, data = _data("llama", 96)
-    merger = RaotMerger.from_models(a, b, preprocessor=pre, alignment="none", correction={"method": "repair", "compete": False})
+    merger = RaotMerger.from_models(
+        a, b, preprocessor=pre, alignment="none", correction={"method": "repair", "compete": False}
+    )
     run = open_calibration(merger.pair, data)
     batches = list(iter_calibration_batches(run.dataset, pre, run.config, split="fit"))
     merged = merger.merge(calibration=data).model
@@ -223,7 +236,9 @@ def test_the_cli_flag_runs_the_correction_and_the_card_says_so(tmp_path):
     assert "corrected layer by layer (merged-input least squares on 16 calibration examples)" in card
     assert "How the merge follows its parents" in card
     # from Python, the card's reproduction line is generated from the options that differ from the defaults
-    merger = RaotMerger.from_pretrained(tmp_path / "a", tmp_path / "b", correction={"method": "repair", "compete": False})
+    merger = RaotMerger.from_pretrained(
+        tmp_path / "a", tmp_path / "b", correction={"method": "repair", "compete": False}
+    )
     merger.merge(calibration=str(tmp_path / "cal.csv")).save_pretrained(tmp_path / "m2")
     card = (tmp_path / "m2" / "README.md").read_text()
     reproduction = card[card.index("## Reproduction") :]

@@ -203,3 +203,34 @@ def test_each_shared_condition_is_written_once():
                 seen.add(name)
     assert where["register_forward"] == {"raot_hf.hooks"}
     assert where[fold] == {"raot_hf.symmetry.apply"}
+
+
+def _package(module: str) -> str:
+    """The package a module belongs to: ``raot_hf.gate`` for ``raot_hf.gate.fidelity``; a module
+    directly under ``raot_hf`` is its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def private_imports_across_packages(files: dict[str, Path]) -> list[tuple[str, str, str]]:
+    """(importer, module, name) of every ``from raot_hf.… import _name`` — at any depth, in
+    functions too — whose module lies in another package than the importer's (dunders aside)."""
+    found = []
+    for name, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("raot_hf")):
+                continue
+            for alias in node.names:
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                if private and _package(node.module) != _package(name):
+                    found.append((name, node.module, alias.name))
+    return found
+
+
+def test_no_private_name_is_imported_across_packages(tmp_path):
+    """A helper two packages need is public in one of them; the check itself sees a planted one."""
+    assert private_imports_across_packages(_module_files()) == []
+    planted = tmp_path / "planted.py"
+    planted.write_text("def f():\n    from raot_hf.gate.fidelity import _hidden_in\n", encoding="utf-8")
+    assert private_imports_across_packages({"raot_hf.stages.planted": planted}) == [
+        ("raot_hf.stages.planted", "raot_hf.gate.fidelity", "_hidden_in")
+    ]

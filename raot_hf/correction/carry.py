@@ -22,7 +22,7 @@ import torch
 from torch.func import functional_call
 
 from raot_hf.errors import RaotError
-from raot_hf.hooks import Hooks, Stop, _without_cache, capture_calls, first_tensor
+from raot_hf.hooks import Hooks, Stop, capture_calls, first_tensor, without_cache
 
 
 @dataclass
@@ -121,7 +121,7 @@ def layer_calls(
     for i, module in enumerate(modules):
         module.forward = patched(i, module)
     try:
-        inputs = _without_cache(model, inputs)
+        inputs = without_cache(model, inputs)
         model(**inputs) if params is None else functional_call(model, params, (), inputs)
     except Stop:
         pass

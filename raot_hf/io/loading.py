@@ -18,7 +18,8 @@ from raot_hf.errors import RaotError
 
 logger = logging.getLogger("raot_hf.io.loading")
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: The dtypes a merge may load in, by the names the options use.
+LOAD_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -171,7 +172,7 @@ def _load_weights(cls: type, source: ModelSource, label: str, *, dtype: str, con
     """``cls.from_pretrained`` in eval mode with a one-line error; returns the model and its loading info."""
     kwargs: dict[str, Any] = {}
     if dtype != "auto":
-        kwargs["dtype"] = _DTYPES[dtype]
+        kwargs["dtype"] = LOAD_DTYPES[dtype]
     else:
         kwargs["dtype"] = "auto"
     try:

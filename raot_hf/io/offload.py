@@ -253,7 +253,7 @@ def _saved_names(model: torch.nn.Module) -> dict[str, str]:
     return {owner[id(t)]: key for key, t in reverted.items() if id(t) in owner}
 
 
-def _checkpoint_keys(model: torch.nn.Module, names: list[str], keys: set[str]) -> dict[str, str] | None:
+def checkpoint_keys(model: torch.nn.Module, names: list[str], keys: set[str]) -> dict[str, str] | None:
     """Each parameter's key in the checkpoint: its saved name or its own, with or without the head
     class's prefix (None if one has none)."""
     from raot_hf.io.checkpoint import prefix_variants
@@ -288,7 +288,7 @@ def load_offloaded(cls: type, path: Path, config, dtype: str, directory: str | P
         module_name, _, leaf = name.rpartition(".")
         owners.setdefault(id(param), []).append((model.get_submodule(module_name), leaf))
     params = list(model.named_parameters())
-    keys = _checkpoint_keys(model, [n for n, _ in params], set(ckpt.keys()))
+    keys = checkpoint_keys(model, [n for n, _ in params], set(ckpt.keys()))
     if keys is None:
         return None
     directory = Path(directory or tempfile.gettempdir())

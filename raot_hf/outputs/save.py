@@ -29,7 +29,7 @@ logger = logging.getLogger("raot_hf.outputs.save")
 __all__ = ["write_merged_repo"]
 
 
-def _save_preprocessor(source: Any, directory: Path, trust_remote_code: bool) -> str | None:
+def save_preprocessor(source: Any, directory: Path, trust_remote_code: bool) -> str | None:
     """Save A's tokenizer / processor into ``directory``; a source that cannot be loaded is a
     warning, not an error. Returns the saved object's class name, or ``None``."""
     if source is None:
@@ -56,7 +56,7 @@ def _save_preprocessor(source: Any, directory: Path, trust_remote_code: bool) ->
     return None
 
 
-def _save_config(model: torch.nn.Module, directory: Path) -> None:
+def save_config(model: torch.nn.Module, directory: Path) -> None:
     """Write ``config.json`` (and the generation config / custom code when the model has them)
     with ``architectures`` and ``dtype`` set as ``save_pretrained`` sets them."""
     config = copy.deepcopy(model.config)
@@ -128,8 +128,8 @@ def write_merged_repo(
     out = check_destination(out_dir, overwrite)
 
     with atomic_directory(out) as temporary:
-        _save_preprocessor(preprocessor_source, temporary, trust_remote_code)
-        _save_config(model, temporary)
+        save_preprocessor(preprocessor_source, temporary, trust_remote_code)
+        save_config(model, temporary)
         _save_weights(model, temporary, max_shard_bytes)
         (temporary / CARD_NAME).write_text(card_text, encoding="utf-8", newline="\n")
         (temporary / REPORT_NAME).write_text(report_text, encoding="utf-8", newline="\n")

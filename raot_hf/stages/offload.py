@@ -37,11 +37,11 @@ def _tensor_sizes(source, dtype: str = "auto") -> list[int] | None:
     """Every tensor's bytes of a local safetensors checkpoint in the merge's dtype, from the
     headers (None: not a local safetensors checkpoint)."""
     from raot_hf.io.checkpoint import Checkpoint, weight_files
-    from raot_hf.io.loading import _DTYPES
+    from raot_hf.io.loading import LOAD_DTYPES
 
     if not source.is_local or not weight_files(Path(source.name_or_path)):
         return None
-    return Checkpoint(Path(source.name_or_path)).sizes(_DTYPES.get(dtype))
+    return Checkpoint(Path(source.name_or_path)).sizes(LOAD_DTYPES.get(dtype))
 
 
 def checkpoint_bytes(source, dtype: str = "auto") -> int | None:
@@ -73,13 +73,13 @@ def reads_tensorwise(source, hf_config) -> bool:
     safetensors checkpoint storing the model's own parameter names), rather than loading it whole."""
     from raot_hf.io.checkpoint import Checkpoint, weight_files
     from raot_hf.io.loading import meta_model
-    from raot_hf.io.offload import _checkpoint_keys
+    from raot_hf.io.offload import checkpoint_keys
 
     if not source.is_local or not weight_files(Path(source.name_or_path)):
         return False
     model = meta_model(hf_config)
     names = [n for n, _ in model.named_parameters()]
-    return _checkpoint_keys(model, names, set(Checkpoint(Path(source.name_or_path)).keys())) is not None
+    return checkpoint_keys(model, names, set(Checkpoint(Path(source.name_or_path)).keys())) is not None
 
 
 def layerwise_bytes(

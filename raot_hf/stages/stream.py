@@ -24,7 +24,7 @@ import torch
 
 from raot_hf.errors import RaotError
 from raot_hf.io.checkpoint import Checkpoint, prefix_variants, weight_files
-from raot_hf.io.loading import _DTYPES
+from raot_hf.io.loading import LOAD_DTYPES
 from raot_hf.merging import add_rule_log, apply_rule, merge_heads, merge_heads_n, merge_rule_spec, rule_options
 from raot_hf.merging.base_rules import median_ratio, task_norm_ratio
 from raot_hf.merging.siblings import refuse_unrelated
@@ -121,7 +121,7 @@ def _chunks(reader: Checkpoint) -> list[list[str]]:
 def _resolved_dtype(config, hf_config) -> torch.dtype | None:
     """The dtype the in-memory path would load the models in (``dtype="auto"``: the config's)."""
     if config.dtype != "auto":
-        return _DTYPES[config.dtype]
+        return LOAD_DTYPES[config.dtype]
     dtype = getattr(hf_config, "dtype", None)
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
@@ -202,7 +202,7 @@ def merge_streamed(
     from raot_hf.outputs.atomic import atomic_directory, check_destination
     from raot_hf.outputs.card import CARD_NAME, render_model_card
     from raot_hf.outputs.report import REPORT_NAME, report_to_json
-    from raot_hf.outputs.save import _save_config, _save_preprocessor
+    from raot_hf.outputs.save import save_config, save_preprocessor
     from raot_hf.outputs.shards import parse_size, verify_written_weights
     from raot_hf.stages.group import group_weights
     from raot_hf.stages.load import _check_before_weights
@@ -223,8 +223,8 @@ def merge_streamed(
     log: dict[str, Any] = {"rule": config.merge_rule, "settings": {}, "counts": {}}
     ratios: list[list[float]] = [[] for _ in sources]
     with atomic_directory(destination) as temporary:
-        _save_preprocessor(preprocessor, temporary, False)
-        _save_config(reading.skeleton, temporary)
+        save_preprocessor(preprocessor, temporary, False)
+        save_config(reading.skeleton, temporary)
         writer = _ShardWriter(temporary, max_bytes)
         for names in _chunks(reading.models[0]):
             merged, part = _merge_chunk(reading, config, configs, names, dtype, weights, ratios)
