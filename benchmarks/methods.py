@@ -20,7 +20,9 @@ class Method:
     name: str
     label: str
     options: dict[str, Any] = field(default_factory=dict)
-    group: str = "alignment"  # "alignment" (linear rule), "rules" (RegMean / Fisher), "base" (base-relative)
+    #: "alignment" (linear rule), "rules" (RegMean / Fisher / corrections), "base" (base-relative),
+    #: "mergekit" (mergekit's rules that need no base: SLERP)
+    group: str = "alignment"
     needs: str | None = None  # a Python package the method needs (skipped with a note if absent)
     needs_base: bool = False  # a base-relative rule: runs only on pairs with a base model
 
@@ -191,6 +193,34 @@ METHODS: tuple[Method, ...] = (
         "raot+ties",
         "TIES with the base after RaOT",
         {"alignment": "activation", "merge_rule": "ties"},
+        "base",
+        needs_base=True,
+    ),
+    # mergekit's rules (raot_hf/merging/mergekit_rules.py, docs/design.md §6.10), mergekit's defaults
+    # except where a default would make the rule a no-op (DELLA's density 1 drops nothing).
+    Method(
+        "slerp",
+        "mergekit's SLERP, t = 0.5 from A to B (no alignment)",
+        {"alignment": "none", "merge_rule": "slerp", "mergekit": {"t": 0.5}},
+        "mergekit",
+    ),
+    Method(
+        "slerp-raot",
+        "mergekit's SLERP, t = 0.5, of A and B′ after RaOT (gated)",
+        {"alignment": "activation", "merge_rule": "slerp", "mergekit": {"t": 0.5}},
+        "mergekit",
+    ),
+    Method(
+        "model-stock",
+        "mergekit's Model Stock with the base (no alignment)",
+        {"alignment": "none", "merge_rule": "model_stock"},
+        "base",
+        needs_base=True,
+    ),
+    Method(
+        "della",
+        "mergekit's DELLA with the base, density 0.7, epsilon 0.15, lambda 1 (no alignment)",
+        {"alignment": "none", "merge_rule": "della", "mergekit": {"density": 0.7, "epsilon": 0.15, "scale": 1.0}},
         "base",
         needs_base=True,
     ),

@@ -382,6 +382,7 @@ def does_not_help(grouped: dict[str, list[dict]], methods: list[str]) -> list[st
 def write_report(results: dict[str, Any], out: Path) -> None:
     """Write RESULTS.md and the plots into ``out``."""
     from benchmarks.report_corrections import sections as correction_sections
+    from benchmarks.report_mergekit import sections as mergekit_sections
     from benchmarks.report_siblings import sections as sibling_sections
     from benchmarks.update import contributing, live_notes
 
@@ -476,6 +477,7 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         + [""]
     )
     md += correction_sections(grouped, methods)
+    md += mergekit_sections(grouped, methods)
     md += ["## Gate decisions of RaOT (summed over runs)", ""] + gate_table(grouped) + [""]
     md += sibling_sections(results, grouped, methods)
     md += ["## Time per stage (RaOT merge, seconds per run)", ""] + timing_table(grouped) + [""]

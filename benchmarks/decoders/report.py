@@ -117,6 +117,8 @@ def _plot_barriers(grouped: dict[str, list[dict]], out: Path) -> Path | None:
     except ImportError:
         return None
     names = [n for n in grouped if "-d64" in n or "siblings" in n]
+    if not names:  # a partial run (e.g. one d32 pair): nothing to draw
+        return None
     fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.4), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
         runs = grouped[name]

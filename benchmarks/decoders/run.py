@@ -44,6 +44,8 @@ SEED_METHODS = (
     "lsq",
     "raot+refine",
     "raot+refine+lsq",
+    "slerp",
+    "slerp-raot",
 )
 SIBLING_METHODS = (
     "average",
@@ -55,7 +57,13 @@ SIBLING_METHODS = (
     "regmean",
     "raot+lsq",
     "raot+repair",
+    "slerp",
+    "model-stock",
+    "della",
 )
+#: Relative difference of a parent's held-out loss above which a rebuilt parent is another model
+#: (retrained on another CPU, whose float kernels differ): its rows are not folded into the old run's.
+SAME_PARENT_RTOL = 1e-5
 logger = logging.getLogger("benchmarks.decoders")
 
 
@@ -168,6 +176,16 @@ def evaluate_run(pair_name: str, run: int, cache_dir: str | None, only: tuple[st
     return out
 
 
+def _parents_differ(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether a rerun's parents are not the stored run's (their held-out losses differ)."""
+    for side, losses in old["parents"].items():
+        for corpus, loss in losses.items():
+            other = new["parents"].get(side, {}).get(corpus)
+            if other is None or abs(other - loss) > SAME_PARENT_RTOL * max(1.0, abs(loss)):
+                return True
+    return set(old["parents"]) != set(new["parents"])
+
+
 def _worker_init() -> None:
     from benchmarks.run import _quiet_worker
 
@@ -211,6 +229,14 @@ def main(argv: list[str] | None = None) -> int:
         list(pool.map(_build, specs, [args.cache_dir] * len(specs)))  # train every parent once (cached)
         for row in pool.map(evaluate_run, *zip(*jobs), [args.cache_dir] * len(jobs), [only] * len(jobs)):
             old = next((r for r in results["runs"] if (r["pair"], r["run"]) == (row["pair"], row["run"])), None)
+            if only and old is not None and _parents_differ(old, row):
+                note = (
+                    f"{row['pair']} run {row['run']}: not folded, its parents differ from the stored run's "
+                    f"(held-out loss {row['parents']} against {old['parents']}); rerun every method of it instead"
+                )
+                print(note, flush=True)
+                results.setdefault("notes", []).append(note)
+                continue
             if only and old is not None:  # fold the rerun methods into the run's row, keep the others
                 row = {**old, "methods": {**old["methods"], **row["methods"]}}
             results["runs"] = [r for r in results["runs"] if (r["pair"], r["run"]) != (row["pair"], row["run"])]
