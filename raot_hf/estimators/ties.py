@@ -11,7 +11,7 @@ over unchanged and which near-twins of different magnitude do not share.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -34,12 +34,7 @@ class TieResolution:
     tolerance: float
 
     def to_dict(self) -> dict:
-        return {
-            "near_tied": self.near_tied,
-            "changed": self.changed,
-            "smallest_margin": self.smallest_margin,
-            "tolerance": self.tolerance,
-        }
+        return asdict(self)
 
 
 def match_margins(score: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
