@@ -94,7 +94,9 @@ def test_offloading_keeps_values_dtypes_and_ties(tmp_path):
     inputs = {"input_ids": torch.randint(0, VOCAB, (2, 7))}
     with torch.no_grad():
         want = model(**inputs).logits
+    attributes = set(vars(model))
     weights = offload_model(model, tmp_path, "A")
+    assert set(vars(model)) == attributes and offloaded(model) is weights  # nothing is hung on the model
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
     for name, p in model.named_parameters():
         assert weights.owns(p) is not None and p.dtype == before[name].dtype and torch.equal(p, before[name])

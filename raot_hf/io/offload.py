@@ -40,7 +40,9 @@ _MADV_DONTNEED = 4
 #: Free disk space kept beyond the working files.
 DISK_MARGIN = 256 << 20
 
-_LIVE: weakref.WeakSet = weakref.WeakSet()
+#: Each offloaded model → the working file behind its parameters. Kept here, not on the model (a
+#: model may be the user's object); an entry goes with its model.
+_WORKING_FILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _madvise():
@@ -176,15 +178,14 @@ def offload_model(model: torch.nn.Module, directory: str | Path | None, label: s
         view.copy_(p.detach())
         p.data = view
         weights._drop(start, stop)
-    model._raot_offload = weights
-    _LIVE.add(weights)
+    _WORKING_FILES[model] = weights
     logger.info("model %s offloaded: %.1f MiB of parameters in a working file", label, weights.nbytes / 2**20)
     return weights
 
 
 def offloaded(model: torch.nn.Module) -> OffloadedWeights | None:
     """The working file behind ``model``'s parameters (None: they are in memory)."""
-    return getattr(model, "_raot_offload", None)
+    return _WORKING_FILES.get(model)
 
 
 def release_after_forward(model: torch.nn.Module, module_names: list[str]) -> None:
@@ -205,7 +206,7 @@ def release_tensor(tensor: torch.Tensor, *, trim: bool = True) -> None:
     (``trim``) hand the heap's free pages back: the temporaries of a parameter-by-parameter
     transform (under glibc's 32 MB mmap threshold) otherwise pile up as fragmented heap — 11 GB for
     a 3.4 B model."""
-    for weights in list(_LIVE):
+    for weights in list(_WORKING_FILES.values()):
         span = weights.owns(tensor)
         if span is not None:
             weights._drop(*span)
@@ -217,7 +218,7 @@ def release_tensor(tensor: torch.Tensor, *, trim: bool = True) -> None:
 def release_all(*, trim: bool = True) -> None:
     """Drop the resident pages of every offloaded model (between stages and layers), and, when
     there is one (and ``trim``), hand the heap's free pages back too."""
-    live = list(_LIVE)
+    live = list(_WORKING_FILES.values())
     for weights in live:
         weights.release()
     if live and trim:
@@ -315,7 +316,6 @@ def load_offloaded(cls: type, path: Path, config, dtype: str, directory: str | P
     ckpt.release()
     model.config._name_or_path = str(path)
     model.eval()
-    model._raot_offload = weights
-    _LIVE.add(weights)
+    _WORKING_FILES[model] = weights
     logger.info("model %s read into a working file: %.1f MiB of parameters", label, weights.nbytes / 2**20)
     return model
