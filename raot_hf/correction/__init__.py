@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from raot_hf.config.options import check_choice, check_field_types, meta
 from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.correction.carry import Carried, LayerCall, capture
-from raot_hf.correction.fits import Site, least_squares_layer, least_squares_readers, repair_layer
+from raot_hf.correction.fits import Site, least_squares_layer, least_squares_readers, linear_out, repair_layer
 from raot_hf.correction.layer import LayerPass
 from raot_hf.errors import RaotError
 
@@ -33,6 +33,7 @@ __all__ = [
     "capture",
     "least_squares_layer",
     "least_squares_readers",
+    "linear_out",
     "repair_layer",
 ]
 

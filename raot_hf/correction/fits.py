@@ -175,10 +175,10 @@ def _rule_error(x: torch.Tensor, site: Site, weights: tuple, y_mix: torch.Tensor
     stride = max(1, x.shape[0] // SCREEN_ROWS)
     if stride > 1:
         rows_mix = y_mix[::stride].to(_F64)
-        miss = float((_linear_out(x[::stride], site, weights).to(_F64) - rows_mix).pow(2).sum())
+        miss = float((linear_out(x[::stride], site, weights).to(_F64) - rows_mix).pow(2).sum())
         if miss > SCREEN_ABOVE * float(rows_mix.pow(2).sum()):
             return
-    n.add_residual(_linear_out(x, site, weights), y_mix, target)
+    n.add_residual(linear_out(x, site, weights), y_mix, target)
 
 
 def least_squares_layer(
@@ -271,17 +271,17 @@ def least_squares_readers(
             for side, w in mix.items():
                 with torch.no_grad():
                     x = rows(modules[side](c.hidden[side]), c.mask).to(_F64)
-                y = _linear_out(x, site, weights[side])
+                y = linear_out(x, site, weights[side])
                 mixed, target = mixed + w * y, target + w * float(y.pow(2).sum())
             with torch.no_grad():
                 xm = rows(functional_call(modules["a"], norm_params, (c.hidden["m"],)), c.mask).to(_F64)
-            ym = _linear_out(xm, site, _weights(params, site))
+            ym = linear_out(xm, site, _weights(params, site))
             n.add(_augment(xm, site.bias is not None), mixed, target, ym)
         log[site.module] = _refit(params, site, n, _prior(params, site), shrink)
     return params, log
 
 
-def _linear_out(x: torch.Tensor, site: Site, weights: tuple) -> torch.Tensor:
+def linear_out(x: torch.Tensor, site: Site, weights: tuple) -> torch.Tensor:
     """A Linear's output rows, in x's precision, from its (weight, bias) as stored."""
     w, b = (None if t is None else t.to(x.dtype) for t in weights)
     y = x @ (w if site.transposed else w.T)

@@ -16,7 +16,15 @@ from huggingface_hub.utils import tqdm
 from torch.func import functional_call
 
 from raot_hf.adapters.schema import ModelSchema
-from raot_hf.correction import LayerPass, Site, capture, least_squares_layer, least_squares_readers, repair_layer
+from raot_hf.correction import (
+    LayerPass,
+    Site,
+    capture,
+    least_squares_layer,
+    least_squares_readers,
+    linear_out,
+    repair_layer,
+)
 from raot_hf.correction.layer import SiteGroups, site_groups
 from raot_hf.errors import RaotError
 from raot_hf.gate import PairedTest, paired_test
@@ -154,7 +162,9 @@ class HeldoutPaths:
         self.chunks = capture(parents, names, batches, rest, examples)
         self.mix, self.z, self.parents = mix, z, parents
         self.starts = [{side: c.hidden[side] for side in parents} for c in self.chunks]
-        self.rule_states = [c.hidden["m"] for c in self.chunks]  # the rule's merge, never corrected
+        # the rule's merge, never corrected; None while every layer so far kept the rule's merge,
+        # so that the rule path is the written path (its states are then the written ones)
+        self.rule_states: list[torch.Tensor] | None = None
 
     def fidelity(self, outs: list[torch.Tensor], targets: dict[str, list[torch.Tensor]]) -> torch.Tensor:
         """Per held-out example, 1 − Σ_p w_p·RSE of ``outs`` to the parents' outputs ``targets``."""
@@ -175,11 +185,13 @@ class HeldoutPaths:
         out_corrected = layer.merged(corrected, [], lambda *_: None)
         score_rule = self.fidelity(out_rule, layer.outs)
         test = paired_test(self.fidelity(out_corrected, layer.outs) - score_rule, z=self.z, sign_test=True)
-        # the rule path: every layer the rule's (its own states, not the written path's)
-        rel = {k[len(name) + 1 :]: v for k, v in rule.items()}
-        self.rule_states = [
-            c.calls["m"](layer.module_a, state, rel) for c, state in zip(self.chunks, self.rule_states, strict=True)
-        ]
+        if self.rule_states is not None:  # the rule path has left the written one: its own layer run
+            rel = {k[len(name) + 1 :]: v for k, v in rule.items()}
+            self.rule_states = [
+                c.calls["m"](layer.module_a, state, rel) for c, state in zip(self.chunks, self.rule_states, strict=True)
+            ]
+        elif test.passed:  # the written path leaves the rule's here; the rule's output is the one just run
+            self.rule_states = out_rule
         layer.advance(out_corrected if test.passed else out_rule)
         return test.passed, (corrected if test.passed else rule), test
 
@@ -188,11 +200,6 @@ class HeldoutPaths:
         on the written path's final states through M's final norm, per held-out example, against
         each parent's readers on its own final states."""
         modules, norm_params = norms
-
-        def out(x: torch.Tensor, site: Site, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            y = x @ (weight if site.transposed else weight.T).to(x.dtype)
-            return y if bias is None else y + bias.to(x.dtype)
-
         scores = {"rule": [], "corrected": []}
         for c in self.chunks:
             xm = functional_call(modules["a"], norm_params, (c.hidden["m"],)).double()
@@ -200,10 +207,10 @@ class HeldoutPaths:
             for name, params in (("rule", rule), ("corrected", corrected)):
                 err = 0.0
                 for site, weights in sites:
-                    bias = params[site.bias] if site.bias else None
-                    ym = out(xm, site, params[site.weight], bias)
+                    ym = linear_out(xm, site, (params[site.weight], params[site.bias] if site.bias else None))
                     for side, w in self.mix.items():
-                        err = err + w * relative_squared_error(ym, out(x_parent[side], site, *weights[side]), c.mask)
+                        y = linear_out(x_parent[side], site, weights[side])
+                        err = err + w * relative_squared_error(ym, y, c.mask)
                 scores[name].append(1 - err / len(sites))
         gains = torch.cat(scores["corrected"]) - torch.cat(scores["rule"])
         test = paired_test(gains.cpu(), z=self.z, sign_test=True)
@@ -213,7 +220,7 @@ class HeldoutPaths:
         """The last layer's fidelity, as written and with the rule alone (the report's evidence)."""
         targets = {side: [c.hidden[side] for c in self.chunks] for side in self.parents}
         written = self.fidelity([c.hidden["m"] for c in self.chunks], targets)
-        rule = self.fidelity(self.rule_states, targets)
+        rule = written if self.rule_states is None else self.fidelity(self.rule_states, targets)
         return {"written": float(written.mean()), "rule": float(rule.mean()), "examples": int(written.numel())}
 
 
