@@ -4,9 +4,11 @@
 >>> result = RaotMerger.from_pretrained("path/to/A", "path/to/B").merge(calibration="data.csv")  # doctest: +SKIP
 >>> result.save_pretrained("merged")  # doctest: +SKIP
 
-Data flows one way: load → calibrate (fit) → solve → calibrate (held-out) → gate → apply +
-check → merge → report; each stage is a function of :mod:`raot_hf.stages` taking the
-:class:`~raot_hf.stages.context.PairContext` and what the previous stage returned.
+Data flows one way: load → for each model after the reference: calibrate (fit) → solve →
+calibrate (held-out) → gate → apply + check; then merge → report. Each stage is a function of
+:mod:`raot_hf.stages` taking the :class:`~raot_hf.stages.context.PairContext` (or the aligned
+:class:`~raot_hf.stages.members.Member` records) and what the previous stage returned; two models
+are the case N = 2.
 """
 
 from __future__ import annotations
@@ -20,29 +22,21 @@ from raot_hf.config import RaotConfig
 from raot_hf.distributed import DistributedContext
 from raot_hf.errors import RaotError
 from raot_hf.io.loading import ModelSource, check_compatible
-from raot_hf.memory import release_freed_memory
-from raot_hf.merging.siblings import refuse_moved_b
 from raot_hf.results import Alignment, MergeResult
 from raot_hf.stages.align import calibrate_and_solve, calibrate_solve_decide
-from raot_hf.stages.apply import apply_and_check
 from raot_hf.stages.calibrate import CalibrationRun, fit_phase, heldout_phase, open_calibration
 from raot_hf.stages.combine import merge_weights
 from raot_hf.stages.context import PairContext, StageTimer
-from raot_hf.stages.group import (
+from raot_hf.stages.load import base_for, load_pair, model_sources
+from raot_hf.stages.members import (
     align_all,
     central_index,
-    fold_all_if_any,
-    group_quality,
-    group_report,
-    merge_group_weights,
+    members_folded,
     merged_quality,
+    parents_before_merge,
     prepare_config,
-    transform_file,
 )
-from raot_hf.stages.load import base_for, load_pair, model_sources
-from raot_hf.stages.provenance import build_report
-from raot_hf.stages.quality import merge_quality, parent_outputs, quality_inputs
-from raot_hf.stages.refine import refine_and_check
+from raot_hf.stages.provenance import build_report, transform_file
 from raot_hf.symmetry import Transform
 
 __all__ = ["Alignment", "MergeResult", "RaotMerger"]
@@ -259,41 +253,17 @@ class RaotMerger:
 
         Model A's object receives the merged weights (no third copy of the model is made). With
         more than two models, each is aligned to the reference and gated on its own, then all are
-        merged by the rule's N-ary form (docs/design.md §6.9).
+        merged by the rule over N models (docs/design.md §6.9); two models are the case N = 2.
         """
         self._refuse_after_merge()
-        if len(self.pairs) > 1:
-            self.merged = True
-            return self._merge_group(calibration)
-        alignment, stats, run = self._align(calibration)
-        if self.pair.base is not None:  # task vectors need B in the base's basis (docs/design.md §6)
-            refuse_moved_b(alignment.decisions, self.config.merge_rule)
-        if not self.pair.plan.grams:
-            stats = None  # only RegMean reads statistics after the gate: free them before apply/merge
-            release_freed_memory()
-        if run is None and self.config.correction.method not in ("none", "auto"):  # the correction reads data
-            run = open_calibration(self.pair, calibration, self.early_calibration)
-        self.merged = True  # from here on A and B change
-        checks = apply_and_check(self.pair, alignment, run)
-        checks += refine_and_check(self.pair, alignment, run)
-        quality_set = quality_inputs(self.pair, run)
-        parents = parent_outputs(self.pair, quality_set)  # A before the merge writes into it; B′
-        merge_log = merge_weights(self.pair, alignment, stats, run)
-        quality = merge_quality(self.pair, quality_set, parents)
-        fingerprint = run.fingerprint if run is not None else None
-        sources = (self.source_a, self.source_b)
-        report = build_report(self.pair, sources, alignment, fingerprint, checks, merge_log, quality)
-        return MergeResult(self.model_a, report, alignment, self.preprocessor, self.source_a.name_or_path)
-
-    def _merge_group(self, calibration) -> MergeResult:
-        """Align every model to the reference, fold all of them if any alignment folded, merge N-ary."""
-        run = self._reference_to_center(calibration) if self.config.group.reference == "central" else None
+        central = len(self.models) > 2 and self.config.group.reference == "central"
+        run = self._reference_to_center(calibration) if central else None
+        self.merged = True  # from here on the models change
         members = align_all(self.pairs, calibration, self.early_calibration, run)
-        folded = fold_all_if_any(members)
-        quality_sets, parents = group_quality(members)
-        merge_log = merge_group_weights(members, folded)
+        quality_sets, parents = parents_before_merge(members)  # A before the merge writes into it; B′
+        merge_log = merge_weights(members, members_folded(members))
         quality = merged_quality(members, quality_sets, parents)
-        report = group_report(members, self.sources, merge_log, quality, self.reference_log)
+        report = build_report(members, self.sources, merge_log, quality, self.reference_log)
         result = MergeResult(self.model_a, report, members[0].alignment, self.preprocessor, self.source_a.name_or_path)
         result.more_transforms = {transform_file(i): m.alignment.applied for i, m in enumerate(members[1:], start=3)}
         return result

@@ -259,8 +259,8 @@ def _streamed(options: dict, resolved: tuple, out, overwrite: bool, max_shard_si
     (path, report), or None when the in-memory path runs. ``--max-memory`` is checked here, before
     any weights are read, for both paths."""
     from raot_hf.distributed import DistributedContext
-    from raot_hf.stages.group import prepare_config
     from raot_hf.stages.load import model_sources
+    from raot_hf.stages.members import prepare_config
     from raot_hf.stages.stream import run_streamed
 
     if DistributedContext.detect().is_distributed:

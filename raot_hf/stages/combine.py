@@ -1,8 +1,9 @@
-"""Stage: merge A and B′ with the configured rule, dispatched through the merge-rule registry (docs/design.md §6).
+"""Stage: merge the reference and every aligned model with the configured rule, dispatched through
+the merge-rule registry (docs/design.md §6, §6.9): two models are the case N = 2.
 
-A rule's registration (:class:`raot_hf.merging.MergeRuleSpec`) says what it reads besides A, B′
-and α — Grams, Fishers, a base model, options from the config — and whether it is per-tensor;
-this stage gathers exactly that. A per-tensor rule writes the trunk straight into A's parameters
+A rule's registration (:class:`raot_hf.merging.MergeRuleSpec`) says what it reads besides the
+models and their weights — Grams, Fishers, a base model, options from the config — and whether it
+is per-tensor; this stage gathers exactly that. A per-tensor rule writes the trunk straight into A's parameters
 a few tensors at a time, so no merged copy of the whole model is held.
 """
 
@@ -16,11 +17,20 @@ import torch
 from raot_hf.errors import RaotError
 from raot_hf.io.loading import adopt_head
 from raot_hf.io.offload import release_all
-from raot_hf.merging import MergeRuleSpec, add_rule_log, apply_rule, merge_heads, merge_rule_spec, rule_options
+from raot_hf.merging import (
+    MergeRuleSpec,
+    add_rule_log,
+    apply_rule,
+    merge_heads,
+    merge_heads_n,
+    merge_rule_spec,
+    rule_options,
+)
 from raot_hf.merging.grams import aligned_grams, transposed_weights
 from raot_hf.results import Alignment
 from raot_hf.stages.context import PairContext
 from raot_hf.stages.correct import corrected_merge
+from raot_hf.stages.members import Member, member_models, model_weights
 from raot_hf.symmetry import load_state, model_state
 
 logger = logging.getLogger("raot_hf.stages.combine")
@@ -45,46 +55,64 @@ def _finite_gram_keys(gram_keys: dict[str, str], grams_a, grams_b) -> dict[str, 
     return usable
 
 
-def _fishers(ctx: PairContext, run, names: set[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Label-free diagonal Fishers of A and of B′ (measured after alignment, since a rotation
-    does not map a diagonal Fisher onto a diagonal one) on the calibration set."""
+def _grams(members: list[Member], folded: bool) -> tuple[list[dict], dict[str, str], set[str]]:
+    """Every model's Grams in the reference basis (the reference's from the first pass), the
+    RegMean weights whose Grams are finite in all of them, and the weights stored (in, out)."""
+    ref = members[0].ctx
+    if any(m.stats is None or not m.stats.grams for m in members):
+        raise RaotError(f"merge_rule={ref.config.merge_rule!r} needs calibration data for its Gram matrices")
+    keys = members[0].stats.gram_keys
+    transposed = transposed_weights(ref.model_a, keys)
+    grams = []
+    for i, m in enumerate(members):
+        g_a, g_b = aligned_grams(
+            m.stats, m.ctx.schema, m.alignment.applied, m.ctx.model_a, m.ctx.model_b,
+            folded=folded, transposed=transposed, unfolded_norms=m.norms,
+        )  # fmt: skip
+        grams += [g_a, g_b] if i == 0 else [g_b]
+    usable = dict(keys)
+    for g in grams[1:]:
+        usable = _finite_gram_keys(usable, grams[0], g)
+    return grams, usable, transposed
+
+
+def _fishers(members: list[Member], names: set[str]) -> list[dict]:
+    """Label-free diagonal Fishers of every model (measured after alignment, since a rotation does
+    not map a diagonal Fisher onto a diagonal one) on the calibration set."""
     from raot_hf.merging.fisher import diagonal_fisher
 
-    if run is None:
+    ref = members[0]
+    if ref.run is None:
         raise RaotError("merge_rule='fisher' needs calibration data; pass calibration=... (or --calibration)")
 
     def batches():
-        for batch in run.batches(ctx.preprocessor):
+        for batch in ref.run.batches(ref.ctx.preprocessor):
             yield batch.inputs
 
-    with ctx.timer.stage("fisher"):
-        kw = dict(names=names, max_examples=ctx.config.fisher.samples, seed=ctx.config.seed)
-        return diagonal_fisher(ctx.model_a, batches(), **kw), diagonal_fisher(ctx.model_b, batches(), **kw)
+    cfg = ref.ctx.config
+    kw = dict(names=names, max_examples=cfg.fisher.samples, seed=cfg.seed)
+    with ref.ctx.timer.stage("fisher"):
+        return [diagonal_fisher(model, batches(), **kw) for model in member_models(members)]
 
 
-def rule_inputs(ctx: PairContext, spec: MergeRuleSpec, alignment: Alignment, stats, run, trunk: set[str]) -> dict:
-    """What ``spec`` declares it reads besides A, B′ and α."""
-    cfg = ctx.config
-    inputs = rule_options(spec, cfg, names=trunk)
+def rule_inputs(members: list[Member], spec: MergeRuleSpec, folded: bool, trunk: set[str]) -> dict[str, Any]:
+    """What the rule reads besides the models and their weights."""
+    inputs = rule_options(spec, members[0].ctx.config, len(members) + 1, names=trunk)
     if spec.needs_grams:
-        if stats is None or not stats.grams:
-            raise RaotError(f"merge_rule={cfg.merge_rule!r} needs calibration data for its Gram matrices")
-        transposed = transposed_weights(ctx.model_a, stats.gram_keys)
-        grams_a, grams_b = aligned_grams(
-            stats,
-            ctx.schema,
-            alignment.applied,
-            ctx.model_a,
-            ctx.model_b,
-            transposed=transposed,
-            unfolded_norms=ctx.unfolded_norms,
-        )
-        inputs.update(grams_a=grams_a, grams_b=grams_b, transposed_weights=transposed)
-        inputs["linear_weights"] = _finite_gram_keys(stats.gram_keys, grams_a, grams_b)
+        grams, usable, transposed = _grams(members, folded)
+        if len(members) == 1:
+            inputs.update(grams_a=grams[0], grams_b=grams[1])
+        else:
+            inputs["grams"] = grams
+        inputs.update(linear_weights=usable, transposed_weights=transposed)
     if spec.needs_fisher:
-        inputs["fisher_a"], inputs["fisher_b"] = _fishers(ctx, run, trunk)
+        fishers = _fishers(members, trunk)
+        if len(members) == 1:
+            inputs.update(fisher_a=fishers[0], fisher_b=fishers[1])
+        else:
+            inputs["fishers"] = fishers
     if spec.needs_base:
-        inputs["base"] = ctx.base.state
+        inputs["base"] = members[0].ctx.base.state
     return inputs
 
 
@@ -136,14 +164,18 @@ def merge_trunks(
     return log
 
 
-def _merged_heads(ctx: PairContext, state_a: dict, state_b: dict, head: list[str]) -> dict[str, torch.Tensor]:
-    """The classifier head by the head policy (``b``: A's module takes B′'s head and label config first)."""
-    cfg, ca, cb = ctx.config, ctx.model_a.config, ctx.model_b.config
+def merged_heads(members: list[Member], states: list[dict], head: list[str], weights: list[float]) -> dict:
+    """The classifier head by the head policy (``b``: A's module takes B′'s head and label config
+    first); with more than two models the reference's (``a``) or the weighted average."""
+    ref = members[0].ctx
+    cfg, ca, cb = ref.config, ref.model_a.config, ref.model_b.config
+    if len(states) > 2:
+        return merge_heads_n(states, head, weights) if cfg.head == "average" else {}
     if cfg.head == "b":
-        adopt_head(ctx.model_a, ctx.model_b, head)
+        adopt_head(ref.model_a, ref.model_b, head)
     return merge_heads(
-        state_a,
-        state_b,
+        states[0],
+        states[1],
         head,
         policy=cfg.head,
         num_labels_a=ca.num_labels,
@@ -171,24 +203,34 @@ def correction_method(ctx: PairContext, alignment: Alignment, spec: MergeRuleSpe
     return "lsq", "auto: the gate moved B (the parents differ in basis)"
 
 
-def merge_weights(ctx: PairContext, alignment: Alignment, stats, run) -> dict[str, Any]:
-    """Merge A and B′ into A's module; returns the rule's log for the report."""
-    cfg = ctx.config
+def merge_weights(members: list[Member], folded: bool) -> dict[str, Any]:
+    """Merge the reference and every aligned model into the reference's module; returns the rule's log."""
+    ref = members[0].ctx
+    cfg = ref.config
     spec = merge_rule_spec(cfg.merge_rule)
-    method, why = correction_method(ctx, alignment, spec, run)
-    corrected = method != "none"
-    with ctx.timer.stage("correction" if corrected else "merge"):
-        state_a, state_b = model_state(ctx.model_a), model_state(ctx.model_b)
-        head = sorted(ctx.schema.head_params)
-        trunk_a = {k: v for k, v in state_a.items() if k not in head}
-        trunk_b = {k: v for k, v in state_b.items() if k not in head}
-        inputs = rule_inputs(ctx, spec, alignment, stats, run, set(trunk_a))
-        parents = {"a": ctx.model_a, "b": ctx.model_b}
-        log = merge_trunks(ctx, spec, [trunk_a, trunk_b], {"alpha": cfg.alpha}, inputs, run, method, parents)
+    models = member_models(members)
+    weights = model_weights(cfg, len(models))
+    moved = Alignment([d for m in members for d in m.alignment.decisions], members[0].alignment.applied, True)
+    method, why = correction_method(ref, moved, spec, members[0].run)
+    weighting = {"alpha": cfg.alpha} if len(models) == 2 else {"weights": weights}
+    with ref.timer.stage("correction" if method != "none" else "merge"):
+        states = [model_state(m) for m in models]
+        head = sorted(ref.schema.head_params)
+        trunks = [{k: v for k, v in s.items() if k not in head} for s in states]
+        inputs = rule_inputs(members, spec, folded, set(trunks[0]))
+        sides = ["b"] if len(members) == 1 else [f"b{i}" for i in range(2, len(models) + 1)]
+        parents = {"a": ref.model_a, **{side: m.ctx.model_b for side, m in zip(sides, members, strict=True)}}
+        log = merge_trunks(ref, spec, trunks, weighting, inputs, members[0].run, method, parents)
         if head:
-            load_state(ctx.model_a, _merged_heads(ctx, state_a, state_b, head))
+            load_state(ref.model_a, merged_heads(members, states, head, weights))
+    log.pop("params", None)
+    if len(models) > 2:
+        log.setdefault("settings", {})["weights"] = weights
     if cfg.correction.method == "auto":
         log.setdefault("correction", {"method": "none"})["auto"] = why
-    counts = ", ".join(f"{n} {m}" for m, n in sorted(log["counts"].items()))
-    logger.info("%s merge (alpha=%g): %s; written into A", spec.name, cfg.alpha, counts)
+    if len(models) == 2:
+        counts = ", ".join(f"{n} {m}" for m, n in sorted(log["counts"].items()))
+        logger.info("%s merge (alpha=%g): %s; written into A", spec.name, cfg.alpha, counts)
+    else:
+        logger.info("%s merge of %d models: written into the reference", spec.name, len(models))
     return log

@@ -11,7 +11,6 @@ import torch
 from raot_hf.io.loading import ModelSource
 from raot_hf.outputs import hash_checkpoint_files
 from raot_hf.outputs.card import alignment_summary
-from raot_hf.results import Alignment
 from raot_hf.stages.context import PairContext
 from raot_hf.symmetry.io import TRANSFORM_NAME
 from raot_hf.version import __version__
@@ -27,8 +26,17 @@ def inputs_of(src: ModelSource, model) -> dict[str, Any]:
     return info
 
 
-def _inputs(ctx: PairContext, source_a: ModelSource, source_b: ModelSource) -> dict[str, Any]:
-    inputs = {"a": inputs_of(source_a, ctx.model_a), "b": inputs_of(source_b, ctx.model_b)}
+def _inputs(ctx: PairContext, sources: list[ModelSource], members: list) -> dict[str, Any]:
+    """The inputs section: A and B (each model's files hashed once), every model with more than
+    two, and the base."""
+    models = [ctx.model_a, *(m.ctx.model_b for m in members)]
+    described = [inputs_of(s, m) for s, m in zip(sources, models, strict=True)]
+    inputs: dict[str, Any] = {"a": described[0], "b": described[1]}
+    if len(described) > 2:
+        inputs["models"] = [
+            {"model": i, "role": "reference" if i == 1 else "aligned", **info}
+            for i, info in enumerate(described, start=1)
+        ]
     if ctx.base is not None:
         inputs["base"] = base = inputs_of(ctx.base.source, ctx.base.model)
         base.update(
@@ -40,45 +48,105 @@ def _inputs(ctx: PairContext, source_a: ModelSource, source_b: ModelSource) -> d
     return inputs
 
 
-def build_report(
-    ctx: PairContext,
-    sources: tuple[ModelSource, ModelSource],
-    alignment: Alignment,
-    fingerprint: dict | None,
-    checks: list[dict],
-    merge_log: dict | None,
-    quality: dict | None = None,
-) -> dict[str, Any]:
-    """The report dict: inputs (with file hashes), settings, calibration fingerprint, gate
-    decisions and verdict, applied transforms, merge log, checks, timings and versions."""
+def transform_file(index: int) -> str:
+    """The file of model ``index``'s alignment (model 2's keeps the two-model name)."""
+    return TRANSFORM_NAME if index == 2 else TRANSFORM_NAME.replace(".safetensors", f".model{index}.safetensors")
 
+
+def alignment_record(index: int, member, quality: dict | None) -> dict[str, Any]:
+    """One aligned model's section: its gate decisions, verdict, applied transforms, checks and quality."""
+    a = member.alignment
     return {
-        "raot_hf_version": __version__,
-        "inputs": _inputs(ctx, *sources),
-        "model_type": ctx.schema.model_type,
-        "norm": ctx.schema.norm,
-        "residual_exact_group": ctx.schema.residual.exact,
-        "settings": ctx.config.to_dict(),
-        "calibration": fingerprint,
-        "decisions": [d.to_dict() for d in alignment.decisions],
-        "shares_basis": alignment.shares_basis,
-        "verdict": alignment.verdict,
-        "model_fidelity": alignment.model_fidelity,
-        "summary": alignment_summary(alignment.decisions),
-        # the tensors go to raot_transform.safetensors (raot_hf.symmetry.load_transform reads it)
+        "model": index,
+        "decisions": [d.to_dict() for d in a.decisions],
+        "shares_basis": a.shares_basis,
+        "verdict": a.verdict,
+        "model_fidelity": a.model_fidelity,
+        "summary": alignment_summary(a.decisions),
         "applied_transform": {
-            "file": TRANSFORM_NAME if len(alignment.applied) else None,
-            "transforms": [t.describe() for t in alignment.applied.transforms],
+            # the tensors go to raot_transform.safetensors (raot_hf.symmetry.load_transform reads it)
+            "file": transform_file(index) if len(a.applied) else None,
+            "transforms": [t.describe() for t in a.applied.transforms],
         },
-        "applied_exact": alignment.exact,
-        "merge": merge_log,
-        "execution": execution(ctx.model_a),
+        "applied_exact": a.exact,
+        "checks": member.checks,
         "quality": quality,
-        "estimator_logs": alignment.logs,
-        "checks": checks,
-        "timings": dict(ctx.timer.times),
+        "calibration": member.fingerprint,
+    }
+
+
+def build_report(
+    members: list,
+    sources: list[ModelSource],
+    merge_log: dict | None,
+    quality: list[dict | None],
+    reference_log: dict | None = None,
+) -> dict[str, Any]:
+    """The report of a merge of the reference and its aligned ``members``
+    (:class:`raot_hf.stages.members.Member`, one per model after the reference)."""
+    ctx = members[0].ctx
+    records = [alignment_record(i, m, q) for i, (m, q) in enumerate(zip(members, quality, strict=True), start=2)]
+    return report_of(
+        ctx.schema, ctx.config, _inputs(ctx, sources, members), records, merge_log,
+        execution=execution(ctx.model_a), timings=dict(ctx.timer.times), estimator_logs=members[0].alignment.logs,
+        reference_log=reference_log,
+    )  # fmt: skip
+
+
+def report_of(
+    schema, config, inputs: dict, records: list[dict], merge_log: dict | None, *, execution: str,
+    timings: dict[str, float], estimator_logs: dict | None = None, reference_log: dict | None = None,
+    verdict: str = "", summary: str = "",
+) -> dict[str, Any]:  # fmt: skip
+    """The report dict (docs/design.md §6.4): inputs (with file hashes), settings, calibration
+    fingerprint, gate decisions and verdict, applied transforms, merge log, checks, timings and
+    versions. ``records``: one :func:`alignment_record` per aligned model — none for a merge of
+    the checkpoints as stored (``verdict`` and ``summary`` say so). With two models the sections
+    are model 2's; with more, every model is listed under ``models`` and the top-level sections
+    gather all of them."""
+    first = records[0] if records else {
+        "calibration": None, "decisions": [], "shares_basis": False, "verdict": verdict, "model_fidelity": {},
+        "summary": summary, "applied_transform": {"file": None, "transforms": []}, "applied_exact": True,
+        "quality": None, "checks": [],
+    }  # fmt: skip
+    report = {
+        "raot_hf_version": __version__,
+        "inputs": inputs,
+        "model_type": schema.model_type,
+        "norm": schema.norm,
+        "residual_exact_group": schema.residual.exact,
+        "settings": config.to_dict(),
+        "calibration": first["calibration"],
+        "decisions": first["decisions"],
+        "shares_basis": first["shares_basis"],
+        "verdict": first["verdict"],
+        "model_fidelity": first["model_fidelity"],
+        "summary": first["summary"],
+        "applied_transform": {k: first["applied_transform"][k] for k in ("file", "transforms")},
+        "applied_exact": first["applied_exact"],
+        "merge": merge_log,
+        "execution": execution,
+        "quality": first["quality"],
+        "estimator_logs": estimator_logs or {},
+        "checks": first["checks"],
+        "timings": timings,
         "versions": versions(),
     }
+    if len(records) > 1:
+        report.update(
+            models=records,
+            reference=reference_log or {"rule": "first", "chosen": 1},
+            decisions=[{**d, "model": r["model"]} for r in records for d in r["decisions"]],
+            checks=[{**c, "name": f"model {r['model']}: {c['name']}"} for r in records for c in r["checks"]],
+            verdict=" ".join(f"Model {r['model']}: {r['verdict']}" for r in records if r["verdict"]),
+            summary="; ".join(f"model {r['model']}: {r['summary']}" for r in records),
+            shares_basis=all(r["shares_basis"] for r in records),
+            applied_exact=all(r["applied_exact"] for r in records),
+            applied_transform={
+                "files": [r["applied_transform"]["file"] for r in records if r["applied_transform"]["file"]]
+            },
+        )
+    return report
 
 
 def execution(model) -> str:

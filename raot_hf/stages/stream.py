@@ -204,8 +204,8 @@ def merge_streamed(
     from raot_hf.outputs.report import REPORT_NAME, report_to_json
     from raot_hf.outputs.save import save_config, save_preprocessor
     from raot_hf.outputs.shards import parse_size, verify_written_weights
-    from raot_hf.stages.group import group_weights
     from raot_hf.stages.load import _check_before_weights
+    from raot_hf.stages.members import model_weights
 
     started = time.perf_counter()
     max_bytes = parse_size(max_shard_size)
@@ -216,7 +216,7 @@ def merge_streamed(
     if config.dtype != "auto":  # the written config names the dtype the weights were cast to (meta: no memory)
         reading.skeleton.to(dtype)
         reading.skeleton.config.dtype = dtype
-    weights = group_weights(config, len(sources)) if len(sources) > 2 else None
+    weights = model_weights(config, len(sources)) if len(sources) > 2 else None
     logger.info(
         "streaming the merge of %d checkpoints tensor by tensor (no calibration needed)", len(sources), extra=_STAGE
     )
@@ -250,33 +250,18 @@ def merge_streamed(
 
 def streamed_report(sources, base_source, config, reading: _Reading, merge_log, medians, seconds) -> dict[str, Any]:
     """The provenance report of a streamed merge: no alignment, no calibration, every model listed."""
-    from raot_hf.stages.provenance import inputs_of, versions
-    from raot_hf.version import __version__
+    from raot_hf.stages.provenance import inputs_of, report_of
 
     described = [inputs_of(s, reading.skeleton) for s in sources]  # each model's files hashed once
     inputs: dict[str, Any] = {"a": described[0], "b": described[1]}
     inputs["models"] = [{"model": i, **info} for i, info in enumerate(described, start=1)]
     if base_source is not None:
         inputs["base"] = {**inputs_of(base_source, reading.skeleton), "relative_task_norms": medians}
-    return {
-        "raot_hf_version": __version__,
-        "inputs": inputs,
-        "model_type": reading.schema.model_type,
-        "settings": config.to_dict(),
-        "calibration": None,
-        "decisions": [],
-        "shares_basis": False,
-        "verdict": "no alignment requested: the checkpoints were merged as stored, tensor by tensor",
-        "summary": f"{len(sources)} checkpoints merged by {config.merge_rule}, streamed from their files",
-        "applied_transform": {"file": None, "transforms": []},
-        "applied_exact": True,
-        "merge": merge_log,
-        "execution": "streamed",
-        "quality": None,
-        "checks": [],
-        "timings": {"streamed merge": seconds},
-        "versions": versions(),
-    }
+    return report_of(
+        reading.schema, config, inputs, [], merge_log, execution="streamed", timings={"streamed merge": seconds},
+        verdict="no alignment requested: the checkpoints were merged as stored, tensor by tensor",
+        summary=f"{len(sources)} checkpoints merged by {config.merge_rule}, streamed from their files",
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- memory caps

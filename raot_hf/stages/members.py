@@ -1,0 +1,215 @@
+"""Stage: each model aligned to one reference basis, gated on its own (docs/design.md §6.9).
+
+A merge of N ≥ 2 models is one pipeline: model 1 (or the most central model,
+``group.reference="central"``) is the reference, and every other model i — model 2 alone when two
+are merged — runs calibration pass, solve, gate, apply and the B′ᵢ ≡ Bᵢ check against it, so a
+sibling of the reference is detected as one and left as it is. When any alignment folded the
+reference's LayerNorms (a pre-LN stream rotation, §3.3), every model is folded, so all of them are
+merged in one parametrisation; folding is exact. :mod:`raot_hf.stages.combine` then merges the
+reference and every B′ᵢ into the reference's module.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from raot_hf.errors import RaotError
+from raot_hf.merging import merge_rule_spec, nary_merge_rules
+from raot_hf.merging.siblings import refuse_moved_b
+from raot_hf.results import Alignment
+from raot_hf.stages.align import calibrate_solve_decide
+from raot_hf.stages.apply import apply_and_check
+from raot_hf.stages.calibrate import open_calibration
+from raot_hf.stages.context import PairContext
+from raot_hf.stages.quality import merge_quality, parent_outputs, quality_inputs
+from raot_hf.stages.refine import refine_and_check
+from raot_hf.symmetry import fold_model, norm_affines
+
+logger = logging.getLogger("raot_hf.stages.members")
+_STAGE = {"stage": True}  # a line the CLI shows by default (raot_hf.cli.verbosity)
+
+
+@dataclass
+class Member:
+    """One non-reference model after its alignment: its pair context (reference, model), what the
+    gate decided and applied, the statistics RegMean reads, the calibration run, the checks, and
+    the norm affines of both models when its calibration pass ran (RegMean's Grams, §6.2)."""
+
+    ctx: PairContext
+    alignment: Alignment
+    stats: Any
+    run: Any
+    checks: list[dict]
+    norms: tuple[dict, dict] | None
+
+    @property
+    def fingerprint(self) -> dict | None:
+        """The calibration data's fingerprint (None without a calibration pass)."""
+        return self.run.fingerprint if self.run is not None else None
+
+
+def model_weights(config, n: int) -> list[float]:
+    """The per-model weights: ``(1 − α, α)`` for two models (``group.weights`` set α, see
+    :func:`two_model_config`), else ``group.weights`` (one per model) or equal weights."""
+    if n == 2 and not config.group.weights:
+        return [1.0 - config.alpha, config.alpha]
+    weights = list(config.group.weights) or [1.0 / n] * n
+    if len(weights) != n:
+        raise RaotError(f"--weights gives {len(weights)} weights for {n} models; give one weight per model, in order")
+    return weights
+
+
+def check_models(config, n: int, distributed: bool = False) -> None:
+    """Everything a merge of ``n`` ≥ 3 models refuses, checked before any weights are read."""
+    spec = merge_rule_spec(config.merge_rule)
+    if spec.nary is None:
+        raise RaotError(
+            f"merge_rule={config.merge_rule!r} merges two models only; for {n} models use one of: "
+            f"{', '.join(nary_merge_rules())}"
+        )
+    model_weights(config, n)
+    if config.group.densities and len(config.group.densities) != n:
+        raise RaotError(f"--densities gives {len(config.group.densities)} values for {n} models; give one per model")
+    if config.head == "b":
+        raise RaotError(f"--head b names one of two models; with {n} models use --head a (the reference's) or average")
+    if distributed:
+        raise RaotError(f"a merge of {n} models runs in one process; run it without accelerate launch")
+
+
+def align_member(ctx: PairContext, calibration, early, like=None) -> Member:
+    """Align one model to the reference: calibration pass, solve, gate, apply and B′ ≡ B (nothing
+    merged); ``like``: an earlier member's calibration run, whose sample and tokens are reused."""
+    norms = (norm_affines(ctx.model_a, ctx.schema), norm_affines(ctx.model_b, ctx.schema)) if ctx.plan.grams else None
+    alignment, stats, run = calibrate_solve_decide(ctx, calibration, early, like)
+    if ctx.base is not None:  # task vectors need B in the base's basis (docs/design.md §6)
+        refuse_moved_b(alignment.decisions, ctx.config.merge_rule)
+    if run is None and ctx.config.correction.method not in ("none", "auto"):  # the correction reads data
+        run = open_calibration(ctx, calibration, early, like)
+    checks = apply_and_check(ctx, alignment, run) + refine_and_check(ctx, alignment, run)
+    return Member(ctx, alignment, stats if ctx.plan.grams else None, run, checks, norms)
+
+
+def align_all(pairs: list[PairContext], calibration, early, like=None) -> list[Member]:
+    """Align every model to the reference in turn, on one calibration sample read and tokenized
+    once (``like``: a run that already opened it). Once an alignment has folded the reference's
+    norms (§3.3), each later model is folded before its own pass (exact), so that its gate
+    compares merges of one parametrisation. Then, when any alignment folded, every model is."""
+    members: list[Member] = []
+    for i, ctx in enumerate(pairs, start=2):
+        if len(pairs) > 1:
+            logger.info("aligning model %d of %d to the reference", i, len(pairs) + 1, extra=_STAGE)
+        if any(m.ctx.unfolded_norms is not None for m in members):
+            fold_model(ctx.model_b, ctx.schema)
+        members.append(align_member(ctx, calibration, early, like))
+        like = like or members[-1].run
+    if any(m.ctx.unfolded_norms is not None for m in members):
+        for m in members:
+            if m.ctx.unfolded_norms is None:
+                fold_model(m.ctx.model_b, m.ctx.schema)
+    return members
+
+
+def members_folded(members: list[Member]) -> bool:
+    """Whether the models are folded (an alignment folded the reference's norms, §3.3)."""
+    return any(m.ctx.unfolded_norms is not None for m in members)
+
+
+def member_models(members: list[Member]) -> list[torch.nn.Module]:
+    """The reference, then every aligned model, in order."""
+    return [members[0].ctx.model_a, *(m.ctx.model_b for m in members)]
+
+
+def parents_before_merge(members: list[Member]) -> tuple[list, list]:
+    """Each pair's check rows and its parents' outputs on them (before the merge writes into the reference)."""
+    sets = [quality_inputs(m.ctx, m.run) for m in members]
+    return sets, [parent_outputs(m.ctx, x) for m, x in zip(members, sets, strict=True)]
+
+
+def merged_quality(members: list[Member], sets: list, parents: list) -> list[dict | None]:
+    """The merged model against the reference and against each aligned model (one record per model)."""
+    return [merge_quality(m.ctx, x, p) for m, x, p in zip(members, sets, parents, strict=True)]
+
+
+# ----------------------------------------------------------------------------- the reference
+
+#: Examples the central-reference choice reads (one forward of every model).
+CENTRAL_EXAMPLES = 32
+
+
+def _linear_cka(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Linear CKA of two (n, d) representations: invariant to orthogonal maps and isotropic scale."""
+    x, y = x - x.mean(0), y - y.mean(0)
+    cross = (x.T @ y).pow(2).sum()
+    return float(cross / ((x.T @ x).pow(2).sum().sqrt() * (y.T @ y).pow(2).sum().sqrt()).clamp_min(1e-300))
+
+
+@torch.no_grad()
+def _representations(model: torch.nn.Module, batches: list) -> list[torch.Tensor]:
+    """Every hidden state (embeddings and each layer's output) over the real tokens, float64."""
+    device = next(model.parameters()).device
+    per_layer: list[list[torch.Tensor]] = []
+    for batch in batches:
+        out = model(**{k: v.to(device) for k, v in batch.inputs.items()}, output_hidden_states=True)
+        for i, h in enumerate(out.hidden_states):
+            mask = batch.token_mask
+            rows = h[mask.to(h.device)] if mask is not None else h.reshape(-1, h.shape[-1])
+            if len(per_layer) <= i:
+                per_layer.append([])
+            per_layer[i].append(rows.to("cpu", torch.float64))
+    return [torch.cat(rows) for rows in per_layer]
+
+
+def central_index(models: list[torch.nn.Module], ctx: PairContext, run) -> tuple[int, dict[str, Any]]:
+    """The model whose representations agree most with all the others': mean linear CKA over
+    layers and over the other models, on the first :data:`CENTRAL_EXAMPLES` calibration examples.
+    Returns its index and the affinity matrix for the report."""
+    batches, taken = [], 0
+    for batch in run.batches(ctx.preprocessor, split="fit"):
+        batches.append(batch)
+        taken += len(batch)
+        if taken >= CENTRAL_EXAMPLES:
+            break
+    reps = [_representations(m, batches) for m in models]
+    n = len(models)
+    affinity = [[1.0] * n for _ in range(n)]
+    for i in range(n):
+        for j in range(i + 1, n):
+            value = sum(_linear_cka(x, y) for x, y in zip(reps[i], reps[j], strict=True)) / len(reps[i])
+            affinity[i][j] = affinity[j][i] = value
+    means = [(sum(row) - 1.0) / (n - 1) for row in affinity]
+    index = max(range(n), key=lambda i: (means[i], -i))
+    logger.info("reference: model %d (mean CKA to the others %.4f)", index + 1, means[index], extra=_STAGE)
+    return index, {"rule": "central", "chosen": index + 1, "mean_cka": means, "cka": affinity, "examples": taken}
+
+
+def two_model_config(config):
+    """Per-model weights of a two-model merge as the two-model rules' options: α = w₂/(w₁ + w₂),
+    and for task arithmetic (whose weights mergekit does not normalise) the task scale times
+    w₁ + w₂, so ``base + λ·(w₁τ₁ + w₂τ₂)`` as with more models."""
+    weights = model_weights(config, 2)
+    total = sum(weights)
+    changes: dict[str, Any] = {"alpha": weights[1] / total}
+    if config.merge_rule == "task_arithmetic":
+        changes["base_rules"] = {**config.base_rules.to_dict(), "task_scale": config.base_rules.task_scale * total}
+    if config.group.densities:
+        raise RaotError("--densities sets one density per model for three or more; with two use --density")
+    return config.replace(**changes, group={**config.group.to_dict(), "weights": []})
+
+
+def prepare_config(config, n: int, has_base: bool):
+    """The config of a merge of ``n`` models, checked before any weights are read: at least two
+    models; a base exactly when the rule reads one; the N-model refusals; two models' weights as α."""
+    from raot_hf.distributed import DistributedContext
+    from raot_hf.stages.load import check_base_matches_rule
+
+    if n < 2:
+        raise RaotError(f"give at least two models, got {n}")
+    check_base_matches_rule(config, has_base)
+    if n > 2:
+        check_models(config, n, DistributedContext.detect().is_distributed)
+        return config
+    return two_model_config(config) if config.group.weights else config
