@@ -116,34 +116,49 @@ def rule_inputs(members: list[Member], spec: MergeRuleSpec, folded: bool, trunk:
     return inputs
 
 
-def _chunks(trunk: dict[str, torch.Tensor]):
-    """The trunk's names in runs of about :data:`CHUNK_BYTES`."""
-    chunk, size = [], 0
-    for name, tensor in trunk.items():
+def chunks_of(sizes: dict[str, int]) -> list[list[str]]:
+    """The names of ``sizes`` (name → bytes) in runs of about :data:`CHUNK_BYTES`."""
+    chunks, chunk, size = [], [], 0
+    for name, nbytes in sizes.items():
         chunk.append(name)
-        size += tensor.numel() * tensor.element_size()
+        size += nbytes
         if size >= CHUNK_BYTES:
-            yield chunk
+            chunks.append(chunk)
             chunk, size = [], 0
-    if chunk:
-        yield chunk
+    return [*chunks, chunk] if chunk else chunks
+
+
+def merge_by_chunks(spec: MergeRuleSpec, chunks, read, weighting: dict, inputs: dict, write) -> dict:
+    """Run a per-tensor rule a chunk of names at a time (``weighting``: see
+    :func:`raot_hf.merging.apply_rule`): ``read(names)`` gives every model's tensors of the chunk
+    (the reference's first), ``write(merged)`` stores the merged ones — into the reference's
+    parameters in memory, into output shards when streamed from the files (§7.3) — so float64
+    temporaries stay ~100 MB; ``inputs["base"]`` may be any mapping, read after ``read``. Returns the
+    chunks' logs added up."""
+    base = inputs.pop("base", None)
+    log: dict[str, Any] = {"rule": spec.name, "settings": {}, "counts": {}}
+    for names in chunks:
+        states = read(names)
+        if base is not None:
+            inputs["base"] = {k: base[k] for k in names if k in base}
+        part, part_log = apply_rule(spec, states, weighting, **inputs)
+        write(part)
+        add_rule_log(log, part_log)
+        del part
+    return log
 
 
 def merge_in_place(ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weighting: dict, inputs: dict) -> dict:
-    """Run a per-tensor rule chunk by chunk (``weighting``: see :func:`raot_hf.merging.apply_rule`),
-    writing each result straight into the reference's parameters (float64 temporaries stay
-    ~100 MB); returns the chunks' logs added up."""
-    base = inputs.pop("base", None)
-    log: dict[str, Any] = {"rule": spec.name, "settings": {}, "counts": {}}
-    for chunk in _chunks(trunks[0]):
-        if base is not None:
-            inputs["base"] = {k: base[k] for k in chunk if k in base}
-        part, part_log = apply_rule(spec, [{k: t[k] for k in chunk} for t in trunks], weighting, **inputs)
+    """:func:`merge_by_chunks` over the trunks in memory, written into the reference's parameters."""
+
+    def write(part: dict) -> None:
         load_state(ctx.model_a, part)
-        add_rule_log(log, part_log)
-        del part
         release_all()  # the chunk's offloaded pages of every model (§7.4)
-    return log
+
+    sizes = {name: t.numel() * t.element_size() for name, t in trunks[0].items()}
+    return merge_by_chunks(
+        spec, chunks_of(sizes), lambda names: [{k: t[k] for k in names} for t in trunks], weighting, inputs, write
+    )
 
 
 def merge_trunks(

@@ -1,10 +1,11 @@
-"""Stage: a merge that reads no data, streamed from the checkpoints' files (docs/design.md §7.3).
+"""Execution mode: a merge that reads no data, streamed from the checkpoints' files (docs/design.md §7.3).
 
 A merge with no alignment and a per-tensor rule (``linear``, ``task_arithmetic``, ``ties``,
 ``dare_ties``; any number of models) needs no forward pass: each output tensor depends only on
 the same-named input tensors. Such a merge of local safetensors checkpoints is computed a few
-tensors at a time, read with ``safe_open`` from every model (and the base), merged by the rule and
-written shard by shard; no model is ever built beyond an empty (meta-device) skeleton that names
+tensors at a time, read with ``safe_open`` from every model (and the base), merged by the rule in
+the merge stage's own chunk loop (:func:`raot_hf.stages.combine.merge_by_chunks`) and written
+shard by shard, and reported by the one report builder (:mod:`raot_hf.stages.provenance`); no model is ever built beyond an empty (meta-device) skeleton that names
 the head's parameters. Memory holds one chunk of every model plus one output shard, whatever the
 models' size. The result is the in-memory merge's, bit for bit (tested), and the output directory
 is written atomically as always.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +27,11 @@ import torch
 from raot_hf.errors import RaotError
 from raot_hf.io.checkpoint import Checkpoint, prefix_variants, weight_files
 from raot_hf.io.loading import LOAD_DTYPES
-from raot_hf.merging import add_rule_log, apply_rule, merge_heads, merge_heads_n, merge_rule_spec, rule_options
+from raot_hf.merging import merge_heads, merge_heads_n, merge_rule_spec, rule_options
 from raot_hf.merging.base_rules import median_ratio, task_norm_ratio
 from raot_hf.merging.siblings import refuse_unrelated
 from raot_hf.plan import plan_for
+from raot_hf.stages.combine import chunks_of, merge_by_chunks
 from raot_hf.stages.offload import RUNTIME_BYTES
 
 logger = logging.getLogger("raot_hf.stages.stream")
@@ -62,11 +65,6 @@ def _skeleton(config):
 
     model = meta_model(config)
     return model, schema_for(model)
-
-
-def _base_key(name: str, base: Checkpoint, prefix: str) -> str | None:
-    """The base's tensor for A's ``name``: same name, or across A's ``base_model_prefix``."""
-    return next((c for c in prefix_variants(name, prefix) if c in base.files), None)
 
 
 class _ShardWriter:
@@ -106,18 +104,6 @@ class _ShardWriter:
         return set(weight_map)
 
 
-def _chunks(reader: Checkpoint) -> list[list[str]]:
-    """``reader``'s tensor names in runs of about :data:`CHUNK_BYTES`."""
-    chunks, chunk, size = [], [], 0
-    for name, nbytes in reader.nbytes.items():
-        chunk.append(name)
-        size += nbytes
-        if size >= CHUNK_BYTES:
-            chunks.append(chunk)
-            chunk, size = [], 0
-    return [*chunks, chunk] if chunk else chunks
-
-
 def _resolved_dtype(config, hf_config) -> torch.dtype | None:
     """The dtype the in-memory path would load the models in (``dtype="auto"``: the config's)."""
     if config.dtype != "auto":
@@ -148,41 +134,50 @@ class _NotStreamable(Exception):
     """The files cannot be merged name by name (the in-memory path runs instead)."""
 
 
-def _merge_chunk(reading: _Reading, config, configs, names: list[str], dtype, weights, ratios: list[list[float]]):
-    """One chunk of A's tensors merged (trunk by the rule, head by the policy); returns the merged
-    tensors and the rule's log."""
-    spec = merge_rule_spec(config.merge_rule)
+class _BaseTensors(Mapping):
+    """The base's tensors of the chunk being merged, under A's names (same name, or across A's
+    ``base_model_prefix``): :meth:`read_chunk` reads every model's and the base's tensors of a
+    chunk from the files and measures each model's distance from the base (§6.6)."""
 
-    def read(ckpt: Checkpoint, name: str) -> torch.Tensor:
-        t = ckpt.get(name)
-        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
-
-    states = [{n: read(m, n) for n in names} for m in reading.models]
-    trunk = [n for n in names if n not in reading.head]
-    inputs = rule_options(spec, config, len(states), names=reading.keys)
-    if spec.needs_base:
+    def __init__(self, reading: _Reading, read, ratios: list[list[float]]):
         prefix = getattr(reading.skeleton, "base_model_prefix", "") or ""
-        found = {n: _base_key(n, reading.base, prefix) for n in trunk}
-        inputs["base"] = {n: read(reading.base, k) for n, k in found.items() if k is not None}
-        for n, origin in inputs["base"].items():
+        self.found = {}
+        for name in reading.keys:
+            if (key := next((c for c in prefix_variants(name, prefix) if c in reading.base.files), None)) is not None:
+                self.found[name] = key
+        self.reading, self.read, self.ratios, self.chunk = reading, read, ratios, {}
+
+    def read_chunk(self, names: list[str]) -> list[dict[str, torch.Tensor]]:
+        states = [{n: self.read(m, n) for n in names} for m in self.reading.models]
+        self.chunk = {n: self.read(self.reading.base, self.found[n]) for n in names if n in self.found}
+        for n, origin in self.chunk.items():
             for i, state in enumerate(states):
                 if (r := task_norm_ratio(state[n], origin)) is not None:
-                    ratios[i].append(r)
-    weighting = {"alpha": config.alpha} if len(states) == 2 else {"weights": weights}
-    merged, log = apply_rule(spec, [{n: s[n] for n in trunk} for s in states], weighting, **inputs)
-    head = [n for n in names if n in reading.head]
-    if head and config.head == "average":
-        if len(states) == 2:
-            labels = dict(
-                num_labels_a=configs[0].num_labels, num_labels_b=configs[1].num_labels,
-                id2label_a=getattr(configs[0], "id2label", None), id2label_b=getattr(configs[1], "id2label", None),
-            )  # fmt: skip
-            merged.update(merge_heads(states[0], states[1], head, policy="average", alpha=config.alpha, **labels))
-        else:
-            merged.update(merge_heads_n(states, head, weights))
-    else:
-        merged.update({n: states[0][n] for n in head})
-    return merged, log
+                    self.ratios[i].append(r)
+        return states
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.chunk[name]
+
+    def __iter__(self):
+        return iter(self.chunk)
+
+    def __len__(self) -> int:
+        return len(self.chunk)
+
+
+def _merged_head(reading: _Reading, config, configs, names: list[str], read, weights) -> dict[str, torch.Tensor]:
+    """The head's tensors by the policy: the reference's, or (``average``) the models' average."""
+    if config.head != "average":
+        return {n: read(reading.models[0], n) for n in names}
+    states = [{n: read(m, n) for n in names} for m in reading.models]
+    if len(states) > 2:
+        return merge_heads_n(states, names, weights)
+    labels = dict(
+        num_labels_a=configs[0].num_labels, num_labels_b=configs[1].num_labels,
+        id2label_a=getattr(configs[0], "id2label", None), id2label_b=getattr(configs[1], "id2label", None),
+    )  # fmt: skip
+    return merge_heads(states[0], states[1], names, policy="average", alpha=config.alpha, **labels)
 
 
 def _check_ratios(ratios: list[list[float]]) -> list[float]:
@@ -220,19 +215,35 @@ def merge_streamed(
     logger.info(
         "streaming the merge of %d checkpoints tensor by tensor (no calibration needed)", len(sources), extra=_STAGE
     )
-    log: dict[str, Any] = {"rule": config.merge_rule, "settings": {}, "counts": {}}
     ratios: list[list[float]] = [[] for _ in sources]
+    spec = merge_rule_spec(config.merge_rule)
+    inputs = rule_options(spec, config, len(sources), names=reading.keys)
+
+    def read(ckpt: Checkpoint, name: str) -> torch.Tensor:
+        t = ckpt.get(name)
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+    def write(part: dict) -> None:
+        for checkpoint in [*reading.models, *([reading.base] if reading.base is not None else [])]:
+            checkpoint.release()
+        for name, tensor in part.items():
+            writer.add(name, tensor)
+
+    def read_chunk(names: list[str]) -> list[dict[str, torch.Tensor]]:
+        return [{n: read(m, n) for n in names} for m in reading.models]
+
+    if spec.needs_base:
+        inputs["base"] = base = _BaseTensors(reading, read, ratios)
+        read_chunk = base.read_chunk
+    sizes = {n: b for n, b in reading.models[0].nbytes.items() if n not in reading.head}
+    weighting = {"alpha": config.alpha} if len(sources) == 2 else {"weights": weights}
     with atomic_directory(destination) as temporary:
         save_preprocessor(preprocessor, temporary, False)
         save_config(reading.skeleton, temporary)
         writer = _ShardWriter(temporary, max_bytes)
-        for names in _chunks(reading.models[0]):
-            merged, part = _merge_chunk(reading, config, configs, names, dtype, weights, ratios)
-            for checkpoint in [*reading.models, *([reading.base] if reading.base is not None else [])]:
-                checkpoint.release()
-            add_rule_log(log, part)
-            for name in names:
-                writer.add(name, merged[name])
+        log = merge_by_chunks(spec, chunks_of(sizes), read_chunk, weighting, inputs, write)
+        if reading.head:
+            write(_merged_head(reading, config, configs, sorted(reading.head), read, weights))
         verify_written_weights(temporary, writer.finish())
         log.pop("params", None)
         if weights is not None:
