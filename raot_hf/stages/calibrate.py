@@ -58,14 +58,23 @@ class CalibrationRun:
         return iter_calibration_batches(self.dataset, preprocessor, config, encodings=self.encodings, **shard)
 
 
-def check_calibration_early(cal: CalibrationConfig, preprocessor) -> tuple[dict[str, Any], Any, str]:
+@dataclass(frozen=True)
+class CheckedSample:
+    """A calibration sample loaded and checked before any weights are read: the request it
+    answers, the dataset and its resolved column (the pass reuses it: read and announced once)."""
+
+    request: dict[str, Any]
+    dataset: Any
+    column: str
+
+
+def check_calibration_early(cal: CalibrationConfig, preprocessor) -> CheckedSample:
     """Load the calibration sample and resolve its column before any weights are read, so a
-    wrong path, split, column or modality fails in seconds. Returns the request, the sample
-    and its column, which the pass reuses (the data is read and announced once)."""
+    wrong path, split, column or modality fails in seconds."""
     dataset = load_calibration_dataset(cal)
     column = check_column(dataset, cal.column, detect_modality(preprocessor), model_label="model A")
     check_tokenizer_reads_text(dataset, column, preprocessor)
-    return cal.to_dict(), dataset, column
+    return CheckedSample(cal.to_dict(), dataset, column)
 
 
 def resolve_calibration(ctx: PairContext, calibration) -> tuple[CalibrationConfig, Any]:
@@ -84,7 +93,9 @@ def resolve_calibration(ctx: PairContext, calibration) -> tuple[CalibrationConfi
     return cal, calibration  # an in-memory datasets.Dataset
 
 
-def open_calibration(ctx: PairContext, calibration, early=None, like: CalibrationRun | None = None) -> CalibrationRun:
+def open_calibration(
+    ctx: PairContext, calibration, early: CheckedSample | None = None, like: CalibrationRun | None = None
+) -> CalibrationRun:
     """Load (or reuse the early check's) calibration sample and resolve its column. ``like``: a run
     of another pair on the same sample (a merge of several models): its dataset and tokens are
     reused, so the sample is read and tokenized once."""
@@ -94,8 +105,8 @@ def open_calibration(ctx: PairContext, calibration, early=None, like: Calibratio
     if ctx.preprocessor is None:
         raise RaotError("no tokenizer or image processor for model A; pass preprocessor= to from_models")
     cal_cfg, data = resolve_calibration(ctx, calibration)
-    if data is None and early is not None and early[0] == cal_cfg.to_dict():
-        dataset, column = early[1:]  # from_pretrained's early check loaded this very sample
+    if data is None and early is not None and early.request == cal_cfg.to_dict():
+        dataset, column = early.dataset, early.column  # from_pretrained's early check loaded this very sample
     else:
         dataset = load_calibration_dataset(data if data is not None else cal_cfg, config=cal_cfg)
         column = cal_cfg.column
