@@ -79,10 +79,10 @@ def rule_inputs(ctx: PairContext, spec: MergeRuleSpec, alignment: Alignment, sta
             transposed=transposed,
             unfolded_norms=ctx.unfolded_norms,
         )
-        inputs.update(grams_a=grams_a, grams_b=grams_b, transposed_weights=transposed)
+        inputs.update(grams=[grams_a, grams_b], transposed_weights=transposed)
         inputs["linear_weights"] = _finite_gram_keys(stats.gram_keys, grams_a, grams_b)
     if spec.needs_fisher:
-        inputs["fisher_a"], inputs["fisher_b"] = _fishers(ctx, run, trunk)
+        inputs["fishers"] = list(_fishers(ctx, run, trunk))
     if spec.needs_base:
         inputs["base"] = ctx.base.state
     return inputs
@@ -101,8 +101,8 @@ def _chunks(trunk: dict[str, torch.Tensor]):
         yield chunk
 
 
-def merge_in_place(ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weighting: dict, inputs: dict) -> dict:
-    """Run a per-tensor rule chunk by chunk (``weighting``: see :func:`raot_hf.merging.apply_rule`),
+def merge_in_place(ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weights: list, inputs: dict) -> dict:
+    """Run a per-tensor rule chunk by chunk (``weights``: one per model, :func:`raot_hf.merging.apply_rule`),
     writing each result straight into the reference's parameters (float64 temporaries stay
     ~100 MB); returns the chunks' logs added up."""
     base = inputs.pop("base", None)
@@ -110,7 +110,7 @@ def merge_in_place(ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], we
     for chunk in _chunks(trunks[0]):
         if base is not None:
             inputs["base"] = {k: base[k] for k in chunk if k in base}
-        part, part_log = apply_rule(spec, [{k: t[k] for k in chunk} for t in trunks], weighting, **inputs)
+        part, part_log = apply_rule(spec, [{k: t[k] for k in chunk} for t in trunks], weights, **inputs)
         load_state(ctx.model_a, part)
         add_rule_log(log, part_log)
         del part
@@ -119,7 +119,7 @@ def merge_in_place(ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], we
 
 
 def merge_trunks(
-    ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weighting: dict, inputs: dict, run, method: str,
+    ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weights: list, inputs: dict, run, method: str,
     parents: dict,
 ) -> dict:  # fmt: skip
     """The rule's merge of the trunks (the reference's first), written into the reference's module:
@@ -127,10 +127,10 @@ def merge_trunks(
     side → model, ``"a"`` the reference), a few tensors at a time for a per-tensor rule, else
     whole. Returns the rule's log."""
     if method != "none":
-        return corrected_merge(ctx, spec, trunks, weighting, inputs, run, method, parents)
+        return corrected_merge(ctx, spec, trunks, weights, inputs, run, method, parents)
     if spec.per_tensor:
-        return merge_in_place(ctx, spec, trunks, weighting, inputs)
-    merged, log = apply_rule(spec, trunks, weighting, **inputs)
+        return merge_in_place(ctx, spec, trunks, weights, inputs)
+    merged, log = apply_rule(spec, trunks, weights, **inputs)
     log.pop("params", None)
     load_state(ctx.model_a, merged)
     return log
@@ -184,7 +184,7 @@ def merge_weights(ctx: PairContext, alignment: Alignment, stats, run) -> dict[st
         trunk_b = {k: v for k, v in state_b.items() if k not in head}
         inputs = rule_inputs(ctx, spec, alignment, stats, run, set(trunk_a))
         parents = {"a": ctx.model_a, "b": ctx.model_b}
-        log = merge_trunks(ctx, spec, [trunk_a, trunk_b], {"alpha": cfg.alpha}, inputs, run, method, parents)
+        log = merge_trunks(ctx, spec, [trunk_a, trunk_b], [1 - cfg.alpha, cfg.alpha], inputs, run, method, parents)
         if head:
             load_state(ctx.model_a, _merged_heads(ctx, state_a, state_b, head))
     if cfg.correction.method == "auto":

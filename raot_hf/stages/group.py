@@ -63,7 +63,7 @@ def group_weights(config, n: int) -> list[float]:
 def check_group(config, n: int, distributed: bool = False) -> None:
     """Everything a merge of ``n`` ≥ 3 models refuses, checked before any weights are read."""
     spec = merge_rule_spec(config.merge_rule)
-    if spec.nary is None:
+    if spec.max_models is not None and n > spec.max_models:
         raise RaotError(
             f"merge_rule={config.merge_rule!r} merges two models only; for {n} models use one of: "
             f"{', '.join(nary_merge_rules())}"
@@ -187,7 +187,7 @@ def merge_group_weights(members: list[Member], folded: bool) -> dict[str, Any]:
         trunks = [{k: v for k, v in s.items() if k not in head} for s in states]
         inputs = group_rule_inputs(members, spec, folded, set(trunks[0]))
         parents = {"a": ref.model_a, **{f"b{i}": m.ctx.model_b for i, m in enumerate(members, start=2)}}
-        log = merge_trunks(ref, spec, trunks, {"weights": weights}, inputs, members[0].run, method, parents)
+        log = merge_trunks(ref, spec, trunks, weights, inputs, members[0].run, method, parents)
         if head and cfg.head == "average":
             load_state(ref.model_a, merge_heads_n(states, head, weights))
     log.pop("params", None)

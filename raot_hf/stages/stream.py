@@ -168,8 +168,8 @@ def _merge_chunk(reading: _Reading, config, configs, names: list[str], dtype, we
             for i, state in enumerate(states):
                 if (r := task_norm_ratio(state[n], origin)) is not None:
                     ratios[i].append(r)
-    weighting = {"alpha": config.alpha} if len(states) == 2 else {"weights": weights}
-    merged, log = apply_rule(spec, [{n: s[n] for n in trunk} for s in states], weighting, **inputs)
+    rule_weights = [1 - config.alpha, config.alpha] if len(states) == 2 else weights
+    merged, log = apply_rule(spec, [{n: s[n] for n in trunk} for s in states], rule_weights, **inputs)
     head = [n for n in names if n in reading.head]
     if head and config.head == "average":
         if len(states) == 2:
