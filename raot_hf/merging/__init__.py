@@ -210,22 +210,19 @@ register_merge_rule(
     config=BaseRuleOptions,
     options={"scale": "base_rules.task_scale"},
 )
-register_merge_rule(
-    "ties",
-    merge_ties,
-    needs_base=True,
-    per_tensor=True,
-    config=BaseRuleOptions,
-    options={"density": "base_rules.density", "scale": "base_rules.task_scale"},
-)
-register_merge_rule(
-    "dare_ties",
-    merge_dare_ties,
-    needs_base=True,
-    per_tensor=True,
-    config=BaseRuleOptions,
-    options={"density": "base_rules.density", "scale": "base_rules.task_scale", "seed": "seed"},
-)
+for _name, _rule in (("ties", merge_ties), ("dare_ties", merge_dare_ties)):
+    register_merge_rule(
+        _name,
+        _rule,
+        needs_base=True,
+        per_tensor=True,
+        config=BaseRuleOptions,
+        options={
+            "density": "base_rules.density",
+            "scale": "base_rules.task_scale",
+            **({"seed": "seed"} if _name == "dare_ties" else {}),
+        },
+    )
 register_merge_rule(
     "slerp", slerp, per_tensor=True, max_models=2, layered=True, config=MergekitOptions, options={"t": "mergekit.t"}
 )

@@ -275,38 +275,8 @@ def merge_task_arithmetic(
     )  # fmt: skip
 
 
-def merge_ties(
-    states: Sequence[StateDict],
-    weights: Sequence[float],
-    base: StateDict | None = None,
-    *,
-    density: float = 0.2,
-    densities: Sequence[float] | None = None,
-    scale: float = 1.0,
-    return_log: bool = False,
-):
-    """TIES (mergekit): trim each task vector to its top ``int(densityᵢ·n)`` magnitudes
-    (``densities``: one per model, else ``density`` for all; 0.2 is the TIES paper's k = 20 %),
-    elect signs by the weighted sum, take the weighted mean of the agreeing entries;
-    ``W = base + λ·merged``."""
-    weights = check_weights(weights, len(states), normalise=False)
-    kept, scale = check_densities(density, densities, len(states)), _check_finite("scale", scale)
-
-    def merge_one(key, tensors, origin, values):
-        trimmed = [keep_top_magnitudes(x - origin, d) for x, d in zip(tensors, kept, strict=True)]
-        weighted, agree = elect_signs(trimmed, weights)
-        w = torch.tensor(weights, dtype=_F64, device=weighted.device).view(-1, *[1] * (weighted.dim() - 1))
-        divisor = (w * agree).sum(0)
-        divisor = torch.where(divisor == 0, 1.0, divisor)
-        return origin + scale * ((weighted * agree).sum(0) / divisor), sparsity_details(trimmed)
-
-    return per_tensor_merge(
-        "ties", states, weights, base, {}, merge_one,
-        needs_base=True, logged={"scale": scale, "densities": kept}, return_log=return_log,
-    )  # fmt: skip
-
-
-def merge_dare_ties(
+def ties_rule(
+    rule: str,
     states: Sequence[StateDict],
     weights: Sequence[float],
     base: StateDict | None = None,
@@ -317,26 +287,50 @@ def merge_dare_ties(
     seed: int = 0,
     return_log: bool = False,
 ):
-    """DARE-TIES (mergekit): :func:`random_keep_rescaled` each task vector (keep fraction
-    ``densityᵢ``, seeded by ``seed``), elect signs by the weighted sum, add the agreeing weighted
-    entries (not normalised); ``W = base + λ·merged``. The same seed gives byte-identical weights."""
+    """mergekit's ``ties`` (``rule="ties"``) or ``dare_ties``: sparsify each task vector (keep
+    fraction ``densityᵢ``; ``densities``: one per model, else ``density`` for all), elect signs by
+    the weighted sum, combine the agreeing weighted entries; ``W = base + λ·combined``."""
     weights = check_weights(weights, len(states), normalise=False)
     kept, scale = check_densities(density, densities, len(states)), _check_finite("scale", scale)
     seed = _check_seed(seed)
+    logged: dict[str, Any] = {"scale": scale, "densities": kept}
+    if rule == "dare_ties":
+        logged.update(seed=seed, mask="sha256(seed, parameter, model) → torch.Generator")
 
     def merge_one(key, tensors, origin, values):
-        dropped = [
-            random_keep_rescaled(x - origin, d, seed=seed, name=key, model=i)
-            for i, (x, d) in enumerate(zip(tensors, kept, strict=True))
-        ]
-        weighted, agree = elect_signs(dropped, weights)
-        return origin + scale * (weighted * agree).sum(0), sparsity_details(dropped)
+        tasks = [x - origin for x in tensors]
+        if rule == "ties":
+            sparse = [keep_top_magnitudes(t, d) for t, d in zip(tasks, kept, strict=True)]
+        else:
+            sparse = [
+                random_keep_rescaled(t, d, seed=seed, name=key, model=i)
+                for i, (t, d) in enumerate(zip(tasks, kept, strict=True))
+            ]
+        weighted, agree = elect_signs(sparse, weights)
+        combined = (weighted * agree).sum(0)
+        if rule == "ties":  # the weighted mean of the agreeing entries (divisor 1 where none agrees)
+            w = torch.tensor(weights, dtype=_F64, device=weighted.device).view(-1, *[1] * (weighted.dim() - 1))
+            divisor = (w * agree).sum(0)
+            combined = combined / torch.where(divisor == 0, 1.0, divisor)
+        return origin + scale * combined, sparsity_details(sparse)
 
-    mask = "sha256(seed, parameter, model) → torch.Generator"
-    logged = {"scale": scale, "densities": kept, "seed": seed, "mask": mask}
     return per_tensor_merge(
-        "dare_ties", states, weights, base, {}, merge_one, needs_base=True, logged=logged, return_log=return_log
+        rule, states, weights, base, {}, merge_one, needs_base=True, logged=logged, return_log=return_log
     )
+
+
+def merge_ties(states, weights, base=None, *, return_log=False, **options):
+    """TIES (mergekit): trim each task vector to its top ``int(densityᵢ·n)`` magnitudes (0.2 is
+    the TIES paper's k = 20 %), elect signs by the weighted sum, take the weighted mean of the
+    agreeing entries (:func:`ties_rule`)."""
+    return ties_rule("ties", states, weights, base, return_log=return_log, **options)
+
+
+def merge_dare_ties(states, weights, base=None, *, return_log=False, **options):
+    """DARE-TIES (mergekit): :func:`random_keep_rescaled` each task vector (seeded by ``seed``),
+    elect signs by the weighted sum, add the agreeing weighted entries, not normalised
+    (:func:`ties_rule`). The same seed gives byte-identical weights."""
+    return ties_rule("dare_ties", states, weights, base, return_log=return_log, **options)
 
 
 @register_section

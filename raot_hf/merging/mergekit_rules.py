@@ -83,15 +83,7 @@ def slerp_vectors(t: float, v0: torch.Tensor, v1: torch.Tensor) -> torch.Tensor:
     return (math.sin(theta - theta * t) * v0 + math.sin(theta * t) * v1) / math.sin(theta)
 
 
-def slerp(
-    states: Sequence[StateDict],
-    weights: Sequence[float] = (),
-    base: StateDict | None = None,
-    *,
-    t: Any = None,
-    layer_count: int | None = None,
-    return_log: bool = False,
-):
+def slerp(states, weights=(), base=None, *, t: Any = None, layer_count: int | None = None, return_log=False):
     """mergekit's ``slerp``: per tensor, :func:`slerp_vectors` from the first model (mergekit's
     ``base_model``; ``t = 0`` returns it) to the second by ``t`` (required; may vary by layer or
     module). Two models; ``weights`` and ``base`` are not read."""
