@@ -19,6 +19,7 @@ from raot_hf.merging import (
     merge_task_arithmetic,
     merge_ties,
     register_merge_rule,
+    shrink_gram,
 )
 
 
@@ -331,6 +332,62 @@ def test_ties_matches_loops(density):
         assert log["params"][key]["kept_1"] <= kept and log["params"][key]["kept_2"] <= kept
     with pytest.raises(RaotError, match="density"):
         merge_ties([a, b], [0.5, 0.5], base=base, density=0.0)
+
+
+# ----------------------------------------------------------------------------- two models: the formulas, bit for bit
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8) if t.is_floating_point() else t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("alpha", [0.5, 0.3])
+def test_two_models_with_weights_one_minus_alpha_alpha_are_the_two_model_formulas(dtype, alpha):
+    """N = 2 with weights (1 − α, α) is the two-model formula written out in float64 and cast
+    once, bit for bit (negative zeros included); RegMean's solve to float64 accuracy."""
+    base, a, b = make_state(30, dtype), make_state(31, dtype), make_state(32, dtype)
+    for state in (a, b):
+        state["layer.0.query.bias"][0] = -0.0  # (1 − α)·(−0) + α·(−0) is −0: no zero start may turn it to +0
+    del base["layer.0.norm.weight"]  # not in the base: linear
+    w = [1 - alpha, alpha]
+    f64 = {k: [s[k].double() for s in (a, b)] for k in a}
+
+    def linear(k):
+        return ((1 - alpha) * f64[k][0] + alpha * f64[k][1]).to(dtype)
+
+    merged = merge_linear([a, b], w)
+    assert all(torch.equal(_bits(merged[k]), _bits(linear(k) if a[k].is_floating_point() else a[k])) for k in a)
+    assert math.copysign(1.0, float(merged["layer.0.query.bias"][0])) == -1.0
+
+    merged = merge_task_arithmetic([a, b], w, base, scale=1.3)
+    for k in (k for k in a if a[k].is_floating_point()):
+        if k not in base:
+            assert torch.equal(_bits(merged[k]), _bits(linear(k))), k
+            continue
+        origin = base[k].double()
+        want = origin + 1.3 * ((1 - alpha) * (f64[k][0] - origin) + alpha * (f64[k][1] - origin))
+        assert torch.equal(_bits(merged[k]), _bits(want.to(dtype))), k
+
+    fishers = [{k: s[k].double().abs() + 0.1 for k in s if s[k].is_floating_point()} for s in (a, b)]
+    means = [sum(float(v.sum()) for v in f.values()) / sum(v.numel() for v in f.values()) for f in fishers]
+    merged = merge_fisher([a, b], w, fishers=fishers, eps=1e-8)
+    for k in fishers[0]:
+        weight_a = (1 - alpha) * (fishers[0][k] / means[0] + 1e-8)
+        weight_b = alpha * (fishers[1][k] / means[1] + 1e-8)
+        want = (weight_a * f64[k][0] + weight_b * f64[k][1]) / (weight_a + weight_b)
+        assert torch.equal(_bits(merged[k]), _bits(want.to(dtype))), k
+
+    grams = [grams_from(33)[0], grams_from(34)[0]]
+    merged = merge_regmean([a, b], w, grams=grams, linear_weights=LINEAR, shrink=0.9)
+    for k, key in LINEAR.items():
+        g = [shrink_gram(gr[key], 0.9) for gr in grams]
+        system = (1 - alpha) * g[0] + alpha * g[1]
+        rhs = (1 - alpha) * g[0] @ f64[k][0].T + alpha * g[1] @ f64[k][1].T
+        want = torch.linalg.solve(system, rhs).T
+        torch.testing.assert_close(
+            merged[k].double(), want.to(dtype).double(), rtol=0, atol=2 * want.abs().max() * 2**-8
+        )
 
 
 # ----------------------------------------------------------------------------- registry and heads
