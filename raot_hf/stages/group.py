@@ -5,7 +5,7 @@ Model 1 (or the most central model, ``group.reference="central"``) is the refere
 model i runs the two-model pipeline against it — calibration pass, solve, gate, apply, B′ᵢ ≡ Bᵢ —
 so a sibling of the reference is detected as one and left as it is. When any alignment folded the
 reference's LayerNorms (a pre-LN stream rotation, §3.3), every model is folded, so all of them are
-merged in one parametrisation; folding is exact. Then the rule's N-ary form
+merged in one parametrisation; folding is exact. Then the rule
 (:mod:`raot_hf.merging`) merges the reference and every B′ᵢ into the reference's module, and
 a post-merge correction, when one runs, fits the merged layers to the weighted mix of all parents.
 """
