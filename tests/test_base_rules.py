@@ -13,11 +13,11 @@ from raot_hf.cli import main
 from raot_hf.merging import (
     available_merge_rules,
     base_relative_rules,
-    dare_drop,
     merge_dare_ties,
     merge_rule_spec,
     merge_task_arithmetic,
     merge_ties,
+    random_keep_rescaled,
     relative_task_norm,
 )
 from raot_hf.outputs import render_model_card
@@ -44,17 +44,17 @@ def _random_states(seed, n=3):
 def test_task_arithmetic_is_the_formula():
     base, a, b = {"w": _t(1.0, 2.0)}, {"w": _t(2.0, 0.0)}, {"w": _t(0.0, 5.0)}
     # τA = (1, −2), τB = (−1, 3)
-    summed = merge_task_arithmetic(a, b, base=base, alpha=0.5, scale=2.0)["w"]
+    summed = merge_task_arithmetic([a, b], [0.5, 0.5], base=base, scale=2.0)["w"]
     torch.testing.assert_close(summed, _t(1.0, 3.0), rtol=0, atol=1e-15)  # base + τA + τB
-    average = merge_task_arithmetic(a, b, base=base, alpha=0.5, scale=1.0)["w"]
+    average = merge_task_arithmetic([a, b], [0.5, 0.5], base=base, scale=1.0)["w"]
     torch.testing.assert_close(average, _t(1.0, 2.5), rtol=0, atol=1e-15)  # (A + B)/2
-    skewed = merge_task_arithmetic(a, b, base=base, alpha=0.25, scale=0.4)["w"]
+    skewed = merge_task_arithmetic([a, b], [0.75, 0.25], base=base, scale=0.4)["w"]
     torch.testing.assert_close(skewed, _t(1.0 + 0.4 * (0.75 - 0.25), 2.0 + 0.4 * (-1.5 + 0.75)), rtol=0, atol=1e-15)
 
 
 def test_parameters_missing_from_the_base_merge_linearly_and_are_logged():
     base, a, b = {"w": _t(0.0)}, {"w": _t(1.0), "p": _t(2.0)}, {"w": _t(3.0), "p": _t(6.0)}
-    merged, log = merge_task_arithmetic(a, b, base=base, alpha=0.25, scale=2.0, return_log=True)
+    merged, log = merge_task_arithmetic([a, b], [0.75, 0.25], base=base, scale=2.0, return_log=True)
     torch.testing.assert_close(merged["p"], _t(0.75 * 2.0 + 0.25 * 6.0))
     torch.testing.assert_close(merged["w"], _t(2.0 * (0.75 + 0.75)))
     assert log["settings"]["not_in_base"] == ["p"] and log["counts"] == {
@@ -62,9 +62,9 @@ def test_parameters_missing_from_the_base_merge_linearly_and_are_logged():
         "linear (not in the base)": 1,
     }
     with pytest.raises(RaotError, match="'w' has shape \\(2,\\) in the base but \\(1,\\) in A"):
-        merge_task_arithmetic(a, b, base={"w": _t(0.0, 0.0)})
+        merge_task_arithmetic([a, b], [0.5, 0.5], base={"w": _t(0.0, 0.0)})
     with pytest.raises(RaotError, match="shares no parameter names"):
-        merge_task_arithmetic(a, b, base={"q": _t(0.0)})
+        merge_task_arithmetic([a, b], [0.5, 0.5], base={"q": _t(0.0)})
 
 
 # ----------------------------------------------------------------------------- TIES
@@ -91,7 +91,7 @@ def test_ties_trims_elects_and_takes_the_disjoint_mean(alpha, expected):
     base = {"w": _t(1.0, -1.0, 0.5, 0.0, 2.0, 3.0)}
     a = {"w": base["w"] + _t(*TAU_A)}
     b = {"w": base["w"] + _t(*TAU_B)}
-    merged = merge_ties(a, b, base=base, alpha=alpha, density=0.5, scale=0.5)["w"]
+    merged = merge_ties([a, b], [1 - alpha, alpha], base=base, density=0.5, scale=0.5)["w"]
     torch.testing.assert_close(merged, base["w"] + 0.5 * _t(*expected), rtol=0, atol=1e-12)
 
 
@@ -99,8 +99,8 @@ def test_ties_without_each_step_gives_another_answer():
     """The constructed example separates the steps: each shortcut lands elsewhere."""
     base = {"w": torch.zeros(6, dtype=torch.float64)}
     a, b = {"w": _t(*TAU_A)}, {"w": _t(*TAU_B)}
-    ties = merge_ties(a, b, base=base, density=0.5)["w"]
-    untrimmed = merge_ties(a, b, base=base, density=1.0)["w"]
+    ties = merge_ties([a, b], [0.5, 0.5], base=base, density=0.5)["w"]
+    untrimmed = merge_ties([a, b], [0.5, 0.5], base=base, density=1.0)["w"]
     plain_mean = 0.5 * (_t(*TAU_A) + _t(*TAU_B))
     assert not torch.allclose(ties, untrimmed) and not torch.allclose(ties, plain_mean)
     torch.testing.assert_close(untrimmed, _t(4.0, 3.0, 1.1, 0.75, 4.0, 0.0))
@@ -111,52 +111,58 @@ def test_ties_without_each_step_gives_another_answer():
 
 def test_dare_ties_is_deterministic_per_seed_and_chunking():
     base, a, b = _random_states(0)
-    first = merge_dare_ties(a, b, base=base, density=0.3, seed=7)
-    again = merge_dare_ties(a, b, base=base, density=0.3, seed=7)
-    other = merge_dare_ties(a, b, base=base, density=0.3, seed=8)
+    first = merge_dare_ties([a, b], [0.5, 0.5], base=base, density=0.3, seed=7)
+    again = merge_dare_ties([a, b], [0.5, 0.5], base=base, density=0.3, seed=7)
+    other = merge_dare_ties([a, b], [0.5, 0.5], base=base, density=0.3, seed=8)
     for key in first:
         assert first[key].numpy().tobytes() == again[key].numpy().tobytes()
     assert any(not torch.equal(first[k], other[k]) for k in first)
     # the merger calls per-tensor rules on a few tensors at a time: the masks must not depend on that
-    part = merge_dare_ties({"w": a["w"]}, {"w": b["w"]}, base={"w": base["w"]}, density=0.3, seed=7)
+    part = merge_dare_ties([{"w": a["w"]}, {"w": b["w"]}], [0.5, 0.5], base={"w": base["w"]}, density=0.3, seed=7)
     assert torch.equal(part["w"], first["w"])
     # A's and B's masks, and two tensors' masks, are drawn independently
     ones = torch.ones(200, dtype=torch.float64)
-    masks = [dare_drop(ones, 0.5, seed=7, name=n, side=side) != 0 for n, side in (("w", "A"), ("w", "B"), ("v", "A"))]
+    draws = (("w", 0), ("w", 1), ("v", 0))
+    masks = [random_keep_rescaled(ones, 0.5, seed=7, name=n, model=i) != 0 for n, i in draws]
     assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[0], masks[2])
 
 
-def test_dare_ties_without_dropping_is_ties_without_trimming():
+def test_dare_ties_without_dropping_sums_the_agreeing_entries_and_ties_averages_them():
     base, a, b = _random_states(1)
-    dare = merge_dare_ties(a, b, base=base, alpha=0.3, density=1.0, scale=0.7, seed=3)
-    ties = merge_ties(a, b, base=base, alpha=0.3, density=1.0, scale=0.7)
+    dare = merge_dare_ties([a, b], [0.7, 0.3], base=base, density=1.0, scale=0.7, seed=3)
+    ties = merge_ties([a, b], [0.7, 0.3], base=base, density=1.0, scale=0.7)
     for key in dare:
-        assert torch.equal(dare[key], ties[key])
+        task_a, task_b = a[key] - base[key], b[key] - base[key]
+        elected = torch.where(0.7 * task_a + 0.3 * task_b >= 0, 1.0, -1.0).to(torch.float64)
+        agree_a, agree_b = torch.sign(task_a) == elected, torch.sign(task_b) == elected
+        summed = 0.7 * task_a * agree_a + 0.3 * task_b * agree_b  # mergekit: DARE-TIES is not normalised
+        torch.testing.assert_close(dare[key], base[key] + 0.7 * summed, rtol=0, atol=1e-14)
+        mass = 0.7 * agree_a.double() + 0.3 * agree_b.double()
+        torch.testing.assert_close(ties[key], base[key] + 0.7 * summed / mass, rtol=0, atol=1e-14)
 
 
-def test_dare_drop_keeps_density_and_preserves_the_expectation():
+def test_dare_keeps_density_and_the_l1_norm():
     task = torch.linspace(-2.0, 3.0, 40, dtype=torch.float64)
     task[task.abs() < 0.3] = 0.7
     density, draws = 0.3, 3000
-    dropped = torch.stack([dare_drop(task, density, seed=s, name="w") for s in range(draws)])
-    kept = (dropped != 0).to(torch.float64)
-    # every surviving entry is rescaled by 1/density
-    torch.testing.assert_close(dropped[kept.bool()], (task.expand_as(dropped) / density)[kept.bool()])
+    dropped = torch.stack([random_keep_rescaled(task, density, seed=s, name="w", model=0) for s in range(draws)])
+    kept = dropped != 0
+    # every draw keeps the task vector's L1 norm, its surviving entries all scaled by one factor
+    torch.testing.assert_close(dropped.abs().sum(1), task.abs().sum().expand(draws), rtol=1e-12, atol=0)
+    factor = (task.abs().sum() / (task.abs() * kept).sum(1)).unsqueeze(1)
+    torch.testing.assert_close(dropped[kept], (task * factor)[kept], rtol=1e-12, atol=0)
     sd_fraction = math.sqrt(density * (1 - density) / kept.numel())
-    assert abs(float(kept.mean()) - density) < 5 * sd_fraction
-    # E[drop(τ)] = τ: each entry's mean over the draws within 5 standard errors
-    standard_error = task.abs() * math.sqrt((1 / density - 1) / draws)
-    assert bool(((dropped.mean(0) - task).abs() <= 5 * standard_error).all())
+    assert abs(float(kept.to(torch.float64).mean()) - density) < 5 * sd_fraction
 
 
 def test_rules_refuse_bad_options():
     base, a, b = _random_states(2)
     with pytest.raises(RaotError, match="density"):
-        merge_ties(a, b, base=base, density=0.0)
-    with pytest.raises(RaotError, match="alpha"):
-        merge_dare_ties(a, b, base=base, alpha=1.5)
+        merge_ties([a, b], [0.5, 0.5], base=base, density=0.0)
+    with pytest.raises(RaotError, match="weights"):
+        merge_dare_ties([a, b], [-0.5, 1.5], base=base)
     with pytest.raises(RaotError, match="seed"):
-        merge_dare_ties(a, b, base=base, seed=-1)
+        merge_dare_ties([a, b], [0.5, 0.5], base=base, seed=-1)
 
 
 def test_relative_task_norm_separates_fine_tunes_from_other_initialisations():
@@ -246,9 +252,9 @@ def test_cli_ties_merge_of_siblings(siblings, tmp_path):
     report = json.loads((out / "raot_report.json").read_text())
     assert report["shares_basis"] and not report["applied_transform"]["transforms"]
     assert report["settings"]["merge_rule"] == "ties" and report["settings"]["base_rules"]["density"] == 0.3
-    assert report["merge"]["rule"] == "ties" and report["merge"]["settings"]["density"] == 0.3
+    assert report["merge"]["rule"] == "ties" and report["merge"]["settings"]["densities"] == [0.3, 0.3]
     totals = report["merge"]["totals"]  # top 30 % of each task vector kept, in every tensor
-    assert 0.3 <= totals["kept_a"] / totals["entries"] < 0.32 and 0.3 <= totals["kept_b"] / totals["entries"] < 0.32
+    assert all(0.29 <= totals[f"kept_{i}"] / totals["entries"] <= 0.3 for i in (1, 2))
     assert report["inputs"]["base"]["files"]["model.safetensors"]
     assert report["inputs"]["base"]["trunk_params_not_in_base"] == [
         "bert.pooler.dense.bias",
@@ -261,7 +267,9 @@ def test_cli_ties_merge_of_siblings(siblings, tmp_path):
     states = [dict(m.named_parameters()) for m in (merged, a, b)]
     base_state = {"bert." + k: v for k, v in base.bert.named_parameters()}
     key = "bert.encoder.layer.1.intermediate.dense.weight"
-    expected = merge_ties({key: states[1][key]}, {key: states[2][key]}, base={key: base_state[key]}, density=0.3)
+    expected = merge_ties(
+        [{key: states[1][key]}, {key: states[2][key]}], [0.5, 0.5], base={key: base_state[key]}, density=0.3
+    )
     assert torch.equal(states[0][key], expected[key])
     pooler = "bert.pooler.dense.weight"
     torch.testing.assert_close(states[0][pooler], 0.5 * (states[1][pooler] + states[2][pooler]))

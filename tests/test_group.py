@@ -10,17 +10,7 @@ from click.testing import CliRunner
 
 from raot_hf import RaotError, RaotMerger, scramble
 from raot_hf.cli import main
-from raot_hf.merging import (
-    merge_dare_ties_n,
-    merge_fisher,
-    merge_fisher_n,
-    merge_linear_n,
-    merge_regmean,
-    merge_regmean_n,
-    merge_task_arithmetic,
-    merge_task_arithmetic_n,
-    merge_ties_n,
-)
+from raot_hf.merging import merge_dare_ties, merge_linear, merge_task_arithmetic, merge_ties
 from raot_hf.merging.base_rules import _tensor_seed
 from raot_hf.testing import (
     clone,
@@ -110,7 +100,7 @@ WEIGHTS = [0.5, 0.3, 0.2]
 
 
 def test_task_arithmetic_of_three_is_base_plus_lambda_weighted_sum():
-    merged = merge_task_arithmetic_n(SIBLINGS, base=BASE, weights=WEIGHTS, scale=0.8)["w"]
+    merged = merge_task_arithmetic(SIBLINGS, WEIGHTS, BASE, scale=0.8)["w"]
     tau = [(3, -1, 0.5, 2, 0), (-2, -1, 1, -4, 1), (1, 2, -0.5, 1, -3)]
     expected = [b + 0.8 * sum(w * t[i] for w, t in zip(WEIGHTS, tau)) for i, b in enumerate((0, 0, 0, 0, 1))]
     torch.testing.assert_close(merged, _t(*expected), rtol=0, atol=1e-14)
@@ -123,7 +113,7 @@ def test_ties_of_three_follows_mergekit_by_hand():
         {"w": _t(-2.0, -1.5, 1.0, -4.0, 1.25)},  # τ₂ = (−2, −1.5, 1, −4, .25) → keep −4, −2, −1.5
         {"w": _t(1.0, 2.0, -0.5, 1.5, -2.0)},  # τ₃ = (1, 2, −.5, 1.5, −3) → keep −3, 2, 1.5
     ]
-    merged = merge_ties_n(siblings, base=BASE, weights=WEIGHTS, density=0.6, scale=1.0)["w"]
+    merged = merge_ties(siblings, WEIGHTS, BASE, density=0.6, scale=1.0)["w"]
     trimmed = [(3, -1, 0, 2, 0), (-2, -1.5, 0, -4, 0), (0, 2, 0, 1.5, -3)]
     expected = []
     for i in range(5):
@@ -142,7 +132,7 @@ def test_dare_ties_of_three_follows_mergekit_by_hand():
     g = torch.Generator().manual_seed(0)
     base = {"w": torch.randn(40, generator=g, dtype=torch.float64)}
     siblings = [{"w": base["w"] + torch.randn(40, generator=g, dtype=torch.float64)} for _ in range(3)]
-    merged = merge_dare_ties_n(siblings, base=base, weights=WEIGHTS, density=density, scale=1.5, seed=seed)["w"]
+    merged = merge_dare_ties(siblings, WEIGHTS, base, density=density, scale=1.5, seed=seed)["w"]
     kept = []
     for i, s in enumerate(siblings):  # the documented mask: keep with probability density, L1 rescaled
         tau = (s["w"] - base["w"]).tolist()
@@ -162,38 +152,14 @@ def test_dare_ties_of_three_follows_mergekit_by_hand():
     assert masks[0] != masks[1] != masks[2]
 
 
-def test_two_model_forms_agree_with_the_pairwise_rules():
-    g = torch.Generator().manual_seed(3)
-    a = {
-        "w": torch.randn(4, 3, generator=g, dtype=torch.float64),
-        "b": torch.randn(4, generator=g, dtype=torch.float64),
-    }
-    b = {k: v + torch.randn(v.shape, generator=g, dtype=torch.float64) for k, v in a.items()}
-    base = {k: v - 0.3 for k, v in a.items()}
-    alpha = 0.3
-    pair = merge_task_arithmetic(a, b, base=base, alpha=alpha, scale=1.7)
-    nary = merge_task_arithmetic_n([a, b], base=base, weights=[1 - alpha, alpha], scale=1.7)
-    assert all(torch.allclose(pair[k], nary[k], rtol=0, atol=1e-14) for k in a)
-    x = torch.randn(20, 3, generator=g, dtype=torch.float64)
-    ga, gb = {"g": x.T @ x}, {"g": (2 * x).T @ (2 * x) + torch.eye(3, dtype=torch.float64)}
-    pair = merge_regmean(a, b, grams_a=ga, grams_b=gb, linear_weights={"w": "g"}, alpha=alpha, shrink=0.8)
-    nary = merge_regmean_n([a, b], weights=[1 - alpha, alpha], grams=[ga, gb], linear_weights={"w": "g"}, shrink=0.8)
-    assert all(torch.allclose(pair[k], nary[k], rtol=0, atol=1e-12) for k in a)
-    fa = {k: torch.rand(v.shape, generator=g, dtype=torch.float64) for k, v in a.items()}
-    fb = {k: torch.rand(v.shape, generator=g, dtype=torch.float64) for k, v in a.items()}
-    pair = merge_fisher(a, b, fisher_a=fa, fisher_b=fb, alpha=alpha)
-    nary = merge_fisher_n([a, b], weights=[1 - alpha, alpha], fishers=[fa, fb])
-    assert all(torch.allclose(pair[k], nary[k], rtol=0, atol=1e-12) for k in a)
-
-
 def test_linear_of_three_is_the_normalised_weighted_mean_and_exact_at_one_model():
     states = [{"w": _t(1.0, 2.0)}, {"w": _t(3.0, -2.0)}, {"w": _t(5.0, 0.0)}]
-    merged = merge_linear_n(states, weights=[2, 1, 1])["w"]
+    merged = merge_linear(states, [2, 1, 1])["w"]
     torch.testing.assert_close(merged, _t((2 + 3 + 5) / 4, (4 - 2) / 4), rtol=0, atol=1e-15)
-    only = merge_linear_n(states, weights=[0, 0, 3])["w"]
+    only = merge_linear(states, [0, 0, 3])["w"]
     assert torch.equal(only, states[2]["w"])
     with pytest.raises(RaotError, match="one weight per model"):
-        merge_linear_n(states, weights=[1, 1])
+        merge_linear(states, [1, 1])
 
 
 # ----------------------------------------------------------------------------- siblings through the merger
@@ -225,12 +191,12 @@ def test_three_siblings_are_detected_and_merged_by_the_rule(three_siblings, rule
     result = merger.merge(calibration=tiny_text_dataset(96))
     assert all(r["shares_basis"] for r in result.report["models"]) and result.report["shares_basis"]
     assert not any(d["applied"] for d in result.report["decisions"])
-    fn = {"task_arithmetic": merge_task_arithmetic_n, "ties": merge_ties_n, "dare_ties": merge_dare_ties_n}[rule]
+    fn = {"task_arithmetic": merge_task_arithmetic, "ties": merge_ties, "dare_ties": merge_dare_ties}[rule]
     head = {"classifier.weight", "classifier.bias"}
     trunk = [{k: v for k, v in s.items() if k not in head} for s in states]
     base_state = {k: v for k, v in base.state_dict().items() if k not in head}
     options = {} if rule == "task_arithmetic" else {"density": 0.5}
-    expected = fn(trunk, base=base_state, weights=WEIGHTS, **options)
+    expected = fn(trunk, WEIGHTS, base_state, **options)
     merged = result.model.state_dict()
     assert all(torch.equal(merged[k], expected[k]) for k in expected)
     assert torch.equal(merged["classifier.weight"], states[0]["classifier.weight"])  # the reference's head

@@ -19,6 +19,7 @@ from raot_hf.merging import (
     merge_task_arithmetic,
     merge_ties,
     register_merge_rule,
+    shrink_gram,
 )
 
 
@@ -43,8 +44,8 @@ def test_linear_endpoints_are_bit_exact(dtype):
     a, b = make_state(0, dtype), make_state(1, dtype)
     a["layer.0.query.bias"][0] = -0.0  # a negative zero must survive α=0 (−0 + 0·1 would be +0)
     b["layer.0.query.bias"][0] = 1.0
-    at_zero = merge_linear(a, b, alpha=0.0)
-    at_one = merge_linear(a, b, alpha=1.0)
+    at_zero = merge_linear([a, b], [1.0, 0.0])
+    at_one = merge_linear([a, b], [0.0, 1.0])
     for key in a:
         assert at_zero[key].dtype == a[key].dtype
         assert torch.equal(at_zero[key].view(torch.uint8), a[key].view(torch.uint8)), key
@@ -55,14 +56,14 @@ def test_linear_endpoints_are_bit_exact(dtype):
 def test_linear_matches_numpy_and_keeps_int_buffers():
     a, b = make_state(0), make_state(1)
     b["embeddings.position_ids"] = b["embeddings.position_ids"] + 1
-    merged, log = merge_linear(a, b, alpha=0.3, return_log=True)
+    merged, log = merge_linear([a, b], [0.7, 0.3], return_log=True)
     for key in a:
         if key == "embeddings.position_ids":
             assert torch.equal(merged[key], a[key])
             continue
         expected = 0.7 * a[key].numpy().astype(np.float64) + 0.3 * b[key].numpy().astype(np.float64)
         np.testing.assert_array_equal(merged[key].numpy(), expected.astype(np.float32))
-    assert log["rule"] == "linear" and log["settings"]["alpha"] == 0.3
+    assert log["rule"] == "linear" and log["settings"]["weights"] == (0.7, 0.3)
     assert log["params"]["embeddings.position_ids"]["identical"] is False
     assert log["counts"]["linear"] == len(a) - 1
 
@@ -77,7 +78,7 @@ def test_linear_lies_between_the_models(shape, seed, alpha):
     g = torch.Generator().manual_seed(seed)
     a = {"w": torch.randn(*shape, generator=g) * 10}
     b = {"w": torch.randn(*shape, generator=g) * 10}
-    merged = merge_linear(a, b, alpha=alpha)["w"]
+    merged = merge_linear([a, b], [1 - alpha, alpha])["w"]
     assert bool((merged >= torch.minimum(a["w"], b["w"])).all())
     assert bool((merged <= torch.maximum(a["w"], b["w"])).all())
 
@@ -86,13 +87,13 @@ def test_mismatched_states_name_the_key():
     a, b = make_state(0), make_state(1)
     del b["layer.0.key.weight"]
     with pytest.raises(RaotError, match=r"'layer\.0\.key\.weight'.*differ in architecture"):
-        merge_linear(a, b)
+        merge_linear([a, b], [0.5, 0.5])
     b = make_state(1)
     b["layer.0.out.weight"] = torch.zeros(5, 6)
     with pytest.raises(RaotError, match=r"'layer\.0\.out\.weight' has shape \(4, 6\) in A but \(5, 6\)"):
-        merge_linear(a, b)
-    with pytest.raises(RaotError, match="alpha"):
-        merge_linear(a, make_state(1), alpha=1.5)
+        merge_linear([a, b], [0.5, 0.5])
+    with pytest.raises(RaotError, match="weights"):
+        merge_linear([a, make_state(1)], [-0.5, 1.5])
 
 
 # ----------------------------------------------------------------------------- RegMean
@@ -112,8 +113,8 @@ def grams_from(seed, tokens=40):
 def test_regmean_with_equal_grams_is_linear(alpha, shrink):
     a, b = make_state(0, torch.float64), make_state(1, torch.float64)
     grams, _ = grams_from(2)
-    merged = merge_regmean(a, b, grams_a=grams, grams_b=grams, linear_weights=LINEAR, alpha=alpha, shrink=shrink)
-    linear = merge_linear(a, b, alpha=alpha)
+    merged = merge_regmean([a, b], [1 - alpha, alpha], grams=[grams, grams], linear_weights=LINEAR, shrink=shrink)
+    linear = merge_linear([a, b], [1 - alpha, alpha])
     for key in a:
         torch.testing.assert_close(merged[key], linear[key], rtol=1e-10, atol=1e-10)
 
@@ -123,7 +124,7 @@ def test_regmean_minimises_the_output_loss(alpha):
     a, b = make_state(0, torch.float64), make_state(1, torch.float64)
     grams_a, xs_a = grams_from(3)
     grams_b, xs_b = grams_from(4)
-    merged = merge_regmean(a, b, grams_a=grams_a, grams_b=grams_b, linear_weights=LINEAR, alpha=alpha, shrink=1.0)
+    merged = merge_regmean([a, b], [1 - alpha, alpha], grams=[grams_a, grams_b], linear_weights=LINEAR, shrink=1.0)
     for name, gram_key in LINEAR.items():
         w = merged[name].clone().requires_grad_(True)
         x_a, x_b = xs_a[gram_key], xs_b[gram_key]
@@ -145,7 +146,7 @@ def test_regmean_matches_numpy_with_shrinking_and_shared_grams():
     grams_a, _ = grams_from(5)
     grams_b, _ = grams_from(6)
     merged, log = merge_regmean(
-        a, b, grams_a=grams_a, grams_b=grams_b, linear_weights=LINEAR, alpha=0.4, shrink=0.7, return_log=True
+        [a, b], [0.6, 0.4], grams=[grams_a, grams_b], linear_weights=LINEAR, shrink=0.7, return_log=True
     )
     for name, gram_key in LINEAR.items():
         ga, gb = grams_a[gram_key].numpy(), grams_b[gram_key].numpy()
@@ -162,12 +163,12 @@ def test_regmean_matches_numpy_with_shrinking_and_shared_grams():
     split = {"layer.0.query.weight": "q", "layer.0.key.weight": "k", "layer.0.out.weight": "layer.0.out_in"}
     alias = lambda grams: {"q": grams["l0.in"], "k": grams["l0.in"], "layer.0.out_in": grams["l0.out_in"]}  # noqa: E731
     separate = merge_regmean(
-        a, b, grams_a=alias(grams_a), grams_b=alias(grams_b), linear_weights=split, alpha=0.4, shrink=0.7
+        [a, b], [0.6, 0.4], grams=[alias(grams_a), alias(grams_b)], linear_weights=split, shrink=0.7
     )
     for key in a:
         torch.testing.assert_close(separate[key], merged[key], rtol=0, atol=0)
     # non-Linear tensors merge linearly
-    linear = merge_linear(a, b, alpha=0.4)
+    linear = merge_linear([a, b], [0.6, 0.4])
     for key in ("layer.0.query.bias", "layer.0.norm.weight", "embeddings.word.weight"):
         assert torch.equal(merged[key], linear[key])
         assert log["params"][key]["method"] == "linear"
@@ -177,9 +178,9 @@ def test_regmean_endpoints_are_exact():
     a, b = make_state(0), make_state(1)
     grams_a, _ = grams_from(5)
     grams_b, _ = grams_from(6)
-    kwargs = dict(grams_a=grams_a, grams_b=grams_b, linear_weights=LINEAR)
-    at_zero = merge_regmean(a, b, alpha=0.0, **kwargs)
-    at_one = merge_regmean(a, b, alpha=1.0, **kwargs)
+    kwargs = dict(grams=[grams_a, grams_b], linear_weights=LINEAR)
+    at_zero = merge_regmean([a, b], [1.0, 0.0], **kwargs)
+    at_one = merge_regmean([a, b], [0.0, 1.0], **kwargs)
     for key in a:
         assert torch.equal(at_zero[key], a[key])
         assert torch.equal(at_one[key], b[key] if key != "embeddings.position_ids" else a[key])
@@ -193,7 +194,7 @@ def test_regmean_singular_gram_falls_back_to_linear_on_dead_inputs():
         xs["l0.in"][:, 2] = 0.0  # input feature 2 is never active
         grams["l0.in"] = xs["l0.in"].T @ xs["l0.in"]
     merged, log = merge_regmean(
-        a, b, grams_a=grams_a, grams_b=grams_b, linear_weights=LINEAR, alpha=0.5, shrink=0.9, return_log=True
+        [a, b], [0.5, 0.5], grams=[grams_a, grams_b], linear_weights=LINEAR, shrink=0.9, return_log=True
     )
     name = "layer.0.query.weight"
     assert log["params"][name]["solver"] == "ridge"
@@ -206,12 +207,12 @@ def test_regmean_rejects_bad_grams():
     a, b = make_state(0), make_state(1)
     grams, _ = grams_from(5)
     with pytest.raises(RaotError, match="no Gram matrix 'l0.in' for B′"):
-        merge_regmean(a, b, grams_a=grams, grams_b={"l0.out_in": grams["l0.out_in"]}, linear_weights=LINEAR)
+        merge_regmean([a, b], [0.5, 0.5], grams=[grams, {"l0.out_in": grams["l0.out_in"]}], linear_weights=LINEAR)
     wrong = {**grams, "l0.in": torch.eye(4, dtype=torch.float64)}
     with pytest.raises(RaotError, match=r"needs \(6, 6\)"):
-        merge_regmean(a, b, grams_a=wrong, grams_b=grams, linear_weights=LINEAR)
+        merge_regmean([a, b], [0.5, 0.5], grams=[wrong, grams], linear_weights=LINEAR)
     with pytest.raises(RaotError, match="not a parameter"):
-        merge_regmean(a, b, grams_a=grams, grams_b=grams, linear_weights={"nope.weight": "l0.in"})
+        merge_regmean([a, b], [0.5, 0.5], grams=[grams, grams], linear_weights={"nope.weight": "l0.in"})
 
 
 # ----------------------------------------------------------------------------- Fisher
@@ -227,8 +228,8 @@ def test_fisher_with_equal_fishers_is_linear():
     a, b = make_state(0, torch.float64), make_state(1, torch.float64)
     f = fishers(3, a)
     for alpha in (0.5, 0.2):
-        merged = merge_fisher(a, b, fisher_a=f, fisher_b=f, alpha=alpha)
-        linear = merge_linear(a, b, alpha=alpha)
+        merged = merge_fisher([a, b], [1 - alpha, alpha], fishers=[f, f])
+        linear = merge_linear([a, b], [1 - alpha, alpha])
         for key in a:
             torch.testing.assert_close(merged[key], linear[key], rtol=1e-13, atol=1e-13)
 
@@ -238,7 +239,7 @@ def test_fisher_matches_numpy_and_ignores_overall_scale():
     fa, fb = fishers(3, a), fishers(4, b)
     fa["layer.0.norm.weight"][:2] = 0.0
     fb["layer.0.norm.weight"][:2] = 0.0  # no Fisher mass in either model: linear there
-    merged, log = merge_fisher(a, b, fisher_a=fa, fisher_b=fb, alpha=0.3, eps=1e-8, return_log=True)
+    merged, log = merge_fisher([a, b], [0.7, 0.3], fishers=[fa, fb], eps=1e-8, return_log=True)
     mean_a = sum(float(v.double().sum()) for v in fa.values()) / sum(v.numel() for v in fa.values())
     mean_b = sum(float(v.double().sum()) for v in fb.values()) / sum(v.numel() for v in fb.values())
     for key in a:
@@ -252,7 +253,7 @@ def test_fisher_matches_numpy_and_ignores_overall_scale():
     norm = "layer.0.norm.weight"
     torch.testing.assert_close(merged[norm][:2], 0.7 * a[norm][:2] + 0.3 * b[norm][:2])
     assert log["params"]["layer.0.key.weight"]["method"] == "linear"
-    scaled = merge_fisher(a, b, fisher_a={k: v * 1e6 for k, v in fa.items()}, fisher_b=fb, alpha=0.3)
+    scaled = merge_fisher([a, b], [0.7, 0.3], fishers=[{k: v * 1e6 for k, v in fa.items()}, fb])
     for key in a:
         torch.testing.assert_close(scaled[key], merged[key], rtol=1e-5, atol=1e-6)
 
@@ -261,10 +262,10 @@ def test_fisher_errors():
     a, b = make_state(0), make_state(1)
     fa = fishers(3, a)
     with pytest.raises(RaotError, match="different parameters"):
-        merge_fisher(a, b, fisher_a=fa, fisher_b={k: v for k, v in fa.items() if "norm" not in k})
+        merge_fisher([a, b], [0.5, 0.5], fishers=[fa, {k: v for k, v in fa.items() if "norm" not in k}])
     bad = {**fa, "layer.0.norm.weight": -fa["layer.0.norm.weight"]}
     with pytest.raises(RaotError, match="negative"):
-        merge_fisher(a, b, fisher_a=bad, fisher_b=fa)
+        merge_fisher([a, b], [0.5, 0.5], fishers=[bad, fa])
 
 
 # ----------------------------------------------------------------------------- siblings
@@ -272,7 +273,7 @@ def test_fisher_errors():
 
 def test_task_arithmetic_matches_loops():
     base, a, b = make_state(10), make_state(11), make_state(12)
-    merged = merge_task_arithmetic(a, b, base=base, alpha=0.25, scale=0.7)
+    merged = merge_task_arithmetic([a, b], [0.75, 0.25], base=base, scale=0.7)
     for key in a:
         if not a[key].is_floating_point():
             assert torch.equal(merged[key], a[key])
@@ -282,27 +283,28 @@ def test_task_arithmetic_matches_loops():
         np.testing.assert_allclose(merged[key].flatten().numpy(), np.float32(expected), rtol=1e-6, atol=1e-6)
     key = next(k for k in base if base[k].dim() == 2)
     with pytest.raises(RaotError, match="in the base but"):
-        merge_task_arithmetic(a, b, base={**base, key: base[key][:, :1]})
+        merge_task_arithmetic([a, b], [0.5, 0.5], base={**base, key: base[key][:, :1]})
 
 
-def ties_reference(base, a, b, density, scale):
-    """TIES for one tensor, with plain Python loops over a flat list."""
+def ties_reference(base, a, b, density, scale, weights=(0.5, 0.5)):
+    """mergekit's TIES for one tensor, with plain Python loops over a flat list: keep the
+    int(density·n) largest magnitudes (the larger index first among equal ones does not matter
+    for random data), elect the sign of the weighted sum (+ at 0), weighted mean of the agreeing."""
     n = len(base)
-    keep = max(1, min(n, math.ceil(density * n - 1e-9)))
+    keep = int(density * n)
 
     def trim(task):
-        cut = sorted((abs(t) for t in task), reverse=True)[keep - 1]
-        return [t if abs(t) >= cut else 0.0 for t in task]
+        order = sorted(range(n), key=lambda i: abs(task[i]), reverse=True)[:keep]
+        return [t if i in order else 0.0 for i, t in enumerate(task)]
 
-    ta = trim([x - y for x, y in zip(a, base)])
-    tb = trim([x - y for x, y in zip(b, base)])
+    tasks = [trim([x - y for x, y in zip(m, base)]) for m in (a, b)]
     out = []
     for i in range(n):
-        total = ta[i] + tb[i]
-        sign = (total > 0) - (total < 0)
-        agreeing = [t for t in (ta[i], tb[i]) if t != 0 and ((t > 0) - (t < 0)) == sign]
-        mean = sum(agreeing) / len(agreeing) if agreeing else 0.0
-        out.append(base[i] + scale * mean)
+        total = sum(w * t[i] for w, t in zip(weights, tasks))
+        sign = 1 if total >= 0 else -1
+        agreeing = [(w, t[i]) for w, t in zip(weights, tasks) if t[i] != 0 and (t[i] > 0) - (t[i] < 0) == sign]
+        mass = sum(w for w, _ in agreeing)
+        out.append(base[i] + scale * (sum(w * t for w, t in agreeing) / mass if agreeing else 0.0))
     return out
 
 
@@ -311,24 +313,81 @@ def test_ties_hand_made():
     a = {"w": torch.tensor([3.0, -1.0, 0.5, 2.0, 1.0], dtype=torch.float64)}
     b = {"w": torch.tensor([1.0, 4.0, -0.2, -3.0, 1.0], dtype=torch.float64)}
     # density 0.6 keeps 3 of 5: A keeps 3, 2, -1; B keeps 4, -3, 1 (ties none)
-    merged = merge_ties(a, b, base=base, density=0.6, scale=1.0)["w"]
+    merged = merge_ties([a, b], [0.5, 0.5], base=base, density=0.6, scale=1.0)["w"]
     # entry 0: 3 & 1 agree → 2; entry 1: -1 vs 4 → sign +, only 4; entry 2: trimmed both → 0;
     # entry 3: 2 vs -3 → sign −, only -3; entry 4: no task → base
     torch.testing.assert_close(merged, torch.tensor([2.0, 4.0, 0.0, -3.0, 1.0], dtype=torch.float64))
 
 
-@pytest.mark.parametrize("density", [0.1, 0.2, 0.5, 1.0])
+@pytest.mark.parametrize("density", [0.2, 0.5, 1.0])
 def test_ties_matches_loops(density):
     base, a, b = make_state(20), make_state(21), make_state(22)
-    merged, log = merge_ties(a, b, base=base, density=density, scale=0.8, return_log=True)
+    merged, log = merge_ties([a, b], [0.5, 0.5], base=base, density=density, scale=0.8, return_log=True)
     for key in a:
         if not a[key].is_floating_point():
             continue
         expected = ties_reference(*(s[key].double().flatten().tolist() for s in (base, a, b)), density, 0.8)
         np.testing.assert_allclose(merged[key].flatten().numpy(), np.float32(expected), rtol=1e-6, atol=1e-6)
-        assert log["params"][key]["kept_a"] >= min(density, 1.0) - 1e-9
+        kept = int(density * a[key].numel()) / a[key].numel()
+        assert log["params"][key]["kept_1"] <= kept and log["params"][key]["kept_2"] <= kept
     with pytest.raises(RaotError, match="density"):
-        merge_ties(a, b, base=base, density=0.0)
+        merge_ties([a, b], [0.5, 0.5], base=base, density=0.0)
+
+
+# ----------------------------------------------------------------------------- two models: the formulas, bit for bit
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8) if t.is_floating_point() else t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("alpha", [0.5, 0.3])
+def test_two_models_with_weights_one_minus_alpha_alpha_are_the_two_model_formulas(dtype, alpha):
+    """N = 2 with weights (1 − α, α) is the two-model formula written out in float64 and cast
+    once, bit for bit (negative zeros included); RegMean's solve to float64 accuracy."""
+    base, a, b = make_state(30, dtype), make_state(31, dtype), make_state(32, dtype)
+    for state in (a, b):
+        state["layer.0.query.bias"][0] = -0.0  # (1 − α)·(−0) + α·(−0) is −0: no zero start may turn it to +0
+    del base["layer.0.norm.weight"]  # not in the base: linear
+    w = [1 - alpha, alpha]
+    f64 = {k: [s[k].double() for s in (a, b)] for k in a}
+
+    def linear(k):
+        return ((1 - alpha) * f64[k][0] + alpha * f64[k][1]).to(dtype)
+
+    merged = merge_linear([a, b], w)
+    assert all(torch.equal(_bits(merged[k]), _bits(linear(k) if a[k].is_floating_point() else a[k])) for k in a)
+    assert math.copysign(1.0, float(merged["layer.0.query.bias"][0])) == -1.0
+
+    merged = merge_task_arithmetic([a, b], w, base, scale=1.3)
+    for k in (k for k in a if a[k].is_floating_point()):
+        if k not in base:
+            assert torch.equal(_bits(merged[k]), _bits(linear(k))), k
+            continue
+        origin = base[k].double()
+        want = origin + 1.3 * ((1 - alpha) * (f64[k][0] - origin) + alpha * (f64[k][1] - origin))
+        assert torch.equal(_bits(merged[k]), _bits(want.to(dtype))), k
+
+    fishers = [{k: s[k].double().abs() + 0.1 for k in s if s[k].is_floating_point()} for s in (a, b)]
+    means = [sum(float(v.sum()) for v in f.values()) / sum(v.numel() for v in f.values()) for f in fishers]
+    merged = merge_fisher([a, b], w, fishers=fishers, eps=1e-8)
+    for k in fishers[0]:
+        weight_a = (1 - alpha) * (fishers[0][k] / means[0] + 1e-8)
+        weight_b = alpha * (fishers[1][k] / means[1] + 1e-8)
+        want = (weight_a * f64[k][0] + weight_b * f64[k][1]) / (weight_a + weight_b)
+        assert torch.equal(_bits(merged[k]), _bits(want.to(dtype))), k
+
+    grams = [grams_from(33)[0], grams_from(34)[0]]
+    merged = merge_regmean([a, b], w, grams=grams, linear_weights=LINEAR, shrink=0.9)
+    for k, key in LINEAR.items():
+        g = [shrink_gram(gr[key], 0.9) for gr in grams]
+        system = (1 - alpha) * g[0] + alpha * g[1]
+        rhs = (1 - alpha) * g[0] @ f64[k][0].T + alpha * g[1] @ f64[k][1].T
+        want = torch.linalg.solve(system, rhs).T
+        torch.testing.assert_close(
+            merged[k].double(), want.to(dtype).double(), rtol=0, atol=2 * want.abs().max() * 2**-8
+        )
 
 
 # ----------------------------------------------------------------------------- registry and heads

@@ -48,17 +48,17 @@ def _np_slerp(t, v0, v1):
 def test_slerp_by_hand():
     a = {"model.layers.0.mlp.w": _t(1.0, 0.0), "model.layers.1.mlp.w": _t(1.0, 1.0), "emb": _t(3.0, 0.0)}
     b = {"model.layers.0.mlp.w": _t(0.0, 2.0), "model.layers.1.mlp.w": _t(2.0, 2.0), "emb": _t(0.0, 3.0)}
-    merged, _ = slerp([a, b], [], t=0.5)
+    merged = slerp([a, b], [], t=0.5)
     # quarter circle: θ = π/2, sin(π/4)/1 each: 1·[1,0]·√½ + √½·[0,2]
     assert torch.allclose(merged["model.layers.0.mlp.w"], _t(R, 2 * R))
     assert torch.allclose(merged["model.layers.1.mlp.w"], _t(1.5, 1.5))  # colinear: linear
     assert torch.allclose(merged["emb"], _t(3 * R, 3 * R))
-    assert torch.equal(slerp([a, b], [], t=0.0)[0]["emb"], a["emb"])  # t = 0 gives the base model
+    assert torch.equal(slerp([a, b], [], t=0.0)["emb"], a["emb"])  # t = 0 gives the base model
     # the merger's two-model form is the same rule
-    assert torch.allclose(get_merge_rule("slerp")(a, b, alpha=0.9, t=0.5)["emb"], _t(3 * R, 3 * R))
+    assert torch.allclose(get_merge_rule("slerp")([a, b], [0.1, 0.9], t=0.5)["emb"], _t(3 * R, 3 * R))
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(3, 4)), rng.normal(size=(3, 4))
-    got = slerp([{"w": torch.from_numpy(x)}, {"w": torch.from_numpy(y)}], [], t=0.3)[0]["w"]
+    got = slerp([{"w": torch.from_numpy(x)}, {"w": torch.from_numpy(y)}], [], t=0.3)["w"]
     assert np.allclose(got.numpy(), _np_slerp(0.3, x, y), atol=1e-12)
 
 
@@ -68,22 +68,22 @@ def test_slerp_needs_t_and_two_models():
         slerp([a, a], [])
     with pytest.raises(RaotError, match="exactly two models"):
         slerp([a, a, a], [], t=0.5)
-    assert merge_rule_spec("slerp").nary is None
+    assert merge_rule_spec("slerp").max_models == 2
 
 
 def test_nuslerp_rows_and_flattened_by_hand():
     a = {"w": torch.tensor([[1.0, 0.0], [1.0, 1.0]], dtype=torch.float64)}
     b = {"w": torch.tensor([[0.0, 1.0], [2.0, 2.0]], dtype=torch.float64)}
-    rows, _ = nuslerp([a, b], [1.0, 1.0], flatten=False)  # t = w2/(w1+w2) = 0.5; row 2 colinear → linear
+    rows = nuslerp([a, b], [1.0, 1.0], flatten=False)  # t = w2/(w1+w2) = 0.5; row 2 colinear → linear
     assert torch.allclose(rows["w"], torch.tensor([[R, R], [1.5, 1.5]], dtype=torch.float64))
-    cols, _ = nuslerp([a, b], [1.0, 3.0], flatten=False, row_wise=True)  # t = 0.75, columns
+    cols = nuslerp([a, b], [1.0, 3.0], flatten=False, row_wise=True)  # t = 0.75, columns
     for j in range(2):
         want = _np_slerp(0.75, a["w"][:, j].numpy(), b["w"][:, j].numpy())
         assert np.allclose(cols["w"][:, j].numpy(), want, atol=1e-12)
-    flat, _ = nuslerp([a, b], [1.0, 1.0])  # mergekit's default: the whole tensor as one vector
+    flat = nuslerp([a, b], [1.0, 1.0])  # mergekit's default: the whole tensor as one vector
     assert np.allclose(flat["w"].numpy(), _np_slerp(0.5, a["w"].numpy(), b["w"].numpy()), atol=1e-12)
     base = {"w": torch.full((2, 2), 0.5, dtype=torch.float64)}
-    tv, _ = nuslerp([a, b], [1.0, 1.0], base=base, flatten=False)
+    tv = nuslerp([a, b], [1.0, 1.0], base=base, flatten=False)
     want = 0.5 + np.stack([_np_slerp(0.5, (a["w"] - 0.5)[i].numpy(), (b["w"] - 0.5)[i].numpy()) for i in range(2)])
     assert np.allclose(tv["w"].numpy(), want, atol=1e-12)
 
@@ -97,13 +97,13 @@ def test_model_stock_two_and_three_models_by_hand():
     c = math.sqrt(0.5)
     t = 2 * c / (1 + c)
     want = t * np.array([2.0, 1.5]) + (1 - t) * np.array([1.0, 1.0])
-    assert np.allclose(model_stock([a, b], [], base=base)[0]["w"].numpy(), want)
-    assert np.allclose(get_merge_rule("model_stock")(a, b, base=base)["w"].numpy(), want)
+    assert np.allclose(model_stock([a, b], [], base=base)["w"].numpy(), want)
+    assert np.allclose(get_merge_rule("model_stock")([a, b], [0.5, 0.5], base=base)["w"].numpy(), want)
     c3 = {"w": _t(1.0, 2.0)}  # τ3 = [0,1]: cosines √½, √½, 0 → mean √2/3
     cos = (c + c + 0.0) / 3
     t3 = 3 * cos / (1 + 2 * cos)
     want3 = t3 * np.array([5 / 3, 5 / 3]) + (1 - t3) * np.array([1.0, 1.0])
-    got = merge_rule_spec("model_stock").nary([a, b, c3], weights=[1, 1, 1], base=base)
+    got = merge_rule_spec("model_stock").fn([a, b, c3], [1, 1, 1], base=base)
     assert np.allclose(got["w"].numpy(), want3)
 
 
@@ -111,7 +111,7 @@ def test_model_stock_filter_wise_by_hand():
     base = {"w": torch.zeros(2, 2, dtype=torch.float64)}
     a = {"w": torch.tensor([[1.0, 0.0], [1.0, 0.0]], dtype=torch.float64)}
     b = {"w": torch.tensor([[0.0, 1.0], [2.0, 0.0]], dtype=torch.float64)}
-    got = model_stock([a, b], [], base=base, filter_wise=True)[0]["w"]
+    got = model_stock([a, b], [], base=base, filter_wise=True)["w"]
     # row 1: cos 0 → t 0 → base; row 2: cos 1 → t 1 → mean [1.5, 0]
     assert torch.allclose(got, torch.tensor([[0.0, 0.0], [1.5, 0.0]], dtype=torch.float64))
 
@@ -128,27 +128,27 @@ def test_breadcrumbs_drops_the_largest_and_smallest_by_hand():
     # stable order keeps entries 5..9 (index 4..8)
     kept1 = np.where((np.abs(tau.numpy()) >= 5) & (np.abs(tau.numpy()) <= 9), tau.numpy(), 0.0)
     kept2 = np.where((np.arange(10) >= 4) & (np.arange(10) <= 8), 0.5, 0.0)
-    got, _ = breadcrumbs([one, two], [0.6, 0.4], base=base, density=0.5, gamma=0.1)
+    got = breadcrumbs([one, two], [0.6, 0.4], base=base, density=0.5, gamma=0.1)
     assert np.allclose(got["x"].numpy(), 0.6 * kept1 + 0.4 * kept2)
-    got, _ = breadcrumbs_ties([one, two], [0.6, 0.4], base=base, density=0.5, gamma=0.1, scale=2.0)
+    got = breadcrumbs_ties([one, two], [0.6, 0.4], base=base, density=0.5, gamma=0.1, scale=2.0)
     mass = 0.6 * kept1 + 0.4 * kept2
     sign = np.where(mass >= 0, 1.0, -1.0)
     agree = [np.sign(0.6 * kept1) == sign, np.sign(0.4 * kept2) == sign]
     want = 2.0 * (np.where(agree[0], 0.6 * kept1, 0) + np.where(agree[1], 0.4 * kept2, 0))
     assert np.allclose(got["x"].numpy(), want)
     three = {"x": -tau}
-    got = merge_rule_spec("breadcrumbs").nary([one, two, three], weights=[1, 1, 1], base=base, density=0.5, gamma=0.1)
+    got = merge_rule_spec("breadcrumbs").fn([one, two, three], [1, 1, 1], base=base, density=0.5, gamma=0.1)
     assert np.allclose(got["x"].numpy(), kept2)  # τ₁ and −τ₁ cancel
 
 
 def test_della_at_full_density_is_ties_with_the_normalised_mean():
     base = {"x": _t(0.0, 0.0, 0.0)}
     a, b = {"x": _t(1.0, -2.0, 3.0)}, {"x": _t(-3.0, 1.0, 1.0)}
-    got, _ = della([a, b], [1.0, 2.0], base=base)  # density 1: nothing dropped
+    got = della([a, b], [1.0, 2.0], base=base)  # density 1: nothing dropped
     # Σwτ = [-5, 0, 5] → signs -, +, +; agreeing: [b], [b], [a, b]
     want = np.array([-6.0 / 2.0, 2.0 / 2.0, (3.0 + 2.0) / 3.0])
     assert np.allclose(got["x"].numpy(), want)
-    lin, _ = della_linear([a, b], [1.0, 2.0], base=base)
+    lin = della_linear([a, b], [1.0, 2.0], base=base)
     assert np.allclose(lin["x"].numpy(), [-5.0, 0.0, 5.0])  # weighted sum, not normalised
 
 
@@ -158,9 +158,9 @@ def test_della_drops_by_rank_rescales_and_is_seeded():
     a = {"x": torch.randn(4, 50, generator=g, dtype=torch.float64)}
     zero = {"x": torch.zeros(4, 50, dtype=torch.float64)}
     kw = dict(base=base, density=0.5, epsilon=0.2)
-    first, _ = della_linear([a, zero], [1.0, 1.0], seed=3, **kw)
-    again, _ = della_linear([a, zero], [1.0, 1.0], seed=3, **kw)
-    other, _ = della_linear([a, zero], [1.0, 1.0], seed=4, **kw)
+    first = della_linear([a, zero], [1.0, 1.0], seed=3, **kw)
+    again = della_linear([a, zero], [1.0, 1.0], seed=3, **kw)
+    other = della_linear([a, zero], [1.0, 1.0], seed=4, **kw)
     assert torch.equal(first["x"], again["x"]) and not torch.equal(first["x"], other["x"])
     kept = first["x"] != 0
     # kept entries are the task's, rescaled to its L1 norm
@@ -202,11 +202,11 @@ def test_filters_choose_by_module_with_a_default():
     assert evaluate_setting({"mlp": 1.0}, "model.norm.weight", 2) is None
     a = {"model.layers.0.mlp.w": _t(1.0, 0.0), "model.layers.1.self_attn.w": _t(1.0, 0.0)}
     b = {"model.layers.0.mlp.w": _t(0.0, 1.0), "model.layers.1.self_attn.w": _t(0.0, 1.0)}
-    merged, _ = slerp([a, b], [], t={"self_attn": [0.0, 1.0], "default": 0.5})
+    merged = slerp([a, b], [], t={"self_attn": [0.0, 1.0], "default": 0.5})
     assert torch.allclose(merged["model.layers.0.mlp.w"], _t(R, R))
     assert torch.allclose(merged["model.layers.1.self_attn.w"], b["model.layers.1.self_attn.w"])
     # a few tensors at a time: the layer count is passed, not counted from the chunk
-    part, _ = slerp([{"model.layers.0.mlp.w": a["model.layers.0.mlp.w"]}, {"model.layers.0.mlp.w": b[
+    part = slerp([{"model.layers.0.mlp.w": a["model.layers.0.mlp.w"]}, {"model.layers.0.mlp.w": b[
         "model.layers.0.mlp.w"]}], [], t=[0.0, 1.0, 0.0], layer_count=3)  # fmt: skip
     assert torch.allclose(part["model.layers.0.mlp.w"], a["model.layers.0.mlp.w"])
 

@@ -47,15 +47,15 @@ def test_a_registered_merge_rule_gets_what_it_declares(scrambled_mlp, monkeypatc
     monkeypatch.setattr(rule_table, "_RULES", dict(rule_table._RULES))
     seen = {}
 
-    def take_b(state_a, state_b, *, alpha, shrink, return_log=False):
-        seen.update(alpha=alpha, shrink=shrink)
-        log = {"rule": "take_b", "settings": {}, "counts": {"copied from B": len(state_b)}}
-        return {k: v.clone() for k, v in state_b.items()}, log
+    def take_b(states, weights, base=None, *, shrink, return_log=False):
+        seen.update(weights=list(weights), shrink=shrink)
+        log = {"rule": "take_b", "settings": {}, "counts": {"copied from B": len(states[1])}}
+        return {k: v.clone() for k, v in states[1].items()}, log
 
     register_merge_rule("take_b", take_b, options={"shrink": "regmean.shrink"})
     assert merge_rule_spec("take_b").options == {"shrink": "regmean.shrink"}
     result = RaotMerger.from_models(a, clone(b), alignment="none", merge_rule="take_b", regmean_shrink=0.25).merge()
-    assert seen == {"alpha": 0.5, "shrink": 0.25}
+    assert seen == {"weights": [0.5, 0.5], "shrink": 0.25}
     got, want = model_state(result.model), model_state(b)
     head = set(schema_for(a).head_params)
     assert head
@@ -94,8 +94,8 @@ def test_a_rule_registered_from_outside_brings_its_own_option_and_flag(tmp_path,
         section = "scale_b"
         factor: float = field(default=1.0, metadata=meta("scale_b: the factor on B′'s tensors (default 1)."))
 
-    def scale_b(state_a, state_b, *, alpha, factor, return_log=False):
-        merged = {k: v * factor if v.is_floating_point() else v.clone() for k, v in state_b.items()}
+    def scale_b(states, weights, base=None, *, factor, return_log=False):
+        merged = {k: v * factor if v.is_floating_point() else v.clone() for k, v in states[1].items()}
         return merged, {"rule": "scale_b", "settings": {"factor": factor}, "counts": {"scaled": len(merged)}}
 
     register_merge_rule("scale_b", scale_b, per_tensor=True, config=ScaleOptions)  # the one registration line

@@ -133,7 +133,7 @@ def check(models: list[Path], base: Path | None, out: Path, rule: str, names: li
     import torch
     from safetensors import safe_open
 
-    from raot_hf.merging import merge_linear_n, merge_ties_n
+    from raot_hf.merging import merge_linear, merge_ties
 
     def read(directory: Path, name: str) -> torch.Tensor:
         index = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
@@ -145,9 +145,9 @@ def check(models: list[Path], base: Path | None, out: Path, rule: str, names: li
         states = [{name: read(m, name)} for m in models]
         weights = [1.0 / len(models)] * len(models)
         if rule == "ties":
-            expected = merge_ties_n(states, base={name: read(base, name)}, weights=weights)[name]
+            expected = merge_ties(states, weights, {name: read(base, name)})[name]
         else:
-            expected = merge_linear_n(states, weights=weights)[name]
+            expected = merge_linear(states, weights)[name]
         got = read(out, name)
         worst = max(worst, float((got - expected).abs().max() / expected.abs().max()))
     return worst

@@ -1,11 +1,13 @@
 """Merge rules on aligned state dicts, and a registry of them by name (docs/design.md §6).
 
 >>> from raot_hf.merging import get_merge_rule
->>> merged, log = get_merge_rule("linear")(state_a, state_b, alpha=0.5, return_log=True)  # doctest: +SKIP
+>>> merged, log = get_merge_rule("linear")([state_a, state_b], [0.5, 0.5], return_log=True)  # doctest: +SKIP
 
-Every rule takes the merger's signature ``rule(state_a, state_b, *, alpha, ..., return_log=False)``;
-its :class:`MergeRuleSpec` says what else it reads, and the merger, :class:`raot_hf.RaotConfig`'s
-validation and the CLI's ``--merge-rule`` choices all read this one registry.
+Every rule takes one signature for any number of models,
+``rule(states, weights, base=None, *, return_log=False, **options)`` (the first state dict is the
+reference; two models with weight α on B′ are ``weights=(1 − α, α)``); its :class:`MergeRuleSpec`
+says what else it reads, and the merger, :class:`raot_hf.RaotConfig`'s validation and the CLI's
+``--merge-rule`` choices all read this one registry.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ from raot_hf.merging.base_rules import (
     MAX_RELATIVE_TASK_NORM,
     BaseRuleOptions,
     check_base_states,
-    dare_drop,
-    elect_and_average,
+    elect_signs,
+    keep_top_magnitudes,
     merge_dare_ties,
     merge_task_arithmetic,
     merge_ties,
+    random_keep_rescaled,
     relative_task_norm,
-    trim_to_top,
 )
 from raot_hf.merging.layered import count_layers
 from raot_hf.merging.mergekit_rules import (
@@ -37,28 +39,19 @@ from raot_hf.merging.mergekit_rules import (
     breadcrumbs_ties,
     della,
     della_linear,
-    group_form,
     model_stock,
     nuslerp,
-    pair_form,
     slerp,
-)
-from raot_hf.merging.nary import (
-    merge_dare_ties_n,
-    merge_fisher_n,
-    merge_heads_n,
-    merge_linear_n,
-    merge_regmean_n,
-    merge_task_arithmetic_n,
-    merge_ties_n,
 )
 from raot_hf.merging.rules import (
     HEAD_POLICIES,
     FisherOptions,
     RegMeanOptions,
     check_compatible_states,
+    check_weights,
     merge_fisher,
     merge_heads,
+    merge_heads_n,
     merge_linear,
     merge_regmean,
     shrink_gram,
@@ -67,23 +60,22 @@ from raot_hf.merging.rules import (
 
 @dataclass(frozen=True)
 class MergeRuleSpec:
-    """A registered rule and what it needs besides ``state_a``, ``state_b`` and ``alpha``.
+    """A registered rule and what it needs besides the models' state dicts and weights.
 
-    * ``needs_base``: called with ``base=`` (the state dict of the model A and B were
+    * ``needs_base``: called with ``base=`` (the state dict of the model the others were
       fine-tuned from); the merger then needs a base model.
-    * ``needs_grams``: called with ``grams_a=``, ``grams_b=``, ``linear_weights=`` and
+    * ``needs_grams``: called with ``grams=`` (one mapping per model), ``linear_weights=`` and
       ``transposed_weights=`` (the weights stored (in, out), GPT-2's ``Conv1D``) (RegMean).
-    * ``needs_fisher``: called with ``fisher_a=`` and ``fisher_b=`` (diagonal Fishers).
+    * ``needs_fisher``: called with ``fishers=`` (one diagonal Fisher per model).
     * ``per_tensor``: each output tensor depends only on the same-named inputs, so the merger
       may call the rule on a few tensors at a time (no merged copy of the whole model is held).
     * ``options``: rule keyword → :class:`raot_hf.RaotConfig` field the merger passes as that keyword
       (a dotted path into a section, e.g. ``base_rules.density``; :meth:`RaotConfig.lookup`).
-    * ``nary``: the rule over N models (``nary(states, *, weights, ...)``, :mod:`raot_hf.merging.nary`),
-      called with the same options; None: the rule merges two models only.
+    * ``max_models``: the most models the rule merges (SLERP's two); None: any number.
     * ``layered``: its options may vary by layer or module (:mod:`raot_hf.merging.layered`); called
       with ``layer_count=`` (the model's layers) so that a few tensors at a time evaluate them right.
-    * ``absolute_weights``: it reads the models' weights as given, not normalised (mergekit's); the
-      two-model form is called with ``pair_weights=`` (``group.weights``) when two are given.
+    * ``absolute_weights``: it reads the models' weights as given, not normalised (mergekit's); it
+      is called with the per-model densities (``group.densities``) for two models too.
     """
 
     name: str
@@ -93,7 +85,7 @@ class MergeRuleSpec:
     needs_fisher: bool = False
     per_tensor: bool = False
     options: Mapping[str, str] = field(default_factory=dict)
-    nary: Callable | None = None
+    max_models: int | None = None
     layered: bool = False
     absolute_weights: bool = False
 
@@ -121,7 +113,7 @@ def register_merge_rule(
     per_tensor: bool = False,
     options: Mapping[str, str] | None = None,
     config: type | None = None,
-    nary: Callable | None = None,
+    max_models: int | None = None,
     layered: bool = False,
     absolute_weights: bool = False,
 ) -> Callable:
@@ -129,11 +121,10 @@ def register_merge_rule(
     refuses non-callables and duplicate names. ``config``: the rule's own options section (a
     dataclass :class:`~raot_hf.config.sections.OptionSection`), registered with it — then
     ``RaotConfig``, its JSON and the CLI's ``--<section>-<field>`` flags know it, and unless
-    ``options`` maps the rule's keywords elsewhere, the rule is called with every field of it.
-    ``nary``: the same rule over N models (see :class:`MergeRuleSpec`)."""
+    ``options`` maps the rule's keywords elsewhere, the rule is called with every field of it."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"a merge rule name must be a non-empty string, got {name!r}")
-    if not callable(fn) or (nary is not None and not callable(nary)):
+    if not callable(fn):
         raise TypeError(f"merge rule {name!r} must be callable, got {type(fn).__name__}")
     if name in _RULES:
         raise RaotError(
@@ -152,7 +143,7 @@ def register_merge_rule(
         needs_fisher,
         per_tensor,
         dict(options or {}),
-        nary,
+        max_models,
         layered,
         absolute_weights,
     )
@@ -168,7 +159,7 @@ def merge_rule_spec(name: str) -> MergeRuleSpec:
 
 def nary_merge_rules() -> list[str]:
     """The registered rules that merge more than two models, sorted."""
-    return sorted(name for name, spec in _RULES.items() if spec.nary is not None)
+    return sorted(name for name, spec in _RULES.items() if spec.max_models is None or spec.max_models > 2)
 
 
 def get_merge_rule(name: str) -> Callable:
@@ -178,25 +169,21 @@ def get_merge_rule(name: str) -> Callable:
 
 def rule_options(spec: MergeRuleSpec, config, models: int = 2, names=None) -> dict[str, Any]:
     """The keywords ``spec`` reads from ``config`` (its ``options``), and with more than two
-    models the per-model densities (``group.densities``) of a rule that takes a density; for a
-    ``layered`` rule the layer count of the parameter ``names`` (all of the model's), and for an
-    ``absolute_weights`` rule of two models the two ``group.weights`` when given."""
+    models (or for an ``absolute_weights`` rule) the per-model densities (``group.densities``) of a
+    rule that takes a density; for a ``layered`` rule the layer count of the parameter ``names``
+    (all of the model's)."""
     options: dict[str, Any] = {name: config.lookup(path) for name, path in spec.options.items()}
     if (models > 2 or spec.absolute_weights) and "density" in options and config.group.densities:
         options["densities"] = list(config.group.densities)
     if spec.layered and names is not None:
         options["layer_count"] = count_layers(names)
-    if spec.absolute_weights and models == 2 and len(config.group.weights) == 2:
-        options["pair_weights"] = list(config.group.weights)
     return options
 
 
-def apply_rule(spec: MergeRuleSpec, states: list, weighting: dict[str, Any], **inputs):
-    """Call the rule on ``states``: its two-model form with ``weighting={"alpha": α}``, its N-ary
-    form with ``weighting={"weights": [...]}``; returns ``(merged, log)``."""
-    if "alpha" in weighting:
-        return spec.fn(*states, **weighting, return_log=True, **inputs)
-    return spec.nary(list(states), **weighting, return_log=True, **inputs)
+def apply_rule(spec: MergeRuleSpec, states: list, weights: list[float], **inputs):
+    """Call the rule on ``states`` with one weight per model (two models with weight α on B′:
+    ``[1 − α, α]``); returns ``(merged, log)``."""
+    return spec.fn(list(states), list(weights), return_log=True, **inputs)
 
 
 def add_rule_log(total: dict[str, Any], part: dict[str, Any]) -> None:
@@ -212,9 +199,9 @@ def add_rule_log(total: dict[str, Any], part: dict[str, Any]) -> None:
         total.setdefault("totals", {})[name] = total.get("totals", {}).get(name, 0) + n
 
 
-register_merge_rule("linear", merge_linear, per_tensor=True, nary=merge_linear_n)
-register_merge_rule("regmean", merge_regmean, needs_grams=True, config=RegMeanOptions, nary=merge_regmean_n)
-register_merge_rule("fisher", merge_fisher, needs_fisher=True, config=FisherOptions, options={}, nary=merge_fisher_n)
+register_merge_rule("linear", merge_linear, per_tensor=True)
+register_merge_rule("regmean", merge_regmean, needs_grams=True, config=RegMeanOptions)
+register_merge_rule("fisher", merge_fisher, needs_fisher=True, config=FisherOptions, options={})
 register_merge_rule(
     "task_arithmetic",
     merge_task_arithmetic,
@@ -222,33 +209,28 @@ register_merge_rule(
     per_tensor=True,
     config=BaseRuleOptions,
     options={"scale": "base_rules.task_scale"},
-    nary=merge_task_arithmetic_n,
 )
+for _name, _rule in (("ties", merge_ties), ("dare_ties", merge_dare_ties)):
+    register_merge_rule(
+        _name,
+        _rule,
+        needs_base=True,
+        per_tensor=True,
+        config=BaseRuleOptions,
+        options={
+            "density": "base_rules.density",
+            "scale": "base_rules.task_scale",
+            **({"seed": "seed"} if _name == "dare_ties" else {}),
+        },
+    )
 register_merge_rule(
-    "ties",
-    merge_ties,
-    needs_base=True,
-    per_tensor=True,
-    config=BaseRuleOptions,
-    options={"density": "base_rules.density", "scale": "base_rules.task_scale"},
-    nary=merge_ties_n,
-)
-register_merge_rule(
-    "dare_ties",
-    merge_dare_ties,
-    needs_base=True,
-    per_tensor=True,
-    config=BaseRuleOptions,
-    options={"density": "base_rules.density", "scale": "base_rules.task_scale", "seed": "seed"},
-    nary=merge_dare_ties_n,
-)
-register_merge_rule(
-    "slerp", pair_form(slerp), per_tensor=True, layered=True, config=MergekitOptions, options={"t": "mergekit.t"}
+    "slerp", slerp, per_tensor=True, max_models=2, layered=True, config=MergekitOptions, options={"t": "mergekit.t"}
 )
 register_merge_rule(
     "nuslerp",
-    pair_form(nuslerp),
+    nuslerp,
     per_tensor=True,
+    max_models=2,
     layered=True,
     absolute_weights=True,
     config=MergekitOptions,
@@ -256,19 +238,18 @@ register_merge_rule(
 )
 register_merge_rule(
     "model_stock",
-    pair_form(model_stock),
+    model_stock,
     needs_base=True,
     per_tensor=True,
     layered=True,
     config=MergekitOptions,
     options={"filter_wise": "mergekit.filter_wise"},
-    nary=group_form(model_stock),
 )
 for _name, _rule in zip(TASK_RULES, (della, della_linear, breadcrumbs, breadcrumbs_ties), strict=True):
     _extra = "epsilon" if TASK_RULES[_name][0] == "della" else "gamma"
     register_merge_rule(
         _name,
-        pair_form(_rule),
+        _rule,
         needs_base=True,
         per_tensor=True,
         layered=True,
@@ -280,7 +261,6 @@ for _name, _rule in zip(TASK_RULES, (della, della_linear, breadcrumbs, breadcrum
             "scale": "mergekit.scale",
             **({"seed": "seed"} if _extra == "epsilon" else {}),
         },
-        nary=group_form(_rule),
     )
 
 __all__ = [
@@ -293,29 +273,24 @@ __all__ = [
     "base_relative_rules",
     "check_base_states",
     "check_compatible_states",
-    "dare_drop",
-    "elect_and_average",
+    "check_weights",
+    "elect_signs",
     "get_merge_rule",
+    "keep_top_magnitudes",
     "merge_dare_ties",
-    "merge_dare_ties_n",
-    "merge_fisher_n",
-    "merge_heads_n",
-    "merge_linear_n",
-    "merge_regmean_n",
-    "merge_task_arithmetic_n",
-    "merge_ties_n",
-    "MergekitOptions",
-    "nary_merge_rules",
     "merge_fisher",
     "merge_heads",
+    "merge_heads_n",
     "merge_linear",
     "merge_regmean",
     "merge_rule_spec",
     "merge_task_arithmetic",
     "merge_ties",
+    "MergekitOptions",
+    "nary_merge_rules",
+    "random_keep_rescaled",
     "register_merge_rule",
     "relative_task_norm",
     "rule_options",
     "shrink_gram",
-    "trim_to_top",
 ]

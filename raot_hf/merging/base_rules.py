@@ -1,25 +1,33 @@
-"""Base-relative merge rules for fine-tuned siblings of one base model (docs/design.md §6).
+"""Base-relative merge rules for fine-tuned siblings of one base model (docs/design.md §6, §6.9).
 
-Each rule measures the task vectors ``τ_A = W_A − W_base`` and ``τ_B = W_B − W_base`` per tensor,
-combines them and adds the result back to the base. They take the merger's rule signature —
-``rule(state_a, state_b, *, base, alpha, ...)`` — with ``alpha`` the weight of B as everywhere
-else: the task vectors enter with weights ``w_A = 1 − α`` and ``w_B = α``. The arithmetic runs in
-float64 and each result is cast to A's dtype; non-floating-point tensors are copied from A.
+Each rule measures the task vectors ``τᵢ = Wᵢ − W_base`` per tensor, combines them and adds the
+result back to the base, with the registry's signature ``rule(states, weights, base, *, ...)``
+(:mod:`raot_hf.merging.rules`). They follow mergekit's generalized task arithmetic, with
+``scale`` as mergekit's ``lambda`` and the weights wᵢ as given (not normalised):
 
-A parameter of A that the base lacks (a pooler the pretraining checkpoint never had) has no task
-vector: it merges linearly with the same α, with a warning, and the log counts it. A parameter
-the base has with another shape is refused.
+* ``task_arithmetic``: ``W = base + λ·Σ wᵢτᵢ``;
+* ``ties``: each τᵢ trimmed to its ``int(densityᵢ·n)`` largest magnitudes; the elected sign of an
+  entry is that of ``Σ wᵢτᵢ`` (+ where it is 0); ``W = base + λ·Σ wᵢmᵢτᵢ / Σ wᵢmᵢ`` over the
+  entries mᵢ that carry the elected sign (divisor 1 where none does);
+* ``dare_ties``: each τᵢ keeps every entry with probability densityᵢ (a seeded mask per tensor and
+  model) and is rescaled to its former L1 norm; signs elected as in TIES; ``W = base + λ·Σ wᵢmᵢτᵢ``
+  (not normalised).
 
-Unlike the base-free rules, α = 0 does not return A bit for bit: it returns
-``base + scale·(trimmed) τ_A``, which is A only for task arithmetic with ``scale = 1``.
+Two models merged with weight α on B′ are weights (1 − α, α). The arithmetic runs in float64 and
+each result is cast to the reference's dtype; non-floating-point tensors are copied from it.
+
+A parameter of the reference that the base lacks (a pooler the pretraining checkpoint never had)
+has no task vector: it merges linearly with the weights normalised, with a warning, and the log
+counts it. A parameter the base has with another shape is refused. No weight returns a model bit
+for bit: weights (1, 0) give ``base + λ·(sparsified) τ₁``, which is model 1 only for task
+arithmetic with λ = 1.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,9 +36,12 @@ import torch
 from raot_hf.config.options import check_field_types, meta
 from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
+from raot_hf.merging.layered import count_layers, evaluate_setting
 from raot_hf.merging.rules import (
     StateDict,
     _check_finite,
+    _check_seed,
+    _check_states,
     _check_unit,
     _copy_non_float,
     _f64,
@@ -38,7 +49,8 @@ from raot_hf.merging.rules import (
     _linear_entry,
     _new_log,
     _note,
-    check_compatible_states,
+    _total,
+    check_weights,
 )
 
 logger = logging.getLogger("raot_hf.merging")
@@ -48,8 +60,12 @@ _F64 = torch.float64
 #: Above this relative distance ‖W − W_base‖ / ‖W_base‖ (median over the 2-D weights), a model is
 #: not a fine-tune of the base: two independent initialisations sit at ≈ √2, fine-tunes far below 1.
 MAX_RELATIVE_TASK_NORM = 1.0
+#: Below this L1 norm (before or after the drop) DARE's rescale is skipped, as in mergekit.
+RESCALE_EPS = 1e-7
 
-Combine = Callable[[str, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
+#: One tensor merged: (name, the models' tensors in float64, the base's or None, the settings
+#: evaluated for it) → (merged tensor, details for the log).
+TensorMerge = Callable[[str, list[torch.Tensor], "torch.Tensor | None", dict[str, Any]], tuple[torch.Tensor, dict]]
 
 
 # ----------------------------------------------------------------------------- validation
@@ -71,6 +87,14 @@ def check_base_states(base: Mapping[str, torch.Tensor], state_a: StateDict) -> l
                 "has another architecture; pass the checkpoint A and B were fine-tuned from."
             )
     return [key for key in state_a if key not in base]
+
+
+def check_densities(density: float, densities: Sequence[float] | None, n: int) -> list[float]:
+    """Each model's density: ``densities`` when given (one per model), else ``density`` for all."""
+    values = [float(density)] * n if not densities else [float(d) for d in densities]
+    if len(values) != n:
+        raise RaotError(f"{len(values)} densities for {n} models; give one density per model.")
+    return [_check_unit("density", d, open_low=True) for d in values]
 
 
 def relative_task_norm(base: StateDict, state: StateDict) -> float:
@@ -100,159 +124,80 @@ def median_ratio(ratios: list[float]) -> float:
 # ----------------------------------------------------------------------------- the shared loop
 
 
-def _base_relative(
+def per_tensor_merge(
     rule: str,
-    state_a: StateDict,
-    state_b: StateDict,
-    base: StateDict,
-    alpha: float,
-    scale: float,
+    states: Sequence[StateDict],
+    weights: Sequence[float],
+    base: StateDict | None,
     settings: dict[str, Any],
-    combine: Combine,
-    return_log: bool,
+    merge_one: TensorMerge,
+    *,
+    needs_base: bool,
+    layer_count: int | None = None,
+    logged: dict[str, Any] | None = None,
+    return_log: bool = False,
 ):
-    """``W = base + scale·combine(τ_A, τ_B)`` per floating-point tensor of A."""
-    check_compatible_states(state_a, state_b)
-    missing = check_base_states(base, state_a)
-    log = _new_log(rule, {"alpha": alpha, "scale": scale, **settings})
-    if missing:
-        floating = [key for key in missing if state_a[key].is_floating_point()]
+    """Run ``merge_one`` on every floating-point tensor with ``settings`` evaluated for it (they may
+    vary by layer or module, :mod:`raot_hf.merging.layered`; ``logged``: settings recorded as
+    they are); a tensor the base lacks merges linearly (normalised weights), with a warning."""
+    _check_states(states)
+    ref = states[0]
+    if needs_base and base is None:
+        raise RaotError(f"merge_rule={rule!r} measures task vectors; pass the base model (base_model: or --base)")
+    missing = check_base_states(base, ref) if base is not None else []
+    layers = count_layers(ref) if layer_count is None else int(layer_count)
+    # lists as tuples: a chunked merge's logs add up lists (add_rule_log), settings stay as given
+    given = {"weights": weights, **settings, **(logged or {})}
+    log = _new_log(rule, {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
+    if missing and needs_base:
+        floating = [k for k in missing if ref[k].is_floating_point()]
         if floating:
             logger.warning(
-                "%d parameter(s) of A are not in the base (first: %s): they merge linearly with alpha=%g",
-                len(floating),
-                floating[0],
-                alpha,
+                "%d parameter(s) are not in the base (first: %s): they merge linearly", len(floating), floating[0]
             )
         log["settings"]["not_in_base"] = missing
+    total = sum(weights)
+    normalised = [w / total for w in weights] if total > 0 else [1.0 / len(weights)] * len(weights)
     merged: dict[str, torch.Tensor] = {}
-    for key, a in state_a.items():
-        b = state_b[key]
-        if not a.is_floating_point():
-            merged[key] = _copy_non_float(key, a, b, log)
-        elif key not in base:
-            merged[key] = _linear_entry(key, a, b, alpha, _new_log("linear", {}))
+    for key, r in ref.items():
+        tensors = [s[key] for s in states]
+        if not r.is_floating_point():
+            merged[key] = _copy_non_float(key, r, tensors[1], log)
+        elif needs_base and key not in base:
+            merged[key] = _linear_entry(key, tensors, normalised, _new_log("linear", {}))
             _note(log, key, "linear (not in the base)")
         else:
-            origin = _f64(base[key]).to(a.device)
-            task, details = combine(key, _f64(a) - origin, _f64(b).to(a.device) - origin)
-            _note(log, key, rule, **details)
-            _add_totals(log, a.numel(), details)
-            merged[key] = (origin + scale * task).to(a.dtype)
+            values = {name: evaluate_setting(v, key, layers) for name, v in settings.items()}
+            origin = _f64(base[key]).to(r.device) if base is not None and key in base else None
+            value, details = merge_one(key, [_f64(t).to(r.device) for t in tensors], origin, values)
+            _note(log, key, rule, **{k: v for k, v in values.items() if isinstance(v, (int, float))}, **details)
+            _add_totals(log, r.numel(), details)
+            merged[key] = value.to(r.dtype)
     return _finish(merged, log, return_log)
 
 
 def _add_totals(log: dict[str, Any], entries: int, details: dict[str, Any]) -> None:
-    """Entry counts over all tensors (kept, sign conflicts), which add up across the merger's chunks."""
+    """Entry counts over all tensors (kept per model, sign conflicts), which add up across the
+    merger's chunks (:func:`raot_hf.merging.add_rule_log`)."""
+    if not details:
+        return
     totals = log.setdefault("totals", {"entries": 0})
     totals["entries"] += entries
-    for name in ("kept_a", "kept_b", "sign_conflicts"):
-        if name in details:
-            totals[name] = totals.get(name, 0) + round(details[name] * entries)
+    for name, fraction in details.items():
+        totals[name] = totals.get(name, 0) + round(fraction * entries)
 
 
-def _weights(alpha: float) -> tuple[float, float]:
-    alpha = _check_unit("alpha", alpha)
-    return 1.0 - alpha, alpha
+def sparsity_details(tasks: Sequence[torch.Tensor]) -> dict[str, float]:
+    """The fraction of entries each sparsified task vector keeps (``kept_1`` …) and of entries
+    where kept ones disagree in sign (``sign_conflicts``)."""
+    n = max(tasks[0].numel(), 1)
+    details = {f"kept_{i}": float((t != 0).sum()) / n for i, t in enumerate(tasks, start=1)}
+    stacked = torch.stack(list(tasks))
+    details["sign_conflicts"] = float(((stacked > 0).any(0) & (stacked < 0).any(0)).sum()) / n
+    return details
 
 
-# ----------------------------------------------------------------------------- task arithmetic
-
-
-def merge_task_arithmetic(
-    state_a: StateDict,
-    state_b: StateDict,
-    *,
-    base: StateDict,
-    alpha: float = 0.5,
-    scale: float = 1.0,
-    return_log: bool = False,
-):
-    """Task arithmetic: ``W = base + scale·((1 − α)·τ_A + α·τ_B)`` with ``τ = W − base``.
-
-    With α = ½, ``scale = 1`` is the average of A and B and ``scale = 2`` the sum of the task
-    vectors (the task-arithmetic paper's λ is ``scale/2`` there). The log records, per tensor,
-    the cosine between the two task vectors.
-    """
-    w_a, w_b = _weights(alpha)
-    scale = _check_finite("scale", scale)
-
-    def combine(key: str, task_a: torch.Tensor, task_b: torch.Tensor):
-        norms = float(torch.linalg.norm(task_a) * torch.linalg.norm(task_b))
-        cosine = float((task_a * task_b).sum()) / norms if norms > 0 else 0.0
-        return w_a * task_a + w_b * task_b, {"task_cosine": cosine}
-
-    return _base_relative("task_arithmetic", state_a, state_b, base, alpha, scale, {}, combine, return_log)
-
-
-# ----------------------------------------------------------------------------- TIES
-
-
-def trim_to_top(task: torch.Tensor, density: float) -> torch.Tensor:
-    """Zero all but the ⌈density·n⌉ largest-magnitude entries of ``task`` (ties at the cut are kept)."""
-    n = task.numel()
-    keep = min(n, max(1, math.ceil(density * n - 1e-9)))
-    if n == 0 or keep == n:
-        return task.clone()
-    magnitude = task.abs()
-    threshold = torch.kthvalue(magnitude.flatten(), n - keep + 1).values
-    return torch.where(magnitude >= threshold, task, torch.zeros_like(task))
-
-
-def elect_and_average(
-    task_a: torch.Tensor, task_b: torch.Tensor, w_a: float, w_b: float
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """TIES steps 2–3 on two (trimmed or dropped) task vectors.
-
-    The elected sign of each entry is the sign of the weighted mass ``w_A·τ_A + w_B·τ_B``; the
-    result is the weighted mean of the non-zero entries that carry the elected sign (the
-    disjoint mean), zero where none does. With equal weights this is the TIES paper's
-    unweighted disjoint mean.
-    """
-    elected = torch.sign(w_a * task_a + w_b * task_b)
-    agree_a = (task_a != 0) & (torch.sign(task_a) == elected)
-    agree_b = (task_b != 0) & (torch.sign(task_b) == elected)
-    mass = w_a * agree_a.to(_F64) + w_b * agree_b.to(_F64)
-    summed = torch.where(agree_a, w_a * task_a, 0.0) + torch.where(agree_b, w_b * task_b, 0.0)
-    merged = torch.where(mass > 0, summed / torch.where(mass > 0, mass, 1.0), 0.0)
-    n = max(task_a.numel(), 1)
-    details = {
-        "kept_a": float((task_a != 0).sum()) / n,
-        "kept_b": float((task_b != 0).sum()) / n,
-        "sign_conflicts": float((task_a * task_b < 0).sum()) / n,
-    }
-    return merged, details
-
-
-def merge_ties(
-    state_a: StateDict,
-    state_b: StateDict,
-    *,
-    base: StateDict,
-    alpha: float = 0.5,
-    density: float = 0.2,
-    scale: float = 1.0,
-    return_log: bool = False,
-):
-    """TIES-merging of two fine-tuned siblings of ``base``.
-
-    Per tensor: (1) trim each task vector to its top-``density`` fraction by magnitude
-    (:func:`trim_to_top`; 0.2 is the TIES paper's k = 20 %); (2) elect each entry's sign by the
-    weighted summed mass; (3) take the weighted disjoint mean (:func:`elect_and_average`);
-    (4) ``W = base + scale·merged``.
-    """
-    w_a, w_b = _weights(alpha)
-    density = _check_unit("density", density, open_low=True)
-    scale = _check_finite("scale", scale)
-
-    def combine(key: str, task_a: torch.Tensor, task_b: torch.Tensor):
-        return elect_and_average(trim_to_top(task_a, density), trim_to_top(task_b, density), w_a, w_b)
-
-    settings = {"density": density}
-    return _base_relative("ties", state_a, state_b, base, alpha, scale, settings, combine, return_log)
-
-
-# ----------------------------------------------------------------------------- DARE-TIES
+# ----------------------------------------------------------------------------- sparsification
 
 
 def _tensor_seed(seed: int, name: str, side: str) -> int:
@@ -261,47 +206,131 @@ def _tensor_seed(seed: int, name: str, side: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def dare_drop(task: torch.Tensor, density: float, *, seed: int, name: str = "", side: str = "A") -> torch.Tensor:
-    """DARE: keep each entry with probability ``density`` and rescale the kept ones by 1/density.
-
-    The mask comes from a CPU ``torch.Generator`` seeded from ``(seed, name, side)``, so a
-    tensor's mask does not depend on the device, on the other tensors or on their order, and
-    the expectation over masks is ``task`` itself.
-    """
-    if density == 1.0:
+def keep_top_magnitudes(task: torch.Tensor, density: float) -> torch.Tensor:
+    """mergekit's magnitude sparsification: keep the ``int(density·n)`` largest-magnitude entries."""
+    if density >= 1.0:
         return task.clone()
-    generator = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, name, side))
+    k = int(density * task.numel())
+    if k <= 0:
+        raise RaotError(f"density {density} keeps no entry of a tensor of {task.numel()}; raise the density.")
+    mask = torch.zeros(task.numel(), dtype=torch.bool, device=task.device)
+    mask[torch.topk(task.abs().flatten(), k, sorted=False).indices] = True
+    return torch.where(mask.view_as(task), task, torch.zeros_like(task))
+
+
+def random_keep_rescaled(task: torch.Tensor, density: float, *, seed: int, name: str, model: int) -> torch.Tensor:
+    """DARE as mergekit runs it in ``dare_ties``: keep each entry with probability ``density``
+    (a CPU generator seeded from ``(seed, name, model)``, so a tensor's mask depends neither on
+    the device nor on the other tensors) and rescale to the former L1 norm."""
+    if density >= 1.0:
+        return task.clone()
+    generator = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, name, f"model{model}"))
     keep = torch.rand(task.shape, generator=generator, dtype=_F64).to(task.device) < density
-    return torch.where(keep, task / density, torch.zeros_like(task))
+    return l1_rescaled(task, torch.where(keep, task, torch.zeros_like(task)))
 
 
-def merge_dare_ties(
-    state_a: StateDict,
-    state_b: StateDict,
+def l1_rescaled(task: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """``kept`` (a sparsified ``task``) rescaled to ``task``'s L1 norm, as mergekit rescales; left
+    as is when either norm is below :data:`RESCALE_EPS`."""
+    before, after = float(task.abs().sum()), float(kept.abs().sum())
+    if before < RESCALE_EPS or after < RESCALE_EPS:
+        return kept
+    return kept * (before / after)
+
+
+def elect_signs(tasks: Sequence[torch.Tensor], weights: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """mergekit's ``sum`` consensus: the elected sign is that of ``Σ wᵢτᵢ`` (+1 where it is 0);
+    returns the weighted tasks (N, …) and the mask of entries that carry the elected sign."""
+    weighted = torch.stack([w * t for t, w in zip(tasks, weights, strict=True)])
+    elected = torch.where(weighted.sum(0) >= 0, 1.0, -1.0).to(weighted.dtype)
+    return weighted, torch.sign(weighted) == elected
+
+
+# ----------------------------------------------------------------------------- the rules
+
+
+def merge_task_arithmetic(
+    states: Sequence[StateDict],
+    weights: Sequence[float],
+    base: StateDict | None = None,
     *,
-    base: StateDict,
-    alpha: float = 0.5,
+    scale: float = 1.0,
+    return_log: bool = False,
+):
+    """Task arithmetic (mergekit): ``W = base + λ·Σ wᵢτᵢ`` with ``τᵢ = Wᵢ − base``.
+
+    Two models with weights (½, ½): ``scale = 1`` is the average of A and B and ``scale = 2`` the
+    sum of the task vectors (the task-arithmetic paper's λ is ``scale/2`` there).
+    """
+    weights = check_weights(weights, len(states), normalise=False)
+    scale = _check_finite("scale", scale)
+
+    def merge_one(key, tensors, origin, values):
+        tasks = [w * (x - origin) for x, w in zip(tensors, weights, strict=True)]
+        return origin + scale * _total(tasks), {}
+
+    return per_tensor_merge(
+        "task_arithmetic", states, weights, base, {}, merge_one,
+        needs_base=True, logged={"scale": scale}, return_log=return_log,
+    )  # fmt: skip
+
+
+def ties_rule(
+    rule: str,
+    states: Sequence[StateDict],
+    weights: Sequence[float],
+    base: StateDict | None = None,
+    *,
     density: float = 0.2,
+    densities: Sequence[float] | None = None,
     scale: float = 1.0,
     seed: int = 0,
     return_log: bool = False,
 ):
-    """DARE-TIES: :func:`dare_drop` each task vector (keep fraction ``density``, seeded by
-    ``seed``), then elect signs and take the weighted disjoint mean as in :func:`merge_ties`;
-    ``W = base + scale·merged``. The same seed gives byte-identical weights."""
-    w_a, w_b = _weights(alpha)
-    density = _check_unit("density", density, open_low=True)
-    scale = _check_finite("scale", scale)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise RaotError(f"seed={seed!r} must be a non-negative integer.")
+    """mergekit's ``ties`` (``rule="ties"``) or ``dare_ties``: sparsify each task vector (keep
+    fraction ``densityᵢ``; ``densities``: one per model, else ``density`` for all), elect signs by
+    the weighted sum, combine the agreeing weighted entries; ``W = base + λ·combined``."""
+    weights = check_weights(weights, len(states), normalise=False)
+    kept, scale = check_densities(density, densities, len(states)), _check_finite("scale", scale)
+    seed = _check_seed(seed)
+    logged: dict[str, Any] = {"scale": scale, "densities": kept}
+    if rule == "dare_ties":
+        logged.update(seed=seed, mask="sha256(seed, parameter, model) → torch.Generator")
 
-    def combine(key: str, task_a: torch.Tensor, task_b: torch.Tensor):
-        dropped_a = dare_drop(task_a, density, seed=seed, name=key, side="A")
-        dropped_b = dare_drop(task_b, density, seed=seed, name=key, side="B")
-        return elect_and_average(dropped_a, dropped_b, w_a, w_b)
+    def merge_one(key, tensors, origin, values):
+        tasks = [x - origin for x in tensors]
+        if rule == "ties":
+            sparse = [keep_top_magnitudes(t, d) for t, d in zip(tasks, kept, strict=True)]
+        else:
+            sparse = [
+                random_keep_rescaled(t, d, seed=seed, name=key, model=i)
+                for i, (t, d) in enumerate(zip(tasks, kept, strict=True))
+            ]
+        weighted, agree = elect_signs(sparse, weights)
+        combined = (weighted * agree).sum(0)
+        if rule == "ties":  # the weighted mean of the agreeing entries (divisor 1 where none agrees)
+            w = torch.tensor(weights, dtype=_F64, device=weighted.device).view(-1, *[1] * (weighted.dim() - 1))
+            divisor = (w * agree).sum(0)
+            combined = combined / torch.where(divisor == 0, 1.0, divisor)
+        return origin + scale * combined, sparsity_details(sparse)
 
-    settings = {"density": density, "seed": seed, "mask": "sha256(seed, parameter, model) → torch.Generator"}
-    return _base_relative("dare_ties", state_a, state_b, base, alpha, scale, settings, combine, return_log)
+    return per_tensor_merge(
+        rule, states, weights, base, {}, merge_one, needs_base=True, logged=logged, return_log=return_log
+    )
+
+
+def merge_ties(states, weights, base=None, *, return_log=False, **options):
+    """TIES (mergekit): trim each task vector to its top ``int(densityᵢ·n)`` magnitudes (0.2 is
+    the TIES paper's k = 20 %), elect signs by the weighted sum, take the weighted mean of the
+    agreeing entries (:func:`ties_rule`)."""
+    return ties_rule("ties", states, weights, base, return_log=return_log, **options)
+
+
+def merge_dare_ties(states, weights, base=None, *, return_log=False, **options):
+    """DARE-TIES (mergekit): :func:`random_keep_rescaled` each task vector (seeded by ``seed``),
+    elect signs by the weighted sum, add the agreeing weighted entries, not normalised
+    (:func:`ties_rule`). The same seed gives byte-identical weights."""
+    return ties_rule("dare_ties", states, weights, base, return_log=return_log, **options)
 
 
 @register_section
@@ -311,7 +340,7 @@ class BaseRuleOptions(OptionSection):
 
     ``density``: fraction of each task vector that ``ties`` keeps (top magnitudes; 0.2 is the
     TIES paper's k) and ``dare_ties`` keeps at random (seeded by the config's ``seed``);
-    ``task_scale``: λ in ``base + λ·((1−α)·τ_A + α·τ_B)`` (with α = ½, 1 averages the task
+    ``task_scale``: λ in ``base + λ·Σ wᵢτᵢ`` (two models with α = ½: 1 averages the task
     vectors, 2 sums them).
     """
 
@@ -325,9 +354,7 @@ class BaseRuleOptions(OptionSection):
     )
     task_scale: float = field(
         default=1.0,
-        metadata=meta(
-            "Base-relative rules: λ in base + λ·((1−α)·τA + α·τB) (default 1).", "task_scale", flag="--task-scale"
-        ),
+        metadata=meta("Base-relative rules: λ in base + λ·Σ wᵢτᵢ (default 1).", "task_scale", flag="--task-scale"),
     )
 
     def __post_init__(self) -> None:

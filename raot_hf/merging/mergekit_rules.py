@@ -2,7 +2,7 @@
 
 Each rule has one signature for any number of models::
 
-    rule(states, weights, base=None, **options) -> (merged, log)
+    rule(states, weights, base=None, *, return_log=False, **options)
 
 ``states`` are state dicts whose keys and shapes agree (the first is the reference: mergekit's
 ``base_model`` for SLERP, the basis every other model was moved into), ``weights`` one number per
@@ -12,16 +12,13 @@ setting that varies by layer or module (:mod:`raot_hf.merging.layered`): the rul
 per tensor from the tensor's name and ``layer_count`` (the model's layers; counted from the
 names given when absent). Arithmetic runs in float64 and each result is cast to the reference's
 dtype; tensors that are not floating point are copied from the reference.
-
-:func:`pair_form` and :func:`group_form` adapt a rule to the merger's two-model
-(``state_a, state_b, *, alpha``) and N-model (``states, *, weights``) call forms.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,10 +27,9 @@ import torch
 from raot_hf.config.options import meta
 from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
-from raot_hf.merging.base_rules import _tensor_seed, check_base_states
-from raot_hf.merging.layered import check_setting, count_layers, evaluate_setting
-from raot_hf.merging.nary import _check_states, _linear_entry_n, check_weights, elect_signs, l1_rescaled
-from raot_hf.merging.rules import StateDict, _check_unit, _copy_non_float, _f64, _finish, _new_log, _note
+from raot_hf.merging.base_rules import _tensor_seed, elect_signs, l1_rescaled, per_tensor_merge
+from raot_hf.merging.layered import check_setting
+from raot_hf.merging.rules import StateDict, _check_seed, _check_unit, check_weights
 
 logger = logging.getLogger("raot_hf.merging")
 
@@ -50,60 +46,8 @@ MODEL_STOCK_EPS = 1e-6
 #: mergekit's defaults of the options given as None.
 DEFAULTS = {"density": 1.0, "epsilon": 0.15, "gamma": 0.01, "scale": 1.0}
 
-#: One tensor merged: (name, the models' tensors in float64, the base's or None, evaluated options) → tensor.
-TensorMerge = Callable[[str, list[torch.Tensor], "torch.Tensor | None", dict[str, Any]], torch.Tensor]
 
-
-# ----------------------------------------------------------------------------- the shared loop
-
-
-def per_tensor_merge(
-    rule: str,
-    states: Sequence[StateDict],
-    weights: Sequence[float],
-    base: StateDict | None,
-    settings: dict[str, Any],
-    merge_one: TensorMerge,
-    *,
-    needs_base: bool,
-    layer_count: int | None,
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Run ``merge_one`` on every floating-point tensor with ``settings`` evaluated for it; a
-    tensor the base lacks merges linearly (normalised weights), with a warning."""
-    _check_states(states)
-    ref = states[0]
-    if needs_base and base is None:
-        raise RaotError(f"merge_rule={rule!r} measures task vectors; pass the base model (base_model: or --base)")
-    missing = check_base_states(base, ref) if base is not None else []
-    layers = count_layers(ref) if layer_count is None else int(layer_count)
-    # lists as tuples: a chunked merge's logs add up lists (add_rule_log), settings stay as given
-    given = {"weights": weights, **settings}
-    log = _new_log(rule, {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
-    if missing and needs_base:
-        floating = [k for k in missing if ref[k].is_floating_point()]
-        if floating:
-            logger.warning("%d parameter(s) are not in the base (first: %s): they merge linearly", *_first(floating))
-        log["settings"]["not_in_base"] = missing
-    total = sum(weights)
-    normalised = [w / total for w in weights] if total > 0 else [1.0 / len(weights)] * len(weights)
-    merged: dict[str, torch.Tensor] = {}
-    for key, r in ref.items():
-        tensors = [s[key] for s in states]
-        if not r.is_floating_point():
-            merged[key] = _copy_non_float(key, r, tensors[1], log)
-            continue
-        if needs_base and key not in base:
-            merged[key] = _linear_entry_n(key, tensors, normalised, log)
-            continue
-        values = {name: evaluate_setting(v, key, layers) for name, v in settings.items()}
-        origin = _f64(base[key]).to(r.device) if base is not None and key in base else None
-        _note(log, key, rule, **{k: v for k, v in values.items() if isinstance(v, (int, float))})
-        merged[key] = merge_one(key, [_f64(t).to(r.device) for t in tensors], origin, values).to(r.dtype)
-    return merged, log
-
-
-def _first(names: list[str]) -> tuple[int, str]:
-    return len(names), names[0]
+# ----------------------------------------------------------------------------- checks
 
 
 def _required(rule: str, name: str, value: Any, key: str) -> float:
@@ -139,14 +83,7 @@ def slerp_vectors(t: float, v0: torch.Tensor, v1: torch.Tensor) -> torch.Tensor:
     return (math.sin(theta - theta * t) * v0 + math.sin(theta * t) * v1) / math.sin(theta)
 
 
-def slerp(
-    states: Sequence[StateDict],
-    weights: Sequence[float] = (),
-    base: StateDict | None = None,
-    *,
-    t: Any = None,
-    layer_count: int | None = None,
-) -> tuple[dict, dict]:
+def slerp(states, weights=(), base=None, *, t: Any = None, layer_count: int | None = None, return_log=False):
     """mergekit's ``slerp``: per tensor, :func:`slerp_vectors` from the first model (mergekit's
     ``base_model``; ``t = 0`` returns it) to the second by ``t`` (required; may vary by layer or
     module). Two models; ``weights`` and ``base`` are not read."""
@@ -154,12 +91,13 @@ def slerp(
     t = check_setting("t", t)
 
     def merge_one(key, tensors, origin, values):
-        return slerp_vectors(_required("slerp", "t", values["t"], key), tensors[0], tensors[1])
+        return slerp_vectors(_required("slerp", "t", values["t"], key), tensors[0], tensors[1]), {}
 
     weights = list(weights) or [0.5, 0.5]
     return per_tensor_merge(
-        "slerp", states, weights, None, {"t": t}, merge_one, needs_base=False, layer_count=layer_count
-    )
+        "slerp", states, weights, None, {"t": t}, merge_one,
+        needs_base=False, layer_count=layer_count, return_log=return_log,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- NuSLERP
@@ -194,7 +132,8 @@ def nuslerp(
     row_wise: bool = False,
     flatten: bool = True,
     layer_count: int | None = None,
-) -> tuple[dict, dict]:
+    return_log: bool = False,
+):
     """mergekit's ``nuslerp``: ``t = w₂/(w₁ + w₂)`` (½ when the weights sum to ~0) and
     :func:`nuslerp_rows` of the two models (``flatten``, mergekit's default: the whole tensor;
     else row by row, ``row_wise`` column by column) — or, with ``base``, ``base + nuslerp`` of
@@ -205,12 +144,15 @@ def nuslerp(
 
     def merge_one(key, tensors, origin, values):
         if origin is None:
-            return nuslerp_rows(t, tensors[0], tensors[1], row_wise=row_wise, flatten=flatten)
+            return nuslerp_rows(t, tensors[0], tensors[1], row_wise=row_wise, flatten=flatten), {}
         tasks = [x - origin for x in tensors]
-        return origin + nuslerp_rows(t, tasks[0], tasks[1], row_wise=row_wise, flatten=flatten)
+        return origin + nuslerp_rows(t, tasks[0], tasks[1], row_wise=row_wise, flatten=flatten), {}
 
     settings = {"t": t, "row_wise": bool(row_wise), "flatten": bool(flatten)}
-    return per_tensor_merge("nuslerp", states, w, base, settings, merge_one, needs_base=False, layer_count=layer_count)
+    return per_tensor_merge(
+        "nuslerp", states, w, base, settings, merge_one,
+        needs_base=False, layer_count=layer_count, return_log=return_log,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- Model Stock
@@ -247,18 +189,20 @@ def model_stock(
     *,
     filter_wise: bool = False,
     layer_count: int | None = None,
-) -> tuple[dict, dict]:
+    return_log: bool = False,
+):
     """mergekit's ``model_stock`` (Jang et al. 2024) over two or more fine-tunes of ``base``:
     :func:`model_stock_tensor` per tensor; ``weights`` are not read."""
     weights = list(weights) or [1.0] * len(states)
 
     def merge_one(key, tensors, origin, values):
-        return model_stock_tensor(origin, tensors, filter_wise=bool(filter_wise))
+        return model_stock_tensor(origin, tensors, filter_wise=bool(filter_wise)), {}
 
     settings = {"filter_wise": bool(filter_wise)}
     return per_tensor_merge(
-        "model_stock", states, weights, base, settings, merge_one, needs_base=True, layer_count=layer_count
-    )
+        "model_stock", states, weights, base, settings, merge_one,
+        needs_base=True, layer_count=layer_count, return_log=return_log,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- DELLA and Breadcrumbs
@@ -332,15 +276,15 @@ def task_vector_rule(
     scale: Any = None,
     seed: int = 0,
     layer_count: int | None = None,
-) -> tuple[dict, dict]:
+    return_log: bool = False,
+):
     """mergekit's generalized task arithmetic with DELLA's or Breadcrumbs' sparsification
     (:data:`TASK_RULES`): each τᵢ = Wᵢ − base sparsified, weighted by wᵢ; with sign election only
     the entries whose sign is that of ``Σ wᵢτᵢ`` count; normalised by the weights that count
     (DELLA); ``W = base + λ·mixed``."""
     sparsify, elect, normalise = TASK_RULES[rule]
     weights = check_weights(weights, len(states), normalise=False)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise RaotError(f"seed={seed!r} must be a non-negative integer.")
+    seed = _check_seed(seed)
     kept = _densities(density, densities, len(states))
     settings = {f"density{i}": d for i, d in enumerate(kept, start=1)}
     settings["scale"] = check_setting("scale", DEFAULTS["scale"] if scale is None else scale)
@@ -366,61 +310,33 @@ def task_vector_rule(
             divisor = sum(weights) if abs(sum(weights)) >= 1e-8 else 1.0
         if normalise:
             mixed = mixed / divisor
-        return origin + _required(rule, "scale", values["scale"], key) * mixed
+        return origin + _required(rule, "scale", values["scale"], key) * mixed, {}
 
-    if sparsify == "della":
-        settings["mask"] = "sha256(seed, parameter, model) → torch.Generator"
-        settings["seed"] = seed
-    return per_tensor_merge(rule, states, weights, base, settings, merge_one, needs_base=True, layer_count=layer_count)
+    logged = {"mask": "sha256(seed, parameter, model) → torch.Generator", "seed": seed} if sparsify == "della" else {}
+    return per_tensor_merge(
+        rule, states, weights, base, settings, merge_one,
+        needs_base=True, layer_count=layer_count, logged=logged, return_log=return_log,
+    )  # fmt: skip
 
 
-def della(states, weights, base=None, **options):
+def della(states, weights, base=None, *, return_log=False, **options):
     """mergekit's ``della``: MagPrune (:func:`della_keep`), sign election, normalised mean."""
-    return task_vector_rule("della", states, weights, base, **options)
+    return task_vector_rule("della", states, weights, base, return_log=return_log, **options)
 
 
-def della_linear(states, weights, base=None, **options):
+def della_linear(states, weights, base=None, *, return_log=False, **options):
     """mergekit's ``della_linear``: MagPrune (:func:`della_keep`), weighted sum, no sign election."""
-    return task_vector_rule("della_linear", states, weights, base, **options)
+    return task_vector_rule("della_linear", states, weights, base, return_log=return_log, **options)
 
 
-def breadcrumbs(states, weights, base=None, **options):
+def breadcrumbs(states, weights, base=None, *, return_log=False, **options):
     """mergekit's ``breadcrumbs``: :func:`breadcrumbs_keep`, weighted sum, no sign election."""
-    return task_vector_rule("breadcrumbs", states, weights, base, **options)
+    return task_vector_rule("breadcrumbs", states, weights, base, return_log=return_log, **options)
 
 
-def breadcrumbs_ties(states, weights, base=None, **options):
+def breadcrumbs_ties(states, weights, base=None, *, return_log=False, **options):
     """mergekit's ``breadcrumbs_ties``: :func:`breadcrumbs_keep`, sign election, weighted sum."""
-    return task_vector_rule("breadcrumbs_ties", states, weights, base, **options)
-
-
-# ----------------------------------------------------------------------------- call forms
-
-
-def pair_form(rule: Callable) -> Callable:
-    """``rule`` in the merger's two-model form ``fn(state_a, state_b, *, alpha, ..., return_log)``:
-    weights ``(1 − α, α)``, or ``pair_weights`` (the merge file's two weights) when given."""
-
-    def fn(state_a, state_b, *, alpha: float = 0.5, pair_weights=None, return_log: bool = False, **options):
-        weights = list(pair_weights) if pair_weights else [1.0 - _check_unit("alpha", alpha), float(alpha)]
-        merged, log = rule([state_a, state_b], weights, **options)
-        return _finish(merged, log, return_log)
-
-    fn.__name__ = fn.__qualname__ = f"{rule.__name__}_pair"
-    fn.__doc__ = rule.__doc__
-    return fn
-
-
-def group_form(rule: Callable) -> Callable:
-    """``rule`` in the merger's N-model form ``fn(states, *, weights, ..., return_log)``."""
-
-    def fn(states, *, weights, pair_weights=None, return_log: bool = False, **options):
-        merged, log = rule(list(states), list(weights), **options)
-        return _finish(merged, log, return_log)
-
-    fn.__name__ = fn.__qualname__ = f"{rule.__name__}_n"
-    fn.__doc__ = rule.__doc__
-    return fn
+    return task_vector_rule("breadcrumbs_ties", states, weights, base, return_log=return_log, **options)
 
 
 # ----------------------------------------------------------------------------- options
@@ -469,13 +385,10 @@ __all__ = [
     "della",
     "della_keep",
     "della_linear",
-    "group_form",
     "model_stock",
     "model_stock_tensor",
     "nuslerp",
     "nuslerp_rows",
-    "pair_form",
-    "per_tensor_merge",
     "slerp",
     "slerp_vectors",
     "task_vector_rule",

@@ -1,9 +1,16 @@
-"""Merge rules on aligned state dicts (docs/design.md §6).
+"""Merge rules on aligned state dicts (docs/design.md §6): the weight-space rules.
 
-Every rule takes state dicts (parameter name → tensor) whose keys and shapes agree — model B
-has already been aligned to A (B′) — and returns the merged state dict. The arithmetic runs in
-float64, one tensor at a time, and each result is cast back to A's dtype. Tensors that are not
-floating point (integer buffers such as ``position_ids``) are copied from A.
+Every rule of the registry has one signature for any number of models::
+
+    rule(states, weights, base=None, *, return_log=False, **options)
+
+``states`` are N ≥ 2 state dicts (parameter name → tensor) whose keys and shapes agree — the first
+is the reference, the others already moved into its basis (for two models: A and B′) — and
+``weights`` one non-negative number per model; two models merged with weight α on B′ are
+``weights=(1 − α, α)``. The arithmetic runs in float64, one tensor at a time, and each result is
+cast to the reference's dtype. Tensors that are not floating point (integer buffers such as
+``position_ids``) are copied from the reference. Inputs a rule reads per model come as lists in
+the models' order (``grams=[...]``, ``fishers=[...]``).
 
 With ``return_log=True`` a rule returns ``(merged, log)`` (the POT convention). The log is
 JSON-serialisable and feeds the provenance report::
@@ -11,17 +18,20 @@ JSON-serialisable and feeds the provenance report::
     {"rule": "regmean", "settings": {...}, "counts": {"regmean": 72, "linear": 127},
      "params": {"encoder.layer.0.attention.self.query.weight": {"method": "regmean", ...}, ...}}
 
-Endpoints are exact: wherever a rule has an ``alpha``, ``alpha=0`` returns A's tensors bit for
-bit and ``alpha=1`` returns B′'s (cast to A's dtype), without any arithmetic that could round
-or flip the sign of a zero. The base-relative rules (task arithmetic, TIES, DARE-TIES) are in
-:mod:`raot_hf.merging.base_rules`, where α weights the task vectors instead.
+The rules here (linear, RegMean, Fisher) take a weighted mean, the weights normalised to sum 1.
+Endpoints are exact: when one model has all the weight, its tensors come back bit for bit (cast
+to the reference's dtype), without any arithmetic that could round or flip the sign of a zero.
+Sums run left to right from the first model's term, so two models with weights (1 − α, α) give
+``(1 − α)·x_A + α·x_B′`` exactly as written. The base-relative rules (task arithmetic, TIES,
+DARE-TIES) are in :mod:`raot_hf.merging.base_rules`, mergekit's further rules in
+:mod:`raot_hf.merging.mergekit_rules`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +79,31 @@ def check_compatible_states(state_a: StateDict, state_b: StateDict, *, names: tu
             raise RaotError(f"parameter {key!r} is floating point in one model and not in the other: {fix}.")
 
 
+def model_names(n: int) -> list[str]:
+    """How messages name the models: A and B′ for two, else model 1 … model N."""
+    return ["A", "B′"] if n == 2 else [f"model {i}" for i in range(1, n + 1)]
+
+
+def _check_states(states: Sequence[StateDict]) -> None:
+    if len(states) < 2:
+        raise RaotError(f"a merge needs at least two models, got {len(states)}.")
+    names = model_names(len(states))
+    for name, state in zip(names[1:], states[1:]):
+        check_compatible_states(states[0], state, names=(names[0], name))
+
+
+def check_weights(weights: Sequence[float], n: int, *, normalise: bool) -> list[float]:
+    """One finite, non-negative weight per model with a positive sum; divided by the sum when
+    ``normalise``."""
+    weights = [float(w) for w in weights]
+    if len(weights) != n:
+        raise RaotError(f"{len(weights)} weights for {n} models; give one weight per model (--weights w1,w2,...).")
+    if not all(math.isfinite(w) and w >= 0.0 for w in weights) or not sum(weights) > 0.0:
+        raise RaotError(f"weights {weights} must be finite, non-negative and not all zero.")
+    total = sum(weights)
+    return [w / total for w in weights] if normalise else weights
+
+
 def _check_unit(name: str, value: float, *, open_low: bool = False) -> float:
     value = float(value)
     low_ok = value > 0.0 if open_low else value >= 0.0
@@ -85,11 +120,25 @@ def _check_finite(name: str, value: float) -> float:
     return value
 
 
+def _check_seed(seed: Any) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise RaotError(f"seed={seed!r} must be a non-negative integer.")
+    return seed
+
+
 # ----------------------------------------------------------------------------- helpers
 
 
 def _f64(t: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(t).detach().to(_F64)
+
+
+def _total(terms: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``terms[0] + terms[1] + …`` from the first term (a zero start would turn −0 into +0)."""
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
 
 
 def _new_log(rule: str, settings: dict[str, Any]) -> dict[str, Any]:
@@ -107,46 +156,55 @@ def _finish(merged: dict[str, torch.Tensor], log: dict[str, Any], return_log: bo
     return (merged, log) if return_log else merged
 
 
-def _copy_non_float(key: str, a: torch.Tensor, b: torch.Tensor, log: dict[str, Any]) -> torch.Tensor:
-    same = torch.equal(a.detach().cpu(), b.detach().cpu())
+def _copy_non_float(key: str, ref: torch.Tensor, other: torch.Tensor, log: dict[str, Any]) -> torch.Tensor:
+    same = torch.equal(ref.detach().cpu(), other.detach().cpu())
     if not same:
         logger.warning("non-float tensor %s differs between the models; A's is kept", key)
     _note(log, key, "copied from A (not floating point)", identical=same)
-    return a.detach().clone()
+    return ref.detach().clone()
 
 
-def _linear_entry(key: str, a: torch.Tensor, b: torch.Tensor, alpha: float, log: dict[str, Any]) -> torch.Tensor:
-    if not a.is_floating_point():
-        return _copy_non_float(key, a, b, log)
-    if alpha == 0.0:
-        _note(log, key, "linear")
-        return a.detach().clone()
-    if alpha == 1.0:
-        _note(log, key, "linear")
-        return b.detach().to(dtype=a.dtype, device=a.device, copy=True)
-    merged = (1.0 - alpha) * _f64(a) + alpha * _f64(b).to(a.device)
+def _sole_model(weights: Sequence[float]) -> int | None:
+    """The index of the one model with non-zero weight, or None when several have some."""
+    nonzero = [i for i, w in enumerate(weights) if w != 0.0]
+    return nonzero[0] if len(nonzero) == 1 else None
+
+
+def _linear_entry(key: str, tensors: Sequence[torch.Tensor], weights: Sequence[float], log: dict) -> torch.Tensor:
+    """``Σ wᵢ·xᵢ`` of one tensor (weights summing to 1; zero-weight models left out); a model with
+    all the weight is returned bit for bit, and a non-floating-point tensor comes from the reference."""
+    ref = tensors[0]
+    if not ref.is_floating_point():
+        return _copy_non_float(key, ref, tensors[1], log)
     _note(log, key, "linear")
-    return merged.to(a.dtype)
+    sole = _sole_model(weights)
+    if sole is not None:
+        return tensors[sole].detach().to(dtype=ref.dtype, device=ref.device, copy=True)
+    terms = [w * _f64(t).to(ref.device) for t, w in zip(tensors, weights, strict=True) if w != 0.0]
+    return _total(terms).to(ref.dtype)
 
 
-def _endpoint_state(state_a: StateDict, state_b: StateDict, alpha: float, log: dict[str, Any]) -> dict:
-    log["settings"]["endpoint"] = "alpha=0 returns A exactly" if alpha == 0.0 else "alpha=1 returns B′ exactly"
-    return {key: _linear_entry(key, a, state_b[key], alpha, log) for key, a in state_a.items()}
+def _endpoint_state(states: Sequence[StateDict], weights: Sequence[float], log: dict[str, Any]) -> dict | None:
+    """Every tensor of the model with all the weight (bit for bit), or None when several have some."""
+    sole = _sole_model(weights)
+    if sole is None:
+        return None
+    log["settings"]["endpoint"] = f"all the weight on {model_names(len(states))[sole]}: its tensors exactly"
+    return {key: _linear_entry(key, [s[key] for s in states], weights, log) for key in states[0]}
 
 
 # ----------------------------------------------------------------------------- linear
 
 
-def merge_linear(state_a: StateDict, state_b: StateDict, *, alpha: float = 0.5, return_log: bool = False):
-    """Linear interpolation ``W = (1 − α)·W_A + α·W_B′`` of every floating-point tensor.
-
-    ``alpha`` is the weight of B′ in [0, 1]; ``alpha=0`` gives A bit for bit, ``alpha=1`` B′.
-    Returns the merged state dict, or ``(merged, log)`` with ``return_log=True``.
-    """
-    check_compatible_states(state_a, state_b)
-    alpha = _check_unit("alpha", alpha)
-    log = _new_log("linear", {"alpha": alpha})
-    merged = {key: _linear_entry(key, a, state_b[key], alpha, log) for key, a in state_a.items()}
+def merge_linear(
+    states: Sequence[StateDict], weights: Sequence[float], base: StateDict | None = None, *, return_log: bool = False
+):
+    """Linear interpolation ``W = Σ wᵢWᵢ / Σ wᵢ`` of every floating-point tensor (two models with
+    weights (1 − α, α): ``(1 − α)·W_A + α·W_B′``). ``base`` is not read."""
+    _check_states(states)
+    weights = check_weights(weights, len(states), normalise=True)
+    log = _new_log("linear", {"weights": tuple(weights)})  # a tuple: chunks' logs add up lists
+    merged = {key: _linear_entry(key, [s[key] for s in states], weights, log) for key in states[0]}
     return _finish(merged, log, return_log)
 
 
@@ -167,25 +225,25 @@ def shrink_gram(gram: torch.Tensor, shrink: float) -> torch.Tensor:
 
 
 def _regmean_groups(
-    state_a: StateDict, linear_weights: Mapping[str, str], grams_a: Mapping, grams_b: Mapping
+    ref: StateDict, linear_weights: Mapping[str, str], grams: Sequence[Mapping[str, torch.Tensor]]
 ) -> dict[str, list[str]]:
-    """Group the RegMean weights by gram key (q, k and v read one input), validating shapes."""
+    """Group the RegMean weights by gram key (q, k and v read one input), validating every model's Grams."""
     groups: dict[str, list[str]] = {}
     for name, gram_key in linear_weights.items():
-        if name not in state_a:
+        if name not in ref:
             raise RaotError(f"RegMean weight {name!r} is not a parameter of the models; check the linear_weights map.")
-        weight = state_a[name]
+        weight = ref[name]
         if weight.dim() != 2 or not weight.is_floating_point():
             raise RaotError(
                 f"RegMean weight {name!r} must be a 2-D floating-point Linear weight, got shape {tuple(weight.shape)}."
             )
-        for side, grams in (("A", grams_a), ("B′", grams_b)):
-            if gram_key not in grams:
+        for side, model_grams in zip(model_names(len(grams)), grams, strict=True):
+            if gram_key not in model_grams:
                 raise RaotError(
                     f"no Gram matrix {gram_key!r} for {side} (needed by {name!r}); "
                     "collect input Grams for every RegMean layer in the calibration pass."
                 )
-            gram = grams[gram_key]
+            gram = model_grams[gram_key]
             fan_in = weight.shape[1]
             if tuple(gram.shape) != (fan_in, fan_in):
                 raise RaotError(
@@ -231,70 +289,64 @@ def _solve_symmetric(
 
 
 def merge_regmean(
-    state_a: StateDict,
-    state_b: StateDict,
+    states: Sequence[StateDict],
+    weights: Sequence[float],
+    base: StateDict | None = None,
     *,
-    grams_a: Mapping[str, torch.Tensor],
-    grams_b: Mapping[str, torch.Tensor],
+    grams: Sequence[Mapping[str, torch.Tensor]],
     linear_weights: Mapping[str, str],
-    alpha: float = 0.5,
     shrink: float = 0.9,
     transposed_weights: Collection[str] = (),
     return_log: bool = False,
 ):
-    """RegMean: per Linear layer, the weight that best reproduces both models' outputs on their inputs.
+    """RegMean: per Linear layer, the weight that best reproduces every model's outputs on its inputs.
 
     For each weight name in ``linear_weights`` (weight name → gram key; weights reading the same
-    input, such as q, k and v, or DeBERTa v1's fused ``in_proj``, may share a key), with input
-    Grams ``G = XᵀX`` (in × in) of A and B′::
+    input, such as q, k and v, or DeBERTa v1's fused ``in_proj``, may share a key), with each
+    model's input Gram ``Gᵢ = XᵢᵀXᵢ`` (in × in; ``grams``: one mapping per model) and the weights
+    wᵢ normalised to sum 1::
 
-        W = ((1−α)·G̃_A + α·G̃_B)⁻¹ · ((1−α)·G̃_A·W_Aᵀ + α·G̃_B·W_B′ᵀ), transposed back to (out, in)
+        W = (Σ wᵢG̃ᵢ)⁻¹ · Σ wᵢG̃ᵢWᵢᵀ, transposed back to (out, in)
 
-    where ``G̃ = shrink·G + (1 − shrink)·diag(G)``. This minimises
-    ``(1−α)·‖X̃_A·(W − W_A)ᵀ‖² + α·‖X̃_B·(W − W_B′)ᵀ‖²``; α=0.5 is plain RegMean, α=0 gives A.
-    Systems are solved (Cholesky), never inverted; a singular one gets a tiny ridge towards the
-    linear merge (see :func:`_solve_symmetric`), recorded in the log. Every other tensor
-    (biases, LayerNorms, embeddings) merges linearly with the same α. Weights named in
-    ``transposed_weights`` are stored (in, out) — GPT-2's ``Conv1D`` — and solved as their
-    transpose.
+    where ``G̃ = shrink·G + (1 − shrink)·diag(G)``. This minimises ``Σ wᵢ‖X̃ᵢ·(W − Wᵢ)ᵀ‖²``; two
+    models with equal weights are plain RegMean. Systems are solved (Cholesky), never inverted; a
+    singular one gets a tiny ridge towards the linear merge (see :func:`_solve_symmetric`),
+    recorded in the log. Every other tensor (biases, LayerNorms, embeddings) merges linearly
+    with the same weights. Weights named in ``transposed_weights`` are stored (in, out) —
+    GPT-2's ``Conv1D`` — and solved as their transpose. ``base`` is not read.
     """
-    check_compatible_states(state_a, state_b)
-    alpha = _check_unit("alpha", alpha)
+    _check_states(states)
+    weights = check_weights(weights, len(states), normalise=True)
     shrink = _check_unit("shrink", shrink)
+    if len(grams) != len(states):
+        raise RaotError(f"{len(grams)} Gram sets for {len(states)} models; RegMean needs one per model.")
     transposed = set(transposed_weights)
+    ref = states[0]
 
     def as_linear(state: StateDict, name: str) -> torch.Tensor:  # (out, in)
         w = _f64(state[name])
         return w.T if name in transposed else w
 
-    groups = _regmean_groups(
-        {n: (w.T if n in transposed else w) for n, w in state_a.items() if n in linear_weights},
-        linear_weights,
-        grams_a,
-        grams_b,
-    )
-    log = _new_log("regmean", {"alpha": alpha, "shrink": shrink, "ridge_relative": RIDGE_RELATIVE})
-    if alpha in (0.0, 1.0):
-        return _finish(_endpoint_state(state_a, state_b, alpha, log), log, return_log)
+    stored = {n: (w.T if n in transposed else w) for n, w in ref.items() if n in linear_weights}
+    groups = _regmean_groups(stored, linear_weights, grams)
+    log = _new_log("regmean", {"weights": weights, "shrink": shrink, "ridge_relative": RIDGE_RELATIVE})
+    endpoint = _endpoint_state(states, weights, log)
+    if endpoint is not None:
+        return _finish(endpoint, log, return_log)
 
-    merged: dict[str, torch.Tensor] = {}
-    for key, a in state_a.items():
-        if key not in linear_weights:
-            merged[key] = _linear_entry(key, a, state_b[key], alpha, log)
+    merged = {k: _linear_entry(k, [s[k] for s in states], weights, log) for k in ref if k not in linear_weights}
     for gram_key, names in tqdm(groups.items(), desc="RegMean solves", leave=False, disable=len(groups) < 4):
-        device = state_a[names[0]].device
-        gram_a = (1.0 - alpha) * shrink_gram(grams_a[gram_key], shrink).to(device)
-        gram_b = alpha * shrink_gram(grams_b[gram_key], shrink).to(device)
-        w_a = torch.cat([as_linear(state_a, n) for n in names], dim=0)
-        w_b = torch.cat([as_linear(state_b, n).to(device) for n in names], dim=0)
-        rhs = gram_a @ w_a.T + gram_b @ w_b.T
-        prior = ((1.0 - alpha) * w_a + alpha * w_b).T
-        solution, info = _solve_symmetric(gram_a + gram_b, rhs, prior)
+        device = ref[names[0]].device
+        shrunk = [w * shrink_gram(g[gram_key], shrink).to(device) for g, w in zip(grams, weights, strict=True)]
+        stacked = [torch.cat([as_linear(s, n).to(device) for n in names], dim=0) for s in states]
+        rhs = _total([g @ x.T for g, x in zip(shrunk, stacked, strict=True)])
+        prior = _total([w * x for w, x in zip(weights, stacked, strict=True)]).T
+        solution, info = _solve_symmetric(_total(shrunk), rhs, prior)
         if info["solver"] != "cholesky":
             logger.warning("RegMean system %s is singular; solved with %s", gram_key, info["solver"])
         offset = 0
         for name in names:
-            rows = state_a[name].shape[1 if name in transposed else 0]
+            rows = ref[name].shape[1 if name in transposed else 0]
             weight = solution[:, offset : offset + rows].T
             linear = prior[:, offset : offset + rows].T
             offset += rows
@@ -302,9 +354,8 @@ def merge_regmean(
             others = [n for n in names if n != name]
             _note(log, name, "regmean", gram=gram_key, shared_with=others, relative_change_vs_linear=change, **info)
             weight = weight.T if name in transposed else weight
-            merged[name] = weight.to(state_a[name].dtype).contiguous()
-    merged = {key: merged[key] for key in state_a}
-    return _finish(merged, log, return_log)
+            merged[name] = weight.to(ref[name].dtype).contiguous()
+    return _finish({key: merged[key] for key in ref}, log, return_log)
 
 
 # ----------------------------------------------------------------------------- Fisher
@@ -333,88 +384,65 @@ def _fisher_mean(fisher: Mapping[str, torch.Tensor], state: StateDict, side: str
 
 
 def merge_fisher(
-    state_a: StateDict,
-    state_b: StateDict,
+    states: Sequence[StateDict],
+    weights: Sequence[float],
+    base: StateDict | None = None,
     *,
-    fisher_a: Mapping[str, torch.Tensor],
-    fisher_b: Mapping[str, torch.Tensor],
-    alpha: float = 0.5,
+    fishers: Sequence[Mapping[str, torch.Tensor]],
     eps: float = 1e-8,
     return_log: bool = False,
 ):
-    """Fisher-weighted averaging with diagonal Fishers (same keys and shapes as the parameters).
+    """Fisher-weighted averaging with diagonal Fishers (``fishers``: one per model, with the
+    parameters' keys and shapes).
 
     Normalisation: each model's Fisher is divided by its mean over all the entries it covers,
-    so both have mean 1. Only the ratio F_A/F_B matters per entry, and this keeps a model whose
-    Fisher is larger overall (a sharper loss, more samples, a summed estimator) from winning
-    every entry, while keeping relative importance within that model. ``eps`` is then in units
-    of the mean Fisher and is added to both::
+    so all have mean 1. Only the ratios of the Fishers matter per entry, and this keeps a model
+    whose Fisher is larger overall (a sharper loss, more samples, a summed estimator) from
+    winning every entry, while keeping relative importance within that model. ``eps`` is then in
+    units of the mean Fisher and is added to every one; with the weights wᵢ normalised::
 
-        F̂ = F / mean(F) + eps;   W = ((1−α)·F̂_A·W_A + α·F̂_B·W_B′) / ((1−α)·F̂_A + α·F̂_B)
+        F̂ᵢ = Fᵢ / mean(Fᵢ) + eps;   W = Σ wᵢF̂ᵢWᵢ / Σ wᵢF̂ᵢ
 
-    Adding eps to both Fishers (rather than only to the denominator) makes entries where neither
+    Adding eps to every Fisher (rather than only to the denominator) makes entries where no
     model has Fisher mass fall back to the linear merge instead of to zero, and equal Fishers
-    give exactly the linear merge. Parameters absent from the Fishers merge linearly.
+    give exactly the linear merge. Parameters absent from the Fishers merge linearly. ``base``
+    is not read.
     """
-    check_compatible_states(state_a, state_b)
-    alpha = _check_unit("alpha", alpha)
+    _check_states(states)
+    weights = check_weights(weights, len(states), normalise=True)
     eps = _check_finite("eps", eps)
     if eps <= 0.0:
         raise RaotError(f"eps must be positive, got {eps}.")
-    _check_same_fisher_keys(fisher_a, fisher_b)
-    mean_a = _fisher_mean(fisher_a, state_a, "A")
-    mean_b = _fisher_mean(fisher_b, state_b, "B′")
-    log = _new_log(
-        "fisher",
-        {
-            "alpha": alpha,
-            "eps": eps,
-            "normalisation": "each Fisher divided by its mean",
-            "mean_a": mean_a,
-            "mean_b": mean_b,
-        },
-    )
-    if alpha in (0.0, 1.0):
-        return _finish(_endpoint_state(state_a, state_b, alpha, log), log, return_log)
+    if len(fishers) != len(states):
+        raise RaotError(f"{len(fishers)} Fishers for {len(states)} models; the Fisher rule needs one per model.")
+    for fisher in fishers[1:]:
+        if set(fisher) != set(fishers[0]):
+            missing = sorted(set(fishers[0]) ^ set(fisher))[0]
+            raise RaotError(
+                f"the Fishers cover different parameters (first: {missing!r}); compute them all on the same set."
+            )
+    sides = model_names(len(states))
+    means = [_fisher_mean(f, s, side) for f, s, side in zip(fishers, states, sides, strict=True)]
+    settings = {"weights": weights, "eps": eps, "normalisation": "each Fisher divided by its mean", "means": means}
+    log = _new_log("fisher", settings)
+    endpoint = _endpoint_state(states, weights, log)
+    if endpoint is not None:
+        return _finish(endpoint, log, return_log)
 
     merged: dict[str, torch.Tensor] = {}
-    for key, a in state_a.items():
-        if key not in fisher_a or not a.is_floating_point():
-            merged[key] = _linear_entry(key, a, state_b[key], alpha, log)
+    for key, ref in states[0].items():
+        tensors = [s[key] for s in states]
+        if key not in fishers[0] or not ref.is_floating_point():
+            merged[key] = _linear_entry(key, tensors, weights, log)
             continue
-        fishers = (fisher_a[key], fisher_b[key])
-        merged[key] = _fisher_entry(key, a, state_b[key], fishers, (mean_a, mean_b), alpha, eps, log)
+        parts = [
+            w * (_f64(f[key]).to(ref.device) / mean + eps) for f, mean, w in zip(fishers, means, weights, strict=True)
+        ]
+        total = _total(parts)
+        value = _total([p * _f64(t).to(ref.device) for p, t in zip(parts, tensors, strict=True)]) / total
+        _note(log, key, "fisher", mean_shares=[float((p / total).mean()) for p in parts])
+        merged[key] = value.to(ref.dtype)
     return _finish(merged, log, return_log)
-
-
-def _check_same_fisher_keys(fisher_a: Mapping[str, torch.Tensor], fisher_b: Mapping[str, torch.Tensor]) -> None:
-    """Both Fishers must cover the same parameters."""
-    if set(fisher_a) != set(fisher_b):
-        missing = sorted(set(fisher_a) ^ set(fisher_b))[0]
-        raise RaotError(
-            f"the two Fishers cover different parameters (first: {missing!r}); compute both on the same set."
-        )
-
-
-def _fisher_entry(
-    key: str,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    fishers: tuple[torch.Tensor, torch.Tensor],
-    means: tuple[float, float],
-    alpha: float,
-    eps: float,
-    log: dict[str, Any],
-) -> torch.Tensor:
-    """One parameter's Fisher-weighted mean of ``a`` and ``b`` (see :func:`merge_fisher`),
-    with the mean share of B noted in ``log``."""
-    (fisher_a, fisher_b), (mean_a, mean_b) = fishers, means
-    weight_a = (1.0 - alpha) * (_f64(fisher_a).to(a.device) / mean_a + eps)
-    weight_b = alpha * (_f64(fisher_b).to(a.device) / mean_b + eps)
-    total = weight_a + weight_b
-    value = (weight_a * _f64(a) + weight_b * _f64(b).to(a.device)) / total
-    _note(log, key, "fisher", mean_share_of_b=float((weight_b / total).mean()))
-    return value.to(a.dtype)
 
 
 # ----------------------------------------------------------------------------- heads
@@ -476,7 +504,7 @@ def merge_heads(
         head_b = {name: state_b[name] for name in head_params}
         check_compatible_states(head_a, head_b)
         for name in head_params:
-            merged[name] = _linear_entry(name, state_a[name], state_b[name], alpha, log)
+            merged[name] = _linear_entry(name, [state_a[name], state_b[name]], [1.0 - alpha, alpha], log)
     else:
         source = state_a if policy == "a" else state_b
         for name in head_params:
@@ -484,6 +512,13 @@ def merge_heads(
             merged[name] = source[name].detach().to(dtype=dtype, copy=True)
             _note(log, name, f"head from {'A' if policy == 'a' else 'B′'}")
     return _finish(merged, log, return_log)
+
+
+def merge_heads_n(states: Sequence[StateDict], head_params: Sequence[str], weights: Sequence[float]) -> dict:
+    """The classification head averaged over N models with the same label space (normalised weights)."""
+    weights = check_weights(weights, len(states), normalise=True)
+    log = _new_log("heads", {"policy": "average", "weights": weights})
+    return {name: _linear_entry(name, [s[name] for s in states], weights, log) for name in head_params}
 
 
 @register_section

@@ -100,17 +100,9 @@ def rule_inputs(members: list[Member], spec: MergeRuleSpec, folded: bool, trunk:
     inputs = rule_options(spec, members[0].ctx.config, len(members) + 1, names=trunk)
     if spec.needs_grams:
         grams, usable, transposed = _grams(members, folded)
-        if len(members) == 1:
-            inputs.update(grams_a=grams[0], grams_b=grams[1])
-        else:
-            inputs["grams"] = grams
-        inputs.update(linear_weights=usable, transposed_weights=transposed)
+        inputs.update(grams=grams, linear_weights=usable, transposed_weights=transposed)
     if spec.needs_fisher:
-        fishers = _fishers(members, trunk)
-        if len(members) == 1:
-            inputs.update(fisher_a=fishers[0], fisher_b=fishers[1])
-        else:
-            inputs["fishers"] = fishers
+        inputs["fishers"] = _fishers(members, trunk)
     if spec.needs_base:
         inputs["base"] = members[0].ctx.base.state
     return inputs
@@ -128,8 +120,8 @@ def chunks_of(sizes: dict[str, int]) -> list[list[str]]:
     return [*chunks, chunk] if chunk else chunks
 
 
-def merge_by_chunks(spec: MergeRuleSpec, chunks, read, weighting: dict, inputs: dict, write) -> dict:
-    """Run a per-tensor rule a chunk of names at a time (``weighting``: see
+def merge_by_chunks(spec: MergeRuleSpec, chunks, read, weights: list, inputs: dict, write) -> dict:
+    """Run a per-tensor rule a chunk of names at a time (``weights``: one per model, see
     :func:`raot_hf.merging.apply_rule`): ``read(names)`` gives every model's tensors of the chunk
     (the reference's first), ``write(merged)`` stores the merged ones — into the reference's
     parameters in memory, into output shards when streamed from the files (§7.3) — so float64
@@ -141,14 +133,14 @@ def merge_by_chunks(spec: MergeRuleSpec, chunks, read, weighting: dict, inputs: 
         states = read(names)
         if base is not None:
             inputs["base"] = {k: base[k] for k in names if k in base}
-        part, part_log = apply_rule(spec, states, weighting, **inputs)
+        part, part_log = apply_rule(spec, states, weights, **inputs)
         write(part)
         add_rule_log(log, part_log)
         del part
     return log
 
 
-def merge_in_place(ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weighting: dict, inputs: dict) -> dict:
+def merge_in_place(ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weights: list, inputs: dict) -> dict:
     """:func:`merge_by_chunks` over the trunks in memory, written into the reference's parameters."""
 
     def write(part: dict) -> None:
@@ -157,12 +149,12 @@ def merge_in_place(ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], we
 
     sizes = {name: t.numel() * t.element_size() for name, t in trunks[0].items()}
     return merge_by_chunks(
-        spec, chunks_of(sizes), lambda names: [{k: t[k] for k in names} for t in trunks], weighting, inputs, write
+        spec, chunks_of(sizes), lambda names: [{k: t[k] for k in names} for t in trunks], weights, inputs, write
     )
 
 
 def merge_trunks(
-    ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weighting: dict, inputs: dict, run, method: str,
+    ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weights: list, inputs: dict, run, method: str,
     parents: dict,
 ) -> dict:  # fmt: skip
     """The rule's merge of the trunks (the reference's first), written into the reference's module:
@@ -170,10 +162,10 @@ def merge_trunks(
     side → model, ``"a"`` the reference), a few tensors at a time for a per-tensor rule, else
     whole. Returns the rule's log."""
     if method != "none":
-        return corrected_merge(ctx, spec, trunks, weighting, inputs, run, method, parents)
+        return corrected_merge(ctx, spec, trunks, weights, inputs, run, method, parents)
     if spec.per_tensor:
-        return merge_in_place(ctx, spec, trunks, weighting, inputs)
-    merged, log = apply_rule(spec, trunks, weighting, **inputs)
+        return merge_in_place(ctx, spec, trunks, weights, inputs)
+    merged, log = apply_rule(spec, trunks, weights, **inputs)
     log.pop("params", None)
     load_state(ctx.model_a, merged)
     return log
@@ -227,7 +219,6 @@ def merge_weights(members: list[Member], folded: bool) -> dict[str, Any]:
     weights = model_weights(cfg, len(models))
     moved = Alignment([d for m in members for d in m.alignment.decisions], members[0].alignment.applied, True)
     method, why = correction_method(ref, moved, spec, members[0].run)
-    weighting = {"alpha": cfg.alpha} if len(models) == 2 else {"weights": weights}
     with ref.timer.stage("correction" if method != "none" else "merge"):
         states = [model_state(m) for m in models]
         head = sorted(ref.schema.head_params)
@@ -235,7 +226,7 @@ def merge_weights(members: list[Member], folded: bool) -> dict[str, Any]:
         inputs = rule_inputs(members, spec, folded, set(trunks[0]))
         sides = ["b"] if len(members) == 1 else [f"b{i}" for i in range(2, len(models) + 1)]
         parents = {"a": ref.model_a, **{side: m.ctx.model_b for side, m in zip(sides, members, strict=True)}}
-        log = merge_trunks(ref, spec, trunks, weighting, inputs, members[0].run, method, parents)
+        log = merge_trunks(ref, spec, trunks, weights, inputs, members[0].run, method, parents)
         if head:
             load_state(ref.model_a, merged_heads(members, states, head, weights))
     log.pop("params", None)

@@ -101,7 +101,7 @@ def final_readers(parents: dict, schema: ModelSchema, rest: dict):
     return None
 
 
-def _rule(spec: MergeRuleSpec, inputs: dict, trunks: list[dict], merged_all: dict | None, weighting: dict):
+def _rule(spec: MergeRuleSpec, inputs: dict, trunks: list[dict], merged_all: dict | None, weights: list):
     """The rule's merge of a subset of the trunk: per tensor (:func:`raot_hf.merging.apply_rule`),
     or sliced from a whole-trunk merge."""
 
@@ -111,37 +111,35 @@ def _rule(spec: MergeRuleSpec, inputs: dict, trunks: list[dict], merged_all: dic
         kw = dict(inputs)
         if "base" in kw:
             kw["base"] = {k: kw["base"][k] for k in keys if k in kw["base"]}
-        return apply_rule(spec, [{k: t[k] for k in keys} for t in trunks], weighting, **kw)
+        return apply_rule(spec, [{k: t[k] for k in keys} for t in trunks], weights, **kw)
 
     return merge
 
 
-def _mix(parents: dict, weighting: dict) -> dict[str, float]:
-    """Each parent's weight in the correction's target: (1 − α, α) for two models, else the
-    per-model weights normalised to sum 1."""
-    if "alpha" in weighting:
-        return {"a": 1.0 - weighting["alpha"], "b": weighting["alpha"]}
-    total = sum(weighting["weights"])
-    return {side: w / total for side, w in zip(parents, weighting["weights"], strict=True)}
+def _mix(parents: dict, weights: list) -> dict[str, float]:
+    """Each parent's weight in the correction's target: the per-model weights normalised to sum 1
+    ((1 − α, α) for two models)."""
+    total = sum(weights)
+    return {side: w / total for side, w in zip(parents, weights, strict=True)}
 
 
 @torch.no_grad()
 def corrected_merge(
-    ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weighting: dict, inputs: dict, run, method: str,
+    ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weights: list, inputs: dict, run, method: str,
     parents: dict,
 ) -> dict:  # fmt: skip
-    """The rule's merge of ``trunks`` (``weighting``: see :func:`raot_hf.merging.apply_rule`),
+    """The rule's merge of ``trunks`` (``weights``: one per model, :func:`raot_hf.merging.apply_rule`),
     corrected layer by layer (``method``: ``lsq`` or ``repair``) to the mix of ``parents`` (side →
     model, ``"a"`` the reference, in the trunks' order) and written into the reference's module;
     returns the rule's log (summed over the calls) with the correction's under ``"correction"``."""
     log: dict[str, Any] = {"rule": spec.name, "settings": {}, "counts": {}}
     merged_all = None
     if not spec.per_tensor:  # RegMean, Fisher: the whole trunk at once (as without correction)
-        merged_all, rule_log = apply_rule(spec, trunks, weighting, **inputs)
+        merged_all, rule_log = apply_rule(spec, trunks, weights, **inputs)
         rule_log.pop("params", None)
         add_rule_log(log, rule_log)
-    merge = _rule(spec, inputs, trunks, merged_all, weighting)
-    return _corrected(ctx, parents, _mix(parents, weighting), merge, list(trunks[0]), run, method, log)
+    merge = _rule(spec, inputs, trunks, merged_all, weights)
+    return _corrected(ctx, parents, _mix(parents, weights), merge, list(trunks[0]), run, method, log)
 
 
 class HeldoutPaths:

@@ -66,7 +66,7 @@ def model_weights(config, n: int) -> list[float]:
 def check_models(config, n: int, distributed: bool = False) -> None:
     """Everything a merge of ``n`` ≥ 3 models refuses, checked before any weights are read."""
     spec = merge_rule_spec(config.merge_rule)
-    if spec.nary is None:
+    if spec.max_models is not None and n > spec.max_models:
         raise RaotError(
             f"merge_rule={config.merge_rule!r} merges two models only; for {n} models use one of: "
             f"{', '.join(nary_merge_rules())}"

@@ -5,8 +5,8 @@ A merge with no alignment and a per-tensor rule (``linear``, ``task_arithmetic``
 the same-named input tensors. Such a merge of local safetensors checkpoints is computed a few
 tensors at a time, read with ``safe_open`` from every model (and the base), merged by the rule in
 the merge stage's own chunk loop (:func:`raot_hf.stages.combine.merge_by_chunks`) and written
-shard by shard, and reported by the one report builder (:mod:`raot_hf.stages.provenance`); no model is ever built beyond an empty (meta-device) skeleton that names
-the head's parameters. Memory holds one chunk of every model plus one output shard, whatever the
+shard by shard, and reported by the one report builder (:mod:`raot_hf.stages.provenance`); no
+model is ever built beyond an empty (meta-device) skeleton that names the head's parameters. Memory holds one chunk of every model plus one output shard, whatever the
 models' size. The result is the in-memory merge's, bit for bit (tested), and the output directory
 is written atomically as always.
 
@@ -211,7 +211,7 @@ def merge_streamed(
     if config.dtype != "auto":  # the written config names the dtype the weights were cast to (meta: no memory)
         reading.skeleton.to(dtype)
         reading.skeleton.config.dtype = dtype
-    weights = model_weights(config, len(sources)) if len(sources) > 2 else None
+    weights = model_weights(config, len(sources))
     logger.info(
         "streaming the merge of %d checkpoints tensor by tensor (no calibration needed)", len(sources), extra=_STAGE
     )
@@ -236,17 +236,16 @@ def merge_streamed(
         inputs["base"] = base = _BaseTensors(reading, read, ratios)
         read_chunk = base.read_chunk
     sizes = {n: b for n, b in reading.models[0].nbytes.items() if n not in reading.head}
-    weighting = {"alpha": config.alpha} if len(sources) == 2 else {"weights": weights}
     with atomic_directory(destination) as temporary:
         save_preprocessor(preprocessor, temporary, False)
         save_config(reading.skeleton, temporary)
         writer = _ShardWriter(temporary, max_bytes)
-        log = merge_by_chunks(spec, chunks_of(sizes), read_chunk, weighting, inputs, write)
+        log = merge_by_chunks(spec, chunks_of(sizes), read_chunk, weights, inputs, write)
         if reading.head:
             write(_merged_head(reading, config, configs, sorted(reading.head), read, weights))
         verify_written_weights(temporary, writer.finish())
         log.pop("params", None)
-        if weights is not None:
+        if len(sources) > 2:
             log["settings"]["weights"] = weights
         medians = _check_ratios(ratios) if reading.base is not None else None
         report = streamed_report(sources, base_source, config, reading, log, medians, time.perf_counter() - started)
