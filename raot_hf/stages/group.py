@@ -22,6 +22,7 @@ from raot_hf.errors import RaotError
 from raot_hf.merging import merge_heads_n, merge_rule_spec, nary_merge_rules, rule_options
 from raot_hf.merging.grams import aligned_grams, transposed_weights
 from raot_hf.merging.siblings import refuse_moved_b
+from raot_hf.outputs import Check
 from raot_hf.outputs.card import alignment_summary
 from raot_hf.results import Alignment
 from raot_hf.stages.align import calibrate_solve_decide
@@ -48,7 +49,7 @@ class Member:
     alignment: Alignment
     stats: Any
     run: Any
-    checks: list[dict]
+    checks: list[Check]
     norms: tuple[dict, dict] | None
 
 
@@ -278,7 +279,7 @@ def _member_record(index: int, m: Member, quality: dict | None) -> dict[str, Any
             "transforms": [t.describe() for t in a.applied.transforms],
         },
         "applied_exact": a.exact,
-        "checks": m.checks,
+        "checks": [c.to_dict() for c in m.checks],
         "quality": quality,
         "calibration": m.run.fingerprint if m.run is not None else None,
     }

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from raot_hf.io.loading import ModelSource
-from raot_hf.outputs import hash_checkpoint_files
+from raot_hf.outputs import Check, hash_checkpoint_files
 from raot_hf.outputs.card import alignment_summary
 from raot_hf.results import Alignment
 from raot_hf.stages.context import PairContext
@@ -45,7 +45,7 @@ def build_report(
     sources: tuple[ModelSource, ModelSource],
     alignment: Alignment,
     fingerprint: dict | None,
-    checks: list[dict],
+    checks: list[Check],
     merge_log: dict | None,
     quality: dict | None = None,
 ) -> dict[str, Any]:
@@ -75,7 +75,7 @@ def build_report(
         "execution": execution(ctx.model_a),
         "quality": quality,
         "estimator_logs": alignment.logs,
-        "checks": checks,
+        "checks": [c.to_dict() for c in checks],
         "timings": dict(ctx.timer.times),
         "versions": versions(),
     }
