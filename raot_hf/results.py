@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from raot_hf.gate import GateDecision, Status
+from raot_hf.gate import GateDecision
+from raot_hf.gate.verdict import BasisVerdict, Verdict
 from raot_hf.symmetry import TransformSequence
 
 
@@ -21,8 +22,19 @@ class Alignment:
     applied: TransformSequence
     exact: bool
     logs: dict[str, Any] = field(default_factory=dict)
-    verdict: str = ""  # one line: do A and B share a basis, with the evidence (docs/design.md §5)
+    # do A and B share a basis, with the evidence (docs/design.md §5); None: no alignment was asked for
+    basis_verdict: BasisVerdict | None = None
     model_fidelity: dict[str, Any] = field(default_factory=dict)  # the model-level check's numbers
+
+    @property
+    def verdict(self) -> str:
+        """The basis verdict's one line ("" without one)."""
+        return "" if self.basis_verdict is None else self.basis_verdict.text
+
+    @property
+    def verdict_code(self) -> Verdict | None:
+        """The basis verdict's code (None without one)."""
+        return None if self.basis_verdict is None else self.basis_verdict.code
 
     @property
     def shares_basis(self) -> bool:
@@ -31,8 +43,7 @@ class Alignment:
         there is no verdict, only the identity by default."""
         if not self.decisions or any(d.applied for d in self.decisions):
             return False
-        untestable = {Status.TOO_FEW_TOKENS.value, Status.TOO_FEW_EXAMPLES.value, Status.NONFINITE.value}
-        return not all(d.status in untestable for d in self.decisions)
+        return not all(d.untested for d in self.decisions)
 
     def table(self) -> str:
         """The gate table as aligned plain text."""

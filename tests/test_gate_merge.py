@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 from raot_hf import RaotConfig, RaotError, RaotMerger, scramble
 from raot_hf.cli import main
+from raot_hf.gate import Status, Verdict, render_verdict
 from raot_hf.testing import (
     clone,
     example_inputs,
@@ -78,7 +79,7 @@ def test_alignment_objective_improves_but_merged_fidelity_worsens_is_rejected(si
         assert not d.applied
         assert d.alignment_gain == pytest.approx(d_old.gain)  # kept as a diagnostic
     assert new.shares_basis and not len(new.applied)
-    assert new.verdict.startswith("A and B share a basis: identity merge fidelity")
+    assert new.verdict_code is Verdict.SHARES_BASIS and new.basis_verdict.check.examples == 16
     assert new.model_fidelity["examples"] == 16 and not new.model_fidelity["passed"]
 
 
@@ -108,7 +109,8 @@ def test_scrambled_copy_every_transform_applied_and_a_untouched_by_the_gate(mode
     assert all(d.objective == "merge" and d.fidelity_estimate > d.fidelity_identity for d in alignment.decisions)
     fid = alignment.model_fidelity
     assert fid["passed"] and fid["aligned"] > 1 - 1e-6 and fid["identity"] < fid["aligned"] - fid["margin"]
-    assert alignment.verdict.startswith("A and B differ in basis: aligned merge fidelity 1.0000")
+    assert alignment.verdict_code is Verdict.DIFFERS_IN_BASIS
+    assert alignment.basis_verdict.check.aligned == pytest.approx(1.0, abs=5e-5)
 
 
 def test_weight_based_alignment_is_gated_by_merge_fidelity():
@@ -134,6 +136,7 @@ def test_the_model_level_check_vetoes_layer_decisions():
     reasons = [d.reason for d in vetoed.decisions]
     assert any(r.startswith("vetoed by the model-level check") for r in reasons), reasons
     assert vetoed.shares_basis and not len(vetoed.applied) and not vetoed.model_fidelity["passed"]
+    assert vetoed.verdict_code is Verdict.SHARES_BASIS
     old, _, _ = RaotMerger.from_models(a, b, preprocessor=pre, alignment="weight", gate_objective="alignment").align(
         data
     )
@@ -145,7 +148,7 @@ def test_soft_transport_is_not_gated():
     pre, data = _data("bert")
     alignment, _, _ = RaotMerger.from_models(a, b, preprocessor=pre, alignment="soft_ot").align(data)
     assert alignment.decisions and all(d.applied and "not gated" in d.reason for d in alignment.decisions)
-    assert alignment.verdict.startswith("no basis verdict (soft transport, not gated)")
+    assert alignment.verdict_code is Verdict.UNCHECKED and alignment.basis_verdict.why == "soft transport, not gated"
 
 
 def test_too_few_gate_examples_keep_the_identity(caplog):
@@ -154,6 +157,8 @@ def test_too_few_gate_examples_keep_the_identity(caplog):
     with caplog.at_level(logging.WARNING, logger="raot_hf.gate.merge"):
         alignment, _, _ = RaotMerger.from_models(a, b, preprocessor=pre, min_heldout_tokens=1).align(data)
     assert not any(d.applied for d in alignment.decisions)
+    assert all(d.status is Status.TOO_FEW_EXAMPLES for d in alignment.decisions)
+    assert alignment.verdict_code is Verdict.SHARES_BASIS_BY_DEFAULT and not alignment.shares_basis
     assert "too few gate examples" in caplog.text
 
 
@@ -195,6 +200,8 @@ def test_model_card_states_the_verdict(tmp_path):
     result = RaotMerger.from_models(a, b, preprocessor=pre).merge(calibration=data)
     out = result.save_pretrained(tmp_path / "merged")
     card = (out / "README.md").read_text()
+    assert result.alignment.verdict_code is Verdict.DIFFERS_IN_BASIS
+    assert result.alignment.verdict == render_verdict(result.alignment.basis_verdict)
     assert f"**Basis verdict:** {result.alignment.verdict}." in card
     report = json.loads((out / "raot_report.json").read_text())
     assert report["verdict"] == result.alignment.verdict and report["model_fidelity"]["passed"]
@@ -224,7 +231,7 @@ def test_the_model_level_check_in_the_layer_sweep_equals_separate_sweeps(monkeyp
     model_a, model_b, schema, parts, rows, chunks = seen["args"]
     alpha, names, result = seen["kwargs"]["alpha"], seen["kwargs"]["layer_names"], seen["result"]
     per_layer = gate_merge._per_layer(parts)
-    block_accepted = {"accepted", "vetoed"}
+    block_accepted = {Status.ACCEPTED, Status.VETOED}
     accepted = {}
     for d in result.decisions:
         if d.layer is not None and d.status in block_accepted:
@@ -278,4 +285,6 @@ def test_a_swap_of_two_massive_units_is_accepted_but_never_as_exact(monkeypatch,
     assert all(mlp[i].worst_token < 1e-3 and "not exact" not in mlp[i].reason for i in mlp if i != swapped_layer)
     path = result.alignment.model_fidelity["worst_token_by_layer"]
     assert max(path[:swapped_layer]) < 1e-3 < path[swapped_layer]  # where the merge leaves the parents' path
-    assert f"from layer {swapped_layer}" in result.alignment.verdict and "not an exact recovery" in caplog.text
+    assert result.alignment.verdict_code is Verdict.DIFFERS_NOT_EXACT
+    assert result.alignment.basis_verdict.off_path.first_layer == swapped_layer
+    assert "not an exact recovery" in caplog.text and result.alignment.verdict in caplog.text

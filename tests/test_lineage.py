@@ -5,6 +5,7 @@ import torch
 
 from raot_hf import RaotMerger
 from raot_hf.adapters import schema_for
+from raot_hf.gate import Verdict
 from raot_hf.gate.lineage import CHANCE_MULTIPLE, SIBLING_AFFINITY, detect_siblings, identity_affinity
 from raot_hf.symmetry import HeadAlignment, MLPPermutation, ResidualPermutation, ResidualRotation
 from raot_hf.symmetry.apply import transform_model
@@ -76,11 +77,14 @@ def test_a_near_identity_basis_change_is_detected_and_left_alone():
     pre, data = tiny_image_processor(), tiny_image_dataset(96)
     repaired, _, _ = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre, sibling_check=False).align(data)
     assert any(d.applied and d.transform == "residual" for d in repaired.decisions)
-    assert repaired.verdict.startswith("A and B differ in basis")
+    assert repaired.verdict_code is Verdict.DIFFERS_IN_BASIS
     merged = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre).merge(calibration=data)
     kept = merged.alignment
-    assert kept.shares_basis and kept.verdict.startswith("A and B share a basis: fine-tuned siblings")
-    assert "aligned" in kept.verdict and kept.model_fidelity["siblings"]["siblings"]
+    assert kept.shares_basis and kept.verdict_code is Verdict.SIBLINGS
+    # the merge-fidelity comparison is kept as evidence
+    assert kept.basis_verdict.check is not None and kept.model_fidelity["siblings"]["siblings"]
+    median, smallest = kept.basis_verdict.affinity
+    assert median >= SIBLING_AFFINITY and smallest == kept.model_fidelity["siblings"]["smallest_affinity"]
     residual = next(d for d in kept.decisions if d.transform == "residual")
     assert not residual.applied and residual.reason.startswith("siblings:")
     plain = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre, alignment="none").merge(calibration=data)

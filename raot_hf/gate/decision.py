@@ -25,7 +25,15 @@ from raot_hf.errors import RaotError
 logger = logging.getLogger("raot_hf.gate")
 
 
-class Status(str, Enum):
+class TextEnum(str, Enum):
+    """An enum whose members are their string values: equal to them, formatted as them, and
+    written to JSON as plain strings (the report keeps its strings)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Status(TextEnum):
     """Why a decision stands as it does (data, not a sentence: :attr:`GateDecision.reason` is the
     human-readable line)."""
 
@@ -43,6 +51,9 @@ class Status(str, Enum):
 
 #: The statuses whose estimates the merge gate scores again (the rest keep their reason).
 SCORED = (Status.ACCEPTED, Status.BELOW_MARGIN)
+#: The statuses of estimates no test could judge (too little data, NaN statistics): when every
+#: decision has one there is no basis verdict, only the identity by default.
+UNTESTED = (Status.TOO_FEW_TOKENS, Status.TOO_FEW_EXAMPLES, Status.NONFINITE)
 
 
 @dataclass(frozen=True)
@@ -100,23 +111,32 @@ class GateDecision:
     fidelity_estimate: float | None = None
     alignment_gain: float | None = None  # diagnostic under the merge objective
     examples: int = 0
-    status: str = Status.BELOW_MARGIN.value
+    status: Status = Status.BELOW_MARGIN
     # merge objective: the largest deviation of one token of the layer merged with the estimate
     # (unweighted, relative to what the block computes for it: gate.fidelity.worst_token_deviation)
     worst_token: float | None = None
 
+    def __post_init__(self) -> None:
+        self.status = Status(self.status)  # a status given by its string value becomes the member
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The report's row: every field, the status as its string."""
+        return {**asdict(self), "status": self.status.value}
 
     @property
     def scored(self) -> bool:
         """Whether a paired test decided it (the merge gate re-decides these)."""
-        return self.status in {s.value for s in SCORED}
+        return self.status in SCORED
+
+    @property
+    def untested(self) -> bool:
+        """Whether no test could judge the estimate (:data:`UNTESTED`)."""
+        return self.status in UNTESTED
 
 
 def unscored(kind: str, layer: int | None, applied: bool, status: Status, reason: str, description: str = ""):
     """A decision no test made (ungated, identity, no data …)."""
-    return GateDecision(kind, layer, None, None, None, None, None, applied, reason, description, status=status.value)
+    return GateDecision(kind, layer, None, None, None, None, None, applied, reason, description, status=status)
 
 
 def decide(
@@ -151,7 +171,7 @@ def decide(
     reason = "gate disabled" if not enabled else test.reason
     return GateDecision(
         transform, layer, identity, identity + test.mean, test.mean, test.stderr, test.margin, applied, reason,
-        description, status=status.value,
+        description, status=status,
     )  # fmt: skip
 
 

@@ -48,6 +48,7 @@ from raot_hf.gate.fidelity import (
     stream_matrix,
 )
 from raot_hf.gate.lineage import LineageEvidence, detect_siblings
+from raot_hf.gate.verdict import BasisVerdict, ModelCheckFigures, OffPath, Verdict, affinity_phrase
 from raot_hf.io.offload import release_all
 from raot_hf.symmetry import (
     HeadAlignment,
@@ -92,7 +93,7 @@ def _paired(
         fidelity_estimate=float(with_.mean()),
         alignment_gain=None if alignment is None else alignment.gain,
         examples=int(with_.numel()),
-        status=status.value,
+        status=status,
     )
 
 
@@ -106,13 +107,16 @@ def _with_worst_token(d: GateDecision, worst: float) -> GateDecision:
 
 
 def _reject(d: GateDecision, reason: str, status: Status) -> GateDecision:
-    return dataclasses.replace(d, applied=False, reason=reason, status=status.value)
+    return dataclasses.replace(d, applied=False, reason=reason, status=status)
 
 
 @dataclass
 class MergeGateResult:
+    """What the gate stage decided: the final decisions, the basis verdict, and the model-level
+    check's numbers (empty when it did not run)."""
+
     decisions: list[GateDecision]
-    verdict: str
+    verdict: BasisVerdict
     model_fidelity: dict
 
 
@@ -259,7 +263,7 @@ def run_merge_gate(
     if n < MIN_GATE_EXAMPLES:
         reason = f"too few gate examples ({n} < {MIN_GATE_EXAMPLES})"
         logger.warning("merge gate: %s; keeping the identity for every transform", reason)
-        verdict = f"A and B share a basis by default: {reason}, the identity stands"
+        verdict = BasisVerdict(Verdict.SHARES_BASIS_BY_DEFAULT, why=reason)
         return MergeGateResult([_reject(d, reason, Status.TOO_FEW_EXAMPLES) for d in alignment_rows], verdict, {})
     residual = next((t for t in parts if isinstance(t, (ResidualPermutation, ResidualRotation))), None)
     res_row = rows.get(("residual", None))
@@ -299,77 +303,62 @@ def _result(
                 d = _reject(d, f"vetoed by the model-level check ({check.reason})", Status.VETOED)
         out.append(d)
     fi, fa, k, margin = check.fidelity_identity, check.fidelity_estimate, check.examples, check.margin
-    if passed:
-        verdict = (
-            f"A and B differ in basis: aligned merge fidelity {fa:.4f} vs identity merge {fi:.4f} "
-            f"on {k} held-out examples (margin {margin:.2g})"
-        )
-    else:
-        verdict = (
-            f"A and B share a basis: identity merge fidelity {fi:.4f}, aligned merge {fa:.4f} "
-            f"on {k} held-out examples (no gain beyond the margin {margin:.2g})"
-        )
+    figures = ModelCheckFigures(identity=fi, aligned=fa, examples=k, margin=margin)
+    verdict = BasisVerdict(Verdict.DIFFERS_IN_BASIS if passed else Verdict.SHARES_BASIS, check=figures)
     info = {"identity": fi, "aligned": fa, "gain": fa - fi, "stderr": check.stderr, "margin": margin}
     info.update({"examples": k, "passed": passed, "worst_token_by_layer": worst})
     if passed and fa >= 1 - WORST_TOKEN_NOTE and worst and max(worst) > WORST_TOKEN_NOTE:
         # a near-exact fidelity with one token far off (a massive-activation token): not an exact recovery
         layer = max(range(len(worst)), key=worst.__getitem__)
         first = next(i for i, w in enumerate(worst) if w > WORST_TOKEN_NOTE)
-        verdict += (
-            f"; but one token leaves the parents' path by {worst[layer]:.2g} (from layer {first}, largest at layer "
-            f"{layer}): not an exact recovery there"
-        )
-        logger.warning("merge gate: %s", verdict)
+        off_path = OffPath(deviation=worst[layer], first_layer=first, worst_layer=layer)
+        verdict = BasisVerdict(Verdict.DIFFERS_NOT_EXACT, check=figures, off_path=off_path)
+        logger.warning("merge gate: %s", verdict.text)
     return MergeGateResult(out, verdict, info)
 
 
-def _alignment_verdict(decisions: list[GateDecision], why: str, *, gated: bool = True) -> str:
+def _alignment_verdict(decisions: list[GateDecision], why: str, *, gated: bool = True) -> BasisVerdict:
     """The verdict when the merge gate did not run: from the decisions as they stand."""
     n = sum(d.applied for d in decisions)
     if not decisions:
-        return "no alignment requested"
-    untestable = {Status.TOO_FEW_TOKENS.value, Status.TOO_FEW_EXAMPLES.value, Status.NONFINITE.value}
-    if n == 0 and all(d.status in untestable for d in decisions):
-        return f"no basis verdict: no estimate could be tested ({decisions[0].reason}); the identity stands"
-    if not gated:
-        return f"no basis verdict ({why}): {n} of {len(decisions)} estimates applied unchecked"
-    if n == 0:
-        return f"A and B share a basis: the gate rejected all {len(decisions)} estimates ({why})"
-    return f"A and B differ in basis: {n} of {len(decisions)} estimates applied ({why})"
+        return BasisVerdict(Verdict.NOT_REQUESTED)
+    if n == 0 and all(d.untested for d in decisions):
+        return BasisVerdict(Verdict.UNTESTED, why=decisions[0].reason)
+    code = Verdict.UNCHECKED if not gated else Verdict.SHARES_BASIS if n == 0 else Verdict.DIFFERS_IN_BASIS
+    return BasisVerdict(code, why=why, applied=n, estimates=len(decisions))
 
 
 def as_siblings(result: MergeGateResult, evidence: LineageEvidence) -> MergeGateResult:
     """Detection, not repair (docs/design.md §5.4): every estimate is identity-dominated, so the
     identity stands everywhere; the merge-fidelity comparison stays in the report as evidence."""
-    near = f"median identity affinity {evidence.median:.3f}, smallest {evidence.smallest:.3f}, none at chance level"
-    why = f"siblings: the estimates are near the identity ({near})"
+    why = f"siblings: the estimates are near the identity ({affinity_phrase(evidence.median, evidence.smallest)})"
     decisions = [_reject(d, why, Status.SIBLINGS) if d.applied else d for d in result.decisions]
     info = dict(result.model_fidelity, passed=False)
-    evidence_line = ""
+    # the merge-fidelity comparison, when it ran, stays as evidence
+    figures = None
     if "aligned" in info:
-        evidence_line = (
-            f"; merge fidelity, evidence only: aligned {info['aligned']:.4f} vs identity {info['identity']:.4f} "
-            f"on {info['examples']} held-out examples"
-        )
-    verdict = f"A and B share a basis: fine-tuned siblings, the estimates are near the identity ({near}){evidence_line}"
+        figures = ModelCheckFigures(identity=info["identity"], aligned=info["aligned"], examples=info["examples"])
+    verdict = BasisVerdict(Verdict.SIBLINGS, check=figures, affinity=(evidence.median, evidence.smallest))
     return MergeGateResult(decisions, verdict, info)
 
 
-def merge_gate(ctx, run, parts: list[Transform], stats, decisions: list[GateDecision], gated: bool = True):
+def merge_gate(
+    ctx, run, parts: list[Transform], stats, decisions: list[GateDecision], gated: bool = True
+) -> MergeGateResult:
     """The gate stage's second step: re-decide ``decisions`` (the alignment objective's) by merge
     fidelity when the merge objective is in force, then the sibling check (§5.4). ``ctx`` is the
     :class:`raot_hf.stages.context.PairContext`, ``run`` the calibration run (None without data),
-    ``gated`` False for an estimator whose candidates are not symmetries. Returns (decisions,
-    verdict, model fidelity)."""
+    ``gated`` False for an estimator whose candidates are not symmetries."""
     cfg = ctx.config
     gate_on = cfg.gate.enabled
     if not gate_on or stats is None or run is None or not gated:
         why = "gate disabled" if not gate_on else "soft transport, not gated" if stats else "no calibration data"
-        return decisions, _alignment_verdict(decisions, why, gated=False), {}
+        return MergeGateResult(decisions, _alignment_verdict(decisions, why, gated=False), {})
     if cfg.gate.objective != "merge":
-        return decisions, _alignment_verdict(decisions, "alignment objective"), {}
+        return MergeGateResult(decisions, _alignment_verdict(decisions, "alignment objective"), {})
     if not any(_eligible(d) for d in decisions):
-        return decisions, _alignment_verdict(decisions, "every estimate is the identity or unusable"), {}
+        why = "every estimate is the identity or unusable"
+        return MergeGateResult(decisions, _alignment_verdict(decisions, why), {})
     start = time.perf_counter()
     names = layer_module_names(ctx.model_a, ctx.schema)
     heldout = run.batches(ctx.preprocessor, split="heldout")
@@ -393,5 +382,5 @@ def merge_gate(ctx, run, parts: list[Transform], stats, decisions: list[GateDeci
         evidence = detect_siblings(parts)
         result = as_siblings(result, evidence) if evidence.siblings else result
         result.model_fidelity["siblings"] = evidence.to_dict()
-    logger.info("merge gate: %s", result.verdict)
-    return result.decisions, result.verdict, result.model_fidelity
+    logger.info("merge gate: %s", result.verdict.text)
+    return result

@@ -4,14 +4,15 @@
 * :mod:`~raot_hf.outputs.shards` — size parsing, safetensors shards and their index, verification;
 * :mod:`~raot_hf.outputs.atomic` — the atomic temporary-sibling directory;
 * :mod:`~raot_hf.outputs.card` — the model card and every rendering of the gate table and verdict;
-* :mod:`~raot_hf.outputs.report` — ``raot_report.json`` and the card's context built from it;
+* :mod:`~raot_hf.outputs.report` — ``raot_report.json``, its functional checks (:class:`Check`) and the
+  card's context built from it;
 * :mod:`~raot_hf.outputs.hashing` — SHA-256 of input files for the report.
 """
 
 from raot_hf.outputs.atomic import check_destination
 from raot_hf.outputs.card import CARD_NAME, alignment_summary, gate_table_text, render_model_card
 from raot_hf.outputs.hashing import file_sha256, hash_checkpoint_files
-from raot_hf.outputs.report import REPORT_NAME, model_card_context, report_to_json
+from raot_hf.outputs.report import REPORT_NAME, Check, model_card_context, report_to_json
 from raot_hf.outputs.save import write_merged_repo
 from raot_hf.outputs.shards import INDEX_NAME, SINGLE_WEIGHTS_NAME, parse_size
 
@@ -20,6 +21,7 @@ __all__ = [
     "INDEX_NAME",
     "REPORT_NAME",
     "SINGLE_WEIGHTS_NAME",
+    "Check",
     "alignment_summary",
     "check_destination",
     "file_sha256",

@@ -1,9 +1,10 @@
 """The model card ``README.md`` and every rendering of the gate's decisions (docs/design.md §6).
 
 This is the one place that renders the gate table — as markdown for the card and as aligned
-plain text for the CLI and :meth:`raot_hf.Alignment.table` — and the sentences that say whether
-A and B share a basis: the card's gate summary, the alignment summary the report records and the
-card's basis-verdict paragraph.
+plain text for the CLI and :meth:`raot_hf.Alignment.table` — and the sentences around the basis
+verdict: the card's gate summary, the alignment summary the report records and the card's
+basis-verdict paragraph (the verdict's own line is rendered from its code by
+:func:`raot_hf.gate.verdict.render_verdict`).
 """
 
 from __future__ import annotations
@@ -70,9 +71,6 @@ __all__ = [
 
 # ------------------------------------------------------------------- gate decisions as text
 
-#: Decision statuses that mean "not tested" (raot_hf.gate.Status values): no basis verdict.
-UNTESTABLE = ("too_few_tokens", "too_few_examples", "nonfinite")
-
 
 def gate_table_text(decisions: Sequence[Any]) -> str:
     """The gate table as aligned plain text: one row per :class:`~raot_hf.gate.GateDecision`,
@@ -102,7 +100,7 @@ def alignment_summary(decisions: Sequence[Any]) -> str:
     if not decisions:
         return "no alignment requested: plain merge in the parents' own bases"
     n = sum(d.applied for d in decisions)
-    untested = [d for d in decisions if getattr(d, "status", None) in UNTESTABLE]
+    untested = [d for d in decisions if d.untested]
     if n == 0 and untested and len(untested) == len(decisions):
         return (
             f"none of the {len(decisions)} estimated transforms could be tested ({untested[0].reason}): "

@@ -4,6 +4,7 @@ built from it (docs/design.md §6)."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,36 @@ from raot_hf.version import __version__
 
 REPORT_NAME = "raot_report.json"
 
-__all__ = ["REPORT_NAME", "model_card_context", "report_to_json"]
+__all__ = ["REPORT_NAME", "Check", "model_card_context", "report_to_json"]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One functional check (B′ ≡ B, docs/design.md §5.5): the largest relative deviation of B′'s
+    outputs from B's on the held-out inputs, against the threshold an exact transform meets in
+    the model's dtype. ``exact``: the alignment is exact, so a deviation above the threshold is a
+    bug (it raises before a check is recorded); an approximate one records what it measured."""
+
+    name: str
+    value: float
+    threshold: float
+    exact: bool
+    passed: bool
+
+    @property
+    def kind(self) -> str:
+        """The kind the model card lists: "exact" or "approximate"."""
+        return "exact" if self.exact else "approximate"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report's entry: name, value, threshold, exact, passed."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, entry: dict[str, Any]) -> Check:
+        """A check from its report entry (``exact`` absent: approximate)."""
+        return cls(entry["name"], entry["value"], entry["threshold"], bool(entry.get("exact")), entry["passed"])
+
 
 _PIPELINE_TAGS = {
     "ForSequenceClassification": "text-classification",
@@ -103,18 +133,10 @@ def _gate_rows(decisions: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def _check_rows(checks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _check_rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The card's functional-check rows from the report's checks."""
-    return [
-        {
-            "name": c["name"],
-            "value": c["value"],
-            "threshold": c["threshold"],
-            "passed": c["passed"],
-            "kind": "exact" if c.get("exact") else "approximate",
-        }
-        for c in checks
-    ]
+    checks = [Check.from_dict(entry) for entry in entries]
+    return [dict(name=c.name, value=c.value, threshold=c.threshold, passed=c.passed, kind=c.kind) for c in checks]
 
 
 _CORRECTIONS = {"lsq": "merged-input least squares", "repair": "REPAIR statistics"}

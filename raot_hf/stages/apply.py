@@ -7,11 +7,11 @@ calibration data) and compares B′'s primary outputs with B's, mapped by the st
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
 from raot_hf.errors import EquivalenceError
+from raot_hf.outputs import Check
 from raot_hf.results import Alignment
 from raot_hf.stages.context import PairContext, on_device_of
 from raot_hf.symmetry import fold_model, needs_folding, norm_affines, stream_actions, transform_model
@@ -63,7 +63,7 @@ def deviation(ctx: PairContext, reference, inputs, actions) -> float:
     return worst
 
 
-def apply_and_check(ctx: PairContext, alignment: Alignment, run) -> list[dict[str, Any]]:
+def apply_and_check(ctx: PairContext, alignment: Alignment, run) -> list[Check]:
     """Transform B in place (and fold A's LayerNorms when a pre-LN stream rotates), measure
     B′ ≡ B, and return the report's checks; an exact alignment that fails raises."""
     with ctx.timer.stage("apply"):
@@ -77,13 +77,13 @@ def apply_and_check(ctx: PairContext, alignment: Alignment, run) -> list[dict[st
                 fold_model(ctx.model_a, ctx.schema)
         value = deviation(ctx, reference, inputs, actions)
         threshold = exactness_threshold(next(ctx.model_b.parameters()).dtype, ctx.schema.norm_dtype)
-        check = {
-            "name": "B′ ≡ B on held-out inputs (max relative deviation)",
-            "value": value,
-            "threshold": threshold,
-            "exact": alignment.exact,
-            "passed": value <= threshold or not alignment.exact,
-        }
+        check = Check(
+            name="B′ ≡ B on held-out inputs (max relative deviation)",
+            value=value,
+            threshold=threshold,
+            exact=alignment.exact,
+            passed=value <= threshold or not alignment.exact,
+        )
         if alignment.exact and value > threshold:
             raise EquivalenceError(
                 f"an exact transform changed B's function (relative deviation {value:.3g} > {threshold}); "

@@ -112,6 +112,6 @@ def decide(ctx: PairContext, parts: list[Transform], logs: dict, stats, run) -> 
         return Alignment([], TransformSequence([]), True)
     with ctx.timer.stage("gate"):
         gated = estimator_spec(cfg.alignment).gated
-        decisions, verdict, fidelity = merge_gate(ctx, run, parts, stats, alignment_decisions(ctx, parts, stats), gated)
-    applied = applied_transforms(parts, decisions)
-    return Alignment(decisions, applied, is_exact(applied, ctx.schema), logs, verdict, fidelity)
+        gate = merge_gate(ctx, run, parts, stats, alignment_decisions(ctx, parts, stats), gated)
+    applied = applied_transforms(parts, gate.decisions)
+    return Alignment(gate.decisions, applied, is_exact(applied, ctx.schema), logs, gate.verdict, gate.model_fidelity)

@@ -20,6 +20,7 @@ import torch
 from raot_hf.errors import RaotError
 from raot_hf.merging import merge_rule_spec, nary_merge_rules
 from raot_hf.merging.siblings import refuse_moved_b
+from raot_hf.outputs import Check
 from raot_hf.results import Alignment
 from raot_hf.stages.align import calibrate_solve_decide
 from raot_hf.stages.apply import apply_and_check
@@ -43,7 +44,7 @@ class Member:
     alignment: Alignment
     stats: Any
     run: Any
-    checks: list[dict]
+    checks: list[Check]
     norms: tuple[dict, dict] | None
 
     @property

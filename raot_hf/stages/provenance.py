@@ -69,7 +69,7 @@ def alignment_record(index: int, member, quality: dict | None) -> dict[str, Any]
             "transforms": [t.describe() for t in a.applied.transforms],
         },
         "applied_exact": a.exact,
-        "checks": member.checks,
+        "checks": [c.to_dict() for c in member.checks],
         "quality": quality,
         "calibration": member.fingerprint,
     }

@@ -7,9 +7,8 @@ Grams see the whole map), and B″ ≡ B is checked again on the held-out inputs
 
 from __future__ import annotations
 
-from typing import Any
-
 from raot_hf.errors import EquivalenceError
+from raot_hf.outputs import Check
 from raot_hf.refine import refine_alignment
 from raot_hf.results import Alignment
 from raot_hf.stages.apply import _check_inputs, deviation, exactness_threshold
@@ -17,7 +16,7 @@ from raot_hf.stages.context import PairContext
 from raot_hf.symmetry import TransformSequence, stream_actions, transform_model
 
 
-def refine_and_check(ctx: PairContext, alignment: Alignment, run) -> list[dict[str, Any]]:
+def refine_and_check(ctx: PairContext, alignment: Alignment, run) -> list[Check]:
     """Run the refinement when ``config.refine.steps`` > 0 and something continuous was applied;
     returns the extra check (empty when nothing changed)."""
     if ctx.config.refine.steps == 0 or run is None or not len(alignment.applied):
@@ -38,4 +37,4 @@ def refine_and_check(ctx: PairContext, alignment: Alignment, run) -> list[dict[s
                 "this is a bug in raot_hf — please report it with raot_report.json"
             )
         name = "B″ ≡ B after the learned alignment (max relative deviation)"
-        return [{"name": name, "value": value, "threshold": threshold, "exact": alignment.exact, "passed": True}]
+        return [Check(name, value, threshold, alignment.exact, passed=True)]

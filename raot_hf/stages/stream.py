@@ -7,8 +7,9 @@ tensors at a time, read with ``safe_open`` from every model (and the base), merg
 the merge stage's own chunk loop (:func:`raot_hf.stages.combine.merge_by_chunks`) and written
 shard by shard, and reported by the one report builder (:mod:`raot_hf.stages.provenance`); no
 model is ever built beyond an empty (meta-device) skeleton that names the head's parameters.
-Memory holds one chunk of every model plus one output shard, whatever the models' size. The result is the in-memory merge's, bit for bit (tested), and the output directory
-is written atomically as always.
+Memory holds one chunk of every model plus one output shard, whatever the models' size. The
+result is the in-memory merge's, bit for bit (tested), and the output directory is written
+atomically as always.
 
 :func:`stream_blocker` says why a merge cannot stream (then the in-memory path runs).
 """
