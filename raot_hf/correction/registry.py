@@ -35,8 +35,9 @@ CHOOSING_METHODS = ("auto", "none")
 class CorrectionRequest:
     """Everything a correction of one merged layer may read.
 
-    * ``layer``: the layer's :class:`~raot_hf.correction.LayerPass` over the carried fit chunks
-      (``layer.parents(...)`` runs every parent's layer, ``layer.merged(params, ...)`` M's);
+    * ``layer``: the layer's :class:`~raot_hf.correction.LayerPass` over the carried fit chunks:
+      the correction runs ``layer.parents(...)`` (every parent's layer, whose outputs are the
+      states entering the next layer) and ``layer.merged(params, ...)`` (M's, as often as it needs);
     * ``rule``: the rule's merge of the layer's parameters (full names, e.g. ``encoder.layer.0.…``);
     * ``index``, ``name``: the layer's position and module name;
     * ``mix``: each parent's weight in the target (side → weight, ``"a"`` the reference);
