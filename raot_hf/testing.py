@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import transformers
@@ -43,14 +45,12 @@ _CONFIGS = {
 }
 
 # Decoders (docs/design.md §8): class prefix and config overrides; GQA with 8 query / 2 KV heads.
-# The decoder adapters' model types (raot_hf.adapters.is_decoder; example_inputs pads them on the right).
 _DECODERS = {
     "gpt2": ("GPT2Config", "GPT2", {}),
     "llama": ("LlamaConfig", "Llama", {}),
     "mistral": ("MistralConfig", "Mistral", {"sliding_window": 4}),
     "qwen2": ("Qwen2Config", "Qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
 }
-DECODER_TYPES = tuple(_DECODERS)
 
 HEADS = {
     "causal": "ForCausalLM",
@@ -62,6 +62,112 @@ HEADS = {
     "image": "ForImageClassification",
     "teacher": "ForImageClassificationWithTeacher",
 }
+
+
+@dataclass(frozen=True)
+class TinyArchitecture:
+    """How the tests build tiny models of one registered architecture (``config.model_type``).
+
+    * ``config``: the tiny config builder, ``config(model_type, **shape_and_overrides)``;
+    * ``model_class``: ``model_class(model_type, head)``, the transformers class of a head of :data:`HEADS`;
+    * ``heads``: the heads the symmetry tests run (each an exact-symmetry case);
+    * ``task_head``: the head merge tests use (a classifier, or the LM head of a decoder);
+    * ``rope``: rotary positions with grouped-query attention (``num_kv_heads``) and RMSNorm;
+    * ``variant_of``: another registered architecture whose modeling code this one's copies
+      (transformers' "Copied from"): the per-architecture merge tests run that one only.
+
+    Whether it is a decoder and what it reads (text, images) come from its adapter
+    (:func:`raot_hf.adapters.is_decoder`, :func:`raot_hf.adapters.modality_of`)."""
+
+    model_type: str
+    config: Callable[..., transformers.PretrainedConfig]
+    model_class: Callable[[str, str], type]
+    heads: tuple[str, ...]
+    task_head: str
+    rope: bool = False
+    variant_of: str | None = None
+
+
+_ARCHITECTURES: dict[str, TinyArchitecture] = {}
+
+
+def register_tiny_architecture(architecture: TinyArchitecture) -> TinyArchitecture:
+    """Register how tests build tiny models of ``architecture.model_type`` (beside its adapter's
+    registration): every test that runs each architecture then runs it too. Refuses duplicates."""
+    if not isinstance(architecture, TinyArchitecture):
+        raise TypeError(f"register_tiny_architecture expects a TinyArchitecture, got {type(architecture).__name__}")
+    if architecture.model_type in _ARCHITECTURES:
+        raise RaotError(f"model type {architecture.model_type!r} already has a tiny architecture")
+    if architecture.task_head not in architecture.heads or not set(architecture.heads) <= set(HEADS):
+        raise RaotError(f"{architecture.model_type}: heads must be among {', '.join(HEADS)} and hold the task head")
+    _ARCHITECTURES[architecture.model_type] = architecture
+    return architecture
+
+
+def unregister_tiny_architecture(model_type: str) -> TinyArchitecture:
+    """Remove ``model_type``'s tiny architecture (a test's cleanup); returns it."""
+    return _ARCHITECTURES.pop(model_type)
+
+
+def tiny_architecture(model_type: str) -> TinyArchitecture:
+    """The registered tiny architecture of ``model_type``; the error lists the registered ones."""
+    if model_type not in _ARCHITECTURES:
+        raise RaotError(f"no tiny architecture for {model_type!r}; registered: {', '.join(_ARCHITECTURES)}")
+    return _ARCHITECTURES[model_type]
+
+
+def architectures(*, decoders: bool | None = None, rope: bool | None = None, variants: bool = False) -> list[str]:
+    """The model types of every registered tiny architecture, in registration order — the one list
+    the per-architecture tests parametrize over. ``decoders``: only decoders (True) or only
+    encoders (False); ``rope``: only the RoPE family (True) or none of it (False); ``variants``:
+    include the architectures that copy another's modeling code."""
+    from raot_hf.adapters import is_decoder
+
+    return [
+        t
+        for t, arch in _ARCHITECTURES.items()
+        if (variants or arch.variant_of is None)
+        and (decoders is None or is_decoder(t) == decoders)
+        and (rope is None or arch.rope == rope)
+    ]
+
+
+@contextlib.contextmanager
+def registries_restored():
+    """Within the block, merge rules, estimators, corrections, adapters, options sections and tiny
+    architectures may be registered freely: on exit every registry holds what it held before (a
+    test's fixture around an extension registered from outside the package)."""
+    import raot_hf.adapters as adapters
+    import raot_hf.config.sections as sections
+    import raot_hf.correction.registry as corrections
+    import raot_hf.estimators.registry as estimators
+    import raot_hf.merging as merging
+
+    tables = (
+        merging._RULES,
+        estimators._ESTIMATORS,
+        corrections._CORRECTIONS,
+        adapters._REGISTRY,
+        sections._SECTIONS,
+        _ARCHITECTURES,
+    )
+    saved = [dict(table) for table in tables]
+    try:
+        yield
+    finally:
+        for table, before in zip(tables, saved, strict=True):  # in place: every reference to a table stays valid
+            table.clear()
+            table.update(before)
+
+
+def tiny_data(model_type: str, n: int = 64, *, vocab_size: int = 40, seed: int = 0):
+    """A preprocessor and an ``n``-example calibration dataset for ``model_type``'s modality: the
+    tiny image processor and random images, or the tiny tokenizer and random sentences."""
+    from raot_hf.adapters import modality_of
+
+    if modality_of(model_type) == "image":
+        return tiny_image_processor(), tiny_image_dataset(n, seed=seed)
+    return tiny_tokenizer(vocab_size), tiny_text_dataset(n, vocab_size=vocab_size, seed=seed)
 
 
 def tiny_config(model_type: str, *, hidden_size=16, num_heads=4, num_layers=2, intermediate_size=24, **overrides):
@@ -131,11 +237,8 @@ def tiny_model(model_type: str, head: str = "base", *, seed: int = 0, dtype=torc
         raise RaotError(f"unknown head {head!r}; choose from {', '.join(HEADS)}")
     if head == "qa":
         config.setdefault("num_labels", 2)
-    if model_type in _DECODERS:
-        cfg, cls = tiny_decoder_config(model_type, **config), _decoder_class(model_type, head)
-    else:
-        cfg = tiny_config(model_type, **config)
-        cls = getattr(transformers, _CONFIGS[model_type][1] + HEADS[head])
+    arch = tiny_architecture(model_type)
+    cfg, cls = arch.config(model_type, **config), arch.model_class(model_type, head)
     torch.manual_seed(seed)
     model = cls(cfg)
     g = torch.Generator().manual_seed(seed + 1000)
@@ -147,6 +250,28 @@ def tiny_model(model_type: str, head: str = "base", *, seed: int = 0, dtype=torc
                 is_norm |= name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight"))  # GPT-2
                 p.copy_(1.0 + noise if is_norm else noise)
     return model.to(dtype).eval()
+
+
+def _encoder_class(model_type: str, head: str):
+    return getattr(transformers, _CONFIGS[model_type][1] + HEADS[head])
+
+
+_TEXT_HEADS = ("base", "sequence", "token", "mlm")
+for _arch in (
+    TinyArchitecture("bert", tiny_config, _encoder_class, (*_TEXT_HEADS, "qa"), "sequence"),
+    TinyArchitecture("roberta", tiny_config, _encoder_class, _TEXT_HEADS, "sequence"),
+    TinyArchitecture("xlm-roberta", tiny_config, _encoder_class, ("sequence",), "sequence", variant_of="roberta"),
+    TinyArchitecture("deberta-v2", tiny_config, _encoder_class, _TEXT_HEADS, "sequence"),
+    TinyArchitecture("deberta", tiny_config, _encoder_class, _TEXT_HEADS, "sequence"),
+    TinyArchitecture("vit", tiny_config, _encoder_class, ("base", "image"), "image"),
+    TinyArchitecture("deit", tiny_config, _encoder_class, ("base", "image", "teacher"), "teacher"),
+    TinyArchitecture("gpt2", tiny_decoder_config, _decoder_class, ("causal", "base", "sequence"), "causal"),
+    *(
+        TinyArchitecture(t, tiny_decoder_config, _decoder_class, ("causal", "base", "sequence"), "causal", rope=True)
+        for t in ("llama", "mistral", "qwen2")
+    ),
+):
+    register_tiny_architecture(_arch)
 
 
 def _decoder_parts(model: torch.nn.Module):

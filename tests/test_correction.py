@@ -9,27 +9,20 @@ from raot_hf import RaotConfig, RaotError, RaotMerger, scramble
 from raot_hf.adapters import schema_for
 from raot_hf.cli import main
 from raot_hf.testing import (
+    architectures,
     clone,
     example_inputs,
     output_deviation,
-    tiny_image_dataset,
-    tiny_image_processor,
+    tiny_architecture,
+    tiny_data,
     tiny_model,
     tiny_text_dataset,
     tiny_tokenizer,
     trained_like,
 )
 
-ARCHITECTURES = [
-    ("bert", "sequence"),
-    ("deberta", "sequence"),
-    ("deberta-v2", "sequence"),
-    ("vit", "image"),
-    ("gpt2", "causal"),
-    ("llama", "causal"),
-    ("qwen2", "causal"),
-]
-DECODERS = ("gpt2", "llama", "qwen2")
+ARCHITECTURES = [(t, tiny_architecture(t).task_head) for t in architectures()]
+DECODERS = architectures(decoders=True)
 
 
 def _model(model_type, head, seed=0):
@@ -40,10 +33,7 @@ def _model(model_type, head, seed=0):
 
 
 def _data(model_type, n=96):
-    if model_type == "vit":
-        return tiny_image_processor(), tiny_image_dataset(n)
-    vocab = 100 if model_type in DECODERS else 40
-    return tiny_tokenizer(vocab), tiny_text_dataset(n, vocab_size=vocab)
+    return tiny_data(model_type, n, vocab_size=100 if model_type in DECODERS else 40)
 
 
 @pytest.mark.parametrize("method", ["lsq", "repair"])

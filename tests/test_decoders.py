@@ -17,6 +17,7 @@ from raot_hf.symmetry import (
 )
 from raot_hf.symmetry.transforms import rope_blocks
 from raot_hf.testing import (
+    architectures,
     clone,
     exact_rmsnorm,
     example_inputs,
@@ -27,8 +28,8 @@ from raot_hf.testing import (
     tiny_tokenizer,
 )
 
-DECODERS = ["gpt2", "llama", "mistral", "qwen2"]
-ROPE = ["llama", "mistral", "qwen2"]
+DECODERS = architectures(decoders=True)
+ROPE = architectures(rope=True)
 # (head, tied embeddings): the LM head with and without tying, a classifier, the base model
 HEADS = [("causal", False), ("causal", True), ("sequence", False), ("base", True)]
 KINDS = [("mlp",), ("heads",), ("residual",), ("rescale",), ("mlp", "heads", "residual", "rescale")]

@@ -9,15 +9,17 @@ import transformers
 from click.testing import CliRunner
 
 from raot_hf import RaotError, RaotMerger, scramble
+from raot_hf.adapters import is_decoder
 from raot_hf.cli import main
 from raot_hf.merging import merge_dare_ties, merge_linear, merge_task_arithmetic, merge_ties
 from raot_hf.merging.base_rules import _tensor_seed
 from raot_hf.testing import (
+    architectures,
     clone,
     example_inputs,
     output_deviation,
-    tiny_image_dataset,
-    tiny_image_processor,
+    tiny_architecture,
+    tiny_data,
     tiny_model,
     tiny_text_dataset,
     tiny_tokenizer,
@@ -25,22 +27,16 @@ from raot_hf.testing import (
 )
 
 VOCAB = 100
-ARCHS = ["bert", "roberta", "deberta", "deberta-v2", "vit", "deit", "gpt2", "llama", "mistral", "qwen2"]
+ARCHS = architectures()
 
 
 def _trained_like(model_type):
     shape = dict(hidden_size=32, num_heads=4, num_layers=4, intermediate_size=80)
-    if model_type in ("vit", "deit"):
-        head = "image" if model_type == "vit" else "teacher"
-        return (
-            trained_like(tiny_model(model_type, head, **shape)).float(),
-            tiny_image_processor(),
-            tiny_image_dataset(128),
-        )
-    if model_type in ("gpt2", "llama", "mistral", "qwen2"):
-        model = tiny_model(model_type, "causal", vocab_size=VOCAB, num_kv_heads=2, **shape)
-        return trained_like(model).float(), tiny_tokenizer(VOCAB), tiny_text_dataset(192, vocab_size=VOCAB)
-    return trained_like(tiny_model(model_type, "sequence", **shape)).float(), tiny_tokenizer(), tiny_text_dataset(128)
+    head = tiny_architecture(model_type).task_head
+    if is_decoder(model_type):
+        model = tiny_model(model_type, head, vocab_size=VOCAB, num_kv_heads=2, **shape)
+        return trained_like(model).float(), *tiny_data(model_type, 192, vocab_size=VOCAB)
+    return trained_like(tiny_model(model_type, head, **shape)).float(), *tiny_data(model_type, 128)
 
 
 # ----------------------------------------------------------------------------- the spine, with three models

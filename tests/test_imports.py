@@ -184,11 +184,17 @@ def test_import_raot_hf_pulls_in_no_benchmark_data_stack():
         assert "pandas" not in seen["loaded"], seen
 
 
-def test_example_inputs_pad_every_tiny_decoder_on_the_right():
-    from raot_hf.adapters import is_decoder, supported_model_types
-    from raot_hf.testing import DECODER_TYPES
+def test_every_adapter_has_a_tiny_architecture_the_tests_run():
+    """The per-architecture tests parametrize over raot_hf.testing.architectures(): an adapter
+    registered without a tiny architecture beside it would be tested nowhere."""
+    from raot_hf.adapters import get_adapter, supported_model_types
+    from raot_hf.testing import architectures, tiny_architecture
 
-    assert {t for t in supported_model_types() if is_decoder(t)} == set(DECODER_TYPES)
+    tested = {get_adapter(t).name for t in architectures()}
+    assert {get_adapter(t).name for t in supported_model_types()} == tested
+    every = architectures(variants=True)
+    assert set(every) <= set(supported_model_types())
+    assert all(tiny_architecture(t).variant_of in architectures() for t in every if t not in architectures())
 
 
 def test_each_shared_condition_is_written_once():

@@ -12,22 +12,22 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from raot_hf import RaotError, RaotMerger, merge_checkpoints, scramble
+from raot_hf.adapters import is_decoder
 from raot_hf.cli import main
 from raot_hf.io.offload import offload_model, offloaded, release_all
 from raot_hf.stages.offload import choose_offload, layerwise_bytes, offload_models
 from raot_hf.testing import (
+    architectures,
     clone,
     example_inputs,
     output_deviation,
-    tiny_image_dataset,
-    tiny_image_processor,
+    tiny_architecture,
+    tiny_data,
     tiny_model,
-    tiny_text_dataset,
-    tiny_tokenizer,
     trained_like,
 )
 
-ARCHS = ["bert", "roberta", "deberta", "deberta-v2", "vit", "deit", "gpt2", "llama", "mistral", "qwen2"]
+ARCHS = architectures()
 VOCAB = 100
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 
@@ -35,16 +35,13 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 def _pair(model_type, seed=1):
     """A trained-like model and a drifted scramble of it (so the merge is neither A nor trivial)."""
     shape = dict(hidden_size=32, num_heads=4, num_layers=4, intermediate_size=80)
-    if model_type in ("vit", "deit"):
-        head = "image" if model_type == "vit" else "teacher"
-        a, pre, data = trained_like(tiny_model(model_type, head, **shape)).float(), tiny_image_processor(), None
-        data = tiny_image_dataset(128)
-    elif model_type in ("gpt2", "llama", "mistral", "qwen2"):
-        a = trained_like(tiny_model(model_type, "causal", vocab_size=VOCAB, num_kv_heads=2, **shape)).float()
-        pre, data = tiny_tokenizer(VOCAB), tiny_text_dataset(192, vocab_size=VOCAB)
+    head = tiny_architecture(model_type).task_head
+    if is_decoder(model_type):
+        a = trained_like(tiny_model(model_type, head, vocab_size=VOCAB, num_kv_heads=2, **shape)).float()
+        pre, data = tiny_data(model_type, 192, vocab_size=VOCAB)
     else:
-        a, pre, data = trained_like(tiny_model(model_type, "sequence", **shape)).float(), tiny_tokenizer(), None
-        data = tiny_text_dataset(128)
+        a = trained_like(tiny_model(model_type, head, **shape)).float()
+        pre, data = tiny_data(model_type, 128)
     b = clone(a)
     scramble(b, seed=seed)
     g = torch.Generator().manual_seed(seed + 10)

@@ -21,19 +21,20 @@ from raot_hf import RaotMerger, schema_for, scramble
 from raot_hf.gate import Verdict
 from raot_hf.symmetry import HeadRescale
 from raot_hf.testing import (
+    architectures,
     clone,
     example_inputs,
     output_deviation,
-    tiny_image_dataset,
-    tiny_image_processor,
+    tiny_architecture,
+    tiny_data,
     tiny_model,
     tiny_text_dataset,
     tiny_tokenizer,
     trained_like,
 )
 
-DECODERS = ["gpt2", "llama", "mistral", "qwen2"]
-ENCODERS = [("bert", "sequence"), ("roberta", "sequence"), ("deberta-v2", "sequence"), ("deberta", "sequence")]
+DECODERS = architectures(decoders=True)
+ENCODERS = [(t, tiny_architecture(t).task_head) for t in architectures(decoders=False)]  # images too
 PRECISIONS = ["float32", "bfloat16"]
 VOCAB = 100
 TWINS = 300.0  # the near-twin pair's peak activation, against a median unit RMS of ~0.3
@@ -131,16 +132,13 @@ def test_a_deep_decoder_with_massive_activations_is_recovered(precision):
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("d", [32, 64, 128])
-@pytest.mark.parametrize("model_type,head", [*ENCODERS, ("vit", "image"), ("deit", "teacher")])
+@pytest.mark.parametrize("model_type,head", ENCODERS)
 def test_encoders_recover_the_whole_group_at_four_layers(model_type, head, d, precision):
     """Peaked attention (the Q/K gain reaches query/key, query_proj/key_proj and in_proj too) and
     a near-twin massive MLP pair, at several widths, under each precision."""
     shape = dict(hidden_size=d, num_heads=4 if d <= 64 else 8, num_layers=4, intermediate_size=2 * d + 16)
     a = trained_like(tiny_model(model_type, head, seed=0, **shape), twins=TWINS).float()
-    if model_type in ("vit", "deit"):
-        pre, data = tiny_image_processor(), tiny_image_dataset(128)
-    else:
-        pre, data = tiny_tokenizer(), tiny_text_dataset(128)
+    pre, data = tiny_data(model_type, 128)
     reference, result = _recover(a, pre, data, **_precision(precision))
     _assert_precision(result, precision)
     _assert_recovered(reference, result, example_inputs(reference))

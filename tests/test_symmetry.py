@@ -24,33 +24,10 @@ from raot_hf.symmetry import (
     random_orthogonal,
     transform_model,
 )
-from raot_hf.testing import clone, example_inputs, output_deviation, tiny_model
+from raot_hf.testing import architectures, clone, example_inputs, output_deviation, tiny_architecture, tiny_model
 
-CASES = [
-    ("bert", "base"),
-    ("bert", "sequence"),
-    ("bert", "token"),
-    ("bert", "mlm"),
-    ("bert", "qa"),
-    ("roberta", "base"),
-    ("roberta", "sequence"),
-    ("roberta", "token"),
-    ("roberta", "mlm"),
-    ("xlm-roberta", "sequence"),
-    ("deberta-v2", "base"),
-    ("deberta-v2", "sequence"),
-    ("deberta-v2", "token"),
-    ("deberta-v2", "mlm"),
-    ("deberta", "base"),
-    ("deberta", "sequence"),
-    ("deberta", "token"),
-    ("deberta", "mlm"),
-    ("vit", "base"),
-    ("vit", "image"),
-    ("deit", "base"),
-    ("deit", "image"),
-    ("deit", "teacher"),
-]
+# every head of every encoder (the decoders' cases are in test_decoders.py)
+CASES = [(t, head) for t in architectures(decoders=False, variants=True) for head in tiny_architecture(t).heads]
 KINDS = [("mlp",), ("heads",), ("residual",), ("rescale",), ("mlp", "heads", "residual", "rescale")]
 
 

@@ -346,9 +346,9 @@ def _finite_json(value):
 @friendly_errors
 def selfcheck_command(model_type, debug):
     """Check on tiny random models that every symmetry is exact and that a scrambled copy merges back."""
-    from raot_hf.testing import DECODER_TYPES
+    from raot_hf.testing import architectures
 
-    types = ["bert", "roberta", "deberta-v2", "deberta", "vit", "deit", *DECODER_TYPES]
+    types = architectures()
     ok = True
     for mt in types if model_type == "all" else [model_type]:
         dev, limit, rec = _selfcheck_one(mt)
@@ -369,11 +369,10 @@ def _selfcheck_one(mt: str) -> tuple[float, float, float]:
     import torch
 
     from raot_hf import scramble
-    from raot_hf.adapters import modality_of, schema_for
+    from raot_hf.adapters import is_decoder, modality_of, schema_for
     from raot_hf.merger import RaotMerger
     from raot_hf.symmetry import random_group_element, transform_model
     from raot_hf.testing import (
-        DECODER_TYPES,
         clone,
         exact_rmsnorm,
         example_inputs,
@@ -385,7 +384,7 @@ def _selfcheck_one(mt: str) -> tuple[float, float, float]:
         tiny_tokenizer,
     )
 
-    decoder = mt in DECODER_TYPES
+    decoder = is_decoder(mt)
     head = "image" if modality_of(mt) == "image" else "causal" if decoder else "sequence"
     model = tiny_model(mt, head)
     schema = schema_for(model)

@@ -9,28 +9,43 @@ layer before the next one runs, so errors do not compound through depth.
   α-interpolation of the parents' statistics, folded into the weights and biases.
 
 Both keep a merge of A with an exact scramble of itself equal to A, and write nothing but merged
-weights: the output loads with ``AutoModel*`` as before.
+weights: the output loads with ``AutoModel*`` as before. Both are registered by name
+(:mod:`raot_hf.correction.registry`, :func:`register_correction`), as a correction added from
+outside the package is.
 """
 
 from dataclasses import dataclass, field
 
+import raot_hf.correction.builtin  # noqa: F401 (registers the built-in corrections, lsq and repair)
 from raot_hf.config.options import check_choice, check_field_types, meta
 from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.correction.carry import Carried, LayerCall, capture
 from raot_hf.correction.fits import Site, least_squares_layer, least_squares_readers, linear_out, repair_layer
 from raot_hf.correction.layer import LayerPass
+from raot_hf.correction.registry import (
+    CorrectionRequest,
+    CorrectionSpec,
+    available_corrections,
+    correction_description,
+    get_correction,
+    register_correction,
+    unregister_correction,
+)
 from raot_hf.errors import RaotError
 
-#: The correction methods (``correction.method``): "auto" chooses, "none" runs no pass.
-CORRECTION_METHODS = ("auto", "none", "lsq", "repair")
-
 __all__ = [
-    "CORRECTION_METHODS",
     "Carried",
+    "CorrectionRequest",
+    "CorrectionSpec",
     "LayerCall",
     "LayerPass",
     "Site",
+    "available_corrections",
     "capture",
+    "correction_description",
+    "get_correction",
+    "register_correction",
+    "unregister_correction",
     "least_squares_layer",
     "least_squares_readers",
     "linear_out",
@@ -61,7 +76,7 @@ class CorrectionOptions(OptionSection):
             "squares), repair (REPAIR statistics) or none.",
             "correction_method",
             flag="--correction",
-            choices=CORRECTION_METHODS,
+            choices=available_corrections,
         ),
     )
     examples: int = field(
@@ -91,7 +106,7 @@ class CorrectionOptions(OptionSection):
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        check_choice("correction_method", self.method, CORRECTION_METHODS)
+        check_choice("correction_method", self.method, tuple(available_corrections()))
         if self.examples < 1:
             raise RaotError(f"correction_examples={self.examples} must be ≥ 1 (fit examples the correction runs on)")
         if self.batch_size < 1:

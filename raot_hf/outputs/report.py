@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from raot_hf.config.options import cli_options, setting_at
+from raot_hf.correction import correction_description
 from raot_hf.outputs.card import summary_with_verdict
 from raot_hf.outputs.quality import describe_quality
 from raot_hf.version import __version__
@@ -139,9 +140,6 @@ def _check_rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [dict(name=c.name, value=c.value, threshold=c.threshold, passed=c.passed, kind=c.kind) for c in checks]
 
 
-_CORRECTIONS = {"lsq": "merged-input least squares", "repair": "REPAIR statistics"}
-
-
 def _rule_description(settings: dict[str, Any], merge_log: dict[str, Any]) -> str | None:
     """The rule's name (with the options a base-relative rule read, e.g. ``ties (density 0.2, …)``),
     and the post-merge correction when one ran."""
@@ -149,7 +147,7 @@ def _rule_description(settings: dict[str, Any], merge_log: dict[str, Any]) -> st
     correction = merge_log.get("correction") if merge_log else None
     if not correction or correction.get("method", "none") == "none":
         return described
-    how = _CORRECTIONS.get(correction["method"], correction["method"])
+    how = correction_description(correction["method"])
     return f"{described}, then corrected layer by layer ({how} on {correction['examples']} calibration examples)"
 
 

@@ -16,16 +16,8 @@ from huggingface_hub.utils import tqdm
 from torch.func import functional_call
 
 from raot_hf.adapters.schema import ModelSchema
-from raot_hf.correction import (
-    LayerPass,
-    Site,
-    capture,
-    least_squares_layer,
-    least_squares_readers,
-    linear_out,
-    repair_layer,
-)
-from raot_hf.correction.layer import SiteGroups, site_groups
+from raot_hf.correction import CorrectionRequest, LayerPass, Site, capture, get_correction, linear_out
+from raot_hf.correction.builtin import stored_in_out
 from raot_hf.errors import RaotError
 from raot_hf.gate import PairedTest, paired_test
 from raot_hf.gate.fidelity import layer_module_names, relative_squared_error
@@ -36,48 +28,6 @@ from raot_hf.stages.context import PairContext
 from raot_hf.symmetry import load_state
 
 logger = logging.getLogger("raot_hf.stages.correct")
-
-
-def _stored_in_out(model: torch.nn.Module, module: str) -> bool:
-    from transformers.pytorch_utils import Conv1D
-
-    return isinstance(model.get_submodule(module), Conv1D)
-
-
-def linear_sites(model, schema: ModelSchema, index: int, prefix: str) -> list[Site]:
-    """Every Linear of layer ``index`` (the schema's ``linears``) as a least-squares site."""
-    params = dict(model.named_parameters())
-    sites = []
-    for module in schema.layers[index].linears:
-        if not module.startswith(prefix + ".") or f"{module}.weight" not in params:
-            continue
-        bias = f"{module}.bias" if f"{module}.bias" in params else None
-        sites.append(Site(module[len(prefix) + 1 :], f"{module}.weight", bias, _stored_in_out(model, module)))
-    return sites
-
-
-def repair_sites(model, schema: ModelSchema, index: int, prefix: str) -> tuple[list[Site], list[str]]:
-    """The modules whose outputs REPAIR resets in layer ``index``: the value rows ("v", per KV head
-    under grouped-query attention) and the MLP's pre-activations ("mlp": fc1, or gate and up).
-    A space whose members are not a module's own weight and bias (DeBERTa v1's ``v_bias`` added
-    after the fused projection) cannot be folded and is skipped, with the reason."""
-    params = dict(model.named_parameters())
-    spaces = (("v", schema.kv_space(index, "v") or schema.vo_space(index)), ("mlp", schema.mlp_space(index)))
-    sites, skipped = [], []
-    for kind, space in spaces:
-        members = [m for m in space.members if m.covariant and m.role in ("v", "fc1")]
-        weights = [m for m in members if m.name.endswith(".weight") and params[m.name].ndim == 2]
-        found = []
-        for m in weights:
-            module = m.name[: -len(".weight")]
-            bias = f"{module}.bias" if f"{module}.bias" in params else None
-            found.append(Site(module[len(prefix) + 1 :], m.name, bias, m.axis == 1, m.index_tensor(), kind))
-        owned = {s.weight for s in found} | {s.bias for s in found if s.bias}
-        if any(m.name not in owned for m in members) or not found:
-            skipped.append(f"{space.name}: its parameters are not one module's weight and bias; not corrected")
-            continue
-        sites += found
-    return sites, skipped
 
 
 def final_readers(parents: dict, schema: ModelSchema, rest: dict):
@@ -95,7 +45,7 @@ def final_readers(parents: dict, schema: ModelSchema, rest: dict):
         sites = []
         for w, b in readers:
             reader = w[: -len(".weight")]
-            site = Site(reader, w, b, _stored_in_out(parents["a"], reader))
+            site = Site(reader, w, b, stored_in_out(parents["a"], reader))
             sites.append((site, {side: (p[w], p[b] if b else None) for side, p in params.items()}))
         return ({side: m.get_submodule(module) for side, m in parents.items()}, norm_params), sites
     return None
@@ -129,9 +79,10 @@ def corrected_merge(
     parents: dict,
 ) -> dict:  # fmt: skip
     """The rule's merge of ``trunks`` (``weights``: one per model, :func:`raot_hf.merging.apply_rule`),
-    corrected layer by layer (``method``: ``lsq`` or ``repair``) to the mix of ``parents`` (side →
-    model, ``"a"`` the reference, in the trunks' order) and written into the reference's module;
-    returns the rule's log (summed over the calls) with the correction's under ``"correction"``."""
+    corrected layer by layer (``method``: a registered correction, e.g. ``lsq`` or ``repair``) to
+    the mix of ``parents`` (side → model, ``"a"`` the reference, in the trunks' order) and written
+    into the reference's module; returns the rule's log (summed over the calls) with the
+    correction's under ``"correction"``."""
     log: dict[str, Any] = {"rule": spec.name, "settings": {}, "counts": {}}
     merged_all = None
     if not spec.per_tensor:  # RegMean, Fisher: the whole trunk at once (as without correction)
@@ -226,8 +177,10 @@ def _corrected(ctx: PairContext, parents: dict, mix: dict, merge, names_all: lis
     """The layer-by-layer pass shared by two and N models: ``merge(keys)`` gives the rule's merge of
     those trunk tensors, ``parents`` the models (side → model, ``"a"`` the reference) and ``mix``
     their weights in the target. Each layer's correction competes with the rule's merge of that
-    layer on held-out examples (:class:`HeldoutPaths`) when the gate is on and there are enough."""
+    layer on held-out examples (:class:`HeldoutPaths`) when the gate is on and there are enough.
+    ``method`` is looked up in the correction registry (:func:`raot_hf.correction.get_correction`)."""
     cfg = ctx.config
+    spec = get_correction(method)
     if run is None:
         raise RaotError(f"correction {method!r} needs calibration data; pass calibration=... (or --calibration)")
     names = layer_module_names(ctx.model_a, ctx.schema)
@@ -245,23 +198,13 @@ def _corrected(ctx: PairContext, parents: dict, mix: dict, merge, names_all: lis
                            MIN_GATE_EXAMPLES)  # fmt: skip
             held = None
     layers, skipped = [], []
-    groups: dict[tuple, SiteGroups] = {}  # layers of one class call their sites in one order
+    memo: dict[str, Any] = {}  # what the correction keeps over the layers of this merge
     for i, name in enumerate(tqdm(names, desc=f"correction ({method})", disable=not ctx.dist.is_main)):
         rule, part = merge([k for k in names_all if k.startswith(name + ".")])
         add_rule_log(log, part)
         layer = LayerPass(chunks, name, {side: m.get_submodule(name) for side, m in parents.items()})
-        if method == "lsq":
-            sites = linear_sites(ctx.model_a, ctx.schema, i, name)
-            key = (type(layer.module_a), tuple(s.module for s in sites))
-            if key not in groups:
-                groups[key] = site_groups(layer, rule, [s.module for s in sites])
-            merged, outputs, fits = least_squares_layer(
-                layer, rule, sites, mix=mix, shrink=cfg.correction.shrink, groups=groups[key]
-            )
-        else:
-            sites, why = repair_sites(ctx.model_a, ctx.schema, i, name)
-            skipped += why
-            merged, outputs, fits = repair_layer(layer, rule, sites, mix=mix)
+        request = CorrectionRequest(layer, rule, i, name, mix, ctx.model_a, ctx.schema, cfg.correction, memo, skipped)
+        merged, outputs, fits = spec.fn(request)
         entry: dict[str, Any] = {"layer": i, "sites": fits}
         if held is not None:
             kept, merged, test = held.decide(name, rule, merged)
@@ -272,10 +215,10 @@ def _corrected(ctx: PairContext, parents: dict, mix: dict, merge, names_all: lis
         load_state(ctx.model_a, merged)
         layers.append(entry)
         release_all()  # the layer's offloaded pages, read by the parents and the merge (§7.4)
-    readers = final_readers(parents, ctx.schema, rest) if method == "lsq" else None
+    readers = final_readers(parents, ctx.schema, rest) if spec.readers is not None else None
     if readers is not None:  # an untied LM head reads the final stream: refitted like the layers' Linears
         norms, sites = readers
-        refit, fits = least_squares_readers(chunks, norms, rest, sites, mix=mix, shrink=cfg.correction.shrink)
+        refit, fits = spec.readers(chunks, norms, rest, sites, mix=mix, options=cfg.correction)
         entry = {"layer": "final", "sites": fits}
         kept = True
         if held is not None:
@@ -291,7 +234,7 @@ def _corrected(ctx: PairContext, parents: dict, mix: dict, merge, names_all: lis
         "tokens": tokens,
         "layers": layers,
         "skipped": skipped,
-        **({"shrink": cfg.correction.shrink, "groups": [g.groups for g in groups.values()]} if method == "lsq" else {}),
+        **(spec.report(memo, cfg.correction) if spec.report is not None else {}),
     }
     if held is not None:
         kept = sum(1 for e in layers if e.get("kept") and e["layer"] != "final")
