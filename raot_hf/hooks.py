@@ -84,12 +84,7 @@ def without_cache(model: torch.nn.Module, inputs: dict) -> dict:
 
 
 def capture_calls(
-    model: torch.nn.Module,
-    names: list[str],
-    inputs: dict,
-    *,
-    params: dict | None = None,
-    outputs: bool = True,
+    model: torch.nn.Module, names: list[str], inputs: dict, *, params: dict | None = None, outputs: bool = True
 ) -> list[Call]:
     """Run ``model`` (with ``params`` swapped in, if given) on ``inputs`` until the last of the
     modules ``names`` has run (``outputs=False``: until it is called), keeping each one's call.

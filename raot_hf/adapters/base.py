@@ -12,15 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from raot_hf.adapters.schema import (
-    Fold,
-    HeadReadout,
-    LayerSchema,
-    Member,
-    ModelSchema,
-    Space,
-    head_index,
-)
+from raot_hf.adapters.schema import Fold, HeadReadout, LayerSchema, Member, ModelSchema, Space, head_index
 from raot_hf.errors import RaotError
 
 

@@ -236,8 +236,7 @@ def check_tokenizer_reads_text(dataset: datasets.Dataset, column: str, processor
     total = sum(len(e) for e in encoded)
     if unk is not None and total and sum(e.count(unk) for e in encoded) > total / 2:
         logger.warning(
-            "over half of the calibration tokens are %s's unknown token: the tokenizer may not match the data",
-            name,
+            "over half of the calibration tokens are %s's unknown token: the tokenizer may not match the data", name
         )
 
 

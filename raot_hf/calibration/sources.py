@@ -27,17 +27,7 @@ logger = logging.getLogger("raot_hf.calibration.sources")
 Modality = Literal["text", "image"]
 
 #: Column names tried first (in this order) when ``column`` is not given.
-TEXT_COLUMN_NAMES = (
-    "text",
-    "sentence",
-    "content",
-    "review",
-    "document",
-    "sentence1",
-    "question",
-    "premise",
-    "title",
-)
+TEXT_COLUMN_NAMES = ("text", "sentence", "content", "review", "document", "sentence1", "question", "premise", "title")
 IMAGE_COLUMN_NAMES = ("image", "img", "picture", "photo", "pixel_values")
 
 #: Local file extensions and the ``datasets`` builder that reads them.
@@ -174,8 +164,7 @@ def _load_source(
         kwargs: dict[str, Any] = {"delimiter": "\t"} if extension == ".tsv" else {}
         logger.info("loading calibration data from %s file %s", builder, path)
         return _guarded(
-            lambda: datasets.load_dataset(builder, data_files={split_name: path}, split=config.split, **kwargs),
-            source,
+            lambda: datasets.load_dataset(builder, data_files={split_name: path}, split=config.split, **kwargs), source
         )
     if _looks_like_local_path(source):
         raise RaotError(

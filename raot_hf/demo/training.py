@@ -51,11 +51,7 @@ def default_cache_dir() -> Path:
 
 
 def split_three_ways(
-    labels: Sequence[int],
-    n_test: int,
-    n_calibration: int,
-    split_seed: int,
-    groups: Sequence[Any] | None = None,
+    labels: Sequence[int], n_test: int, n_calibration: int, split_seed: int, groups: Sequence[Any] | None = None
 ) -> tuple[list[int], list[int], list[int]]:
     """Split example indices into (train, calibration, test), stratified by label.
 
@@ -203,11 +199,7 @@ def encode_examples(dataset, processor, max_length: int = 64) -> dict[str, torch
     if "text" in columns:
         return dict(
             processor(
-                list(dataset["text"]),
-                padding="max_length",
-                truncation=True,
-                max_length=max_length,
-                return_tensors="pt",
+                list(dataset["text"]), padding="max_length", truncation=True, max_length=max_length, return_tensors="pt"
             )
         )
     raise RaotError(f"dataset has columns {columns}; expected an 'image' or a 'text' column")

@@ -52,13 +52,7 @@ from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
 from raot_hf.estimators.weight_features import SpaceFeatures, space_features
 from raot_hf.estimators.weight_grouped import align_grouped_heads, check_grouped_options
-from raot_hf.symmetry.transforms import (
-    HeadAlignment,
-    HeadRescale,
-    MLPPermutation,
-    Transform,
-    TransformSequence,
-)
+from raot_hf.symmetry.transforms import HeadAlignment, HeadRescale, MLPPermutation, Transform, TransformSequence
 
 logger = logging.getLogger("raot_hf.estimators.weight_based")
 _F64 = torch.float64

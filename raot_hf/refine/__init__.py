@@ -185,8 +185,7 @@ class RefineOptions(OptionSection):
         default=64, metadata=meta("Learned alignment: fit examples it descends on (default 64).", "refine_examples")
     )
     eval_every: int = field(
-        default=10,
-        metadata=meta("Learned alignment: steps between held-out scores (default 10).", "refine_eval_every"),
+        default=10, metadata=meta("Learned alignment: steps between held-out scores (default 10).", "refine_eval_every")
     )
 
     def __post_init__(self) -> None:

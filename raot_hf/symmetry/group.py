@@ -52,10 +52,7 @@ def mean_fixing(rotation: torch.Tensor) -> torch.Tensor:
 
 
 def random_group_element(
-    schema: ModelSchema,
-    seed: int = 0,
-    kinds: Iterable[str] = SCRAMBLE_KINDS,
-    residual: str = "auto",
+    schema: ModelSchema, seed: int = 0, kinds: Iterable[str] = SCRAMBLE_KINDS, residual: str = "auto"
 ) -> TransformSequence:
     """A random exact symmetry of a model with ``schema``.
 
@@ -122,11 +119,7 @@ def random_grouped_heads(schema: ModelSchema, layer: int, g: torch.Generator) ->
 
 
 def scramble(
-    model: torch.nn.Module,
-    seed: int = 0,
-    *,
-    kinds: Iterable[str] = SCRAMBLE_KINDS,
-    residual: str = "auto",
+    model: torch.nn.Module, seed: int = 0, *, kinds: Iterable[str] = SCRAMBLE_KINDS, residual: str = "auto"
 ) -> TransformSequence:
     """Apply a random exact symmetry to ``model`` in place and return it as a transform.
 
