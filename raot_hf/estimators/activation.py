@@ -15,7 +15,7 @@ from raot_hf.calibration.precision import correlation_error_bound
 from raot_hf.calibration.statistics import Moments, PairedDiagonal
 from raot_hf.estimators.head_fit import assign, matched_scales, normalised_blocks, procrustes
 from raot_hf.estimators.ties import resolve_near_ties, unit_mismatch
-from raot_hf.symmetry.group import mean_axis_basis
+from raot_hf.symmetry.group import mean_axis_basis, mean_fixing
 from raot_hf.symmetry.transforms import (
     HeadAlignment,
     HeadRescale,
@@ -154,10 +154,7 @@ def estimate_residual_map(stats: Moments, *, mode: str = "rotation", return_log:
         transform = ResidualRotation(procrustes(stats.raw_cross()))
     elif mode == "rotation":
         b = mean_axis_basis(d)
-        r = procrustes(b.T @ stats.raw_cross() @ b)
-        u = torch.full((d, 1), d**-0.5, dtype=_F64)
-        o = u @ u.T + b @ r @ b.T
-        transform = ResidualRotation(o)
+        transform = ResidualRotation(mean_fixing(procrustes(b.T @ stats.raw_cross() @ b)))
     elif mode == "permutation":
         # new coordinate j of B′ takes B's coordinate perm[j], matched to A's coordinate j
         transform = ResidualPermutation(assign(stats.correlation()))
