@@ -1,10 +1,5 @@
-"""The one place forward hooks are registered and removed (docs/architecture.md).
-
-Every stage that watches a forward — the calibration pass's activations, the gate's and the
-corrections' layer calls, the learned alignment's merged output — does it through :class:`Hooks`
-(registered together, removed together, also on error) and :func:`capture_calls` (a forward run up
-to a module, keeping each watched module's call).
-"""
+"""The one place forward hooks are registered and removed (docs/architecture.md): :class:`Hooks`
+(registered together, removed together, also on error) and :func:`capture_calls`."""
 
 from __future__ import annotations
 
