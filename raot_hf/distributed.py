@@ -1,17 +1,10 @@
 """Data-parallel calibration (docs/design.md §7): each process runs its shard of the calibration
 set; statistics are sums, so one all-reduce makes every process hold the full-data totals.
 
-Under ``accelerate launch`` (or any launcher that sets ``WORLD_SIZE``, or an already
-initialised ``torch.distributed`` process group) the context picks up the process group
-through :class:`accelerate.PartialState`. Shards never pad or duplicate examples
-(accelerate's ``even_batches`` padding would corrupt the sums: see
-:func:`raot_hf.calibration.shard_example_ids`), so the result equals a single-process run up
-to float summation order. The main process then solves, gates, merges and writes; the CLI
-lets the other processes exit after the statistics pass (:func:`follow_main`).
-
->>> ctx = DistributedContext.detect()  # doctest: +SKIP
->>> ctx.rank, ctx.world_size, ctx.device  # doctest: +SKIP
-(0, 2, device(type='cuda', index=0))
+The process group comes from :class:`accelerate.PartialState` (``accelerate launch``, ``WORLD_SIZE``
+or an initialised ``torch.distributed``). Shards never pad or duplicate examples, so the result
+equals a single-process run up to float summation order; the main process alone solves, gates,
+merges and writes (:func:`follow_main`).
 """
 
 from __future__ import annotations
@@ -78,10 +71,8 @@ class DistributedContext:
         return torch.device("cpu")
 
     def all_reduce_statistics(self, stats) -> None:
-        """Sum every statistic (and the example count) across processes, in place, in float64.
-
-        Small tensors travel together in flat buckets; the large cross moments one by one.
-        Runs on the CPU under gloo and on this process's GPU under NCCL."""
+        """Sum every statistic (and the example count) across processes, in place, in float64:
+        small tensors in flat buckets, the large cross moments one by one."""
         if not self.is_distributed:
             return
         import torch.distributed as dist
@@ -151,10 +142,8 @@ def statistics_pass_needed(config, calibration: Any = None) -> bool:
 
 
 def follow_main(merger, calibration: Any = None) -> None:
-    """On a non-main process: take part in the sharded statistics pass that the main process's
-    ``merge``/``align`` runs — this process's shard of the fit examples and its all-reduce, the
-    main process's candidates by broadcast, then its shard of the held-out examples and that
-    all-reduce — and return: the main process alone solves, gates, merges and writes."""
+    """On a non-main process: take part in the main process's sharded statistics pass (fit shard
+    and all-reduce, candidates by broadcast, held-out shard and all-reduce), then return."""
     if merger.dist.is_main:
         raise RuntimeError("follow_main is for non-main processes; the main process calls merge() or align()")
     if statistics_pass_needed(merger.config, calibration):

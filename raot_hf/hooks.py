@@ -1,10 +1,5 @@
-"""The one place forward hooks are registered and removed (docs/architecture.md).
-
-Every stage that watches a forward — the calibration pass's activations, the gate's and the
-corrections' layer calls, the learned alignment's merged output — does it through :class:`Hooks`
-(registered together, removed together, also on error) and :func:`capture_calls` (a forward run up
-to a module, keeping each watched module's call).
-"""
+"""The one place forward hooks are registered and removed (docs/architecture.md): :class:`Hooks`
+(registered together, removed together, also on error) and :func:`capture_calls`."""
 
 from __future__ import annotations
 
@@ -84,12 +79,7 @@ def without_cache(model: torch.nn.Module, inputs: dict) -> dict:
 
 
 def capture_calls(
-    model: torch.nn.Module,
-    names: list[str],
-    inputs: dict,
-    *,
-    params: dict | None = None,
-    outputs: bool = True,
+    model: torch.nn.Module, names: list[str], inputs: dict, *, params: dict | None = None, outputs: bool = True
 ) -> list[Call]:
     """Run ``model`` (with ``params`` swapped in, if given) on ``inputs`` until the last of the
     modules ``names`` has run (``outputs=False``: until it is called), keeping each one's call.

@@ -1,14 +1,6 @@
-"""Publish a merged model directory to the Hugging Face Hub.
-
-The folder written by a merge (``config.json``, ``*.safetensors``, ``raot_report.json``, model
-card, tokenizer files) is checked locally first, so that a wrong path fails before any network
-traffic. Then the repository is created (or reused), the target branch is created when a
-``revision`` is asked for, and the folder is uploaded in one ``upload_folder`` call.
-
-The access token is resolved by ``huggingface_hub`` (explicit argument, then ``HF_TOKEN``, then
-the login cache) and is only ever handed to :class:`huggingface_hub.HfApi`: it is never logged,
-printed, or written to a file.
-"""
+"""Publish a merged model directory to the Hugging Face Hub: checked locally first (no network
+traffic for a wrong path), then uploaded in one ``upload_folder`` call. The access token is only
+ever handed to :class:`huggingface_hub.HfApi`: never logged, printed or written to a file."""
 
 from __future__ import annotations
 
@@ -38,11 +30,8 @@ def default_commit_message() -> str:
 
 
 def validate_merged_folder(folder: str | Path) -> Path:
-    """Check that ``folder`` looks like a merged model directory and return it as a ``Path``.
-
-    It must be an existing directory holding ``config.json``, at least one ``*.safetensors``
-    file and ``raot_report.json``. Raises :class:`RaotError` (one line, with the fix) otherwise.
-    """
+    """``folder`` as a ``Path`` if it is a merged model directory (``config.json``, a
+    ``*.safetensors`` file and ``raot_report.json``); else a one-line :class:`RaotError`."""
     path = Path(folder).expanduser()
     if not path.exists():
         raise RaotError(f"folder {str(path)!r} does not exist; pass the output directory of `raot-hf merge`")
@@ -120,26 +109,14 @@ def push_to_hub(
     commit_message: str | None = None,
     endpoint: str | None = None,
 ) -> str:
-    """Upload a merged model directory to a model repository on the Hugging Face Hub.
+    """Upload a merged model directory to ``repo_id`` (``"namespace/name"``) on the Hub; returns
+    the URL of the commit, or of the pull request with ``create_pr``.
 
-    Args:
-        folder: output directory of a merge (``config.json``, ``*.safetensors``,
-            ``raot_report.json``, and whatever else it holds: model card, tokenizer files).
-        repo_id: target repository, ``"namespace/name"`` (or ``"name"`` for the token's user).
-        token: Hub access token. ``None`` lets ``huggingface_hub`` find one (``HF_TOKEN``, then
-            the login cache). It is never logged, printed or written anywhere.
-        private: create the repository as private (ignored when it already exists).
-        revision: branch to push to; created from the default branch when missing.
-        create_pr: open a pull request against ``main`` instead of committing to it.
-        commit_message: commit title; defaults to one naming raot-hf.
-        endpoint: Hub URL; ``None`` means ``HF_ENDPOINT`` or https://huggingface.co.
-
-    Returns:
-        The URL of the commit, or of the pull request when ``create_pr`` is set.
-
-    Raises:
-        RaotError: the folder is not a merge output, the arguments conflict, offline mode is on,
-            or the Hub refused the token.
+    ``token``: None lets ``huggingface_hub`` find one (``HF_TOKEN``, then the login cache); never
+    logged. ``private`` is ignored for an existing repository; ``revision``: branch, created from
+    the default branch when missing; ``endpoint``: None means ``HF_ENDPOINT`` or huggingface.co.
+    Raises :class:`RaotError` for a non-merge folder, conflicting arguments, offline mode or a
+    refused token.
     """
     path = validate_merged_folder(folder)
     _validate_push_arguments(repo_id, revision, create_pr)
@@ -182,11 +159,8 @@ def _create_and_upload(
     commit_message: str,
     summary: tuple[int, int],
 ):
-    """Create (or reuse) the repository and the target branch, then upload ``path`` in one commit.
-
-    ``summary`` is the folder's (number of files, total bytes), for the log. Returns the
-    ``upload_folder`` commit info; Hub errors propagate to the caller.
-    """
+    """Create (or reuse) the repository and the target branch, then upload ``path`` in one commit
+    (``summary``: files and bytes, for the log); Hub errors propagate."""
     logger.info("Creating (or reusing) model repo %s on %s (private=%s)", repo_id, api.endpoint, private)
     repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     full_repo_id = repo_url.repo_id or repo_id

@@ -304,27 +304,13 @@ def trained_like(
 ) -> torch.nn.Module:
     """Make a tiny random model compute like a trained one, in place, and return it.
 
-    Every matrix gets unit gain (entries N(0, 1/fan-in); embeddings N(0, 1)), so each layer
-    changes the stream as much as a trained layer does; queries and keys are scaled by
-    ``qk_gain``, so attention is peaked (a maximum probability of ~0.75 at 2, against nearly
-    uniform attention at the default init, where a wrong Q/K map barely changes the logits).
-
-    ``massive`` (decoders only): the **massive activations** of pretrained LLMs (Sun et al.
-    2024) — layer 1's MLP unit 0 writes ``massive`` into two stream dimensions on the
-    ``triggers`` tokens only (by default ids 2 and 3, the test tokenizer's [CLS] and [SEP]: the
-    first and the last token of every text), against a median stream entry of ~1. The
-    triggers' embeddings point along one direction that no other token, position or earlier
-    writer has a component along, and unit 0 of layer 1 reads that direction only.
-
-    ``twins`` (any architecture): a pair of **near-twin massive MLP units** of different
-    magnitude, the pattern of real checkpoints (in a 135 M-parameter Llama-family LLM two SwiGLU
-    units of one layer have RMS 522 and 182 against a median unit RMS of 0.16, and correlate at
-    0.9994 over text tokens). In layer ``twin_layer`` (default: the middle layer) units 0 and 1
-    read the direction of the first token's MLP input; unit 0 reaches about ``twins`` on that
-    token, unit 1 about 0.35 × as much, and unit 1's input rows carry a little noise, so that the
-    two correlate at ~0.999 but not 1. They write to the stream along different random directions,
-    so a swap of the two changes the model's outputs. Their correlation margin is below bf16
-    rounding (docs/design.md §4.3)."""
+    Every matrix gets unit gain (N(0, 1/fan-in); embeddings N(0, 1)); queries and keys are scaled by
+    ``qk_gain`` so attention is peaked. ``massive`` (decoders): layer 1's MLP unit 0 writes that
+    value into two stream dimensions on the ``triggers`` tokens only (the **massive activations**
+    of pretrained LLMs). ``twins``: in layer ``twin_layer`` (default the middle one) MLP units 0 and
+    1 are **near-twin massive units** (about ``twins`` and 0.35 × as much on the first token,
+    correlating at ~0.999, writing along different directions), their correlation margin below
+    bf16 rounding (docs/design.md §4.3)."""
     from transformers.pytorch_utils import Conv1D
 
     g = torch.Generator().manual_seed(int(seed) + 7919)
@@ -511,11 +497,8 @@ def tiny_image_dataset(n: int = 64, size: int = 8, seed: int = 0):
 
 @contextlib.contextmanager
 def exact_rmsnorm():
-    """Within the block, the Llama-family RMSNorms compute in their input dtype.
-
-    transformers' RMSNorm casts to float32 internally, so a float64 decoder is only
-    float32-exact through it; the ≤ 1e-9 symmetry checks run the same formula without the
-    cast (as the DeBERTa v1 LayerNorm fixture does)."""
+    """Within the block, the Llama-family RMSNorms compute in their input dtype (transformers'
+    casts to float32, so the ≤ 1e-9 float64 symmetry checks run the formula without the cast)."""
     from transformers.models.llama import modeling_llama
     from transformers.models.mistral import modeling_mistral
     from transformers.models.qwen2 import modeling_qwen2

@@ -1,9 +1,6 @@
-"""Architectures described as data: one :class:`Adapter` per family (docs/design.md §2).
-
-An adapter holds weight-name templates for the embeddings, one encoder layer and the task
-heads; :meth:`Adapter.build_schema` resolves them against a loaded model's parameters and
-returns the :class:`~raot_hf.adapters.schema.ModelSchema` every later stage works from.
-"""
+"""Architectures described as data: one :class:`Adapter` per family (docs/design.md §2), whose
+weight-name templates :meth:`Adapter.build_schema` resolves into a model's
+:class:`~raot_hf.adapters.schema.ModelSchema`."""
 
 from __future__ import annotations
 
@@ -12,15 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from raot_hf.adapters.schema import (
-    Fold,
-    HeadReadout,
-    LayerSchema,
-    Member,
-    ModelSchema,
-    Space,
-    head_index,
-)
+from raot_hf.adapters.schema import Fold, HeadReadout, LayerSchema, Member, ModelSchema, Space, head_index
 from raot_hf.errors import RaotError
 
 
@@ -45,11 +34,8 @@ class LayerTemplate:
 
 @dataclass(frozen=True)
 class HeadTemplate:
-    """A task head: which of its Linear modules read the residual stream.
-
-    ``tied`` describes a masked-LM transform whose output space is tied to the stream basis
-    through the (tied) word embeddings: ``(dense, norm, decoder)`` module names.
-    """
+    """A task head: which of its Linear modules read the residual stream; ``tied``: the
+    ``(dense, norm, decoder)`` of a masked-LM transform tied to the stream through the word embeddings."""
 
     stream_readers: tuple[str, ...] = ()
     tied: tuple[str, str, str] | None = None
@@ -102,11 +88,8 @@ class Adapter:
 
 
 class _EncoderSchemaBuilder:
-    """Resolves an encoder :class:`Adapter`'s templates on one model, member by member.
-
-    Members are added only where the parameter exists (optional biases); a missing Linear
-    weight is a one-line error. The order members are added in is the order of each space.
-    """
+    """Resolves an encoder :class:`Adapter`'s templates on one model, member by member, in each
+    space's order; optional parameters are skipped, a missing Linear weight is a one-line error."""
 
     def __init__(self, adapter: Adapter, model: torch.nn.Module):
         config = model.config

@@ -35,12 +35,7 @@ def _check_bert_config(config) -> None:
 
 
 def bert_family_adapter(
-    name: str,
-    model_types: tuple[str, ...],
-    prefix: str,
-    *,
-    sequence_reader: str,
-    masked_lm: tuple[str, str, str],
+    name: str, model_types: tuple[str, ...], prefix: str, *, sequence_reader: str, masked_lm: tuple[str, str, str]
 ) -> Adapter:
     """A post-LN encoder with BERT's layer and embedding layout under the base-model attribute
     ``prefix``; the families differ only in the stream reader of their sequence-classification

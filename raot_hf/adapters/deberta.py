@@ -12,11 +12,7 @@ _HEADS = {
     "ForTokenClassification": HeadTemplate(stream_readers=("classifier",)),
     "ForQuestionAnswering": HeadTemplate(stream_readers=("qa_outputs",)),
     "ForMaskedLM": HeadTemplate(
-        tied=(
-            "cls.predictions.transform.dense",
-            "cls.predictions.transform.LayerNorm",
-            "cls.predictions.decoder",
-        )
+        tied=("cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm", "cls.predictions.decoder")
     ),
 }
 

@@ -1,11 +1,6 @@
-"""GPT-2: a pre-LN decoder with learned positions, a fused ``c_attn`` and ``Conv1D`` weights
-stored (in, out) (docs/design.md §8).
-
-The head spaces are the encoders' (no RoPE, one KV head per query head): ``c_attn``'s output
-axis holds q, k and v as three contiguous blocks, each in standard head layout. The residual
-stream is a LayerNorm stream, so rotations must fix the mean axis, and they would need every
-LayerNorm folded — but the final ``ln_f`` feeds a bias-free reader (the tied ``lm_head``, or
-``score``), which cannot absorb its shift β: GPT-2's stream is aligned by permutations only.
+"""GPT-2: a pre-LN decoder with learned positions, a fused ``c_attn`` (q, k, v as three contiguous
+blocks) and ``Conv1D`` weights stored (in, out) (docs/design.md §8). The final ``ln_f`` feeds a
+bias-free reader that cannot absorb its shift β, so the stream is aligned by permutations only.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Llama, Mistral and Qwen2: pre-RMSNorm decoders with RoPE, grouped-query attention and a
 SwiGLU MLP (docs/design.md §8).
 
-One layout covers the three families (Qwen2 adds q/k/v biases, Mistral and Qwen2 a sliding
-window, which changes no symmetry and is carried through in the config). The schema differs
-from the encoders' in four ways: Q/K maps are restricted to RoPE's rotary pairs
-(``qk_structure="rope"``); with grouped-query attention the KV heads get their own spaces
-(``layers.i.k`` / ``layers.i.v``); the residual stream admits all of O(d) once every RMSNorm
-weight is folded into its readers (``exact="orthogonal"``); and a tied ``lm_head`` keeps the
-final norm unfolded, so tied models get residual permutations only.
+Unlike the encoders': Q/K maps are restricted to rotary pairs (``qk_structure="rope"``), KV heads
+get their own spaces (``layers.i.k`` / ``layers.i.v``), the stream admits all of O(d) once every
+RMSNorm is folded (``exact="orthogonal"``), and a tied ``lm_head`` keeps the final norm unfolded
+(residual permutations only).
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """The common schema every architecture adapter produces (docs/design.md §2).
 
-A model is described by *spaces*: vector spaces inside the network on which a symmetry acts
-(the residual stream, each layer's MLP units, each layer's query-key and value-output head
-spaces). A space lists its *members*: the parameter tensors with an axis indexing that space.
-Every symmetry in §3 is then one operation — contract each member's axis with a matrix M
-(covariant members) or with M⁻ᵀ (contravariant members) — see
-:func:`raot_hf.symmetry.apply.apply_transform`.
-
-Covariant members produce vectors of the space (writers: ``W ← Mᵀ·W`` on the output axis,
-embedding rows, biases, LayerNorm γ/β that live in the space, the "query side" of a
-bilinear form); contravariant members consume them (readers: ``W ← W·M⁻ᵀ``). For orthogonal
-M both are the same contraction.
+A model is described by *spaces* on which a symmetry acts (the residual stream, each layer's MLP
+units, query-key and value-output head spaces), each listing its *members*: parameter axes
+indexing it. A symmetry (§3) contracts every covariant member (writers, biases, γ/β in the space)
+with M and every contravariant one (readers) with M⁻ᵀ; for orthogonal M both are the same.
 """
 
 from __future__ import annotations
@@ -25,12 +18,8 @@ NormPlacement = Literal["pre", "post"]
 
 @dataclass(frozen=True)
 class Member:
-    """One parameter axis (or a slice of it) that indexes a space.
-
-    ``index`` selects the positions of the axis that belong to the space, in the space's
-    order (``None``: the whole axis). DeBERTa v1's fused ``in_proj`` is three members of one
-    parameter with interleaved indices.
-    """
+    """One parameter axis (or, by ``index``, the positions of it that belong to the space, in the
+    space's order; ``None``: the whole axis) that indexes a space."""
 
     name: str
     axis: int
@@ -44,14 +33,10 @@ class Member:
 
 @dataclass
 class Space:
-    """A vector space inside the model on which one symmetry factor acts.
-
-    ``kind`` is ``"residual"``, ``"mlp"``, ``"qk"`` or ``"vo"``. ``exact`` names the largest
-    group that acts exactly: ``"orthogonal"`` (head spaces; the RMSNorm residual stream of a
-    decoder after folding every norm), ``"permutation"`` (MLP units with an elementwise
-    activation; the post-LN residual stream, where LayerNorm γ sits in the stream) or
-    ``"mean_fixing"`` (the pre-LN residual stream after folding LayerNorms).
-    """
+    """A vector space inside the model on which one symmetry factor acts (``kind``: ``"residual"``,
+    ``"mlp"``, ``"qk"`` or ``"vo"``). ``exact`` names the largest group that acts exactly:
+    ``"orthogonal"`` (heads; a folded RMSNorm stream), ``"permutation"`` (MLP units; a post-LN
+    stream) or ``"mean_fixing"`` (a folded pre-LN LayerNorm stream)."""
 
     name: str
     kind: str
@@ -73,12 +58,9 @@ class Fold:
 
 @dataclass(frozen=True)
 class HeadReadout:
-    """Where a layer's per-head queries and keys are observed during calibration.
-
-    ``module`` is hooked on its output; ``q_index`` / ``k_index`` are the (H·h,) feature
-    positions of the heads in head order; ``q_bias`` / ``k_bias`` are parameters added after
-    the module (DeBERTa v1's ``q_bias``), indexed in standard head layout.
-    """
+    """Where a layer's per-head queries and keys are observed during calibration: modules hooked
+    on their output, ``q_index`` / ``k_index`` the heads' (H·h,) feature positions, ``q_bias`` /
+    ``k_bias`` parameters added after the module (DeBERTa v1)."""
 
     module: str
     q_module: str

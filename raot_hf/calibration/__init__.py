@@ -8,12 +8,7 @@ from raot_hf.calibration.batches import (
     shard_example_ids,
 )
 from raot_hf.calibration.settings import CalibrationConfig
-from raot_hf.calibration.sources import (
-    check_column,
-    dataset_fingerprint,
-    detect_modality,
-    load_calibration_dataset,
-)
+from raot_hf.calibration.sources import check_column, dataset_fingerprint, detect_modality, load_calibration_dataset
 
 __all__ = [
     "CalibrationBatch",

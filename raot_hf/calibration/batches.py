@@ -1,11 +1,5 @@
-"""Calibration batches: the sampled data as model-ready batches, split and sharded.
-
-The merger runs models A and B over the same calibration batches (one forward pass each) and
-accumulates sufficient statistics. :func:`iter_calibration_batches` turns the sample drawn by
-:func:`~raot_hf.calibration.sources.load_calibration_dataset` into batches, sharded across
-data-parallel ranks without padding or duplication (:func:`shard_example_ids`), each row tagged
-with its global example id and its fit / held-out flag (:func:`is_heldout`).
-"""
+"""Calibration batches: the sampled data as model-ready batches, sharded across data-parallel ranks
+(:func:`shard_example_ids`), each row tagged with its global example id and fit / held-out flag."""
 
 from __future__ import annotations
 
@@ -27,14 +21,9 @@ logger = logging.getLogger("raot_hf.calibration.batches")
 
 @dataclass
 class CalibrationBatch:
-    """One batch of calibration rows, ready for ``model(**batch.inputs)``.
-
-    ``example_ids`` are the rows' global indices in the sampled dataset (identical on every
-    rank); ``heldout`` flags the held-out rows (:func:`is_heldout`). ``token_mask`` is
-    ``(batch, seq)`` and marks real tokens for text (the attention mask). For images it is
-    ``None``: every position the model produces (patches plus any special tokens) is real,
-    so consumers treat all positions as real.
-    """
+    """One batch of calibration rows, ready for ``model(**batch.inputs)``: ``example_ids`` (global
+    indices in the sample), ``heldout`` flags (:func:`is_heldout`), ``token_mask`` (``(batch, seq)``
+    real tokens for text; ``None`` for images, where every position is real)."""
 
     inputs: dict[str, torch.Tensor]
     example_ids: torch.Tensor
@@ -46,23 +35,15 @@ class CalibrationBatch:
 
 
 def is_heldout(example_ids: torch.Tensor | Sequence[int], heldout_every: int) -> torch.Tensor:
-    """Return the held-out flag per example id: ``example_id % heldout_every == 0``.
-
-    This is the fixed split between fit statistics (estimators) and held-out statistics (gate).
-    """
+    """The held-out flag per example id, ``example_id % heldout_every == 0``: the fixed split between
+    fit statistics (estimators) and held-out statistics (gate)."""
     ids = torch.as_tensor(example_ids, dtype=torch.long)
     return ids % heldout_every == 0
 
 
-# ---------------------------------------------------------------------------------- batching
-
-
 def shard_example_ids(num_examples: int, *, rank: int = 0, world_size: int = 1) -> range:
-    """Return the example ids rank ``rank`` processes: ``rank, rank + world_size, ...``.
-
-    No padding or duplication: shards may differ in size by one and their union is exactly
-    ``range(num_examples)``.
-    """
+    """The example ids rank ``rank`` processes, ``rank, rank + world_size, ...``: no padding or
+    duplication (the shards' union is exactly ``range(num_examples)``)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise RaotError(f"world_size must be an integer >= 1, got {world_size!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -108,16 +89,11 @@ def iter_calibration_batches(
     split: str | None = None,
     encodings: dict | None = None,
 ) -> Iterator[CalibrationBatch]:
-    """Yield this rank's calibration batches in a fixed order.
-
-    Rank ``r`` takes examples ``r, r + world_size, ...`` of the sampled ``dataset`` (see
-    :func:`shard_example_ids`) — only the fit or only the held-out ones when ``split`` is
-    ``"fit"`` / ``"heldout"`` (:func:`is_heldout`) — in chunks of ``config.batch_size``. Text is tokenized with
-    ``padding=True, truncation=True, max_length=config.max_length``; images are converted to
-    the colour mode the image processor expects and processed as one list per batch. Inputs
-    never contain labels. ``encodings`` (a dict the caller keeps): texts are tokenized once per
-    example id across every pass that shares it, and only padded per batch.
-    """
+    """Yield this rank's calibration batches (:func:`shard_example_ids`; only fit or held-out ones
+    for ``split``) in a fixed order, ``config.batch_size`` at a time. Text is tokenized with
+    truncation to ``config.max_length`` and padded per batch; images are converted to the processor's
+    colour mode. Inputs never contain labels. ``encodings`` (a dict the caller keeps): each example
+    is tokenized once across every pass that shares it."""
     modality = detect_modality(processor)
     column = check_column(dataset, config.column, modality)
     ids = _split_ids(shard_example_ids(len(dataset), rank=rank, world_size=world_size), config, split)
@@ -131,12 +107,7 @@ def iter_calibration_batches(
         values = column_only[batch_ids][column]
         inputs, token_mask = encode(values, batch_ids, column)
         example_ids = torch.tensor(batch_ids, dtype=torch.long)
-        yield CalibrationBatch(
-            inputs=inputs,
-            example_ids=example_ids,
-            heldout=is_heldout(example_ids, config.heldout_every),
-            token_mask=token_mask,
-        )
+        yield CalibrationBatch(inputs, example_ids, is_heldout(example_ids, config.heldout_every), token_mask)
 
 
 def _component(processor: Any, attribute: str) -> Any:
@@ -146,18 +117,13 @@ def _component(processor: Any, attribute: str) -> Any:
 
 
 def _model_inputs(encoded: Any) -> dict[str, torch.Tensor]:
-    return {
-        key: value
-        for key, value in encoded.items()
-        if key not in ("labels", "label") and isinstance(value, torch.Tensor)
-    }
+    return {k: v for k, v in encoded.items() if k not in ("labels", "label") and isinstance(v, torch.Tensor)}
 
 
 def _padding_copy(tokenizer: Any) -> Any:
-    """A copy of a tokenizer without a pad token (GPT-2, Llama) that pads with its end-of-text
-    token on the right. Padded positions are masked out of every statistic (docs/design.md §4.1),
-    and right padding leaves the real tokens' positions — and, under causal attention, their
-    activations — as they are unpadded. The caller's tokenizer (saved with the merge) is untouched."""
+    """A copy of a tokenizer without a pad token (GPT-2, Llama) that pads with its end-of-text token
+    on the right: padded positions are masked out (docs/design.md §4.1) and right padding leaves the
+    real tokens' activations as they are unpadded. The caller's tokenizer is untouched."""
     if tokenizer.eos_token is None:
         raise RaotError(
             f"the tokenizer {type(tokenizer).__name__} has neither a pad nor an end-of-text token, so batches "
@@ -204,15 +170,10 @@ TOKENIZER_CHECK_TEXTS = 64
 
 
 def check_tokenizer_reads_text(dataset: datasets.Dataset, column: str, processor: Any) -> None:
-    """Refuse calibration text that A's tokenizer cannot read, before any forward pass.
-
-    Estimates from texts that all encode to the same ids are not identified: every example shows
-    the models one input, the held-out split the same one, so the gate cannot tell a wrong map
-    from a right one (a word-level test tokenizer reloaded as Qwen2's byte-level class turns every
-    "w5 w17 …" into no tokens, and such a merge went through with a relative error of 0.4). Up to
-    :data:`TOKENIZER_CHECK_TEXTS` texts are encoded without special tokens: if none has a token,
-    or all encode alike, the data is refused; if over half their tokens are the unknown token, a
-    warning says so."""
+    """Refuse calibration text that A's tokenizer cannot read, before any forward pass (texts that all
+    encode alike identify nothing, and the gate cannot tell a wrong map from a right one). Up to
+    :data:`TOKENIZER_CHECK_TEXTS` texts are encoded without special tokens: none with a token, or all
+    alike, is refused; over half unknown tokens is a warning."""
     if detect_modality(processor) != "text" or len(dataset) == 0:
         return
     tokenizer = _component(processor, "tokenizer")
@@ -236,8 +197,7 @@ def check_tokenizer_reads_text(dataset: datasets.Dataset, column: str, processor
     total = sum(len(e) for e in encoded)
     if unk is not None and total and sum(e.count(unk) for e in encoded) > total / 2:
         logger.warning(
-            "over half of the calibration tokens are %s's unknown token: the tokenizer may not match the data",
-            name,
+            "over half of the calibration tokens are %s's unknown token: the tokenizer may not match the data", name
         )
 
 

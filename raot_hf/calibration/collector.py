@@ -1,13 +1,9 @@
 """Observing A and B: hooks, the lockstep of the two forwards, and the collector that folds
 each phase's activations into the sums of :mod:`raot_hf.calibration.statistics` (docs/design.md §4–5).
 
-* **Lockstep.** A runs in a helper thread and B in the caller's thread, strictly alternating
-  at every hooked module: A stops at an activation until B has produced the same one and the
-  pair has been folded into the sums. Only one activation of A waits at a time (not a whole
-  batch of every layer), and the two forwards never compete for cores.
-* **Optional token stride** for the fit moments (``moment_stride``): the k×k products cost
-  f² multiply-adds per token for the MLP alone, more than a forward pass; a stride s divides
-  that by s, at the price of 1/√s more sampling noise (see the README's performance notes).
+A runs in a helper thread and B in the caller's, strictly alternating at every hooked module, so
+only one activation of A waits at a time and the forwards never compete for cores. An optional
+token stride s (``moment_stride``) divides the fit moments' k×k cost by s (1/√s more noise).
 """
 
 from __future__ import annotations
@@ -32,12 +28,8 @@ from raot_hf.hooks import Hooks, first_tensor
 
 
 class _Observer:
-    """Forward hooks on one model that hand each observed activation to ``emit(key, tensor)``.
-
-    A key is reported once per forward (the first call: DeBERTa reuses q/k on
-    ``rel_embeddings``), and only when the forward runs in the observer's own thread, so two
-    observers on one model object do not see each other's passes.
-    """
+    """Forward hooks on one model that hand each observed activation to ``emit(key, tensor)``: once
+    per forward (DeBERTa reuses q/k on ``rel_embeddings``), and only from the observer's own thread."""
 
     def __init__(self, model: torch.nn.Module, schema: ModelSchema, gram_modules: Iterable[str] = ()):
         self.emit: Callable[[tuple, torch.Tensor], None] | None = None
@@ -110,11 +102,8 @@ class _Observer:
 
 def stream_samples(x: torch.Tensor, centered: bool) -> torch.Tensor:
     """Stream rows as the next norm reads them (docs/design.md §4.2): the mean axis projected out
-    for LayerNorm streams (RMSNorm streams keep it, §8), then each token scaled to unit RMS, so
-    that every token counts once — a few massive-activation tokens (10³ against a median of 1)
-    neither dominate the moments nor exhaust their float precision. Both steps commute with the
-    stream's exact maps (mean-fixing rotations for LayerNorm, all of O(d) for RMSNorm), so the
-    estimate of an exact symmetry stays exact."""
+    for LayerNorm streams (RMSNorm streams keep it, §8), then each token scaled to unit RMS so that
+    massive-activation tokens do not dominate. Both steps commute with the stream's exact maps."""
     if centered:
         x = x - x.mean(-1, keepdim=True)
     return x / x.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(torch.finfo(x.dtype).tiny)
@@ -128,12 +117,9 @@ _DONE, _ERROR = object(), object()
 
 
 class _Lockstep:
-    """Runs A's forward in a helper thread and B's in the caller's, strictly alternating.
-
-    A stops at each observed activation (:meth:`offer`) until B reaches the same key
-    (:meth:`take`), which pairs the two, hands them to ``consume`` and lets A run on to its
-    next activation while B waits. Errors on either side end both forwards and are re-raised
-    in the caller."""
+    """Runs A's forward in a helper thread and B's in the caller's, strictly alternating: A waits at
+    each activation (:meth:`offer`) until B reaches the same key (:meth:`take`) and ``consume`` has
+    the pair. An error on either side ends both forwards and is re-raised in the caller."""
 
     def __init__(self, consume: Callable[[tuple, torch.Tensor, torch.Tensor], None]):
         self.consume = consume
@@ -199,11 +185,9 @@ class _Lockstep:
 
 class _TokenBudget:
     """Which fit rows enter the MLP cross moments under a budget of ``total`` tokens (docs/design.md
-    §4.3): each batch keeps its rows independently with probability p = remaining budget /
-    expected remaining rows (the rows still to come estimated from the rows per example seen so
-    far and the ``planned`` examples), drawn from a generator seeded by ``seed`` and the batch's
-    first example id — random positions, not a stride that aliases with sentence or patch
-    positions. ``total`` 0: every row (inactive)."""
+    §4.3): each row is kept with p = remaining budget / expected remaining rows (from the rows per
+    example so far and the ``planned`` examples), drawn from a generator seeded by ``seed`` and the
+    batch's first example id. ``total`` 0: every row (inactive)."""
 
     def __init__(self, total: int, planned: int | None, seed: int):
         self.total, self.planned, self.seed = int(total), planned, int(seed)
@@ -228,25 +212,15 @@ class _TokenBudget:
 class StatisticsCollector:
     """Runs A and B on the same batches and accumulates one phase's :class:`CalibrationStatistics`.
 
-    ``phase="fit"``: the fit rows of each batch feed the moments (:class:`SplitStatistics`) —
-    of every ``moment_stride``-th real token of an example (positions p with
-    (p + example id) mod stride = 0), all tokens by default — and held-out rows are skipped.
-    ``phase="heldout"``: the held-out rows feed :class:`HeldoutStatistics`, with B's sample at
-    each site also mapped by ``candidates`` (a dict from a site key — ``("mlp", layer)``,
-    ``("q", layer)``, ``("k", layer)``, ``("ctx", layer)``, ``("stream", None)`` — to a function of
-    B's rows; see :func:`raot_hf.estimators.activation.candidate_maps`); sites without an
-    entry are scored under the identity.
-
-    ``grams``: collect RegMean Gram matrices (all rows of the phase) for every Linear of the
-    layers. ``device``: where the sums live (default: model A's device); batches are moved to
-    each model's device. ``stream_full``: keep the stream's Σbᵀb in the fit moments.
-    ``moments=False`` collects Grams only (weight-based alignment reads no fit moments).
-    ``mlp_product_dtype``: the dtype of the MLP cross moments' per-batch products
-    (:mod:`raot_hf.calibration.precision`). ``mlp_token_budget`` > 0 with ``planned_examples``
-    (this process's fit examples): about that many fit tokens enter each MLP cross moment, at
-    random positions seeded by ``seed`` (:class:`_TokenBudget`); every token enters the rest.
-    ``defer_mlp``: each layer's co-moments are allocated when its turn comes (:meth:`start_layer`,
-    the layer-by-layer pass).
+    ``phase="fit"``: fit rows feed :class:`SplitStatistics`, of every ``moment_stride``-th real token
+    (positions p with (p + example id) mod stride = 0). ``phase="heldout"``: held-out rows feed
+    :class:`HeldoutStatistics`, B's sample also mapped by ``candidates`` (site key ``("mlp", layer)``,
+    ``("q", layer)``, ``("k", layer)``, ``("ctx", layer)`` or ``("stream", None)`` → function of B's
+    rows, :func:`raot_hf.estimators.activation.candidate_maps`; missing: the identity).
+    ``grams``: RegMean Grams for every Linear of the layers; ``device``: where the sums live
+    (default A's); ``moments=False``: Grams only; ``mlp_token_budget`` with ``planned_examples``:
+    about that many fit tokens per MLP cross moment (:class:`_TokenBudget`); ``defer_mlp``: co-moments
+    allocated per layer (:meth:`start_layer`).
     """
 
     def __init__(
@@ -324,8 +298,8 @@ class StatisticsCollector:
 
     @torch.no_grad()
     def update(self, batch: CalibrationBatch):
-        """Forward A and B on ``batch`` and fold the activations of this phase's rows into the sums
-        (a batch without such rows is skipped without a forward). Returns B's output (or None)."""
+        """Forward A and B on ``batch`` and fold this phase's rows into the sums; B's output, or None
+        (no forward) when the batch has no row of this phase."""
         if not self.begin(batch):
             return None
         dev_a = next(self.model_a.parameters()).device
@@ -338,8 +312,7 @@ class StatisticsCollector:
         return output_b[0]
 
     def begin(self, batch: CalibrationBatch, rows: tuple | None = None) -> bool:
-        """Start folding ``batch`` (``rows``: its row selection from :meth:`rows_state`, when an
-        earlier part of its forward made it); False if it has no row of this phase."""
+        """Start folding ``batch`` (``rows``: from :meth:`rows_state`); False if it has no row of this phase."""
         if not bool(self._in_phase(batch).any()):
             return False
         self._batch = batch
@@ -358,8 +331,7 @@ class StatisticsCollector:
         return self._shape, self._rows_index, self._moment_index, self._mlp_rows
 
     def observe(self, run_a: Callable[[], None], run_b: Callable[[], None]) -> None:
-        """Run ``run_a`` (A's computation) and ``run_b`` (B's) in lockstep, folding every
-        activation they produce at an observed module (a whole forward, or a part of one)."""
+        """Run ``run_a`` (A's computation) and ``run_b`` (B's) in lockstep, folding what they observe."""
         dev_a = next(self.model_a.parameters()).device
         lockstep = _Lockstep(self._consume)
 

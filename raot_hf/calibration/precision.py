@@ -1,20 +1,11 @@
 """Which precision the fit moments' largest products run in (docs/design.md §4.3).
 
-The MLP co-moment (f × f per layer) is the largest product of the calibration pass: per token
-and layer about 16·d² multiply-adds against the two forwards' ~24·d². Its only use is a discrete
-decision — the unit permutation, from correlations whose sampling noise over n tokens is 1/√n —
-so its per-batch products may take bf16 inputs (rounding ~4e-3 relative per entry, independent
-across batches, and relative to the units' spread since the rows are centered first) where the
-device multiplies bf16 much faster than float32; the sums across batches stay float32. The head
-and stream moments feed continuous maps and are float64; float64 models keep float64
-everywhere.
-
-``auto`` decides per device, from what the hardware *is* rather than from a timing (a timing
-varies with load, and two runs of one merge on one machine must write the same bytes): on CUDA,
-bf16 where the GPU has bf16 tensor cores (compute capability ≥ 8.0); on a CPU, bf16 where it has
-bf16 matrix units (AMX tiles or AVX-512 BF16; CPUs with AVX2 only run bf16 products 10–50×
-slower than float32). A merge that must be reproducible bit for bit on *any* machine pins
-``float32`` (or ``bfloat16``).
+The MLP co-moment (f × f per layer) is the pass's largest product and only feeds a discrete
+decision (the unit permutation), so its per-batch products may take bf16 inputs where the device
+multiplies bf16 fast; the sums across batches stay float32, and float64 models keep float64.
+``auto`` decides from what the hardware *is*, never from a timing (same bytes on every run): bf16
+on CUDA with compute capability ≥ 8.0 and on CPUs with AMX or AVX-512 BF16. A merge reproducible
+bit for bit on *any* machine pins ``float32`` (or ``bfloat16``).
 """
 
 from __future__ import annotations
@@ -37,10 +28,8 @@ def cpu_bf16_units() -> str | None:
 
 
 def resolve_moment_precision(requested: str, param_dtype: torch.dtype, device) -> tuple[torch.dtype, str]:
-    """The dtype of the MLP cross moment's per-batch products, and why.
-
-    ``requested`` is ``auto``, ``float32`` or ``bfloat16``; ``param_dtype`` the models' dtype
-    (float64 models always get float64); ``device`` where the moments are computed."""
+    """The dtype of the MLP cross moment's per-batch products, and why; ``requested``: ``auto``,
+    ``float32`` or ``bfloat16`` (float64 models always get float64)."""
     if param_dtype == torch.float64:
         return torch.float64, "float64 model: float64 moments"
     if requested == "float32":
@@ -67,15 +56,9 @@ _INPUT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 def correlation_error_bound(product_dtype: torch.dtype | None) -> float:
     """How far a correlation read from co-moments whose per-batch products take ``product_dtype``
-    may lie from the exact one (docs/design.md §4.3).
-
-    Rounding a product's two inputs to ``product_dtype`` moves each term x·y by at most
-    (2u + u²)·|x·y| (u its unit roundoff); by Cauchy–Schwarz the sum moves by at most that times
-    ‖x‖·‖y‖, which the correlation divides by (the per-batch centered norms are at most the total
-    ones). This bound is deterministic: it holds when a few massive-activation tokens carry the
-    sums, where rounding errors do not average out. Float32 accumulation adds at most √k·u₃₂ per
-    product of k ≤ 2¹⁴ rows with high probability (Higham and Mary 2019), 2⁻¹⁷ here — the whole
-    bound of float32 products, whose inputs are already float32."""
+    may lie from the exact one (docs/design.md §4.3): rounding both inputs moves each x·y by at most
+    (2u + u²)·|x·y| (u the unit roundoff), so by Cauchy–Schwarz the correlation by at most that
+    (deterministic); float32 accumulation adds √k·u₃₂ ≤ 2⁻¹⁷ for k ≤ 2¹⁴ rows (Higham and Mary 2019)."""
     if product_dtype == torch.float64:
         return 2.0**-40
     u = _INPUT_ROUNDOFF.get(product_dtype, 0.0)  # float32 (or None: the float32 rows' own) inputs are exact

@@ -1,18 +1,11 @@
-"""The calibration pass layer by layer (docs/design.md §7.4): every batch goes through layer 0 of
-A and B, then every batch through layer 1, and so on, each on its own hidden states carried from
-the layer before — the order GPTQ-style sequential calibration uses.
+"""The calibration pass layer by layer (docs/design.md §7.4): every batch through layer 0 of A and
+B, then every batch through layer 1, and so on, on hidden states carried from the layer before.
 
-With the models offloaded to working files (:mod:`raot_hf.io.offload`) each layer's weights are
-then read once per phase instead of once per batch, and a layer's fit moments are complete as
-soon as the last batch has left it: ``on_layer(i)`` may solve and free them before the next layer
-runs. The activations folded into the sums are the batch-by-batch pass's, in the same batch order
-per site; only the residual stream's moment, one sum over every stream site, adds its terms in
-another order (float64 rounding).
-
-Every layer's call (attention masks — which differ between sliding-window and full-attention
-layers —, rotary position embeddings, DeBERTa's relative embeddings) is captured once per batch
-from each model's own forward, in which every layer returns its input (layer 0 computes only the
-first time it is met, to learn its output's structure), so the capture reads no layer's weights.
+Offloaded layers are read once per phase, and a layer's fit moments are complete once the last
+batch has left it (``on_layer(i)`` may solve and free them). The activations folded are the
+batch-by-batch pass's, in the same order per site; only the residual stream's moment adds its
+terms in another order (float64 rounding). Each layer's call (masks, rotary embeddings, DeBERTa's
+relative embeddings) is captured once per batch from a forward that reads no layer's weights.
 """
 
 from __future__ import annotations
@@ -31,8 +24,8 @@ from raot_hf.stages.context import on_device_of
 
 @dataclass
 class _Batch:
-    """One batch on its way through the layers: its row selection and, per model, the layer call
-    and the hidden states entering the next layer."""
+    """One batch on its way through the layers: its row selection, and per model the layer calls and
+    the hidden states entering the next layer."""
 
     batch: CalibrationBatch
     rows: tuple
@@ -41,8 +34,7 @@ class _Batch:
 
 
 def _enter(collector: StatisticsCollector, batches: Iterable[CalibrationBatch], names: list[str]) -> list[_Batch]:
-    """Every batch of this phase up to layer 0 of both models, the embeddings observed, with every
-    layer's call."""
+    """Every batch of this phase up to layer 0 of both models (embeddings observed), with its layer calls."""
     carried = []
     models = {"a": collector.model_a, "b": collector.model_b}
     for batch in batches:
@@ -72,9 +64,8 @@ def observe_layer_by_layer(
     progress: bool = False,
     desc: str = "calibration",
 ) -> int:
-    """Fold this phase's batches into ``collector``'s sums layer by layer (``layer_names``: each
-    layer's module, in order); ``on_layer(i)`` runs once layer ``i`` has seen every batch.
-    Returns the number of batches folded."""
+    """Fold this phase's batches into ``collector``'s sums layer by layer (``layer_names`` in order);
+    ``on_layer(i)`` runs once layer ``i`` has seen every batch. Returns the number of batches folded."""
     carried = _enter(collector, batches, layer_names)
     for i in tqdm(range(len(layer_names)), desc=desc, disable=not progress):
         collector.start_layer(i)

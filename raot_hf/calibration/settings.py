@@ -1,9 +1,4 @@
-"""Calibration settings: where the data comes from and how it is sampled and batched.
-
-:class:`CalibrationConfig` is read by :mod:`raot_hf.calibration.sources` (loading and sampling)
-and :mod:`raot_hf.calibration.batches` (splitting, encoding and batching), and it is the
-``calibration`` part of :class:`raot_hf.config.RaotConfig`.
-"""
+"""Calibration settings: the ``calibration`` part of :class:`raot_hf.config.RaotConfig`."""
 
 from __future__ import annotations
 
@@ -21,19 +16,14 @@ MOMENT_PRECISIONS = ("auto", "float32", "bfloat16")
 class CalibrationConfig(OptionSection):
     """Where the calibration data comes from and how it is sampled and batched.
 
-    ``source`` is a Hub dataset id, a local data file (csv/tsv/json/jsonl/parquet/arrow/txt),
-    a directory written by ``Dataset.save_to_disk``, or a folder of images. ``split`` accepts
-    ``datasets`` slicing syntax (``"train[:2000]"``) for Hub ids and local files. ``column``
-    is auto-detected when ``None``. Rows whose example id is a multiple of ``heldout_every``
-    are held out (scored by the gate, never fitted). ``moment_stride`` > 1 computes the fit
-    cross moments from every s-th real token of each example only (see
-    :class:`~raot_hf.calibration.collector.StatisticsCollector`): s times cheaper, 1/√s noisier.
-    ``moment_precision`` is the precision of the MLP cross moment's per-batch products: ``auto``
-    (bf16 inputs where the device multiplies bf16 fast, float32 elsewhere; float64 models keep
-    float64), ``float32`` or ``bfloat16`` (:mod:`raot_hf.calibration.precision`).
-    ``mlp_tokens_per_unit`` > 0 caps the fit tokens entering each MLP cross moment at that many
-    per MLP unit, drawn at random (seeded) positions; means and variances still use every token
-    (0, the default: every token).
+    ``source``: a Hub dataset id, a local data file (csv/tsv/json/jsonl/parquet/arrow/txt), a
+    ``Dataset.save_to_disk`` directory or a folder of images; ``split`` accepts slicing syntax
+    (``"train[:2000]"``); ``column`` is auto-detected when ``None``. Example ids that are multiples
+    of ``heldout_every`` are held out (gate only). ``moment_stride`` s > 1: fit cross moments from
+    every s-th real token (s times cheaper, 1/√s noisier). ``moment_precision``: ``auto``, ``float32``
+    or ``bfloat16`` MLP products (:mod:`raot_hf.calibration.precision`). ``mlp_tokens_per_unit`` > 0
+    caps the fit tokens per MLP cross moment at that many per unit, at seeded random positions
+    (0: every token).
     """
 
     section, noun = "calibration", "setting"  # in from_dict errors: "unknown calibration setting(s) …"

@@ -1,12 +1,5 @@
-"""Calibration data sources: load a small seeded sample, resolve its column, fingerprint it.
-
-* :func:`load_calibration_dataset` loads the data (Hub id, local file, ``save_to_disk``
-  directory, image folder, or an in-memory :class:`datasets.Dataset`) and draws a seeded sample.
-* :func:`detect_modality` and :func:`check_column` say which column a model reads.
-* :func:`dataset_fingerprint` hashes the sampled content for the provenance report.
-
-Batching the sample for the models is :mod:`raot_hf.calibration.batches`.
-"""
+"""Calibration data sources: load a small seeded sample (:func:`load_calibration_dataset`), resolve
+the column a model reads (:func:`check_column`), fingerprint it for provenance."""
 
 from __future__ import annotations
 
@@ -27,17 +20,7 @@ logger = logging.getLogger("raot_hf.calibration.sources")
 Modality = Literal["text", "image"]
 
 #: Column names tried first (in this order) when ``column`` is not given.
-TEXT_COLUMN_NAMES = (
-    "text",
-    "sentence",
-    "content",
-    "review",
-    "document",
-    "sentence1",
-    "question",
-    "premise",
-    "title",
-)
+TEXT_COLUMN_NAMES = ("text", "sentence", "content", "review", "document", "sentence1", "question", "premise", "title")
 IMAGE_COLUMN_NAMES = ("image", "img", "picture", "photo", "pixel_values")
 
 #: Local file extensions and the ``datasets`` builder that reads them.
@@ -56,8 +39,6 @@ _SAVE_TO_DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _MAX_REASON_CHARS = 240
 
-# ----------------------------------------------------------------------------------- loading
-
 
 def load_calibration_dataset(
     config_or_dataset: CalibrationConfig | datasets.Dataset | datasets.DatasetDict,
@@ -67,14 +48,9 @@ def load_calibration_dataset(
     token: str | bool | None = None,
     revision: str | None = None,
 ) -> datasets.Dataset:
-    """Load the calibration data and draw its seeded sample.
-
-    ``config_or_dataset`` is a :class:`CalibrationConfig` (its ``source`` says what to load) or
-    an in-memory ``datasets.Dataset`` / ``DatasetDict``; an in-memory dataset is sampled like
-    any other source, with ``config``'s seed and ``num_samples`` (defaults when ``config`` is
-    None). The sample is a seeded permutation truncated to ``num_samples`` rows (all rows if
-    fewer). ``token``/``revision``/``trust_remote_code`` only matter for Hub ids (recent
-    ``datasets`` releases no longer run loading scripts at all).
+    """Load the calibration data (a :class:`CalibrationConfig`'s ``source``, or an in-memory
+    ``Dataset`` / ``DatasetDict`` sampled with ``config``'s settings) and draw its sample: a seeded
+    permutation truncated to ``num_samples`` rows. ``token``/``revision``/``trust_remote_code``: Hub ids only.
     """
     dataset, config, where = _dataset_to_sample(
         config_or_dataset, config, trust_remote_code=trust_remote_code, token=token, revision=revision
@@ -89,9 +65,9 @@ def load_calibration_dataset(
         )
     order = np.random.default_rng(config.seed).permutation(total)[:keep]
     sample = dataset.select(order.tolist(), keep_in_memory=True)
-    stage = {"stage": True}  # a line the CLI shows by default (raot_hf.cli.verbosity)
     message = "calibration data: %d rows sampled from %d in %s (seed %d)"
-    logger.info(message, keep, total, where, config.seed, extra=stage)
+    # a stage line: the CLI shows it by default (raot_hf.cli.verbosity)
+    logger.info(message, keep, total, where, config.seed, extra={"stage": True})
     return sample
 
 
@@ -153,10 +129,11 @@ def _load_source(
             if isinstance(loaded, datasets.DatasetDict):
                 return _pick_split(loaded, config.split, source)
             return loaded
-        if _holds_images(path):
+        extensions = _walk_extensions(path)
+        if extensions & IMAGE_EXTENSIONS:
             logger.info("loading calibration images from folder %s", path)
             return _guarded(lambda: datasets.load_dataset("imagefolder", data_dir=path, split=config.split), source)
-        if _holds_data_files(path):
+        if extensions & set(FILE_BUILDERS):
             logger.info("loading calibration data files from directory %s", path)
             return _guarded(lambda: datasets.load_dataset(path, split=config.split), source)
         raise RaotError(
@@ -174,8 +151,7 @@ def _load_source(
         kwargs: dict[str, Any] = {"delimiter": "\t"} if extension == ".tsv" else {}
         logger.info("loading calibration data from %s file %s", builder, path)
         return _guarded(
-            lambda: datasets.load_dataset(builder, data_files={split_name: path}, split=config.split, **kwargs),
-            source,
+            lambda: datasets.load_dataset(builder, data_files={split_name: path}, split=config.split, **kwargs), source
         )
     if _looks_like_local_path(source):
         raise RaotError(
@@ -236,14 +212,6 @@ def _walk_extensions(path: str) -> set[str]:
     return found
 
 
-def _holds_images(path: str) -> bool:
-    return bool(_walk_extensions(path) & IMAGE_EXTENSIONS)
-
-
-def _holds_data_files(path: str) -> bool:
-    return bool(_walk_extensions(path) & set(FILE_BUILDERS))
-
-
 def _looks_like_local_path(source: str) -> bool:
     """True when ``source`` cannot be a Hub id, so a missing file must not go to the network."""
     if os.path.isabs(source) or source.startswith((".", "~")) or "\\" in source:
@@ -253,16 +221,9 @@ def _looks_like_local_path(source: str) -> bool:
     return _HUB_ID.match(source) is None
 
 
-# --------------------------------------------------------------------- modality and columns
-
-
 def detect_modality(processor: Any) -> Modality:
-    """Return ``"text"`` for a tokenizer and ``"image"`` for an image processor.
-
-    A multi-part processor (``ProcessorMixin``) counts by the part it has; one with both a
-    tokenizer and an image processor is ambiguous and rejected (raot_hf merges text-only or
-    image-only models).
-    """
+    """``"text"`` for a tokenizer, ``"image"`` for an image processor; a ``ProcessorMixin`` counts by
+    the one part it has (both is ambiguous and rejected)."""
     from transformers import ImageProcessingMixin, PreTrainedTokenizerBase, ProcessorMixin
 
     if isinstance(processor, PreTrainedTokenizerBase):
@@ -296,12 +257,9 @@ def _describe_kind(kind: str) -> str:
 def check_column(
     dataset: datasets.Dataset, column: str | None, modality: Modality, *, model_label: str = "the model"
 ) -> str:
-    """Resolve the calibration column for a model taking ``modality`` and return its name.
-
-    With ``column=None`` the first preferred name (:data:`TEXT_COLUMN_NAMES` /
-    :data:`IMAGE_COLUMN_NAMES`) of the right kind is picked, else the first column of the right
-    kind. A missing column, or one holding the wrong kind of data, is a :class:`RaotError`.
-    """
+    """The calibration column for a model taking ``modality``: ``column``, or when None the first
+    preferred name (:data:`TEXT_COLUMN_NAMES` / :data:`IMAGE_COLUMN_NAMES`) of the right kind, else
+    the first column of that kind. A missing or wrong-kind column is a :class:`RaotError`."""
     if modality not in ("text", "image"):
         raise RaotError(f"modality must be 'text' or 'image', got {modality!r}")
     kinds = {name: _feature_kind(feature) for name, feature in dataset.features.items()}
@@ -332,16 +290,9 @@ def check_column(
     )
 
 
-# ------------------------------------------------------------------------------ provenance
-
-
 def dataset_fingerprint(dataset: datasets.Dataset, column: str) -> dict[str, Any]:
-    """Summarize the sampled calibration data for the provenance report.
-
-    Returns ``num_examples``, ``column``, ``sha256`` (over the column's content in row order:
-    UTF-8 text, or the encoded image bytes) and ``datasets_fingerprint`` (``datasets``' own
-    ``_fingerprint``, or None).
-    """
+    """The sample's provenance: ``num_examples``, ``column``, ``sha256`` (over the column's content in
+    row order: UTF-8 text or encoded image bytes) and ``datasets_fingerprint`` (or None)."""
     if column not in dataset.column_names:
         raise RaotError(
             f"column {column!r} not in the calibration data (columns: {', '.join(dataset.column_names)}); "
@@ -356,7 +307,7 @@ def dataset_fingerprint(dataset: datasets.Dataset, column: str) -> dict[str, Any
         view = view.cast_column(column, datasets.Image(decode=False))
     for chunk in view.iter(batch_size=256):
         for value in chunk[column]:
-            payload = _text_bytes(value) if kind == "text" else _image_bytes(value)
+            payload = b"\xff" if value is None else value.encode("utf-8") if kind == "text" else _image_bytes(value)
             digest.update(len(payload).to_bytes(8, "little"))
             digest.update(payload)
     return {
@@ -367,13 +318,7 @@ def dataset_fingerprint(dataset: datasets.Dataset, column: str) -> dict[str, Any
     }
 
 
-def _text_bytes(value: str | None) -> bytes:
-    return b"\xff" if value is None else value.encode("utf-8")
-
-
-def _image_bytes(value: dict | None) -> bytes:
-    if value is None:
-        return b"\xff"
+def _image_bytes(value: dict) -> bytes:
     if value.get("bytes") is not None:
         return value["bytes"]
     with open(value["path"], "rb") as handle:

@@ -1,21 +1,14 @@
 """Sufficient statistics from one calibration forward pass of A and B (docs/design.md §4–5).
 
-The real-token activations of A and B on the same inputs are folded into sums; no activation
-outlives its batch. Examples are split by the
-fixed rule of :func:`raot_hf.calibration.is_heldout`, and the pass runs in two phases over
-the two disjoint sets, each example through each model once:
+Real-token activations are folded into sums; no activation outlives its batch. Examples split by
+:func:`raot_hf.calibration.is_heldout` go through two phases, each through each model once:
+**fit** (means, diagonal and A×B cross moments, :class:`Moments`, for the estimators) and, once the
+candidates are solved, **held-out** (per-coordinate sums of A, B and B under the candidate,
+:class:`PairedDiagonal`: all the gate reads).
 
-* **fit** — means, diagonal second moments and the A×B cross moments (:class:`Moments`),
-  which the estimators read;
-* **held-out** — after the candidates are solved, per-coordinate sums of A, B and B under
-  the candidate (:class:`PairedDiagonal`), which is all the gate reads. Keeping a second set
-  of k×k moments for the gate (the design's first form) doubled the largest statistic and
-  its cost for numbers the gate never needed.
-
-The sums are computed per batch in the activations' own dtype (float32 for float32, float16
-and bfloat16 models — upcast; float64 for float64 models). Counts, sums and diagonal moments
-are float64; the k×k sums are float32 unless the model is float64 (:func:`quadratic_dtype`).
-The hooks and the two-phase pass live in :mod:`raot_hf.calibration.collector`.
+Per-batch products take the activations' dtype (float32 for float32/float16/bfloat16 models,
+float64 for float64). Counts, sums and diagonal moments are float64; the k×k sums float32 unless
+the model is float64 (:func:`quadratic_dtype`). Hooks and passes: :mod:`raot_hf.calibration.collector`.
 """
 
 from __future__ import annotations
@@ -35,14 +28,9 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def quadratic_dtype(param_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the k×k sums (cross moments) for models with parameters in ``param_dtype``.
-
-    float64 models keep float64 sums (the exactness tests run there). Otherwise the k×k sums are
-    float32 — the precision each batch's product already has — which halves the largest
-    statistic (L·f² for the MLP cross moments); counts, means and diagonal second moments stay
-    float64. Accumulating n per-batch products adds a relative error of about √n·6e-8, far
-    below the 1/√tokens sampling noise of a correlation (a deviation from the original design: docs/design.md §4.3).
-    """
+    """The dtype of the k×k sums for models with parameters in ``param_dtype``: float64 for float64
+    models, else float32 (half the largest statistic; n per-batch products add a relative error of
+    about √n·6e-8, far below a correlation's 1/√tokens sampling noise: docs/design.md §4.3)."""
     return _F64 if param_dtype == _F64 else torch.float32
 
 
@@ -100,20 +88,13 @@ def _moved(obj, device):
 @dataclass
 class Moments:
     """Sums over paired samples a (of A) and b (of B): count, Σa, Σb, Σa², Σb² (float64, per
-    coordinate) and the k×k **co-moment** C = Σ(a − ā)ᵀ(b − b̄) of the rows in the cross moment.
+    coordinate) and the k×k **co-moment** C = Σ(a − ā)ᵀ(b − b̄).
 
-    The co-moment is accumulated stably (docs/design.md §4.3): each batch's rows are centered at
-    the batch's own means (in float64) before their product, and batches are combined with
-    Chan's update C += C_batch + (n₀·m/(n₀ + m))·δaᵀδb, δ the difference of the batch's means from
-    the running ones. A raw sum Σaᵀb − n·ā·b̄ cancels catastrophically when a unit's mean is
-    large against its spread (a tiny random model's MLP units: mean/std ≈ 30, so bfloat16 or even
-    float32 products gave correlations above 1); centered products keep the error relative to the
-    spread. :meth:`raw_cross` gives Σaᵀb back in float64.
-
-    ``full_a`` / ``full_b`` (raw Σaᵀa, Σbᵀb) are kept only where a rotation is scored: the
-    residual stream keeps Σbᵀb, which the gate needs to score B·O (Σaᵀa is never read).
-    ``n_cross`` counts the rows in C and ``xsum_a`` / ``xsum_b`` sum them — fewer than ``n``
-    under a token budget (the other sums take every row); ``product_dtype`` is the dtype of C's
+    C is accumulated stably (docs/design.md §4.3): each batch is centered at its own float64 means
+    and combined by Chan's update C += C_batch + (n₀·m/(n₀ + m))·δaᵀδb (δ: batch minus running
+    means), so the error stays relative to the spread, not the mean. ``full_a`` / ``full_b`` (raw
+    Σaᵀa, Σbᵀb) are kept only where a rotation is scored; ``n_cross`` / ``xsum_a`` / ``xsum_b``
+    count and sum the rows in C (fewer than ``n`` under a token budget); ``product_dtype``: C's
     per-batch products (None: the rows' own; :mod:`raot_hf.calibration.precision`)."""
 
     n: torch.Tensor
@@ -147,9 +128,8 @@ class Moments:
         product_dtype: torch.dtype | None = None,
         defer: bool = False,
     ) -> Moments:
-        """Zero sums for k-dimensional samples; ``full`` keeps Σbᵀb (and Σaᵀa unless ``full_a=False``).
-        The k×k sums are kept in ``quad_dtype`` (see :func:`quadratic_dtype`), the rest in float64;
-        ``defer``: the co-moment is created empty (:meth:`allocate_comoment`)."""
+        """Zero sums; ``full`` keeps Σbᵀb (and Σaᵀa unless ``full_a=False``); k×k sums in
+        ``quad_dtype``, the rest float64; ``defer``: C is created empty (:meth:`allocate_comoment`)."""
         full_a = full if full_a is None else full_a
 
         def z(*shape):
@@ -163,18 +143,14 @@ class Moments:
         return cls(z(()), z(k), z(k), z(k), z(k), comoment, full_a_sum, full_b_sum, z(()), z(k), z(k), product_dtype)
 
     def allocate_comoment(self) -> None:
-        """Give a co-moment created empty (a deferred f × f MLP sum, :meth:`SplitStatistics.zeros`)
-        its zero k × k sum."""
+        """Give a co-moment created empty (:meth:`SplitStatistics.zeros`) its zero k × k sum."""
         if self.comoment.numel() == 0 and self.sum_a.numel():
             k = self.sum_a.numel()
             self.comoment = torch.zeros(k, k, dtype=self.comoment.dtype, device=self.comoment.device)
 
     def update(self, a: torch.Tensor, b: torch.Tensor, cross_rows: torch.Tensor | None = None) -> None:
-        """Add paired rows ``a``, ``b`` (n × k each) to the sums; with ``cross_rows`` only those
-        rows enter the co-moment (a token budget), every row the other sums.
-
-        Float64 copies are made a block of rows at a time (:func:`row_blocks`): a batch costs a
-        few MiB beyond its activations, not four float64 copies of them."""
+        """Add paired rows ``a``, ``b`` (n × k each); with ``cross_rows`` only those enter the
+        co-moment (a token budget). Float64 copies are made a block at a time (:func:`row_blocks`)."""
         if a.shape[0] == 0:
             return
         dt = _F64 if self.product_dtype == _F64 else compute_dtype(a, b)
@@ -193,8 +169,7 @@ class Moments:
                 _accumulate_product(total, x, x, self.product_dtype)
 
     def _add_comoment(self, a, b, dt: torch.dtype, sum_a: torch.Tensor, sum_b: torch.Tensor) -> None:
-        """Chan's pairwise update of the co-moment with one batch's rows (``sum_a``, ``sum_b``:
-        their float64 column sums); each block is centered at the batch's float64 means."""
+        """Chan's update of the co-moment with one batch (``sum_a``, ``sum_b``: its float64 column sums)."""
         m = a.shape[0]
         if m == 0:
             return
@@ -224,8 +199,7 @@ class Moments:
         return outer.add_(self.comoment.to(_F64))
 
     def unit_statistics(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each coordinate's mean and standard deviation over every row, of A and of B (float64
-        sums: exact whatever precision the co-moment's products took)."""
+        """Each coordinate's mean and standard deviation over every row, of A and of B (float64)."""
         n = self.n.clamp_min(1)
         ma, mb = self.sum_a / n, self.sum_b / n
         sa = (self.sq_a / n - ma**2).clamp_min(0).sqrt()
@@ -281,13 +255,8 @@ class Gram:
 
 @dataclass
 class PairedDiagonal:
-    """Held-out sums for the gate (docs/design.md §5), per coordinate: of A's sample a, B's sample b
-    and t, the same b under the candidate transform (B′'s sample) — count, Σa, Σa², Σb, Σb²,
-    Σa·b, Σt, Σt², Σa·t.
-
-    The gate compares the alignment objective under the estimate with that under the
-    identity; once the estimate is known both are per-coordinate sums, so the held-out split
-    needs O(k) numbers per site instead of a k×k cross moment."""
+    """Held-out sums for the gate (docs/design.md §5), per coordinate, of a (A), b (B) and t (b under
+    the candidate transform): count, Σa, Σa², Σb, Σb², Σa·b, Σt, Σt², Σa·t."""
 
     n: torch.Tensor
     sum_a: torch.Tensor
@@ -372,17 +341,11 @@ class SplitStatistics:
         mlp_product_dtype=None,
         defer_mlp: bool = False,
     ) -> SplitStatistics:
-        """Zero sums for ``schema``; ``stream_full=False`` drops the stream's Σbᵀb (needed only to
-        score a residual rotation); the k×k co-moments in ``quad_dtype`` (the MLP's products in
-        ``mlp_product_dtype``; None: the activations' dtype). ``defer_mlp``: every layer's
-        co-moments (the f × f MLP's and the d × d q, k and context ones) are created empty, each
-        allocated (:meth:`Moments.allocate_comoment`) when its layer's turn comes in a
-        layer-by-layer pass.
-
-        The stream's d×d sums are float64 whatever the model's dtype: it is the one site where a
-        few massive-activation tokens meet every other (docs/design.md §4.3); its rows are float64
-        too. The head sites' co-moments take the activations' precision: they are centered per
-        batch, so their error is relative to the heads' spread, not to their mean."""
+        """Zero sums for ``schema``; ``stream_full=False`` drops the stream's Σbᵀb; co-moments in
+        ``quad_dtype`` (the MLP's products in ``mlp_product_dtype``; None: the activations').
+        ``defer_mlp``: every layer's co-moments are created empty, allocated when a layer-by-layer
+        pass reaches it. The stream's d×d sums and rows are float64 whatever the model's dtype
+        (massive-activation tokens meet every other there: docs/design.md §4.3)."""
         L, d, f = schema.num_layers, schema.hidden_size, schema.intermediate_size
         kw = dict(device=device, quad_dtype=quad_dtype)
         return cls(
@@ -429,11 +392,7 @@ class HeldoutStatistics:
 @dataclass
 class CalibrationStatistics:
     """Statistics of one calibration pass: the fit moments (estimators), the held-out sums
-    (gate), and optional RegMean Grams (over the tokens of both splits).
-
-    The pass runs in two phases over disjoint examples: fit examples first, then — once the
-    candidates are solved — held-out examples (:class:`StatisticsCollector`). Each example
-    goes through each model once."""
+    (gate), and optional RegMean Grams (over the tokens of both splits)."""
 
     fit: SplitStatistics | None = None
     heldout: HeldoutStatistics | None = None

@@ -1,17 +1,11 @@
 """One typed options object for the Python API and the CLI; round-trips through JSON.
 
-The top level says what to align and how to merge; each method's own options live in a
-section defined beside the method's code and registered with it
-(:func:`raot_hf.config.sections.register_section`): the built-in ``gate``, ``weight``, ``soft_ot``,
-``regmean``, ``fisher``, ``base_rules``, ``correction``, ``refine`` and ``calibration`` are typed
-fields; a section registered later (a merge rule or estimator added from outside the package) is
-held the same way, read as ``config.<section>`` and written to JSON beside the others. The flat
-keys of earlier versions (``gate_z``, ``regmean_shrink``, ``gate=False`` …) and every section field's
-command-line name (``correction="none"``, ``moment_precision="float32"``, ``correction_examples=32``)
-are read by :meth:`RaotConfig.from_dict`, :meth:`RaotConfig.replace` and hence
-``RaotMerger.from_pretrained(a, b, **options)``.
-Field metadata (``help``, ``flag``, ``choices``) generates the ``raot-hf merge`` / ``inspect``
-options (:func:`raot_hf.config.options.cli_options`).
+The top level says what to align and how to merge; each method's options live in a section
+registered beside its code (:func:`raot_hf.config.sections.register_section`): built-in sections are
+typed fields, later ones are held alike as ``config.<section>``. Flat keys of earlier versions
+(``gate_z``, ``gate=False`` …) and every section field's command-line name (``correction="none"``)
+are read by :meth:`RaotConfig.from_dict` and :meth:`RaotConfig.replace`. Field metadata (``help``,
+``flag``, ``choices``) generates the CLI options (:func:`raot_hf.config.options.cli_options`).
 """
 
 from __future__ import annotations
@@ -71,41 +65,18 @@ def _help(text: str, **extra: Any) -> dict[str, Any]:
 
 @dataclass
 class RaotConfig:
-    """Every option of a merge.
+    """Every option of a merge (each field's ``help`` says what it does).
 
-    * ``alignment``: ``activation`` (RaOT: estimated from one calibration pass), ``weight``
-      (the rotation-symmetry paper's data-free weight matching, a baseline; options in
-      ``weight``), ``soft_ot`` (Sinkhorn plans, options in ``soft_ot``) or ``none``.
-    * ``scope``: which symmetry factors to align, any subset of ``mlp``, ``heads``, ``residual``.
-    * ``residual``: ``auto`` — a mean-fixing rotation where it is exact (pre-LN, ViT), a
-      permutation otherwise; ``rotation`` forces the rotation (approximate for post-LN models,
-      reported as such); ``permutation``.
-    * ``rotations``: estimate within-head Q/K and V/O rotations (False: heads are matched by
-      permutation only, R = I — with ``residual="permutation"`` the permutation-only baseline).
-    * ``head_scales``: with the rotations, estimate the positive scales of the head group (s on q with
-      1/s on k — one per rotary pair under RoPE — and c on v with 1/c on o), so the estimator
-      inverts rotations *and* scales (docs/design.md §4.4); off, head maps are orthogonal only.
-    * ``rope_restricted``: on a RoPE model (Llama family) the Q/K maps are restricted to one 2×2
-      rotation per rotary pair, the maps that commute with the position rotations (exact). Off,
-      the Q/K map is a free orthogonal map per head: it does not commute with RoPE, so B′ no longer
-      computes B's function (reported as approximate, with its measured deviation; an ablation).
-    * ``gate``: :class:`~raot_hf.config.options.GateOptions` — whether the identity competes with every
-      estimate on held-out data (``gate.enabled``), its margin, floor and objective.
-    * ``merge_rule``: a rule of :mod:`raot_hf.merging`'s registry — ``linear``, ``regmean`` (Grams
-      from the same calibration pass; ``regmean.shrink``), ``fisher`` (``fisher.samples``), or the
-      base-relative ``task_arithmetic``, ``ties`` and ``dare_ties`` (they need a base model;
-      ``base_rules``; docs/design.md §6); ``alpha``: weight of B′ (0 gives A; in the
-      base-relative rules, the weight of B's task vector).
-    * ``head``: classifier head policy — keep ``a``'s, ``b``'s, or ``average`` (needs equal label spaces).
-    * ``dtype``: the dtype the models load in; ``seed``: dare_ties' masks, the Fisher's examples
-      and the functional check's inputs; ``check_batches``: held-out batches kept for the B′ ≡ B check.
-    * ``correction``: :class:`~raot_hf.config.options.CorrectionOptions` — a post-merge correction of the
-      merged model, layer by layer (``lsq``, ``repair``; docs/design.md §6.7).
-    * ``group``: :class:`~raot_hf.merging.nary.GroupOptions` — per-model weights and densities, and
-      the reference model, of a merge of several models (docs/design.md §6.9).
-    * ``refine``: :class:`~raot_hf.config.options.RefineOptions` — learned alignment: gradient steps on the
-      continuous symmetries of B′, label-free, early-stopped, competing with the estimate (§5.6).
-    * ``calibration``: :class:`~raot_hf.calibration.settings.CalibrationConfig`.
+    * ``alignment``: ``activation`` (RaOT), ``weight`` (data-free baseline), ``soft_ot`` or ``none``;
+      ``scope``: any subset of ``mlp``, ``heads``, ``residual``.
+    * ``residual``: ``auto`` (a mean-fixing rotation where it is exact, else a permutation),
+      ``rotation`` (approximate for post-LN, reported as such) or ``permutation``.
+    * ``head_scales``: with the rotations, the head group's positive scales (docs/design.md §4.4);
+      ``rope_restricted`` off: free Q/K maps on RoPE models, inexact (an ablation).
+    * ``merge_rule``: a rule of :mod:`raot_hf.merging`'s registry (the base-relative ones need a base,
+      docs/design.md §6); ``alpha``: weight of B′ (0 gives A; base-relative: of B's task vector).
+    * ``correction`` (docs/design.md §6.7), ``group`` (several models, §6.9), ``refine`` (§5.6), ``gate``,
+      ``calibration`` and each method's options: their sections.
     """
 
     alignment: str = field(default="activation", metadata=_help("Estimator (default activation).", choices=alignments))
@@ -116,18 +87,14 @@ class RaotConfig:
     rotations: bool = field(default=True, metadata=_help("Estimate within-head rotations (off: permutations only)."))
     head_scales: bool = field(
         default=True,
-        metadata=_help(
-            "Estimate per-head scales with the head rotations: Q/K (per rotary pair under RoPE) and V/O "
-            "(off: orthogonal head maps only)."
-        ),
-    )
+        metadata=_help("Estimate per-head scales with the head rotations: Q/K (per rotary pair under RoPE) and V/O "
+                       "(off: orthogonal head maps only)."),
+    )  # fmt: skip
     rope_restricted: bool = field(
         default=True,
-        metadata=_help(
-            "RoPE models: Q/K maps rotate within rotary pairs only, the exact symmetry "
-            "(off: a free per-head rotation, inexact; an ablation)."
-        ),
-    )
+        metadata=_help("RoPE models: Q/K maps rotate within rotary pairs only, the exact symmetry "
+                       "(off: a free per-head rotation, inexact; an ablation)."),
+    )  # fmt: skip
     gate: GateOptions = field(default_factory=GateOptions)
     merge_rule: str = field(
         default="linear",
@@ -195,9 +162,8 @@ class RaotConfig:
             self._check_base_relative()
 
     def _normalise_sections(self) -> None:
-        """Sections given as dicts become their option objects; ``gate=True/False`` (the flat
-        key of earlier versions) becomes ``gate.enabled``; every registered section that is not a
-        typed field is held in ``extra`` (its defaults unless given)."""
+        """Sections given as dicts become their option objects, ``gate=True/False`` becomes
+        ``gate.enabled``; registered sections that are not typed fields are held in ``extra``."""
         typed = {f.name for f in fields(self)}
         unknown = sorted(set(self.extra) - set(registered_sections()))
         if unknown:
@@ -310,10 +276,9 @@ def _is_section_value(name: str, value: Any) -> bool:
 
 def _fold_keywords(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     """``base`` updated by ``changes``: fields and whole sections replace, then each flat keyword
-    (:func:`raot_hf.config.options.option_keywords`: a section field's command-line name, or a flat
-    key of earlier versions) sets its field inside its section. A section's name is both: a dict
-    or the section's object is the section, anything else its flag's field (``gate=False`` →
-    ``gate.enabled``, ``correction="none"`` → ``correction.method``)."""
+    (:func:`raot_hf.config.options.option_keywords`) sets its field inside its section. A section's
+    name given a dict or its object is the section, anything else its flag's field (``gate=False``
+    → ``gate.enabled``)."""
     out = dict(base)
     flat_values = {}
     flat, sections = option_keywords(), registered_sections()

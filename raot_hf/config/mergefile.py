@@ -48,7 +48,7 @@ REFUSED_KEYS = {
 #: mergekit methods this project does not implement, and why (the rest of the message lists the valid ones).
 REFUSED_METHODS = {
     "passthrough": "passthrough (frankenmerges: layers copied from several models) is not a merge of aligned "
-    "weights; raot-hf does not stack layers",
+    "weights; raot-hf does not stack layers"
 }
 #: mergekit's defaults of the methods' normalize and rescale switches (the definitions implemented here).
 _DEFAULTS = {

@@ -1,12 +1,7 @@
-"""Per-method option sections of :class:`raot_hf.RaotConfig`, and the table that turns a
-config class into command-line flags.
-
-Each section is a small dataclass with its own validation and ``to_dict`` / ``from_dict``.
-Field metadata drives the CLI (:func:`cli_options`): ``help``, ``flag`` (a nested field's flag
-defaults to ``--{section}-{field}``, underscores as dashes), ``choices`` (a tuple, or a callable
-returning one, read when the CLI is built) and ``cli=False`` for a field that is no option.
-``legacy`` names the flat key the field had before the sections existed; validation messages
-use it, so they read as they always did. This module must not import :mod:`raot_hf.config`.
+"""Option-section helpers of :class:`raot_hf.RaotConfig` and the table that turns a config class
+into command-line flags (:func:`cli_options`). Field metadata: ``help``, ``flag`` (default
+``--{section}-{field}``), ``choices`` (a tuple or a callable returning one), ``cli=False`` (no option)
+and ``legacy`` (the flat key of earlier versions, used in messages). Must not import :mod:`raot_hf.config`.
 """
 
 from __future__ import annotations
@@ -29,9 +24,8 @@ def check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
 
 
 def check_field_types(options: Any) -> None:
-    """Types follow the defaults: booleans must be booleans ("false" is truthy), integers
-    integers, and numbers finite numbers (stored as float, so JSON round-trips exactly).
-    Sections (dataclass-valued fields) are skipped: they check themselves."""
+    """Types follow the defaults: booleans must be booleans, integers integers, numbers finite
+    numbers (stored as float, so JSON round-trips exactly); sections check themselves."""
     for f in dataclasses.fields(options):
         default, value = f.default, getattr(options, f.name)
         label = f.metadata.get("legacy", f.name)
@@ -64,9 +58,8 @@ def meta(help: str, legacy: str | None = None, **extra: Any) -> dict[str, Any]:
 
 
 def __getattr__(name: str) -> Any:
-    """``SECTIONS`` (section name → class) and ``LEGACY_KEYS`` (flat key of earlier versions →
-    (section, field)), read from the live section registry
-    (:func:`raot_hf.config.sections.register_section`)."""
+    """``SECTIONS`` (name → class) and ``LEGACY_KEYS`` (flat key → (section, field)), read from the
+    live section registry."""
     if name == "SECTIONS":
         return registered_sections()
     if name == "LEGACY_KEYS":
@@ -90,11 +83,8 @@ def flag_keyword(flag: str) -> str:
 
 
 def option_keywords() -> dict[str, tuple[str, str]]:
-    """Every flat keyword that sets one field of a section → (section, field): the section
-    fields' command-line flags as keywords (``correction="none"`` for ``--correction none``,
-    ``moment_precision="float32"`` for ``--moment-precision float32``) and the flat keys of
-    earlier versions (:func:`legacy_keys`). A keyword that is also a section's name (``gate``,
-    ``correction``, ``calibration``) sets that field unless its value is a whole section."""
+    """Every flat keyword that sets one field of a section → (section, field): the fields'
+    command-line flags as keywords (``moment_precision="float32"``) and :func:`legacy_keys`."""
     out = dict(legacy_keys())
     for name, cls in registered_sections().items():
         for f in dataclasses.fields(cls):
@@ -152,9 +142,8 @@ def field_default(f: dataclasses.Field) -> Any:
 
 @dataclass(frozen=True)
 class CliOption:
-    """One config field as a command-line option: ``path`` into the config, the ``flag``
-    (booleans also get ``--no-…``), the click parameter name ``dest``, the value ``kind``
-    (bool, int, float or str), its ``choices`` and ``help``."""
+    """One config field as a command-line option (booleans also get ``--no-…``; ``dest``: the click
+    parameter name; ``kind``: bool, int, float or str)."""
 
     path: tuple[str, ...]
     flag: str
@@ -190,16 +179,9 @@ def cli_options(cls: type, prefix: tuple[str, ...] = ()) -> list[CliOption]:
         choices: Any = meta.get("choices")
         if callable(choices):
             choices = choices()
-        out.append(
-            CliOption(
-                path=path,
-                flag=meta.get("flag") or "--" + "-".join(path).replace("_", "-"),
-                dest="__".join(path),
-                kind=_kind(default),
-                choices=tuple(choices) if choices is not None else None,
-                help=meta.get("help"),
-            )
-        )
+        flag = meta.get("flag") or "--" + "-".join(path).replace("_", "-")
+        choices = tuple(choices) if choices is not None else None
+        out.append(CliOption(path, flag, "__".join(path), _kind(default), choices, meta.get("help")))
     return out
 
 

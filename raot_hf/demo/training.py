@@ -1,11 +1,5 @@
-"""Training machinery of the demo's model zoo: deterministic splits, cached builds, a training
-loop, evaluation.
-
-Every zoo model is trained from data that ships inside an installed package, with a fixed seed,
-and written once into a cache directory keyed by all of its hyper-parameters plus
-:data:`ZOO_CODE_VERSION`. A later call with the same settings reuses the directory. The
-benchmarks' own zoo (``benchmarks/zoo``) builds on these pieces.
-"""
+"""Training machinery of the demo's model zoo: deterministic splits, cached builds (keyed by every
+hyper-parameter plus :data:`ZOO_CODE_VERSION`), a training loop, evaluation."""
 
 from __future__ import annotations
 
@@ -51,20 +45,11 @@ def default_cache_dir() -> Path:
 
 
 def split_three_ways(
-    labels: Sequence[int],
-    n_test: int,
-    n_calibration: int,
-    split_seed: int,
-    groups: Sequence[Any] | None = None,
+    labels: Sequence[int], n_test: int, n_calibration: int, split_seed: int, groups: Sequence[Any] | None = None
 ) -> tuple[list[int], list[int], list[int]]:
-    """Split example indices into (train, calibration, test), stratified by label.
-
-    ``groups[i]`` names the group of example ``i`` (e.g. the speech a passage comes from); a group
-    never straddles two splits and is stratified by its first example's label. Within each label,
-    groups are shuffled with ``split_seed`` and handed to test until it holds its share of
-    ``n_test`` examples, then to calibration until it holds its share of ``n_calibration``; the
-    rest is train. Each split keeps the original example order.
-    """
+    """Split example indices into (train, calibration, test), stratified by label; a group
+    (``groups[i]``) never straddles two splits. Within each label, shuffled groups (``split_seed``)
+    fill test, then calibration, the rest is train; each split keeps the original order."""
     groups = list(range(len(labels))) if groups is None else list(groups)
     if len(groups) != len(labels):
         raise RaotError(f"got {len(labels)} labels but {len(groups)} group ids; pass one group per example")
@@ -114,12 +99,8 @@ def cached_build(
     build: Callable[[Path], dict[str, Any]],
     cache_dir: str | os.PathLike | None = None,
 ) -> Path:
-    """Return the cache directory for ``params``, running ``build(tmp_dir)`` only if it is missing.
-
-    ``build`` writes the model into ``tmp_dir`` and returns metrics; they are stored with
-    ``params`` in ``zoo_info.json``. The directory appears atomically (temporary directory, then
-    rename), so a crash never leaves a half-written model behind a valid-looking path.
-    """
+    """The cache directory for ``params``, running ``build(tmp_dir)`` (which returns metrics, stored
+    in ``zoo_info.json``) only if it is missing; the directory appears atomically (rename)."""
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     target = root / f"{name}-{build_key(params)}"
     if (target / ZOO_INFO_FILE).is_file():
@@ -177,11 +158,8 @@ def check_heads(hidden_size: int, num_heads: int) -> None:
 
 @contextlib.contextmanager
 def deterministic_torch(seed: int) -> Iterator[None]:
-    """Seed torch, run single-threaded with deterministic algorithms, and restore settings after.
-
-    One thread makes the float reductions, and so the trained weights, independent of the core
-    count; the caller's global random state is restored on exit.
-    """
+    """Seed torch, run single-threaded (weights independent of the core count) with deterministic
+    algorithms, and restore the settings and random state after."""
     previous_threads = torch.get_num_threads()
     previous_deterministic = torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(1)
@@ -203,11 +181,7 @@ def encode_examples(dataset, processor, max_length: int = 64) -> dict[str, torch
     if "text" in columns:
         return dict(
             processor(
-                list(dataset["text"]),
-                padding="max_length",
-                truncation=True,
-                max_length=max_length,
-                return_tensors="pt",
+                list(dataset["text"]), padding="max_length", truncation=True, max_length=max_length, return_tensors="pt"
             )
         )
     raise RaotError(f"dataset has columns {columns}; expected an 'image' or a 'text' column")
@@ -235,12 +209,8 @@ def train_classifier(
     warmup_fraction: float = 0.1,
     description: str = "training",
 ) -> dict[str, float]:
-    """Train ``model`` for ``steps`` AdamW steps on shuffled mini-batches; return loss and time.
-
-    The data order comes from a generator seeded with ``seed`` (epochs are reshuffled); the
-    learning rate warms up linearly over ``warmup_fraction`` of the steps, then decays linearly
-    to zero. Call inside :func:`deterministic_torch` for reproducible weights.
-    """
+    """Train ``model`` for ``steps`` AdamW steps on mini-batches shuffled by ``seed``, the learning
+    rate warmed up over ``warmup_fraction`` then decayed linearly to zero; return loss and time."""
     if steps <= 0:
         raise RaotError(f"training needs at least one step, got steps={steps}; raise epochs or steps")
     n_examples = labels.shape[0]
@@ -349,14 +319,9 @@ def train_and_save(
     weight_decay: float = 0.01,
     description: str,
 ) -> dict[str, float]:
-    """Train a classifier reproducibly, score it, and save it with its processor into ``out_dir``.
-
-    ``make_model()`` creates (or loads) the model inside :func:`deterministic_torch` seeded with
-    ``params["seed"]``, so its random initialization is part of the build; :func:`fit_and_score`
-    then trains it with ``params``' ``batch_size``, ``learning_rate`` and ``max_length`` (default
-    64) for ``steps`` steps (default: ``params["epochs"]`` passes over ``train_split``). Returns
-    the metrics :func:`cached_build` stores.
-    """
+    """Train a classifier reproducibly (``make_model()`` runs seeded, inside :func:`deterministic_torch`),
+    score it and save it with its processor into ``out_dir``; ``steps`` defaults to
+    ``params["epochs"]`` passes. Returns the metrics :func:`cached_build` stores."""
     if steps is None:
         steps = steps_for_epochs(len(train_split), params["batch_size"], params["epochs"])
     with deterministic_torch(params["seed"]):
@@ -388,12 +353,8 @@ def train_and_save(
 
 @torch.no_grad()
 def evaluate_accuracy(model, dataset, processor, batch_size: int = 128, max_length: int = 64) -> float:
-    """Return the fraction of ``dataset`` examples that ``model`` classifies correctly.
-
-    ``model`` is a sequence- or image-classification model (or a directory to load one from);
-    ``dataset`` a split with a ``label`` column and an ``image`` (use an image processor) or
-    ``text`` (use a tokenizer, truncated to ``max_length``) column.
-    """
+    """The fraction of ``dataset`` (``label`` plus ``image`` or ``text``) that ``model`` (or a
+    directory to load it from) classifies correctly."""
     if isinstance(model, (str, os.PathLike)):
         model = _load_classifier(Path(model))
     if not hasattr(dataset, "column_names") or isinstance(dataset.column_names, dict):

@@ -1,10 +1,8 @@
 """Activation-estimated alignment: pure functions over calibration statistics (docs/design.md §4).
 
-Each estimator returns a transform of B (to apply with
-:func:`raot_hf.symmetry.apply_transform`) and a log dict for the provenance report, from the
-fit moments. :func:`candidate_maps` turns the candidates into maps of B's activations for
-the held-out phase, and the matching ``*_gains`` functions score each candidate on those
-held-out sums against the identity, one gain per unit / head / coordinate, for the gate (§5).
+Estimators return a transform of B and a log dict from the fit moments; :func:`candidate_maps`
+maps B's activations for the held-out phase, where the ``*_gains`` functions score each candidate
+against the identity, one gain per unit / head / coordinate, for the gate (§5).
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from raot_hf.calibration.precision import correlation_error_bound
 from raot_hf.calibration.statistics import Moments, PairedDiagonal
 from raot_hf.estimators.head_fit import assign, matched_scales, normalised_blocks, procrustes
 from raot_hf.estimators.ties import resolve_near_ties, unit_mismatch
-from raot_hf.symmetry.group import mean_axis_basis
+from raot_hf.symmetry.group import mean_axis_basis, mean_fixing
 from raot_hf.symmetry.transforms import (
     HeadAlignment,
     HeadRescale,
@@ -78,18 +76,14 @@ def estimate_head_alignment(
     rope: bool = False,
 ):
     """Head correspondence, within-head Q/K and V/O rotations and per-head scales as one exact
-    assignment.
+    assignment; with ``num_kv_heads`` or ``rope`` the decoder solver runs instead
+    (:func:`~raot_hf.estimators.grouped.estimate_grouped_heads`, docs/design.md §8).
 
-    With ``num_kv_heads`` (grouped-query attention) or ``rope``, the decoder solver runs
-    instead (:func:`~raot_hf.estimators.grouped.estimate_grouped_heads`, docs/design.md §8).
-
-    Every pair (i of A, j of B) is scored by the cosine of its rotation-optimal fit — the nuclear
-    norm of the scale-invariant cross blocks (:func:`~raot_hf.estimators.head_fit.normalised_blocks`),
-    for QK and for VO — and one assignment on that H×H score gives π; the SVDs of the matched
-    pairs give the rotations, their energies the scales (``scales``: a :class:`HeadRescale` follows
-    the alignment). Returns the list of transforms (and a log). With ``rotations=False`` pairs
-    are scored under R = I (trace, not nuclear norm), only π is estimated and no scale — the
-    permutation-only baseline.
+    Each pair is scored by the nuclear norm of its scale-invariant cross blocks (QK and VO,
+    :func:`~raot_hf.estimators.head_fit.normalised_blocks`); one assignment gives π, the matched
+    pairs' SVDs the rotations and their energies the scales (``scales``: a :class:`HeadRescale`
+    follows). Returns the transforms (and a log). ``rotations=False``: pairs scored under R = I,
+    only π estimated (the permutation-only baseline).
     """
     H, h = num_heads, head_size
     if rope or (num_kv_heads is not None and num_kv_heads != num_heads):
@@ -127,12 +121,9 @@ def estimate_head_alignment(
 def head_gains(
     q: PairedDiagonal, k: PairedDiagonal, ctx: PairedDiagonal, num_heads: int, head_size: int
 ) -> tuple[torch.Tensor, float]:
-    """Per-head gain in (QK + VO)/2 cosine of the candidate over the identity, and the
-    identity's mean cosine.
-
-    The QK cosine of head i is Σ(q_Aⁱ·q_B′ⁱ + k_Aⁱ·k_B′ⁱ) / √(E_Aⁱ·E_B′ⁱ) with E the summed
-    squares, B′ head i = B head π(i) rotated — tr(N_iπ(i)·R)/z of the fit-side score, from
-    per-coordinate sums; the VO cosine likewise on the context."""
+    """Per-head gain in (QK + VO)/2 cosine of the candidate over the identity, and the identity's
+    mean cosine; the QK cosine of head i is Σ(q_Aⁱ·q_B′ⁱ + k_Aⁱ·k_B′ⁱ) / √(E_Aⁱ·E_B′ⁱ) (E: summed
+    squares), the VO cosine likewise on the context."""
     H, h = num_heads, head_size
 
     def per_head(x):
@@ -155,22 +146,15 @@ def head_gains(
 
 # -- Residual stream (§4: mean-preserving Procrustes; permutation variant) -----------------------
 def estimate_residual_map(stats: Moments, *, mode: str = "rotation", return_log: bool = False):
-    """The stream map O (x_B·O ≈ x_A) from the centered cross moment M = Σ x_Aᵀ x_B.
-
-    ``rotation``: SVD of the block of M on the complement of the mean axis, Bᵤᵀ·M·Bᵤ = UΣVᵀ,
-    R = V·Uᵀ and O = u·uᵀ + Bᵤ·R·Bᵤᵀ (O·1 = 1). ``orthogonal``: plain Procrustes over all of
-    O(d), for RMSNorm streams (uncentered moments, docs/design.md §8). ``permutation``: assignment
-    on the centered-stream correlation.
-    """
+    """The stream map O (x_B·O ≈ x_A) from the centered cross moment M = Σ x_Aᵀ x_B: ``rotation``
+    (Bᵤᵀ·M·Bᵤ = UΣVᵀ on the mean axis' complement, R = V·Uᵀ, O = u·uᵀ + Bᵤ·R·Bᵤᵀ so O·1 = 1),
+    ``orthogonal`` (Procrustes over O(d), RMSNorm streams, docs/design.md §8) or ``permutation``."""
     d = stats.comoment.shape[0]
     if mode == "orthogonal":
         transform = ResidualRotation(procrustes(stats.raw_cross()))
     elif mode == "rotation":
         b = mean_axis_basis(d)
-        r = procrustes(b.T @ stats.raw_cross() @ b)
-        u = torch.full((d, 1), d**-0.5, dtype=_F64)
-        o = u @ u.T + b @ r @ b.T
-        transform = ResidualRotation(o)
+        transform = ResidualRotation(mean_fixing(procrustes(b.T @ stats.raw_cross() @ b)))
     elif mode == "permutation":
         # new coordinate j of B′ takes B's coordinate perm[j], matched to A's coordinate j
         transform = ResidualPermutation(assign(stats.correlation()))
@@ -182,9 +166,8 @@ def estimate_residual_map(stats: Moments, *, mode: str = "rotation", return_log:
 
 
 def _fit_residual_gains(stats: Moments, transform) -> torch.Tensor:
-    """Per-coordinate gain of the map on the fit moments (for the log): the cosine between A's
-    coordinate j and B′'s (B′ = B·O) over centered stream samples,
-    (M·O)_jj / √(S_A,jj · (Oᵀ·S_B·O)_jj), minus the identity's."""
+    """Per-coordinate gain of the map on the fit moments (for the log): the cosine
+    (M·O)_jj / √(S_A,jj · (Oᵀ·S_B·O)_jj) of A's coordinate j and B′'s, minus the identity's."""
     d = stats.comoment.shape[0]
     cross = stats.raw_cross()
     ea = stats.sq_a.clamp_min(1e-300)
@@ -201,9 +184,8 @@ def _fit_residual_gains(stats: Moments, transform) -> torch.Tensor:
 
 
 def residual_gains(sums: PairedDiagonal) -> tuple[torch.Tensor, float]:
-    """Per-coordinate gain of the candidate stream map over the identity, and the identity's
-    mean score: the cosine between A's coordinate j and B′'s (B′ = B·O, or B's coordinate
-    perm[j]) over centered held-out stream samples."""
+    """Per-coordinate gain in cosine (A's coordinate j with B′'s) of the candidate stream map over
+    the identity on the held-out samples, and the identity's mean score."""
 
     def cosine(dot, sq_b):
         return dot / (sums.sq_a.clamp_min(1e-300) * sq_b.clamp_min(1e-300)).sqrt()
@@ -228,15 +210,11 @@ def _per_dtype(matrix: torch.Tensor) -> Callable[[torch.dtype], torch.Tensor]:
 def candidate_maps(
     transforms: list[Transform], num_heads: int, head_size: int, *, device=None
 ) -> dict[tuple, Callable[[torch.Tensor], torch.Tensor]]:
-    """Maps taking B's rows at a site to B′'s rows under the candidates, keyed like the
-    :class:`~raot_hf.calibration.collector.StatisticsCollector`'s sites (``("mlp", layer)``,
-    ``("q", layer)``, ``("k", layer)``, ``("ctx", layer)``, ``("stream", None)``).
-
-    MLP: B′ unit j = B unit perm[j]. Heads: B′ head i = (B head π(i))·R_i, with R_qk for q and k
-    and R_vo for the context, then scaled by a following :class:`HeadRescale` (q by a, k by 1/a, the
-    context by c). Stream: B′ = B·O (or B's coordinates permuted). Soft transport plans are not
-    scored and get no map. ``device``: that of the rows the
-    maps will see; each matrix is converted to the rows' dtype once, on first use."""
+    """Maps taking B's rows at a site to B′'s under the candidates, keyed like the
+    :class:`~raot_hf.calibration.collector.StatisticsCollector`'s sites. MLP: B′ unit j = B unit
+    perm[j]; heads: B′ head i = (B head π(i))·R_i (R_qk for q and k, R_vo for the context), then
+    a :class:`HeadRescale`'s q·a, k/a, context·c; stream: B·O or permuted. Soft plans get no map.
+    ``device``: the rows'; each matrix is converted to the rows' dtype once."""
     H, h = num_heads, head_size
     maps: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
 
@@ -246,9 +224,12 @@ def candidate_maps(
 
     def rotate_heads(perm: torch.Tensor, rot: torch.Tensor):
         perm, rot = perm.to(device), _per_dtype(rot.to(device))
-        return lambda b: torch.einsum("nhb,hba->nha", b.view(-1, H, h).index_select(1, perm), rot(b.dtype)).reshape(
-            b.shape
-        )
+
+        def rotate(b):
+            heads = b.view(-1, H, h).index_select(1, perm)
+            return torch.einsum("nhb,hba->nha", heads, rot(b.dtype)).reshape(b.shape)
+
+        return rotate
 
     def scaled(inner, factor: torch.Tensor):
         factor = _per_dtype(factor.to(device))

@@ -1,10 +1,6 @@
-"""The built-in estimators and their registrations (docs/design.md §4.4–§4.5).
-
-* ``activation`` — RaOT: the residual map, then per layer the MLP unit permutation and the joint
-  head assignment with within-head rotations, from the fit moments of one calibration pass;
-* ``weight`` — the rotation-symmetry paper's data-free weight matching (a baseline);
-* ``soft_ot`` — Sinkhorn transport plans (a baseline; not a symmetry, so never gated).
-"""
+"""The built-in estimators and their registrations (docs/design.md §4.4–§4.5): ``activation`` (RaOT,
+from the fit moments), ``weight`` (data-free weight matching, a baseline) and ``soft_ot`` (Sinkhorn
+plans, a baseline; not a symmetry, so never gated)."""
 
 from __future__ import annotations
 
@@ -74,19 +70,9 @@ def _layer_candidates(request: EstimationRequest, i: int) -> tuple[list[Transfor
     if "heads" in cfg.scope:
         if finite(fit.q[i], fit.k[i], fit.ctx[i]):
             rope = schema.qk_structure == "rope"
-            structure = {"num_kv_heads": schema.num_kv_heads, "rope": rope and cfg.rope_restricted}
-            fitted, log = estimate_head_alignment(
-                fit.q[i],
-                fit.k[i],
-                fit.ctx[i],
-                i,
-                H,
-                h,
-                rotations=cfg.rotations,
-                scales=cfg.head_scales,
-                return_log=True,
-                **structure,
-            )
+            options = {"rotations": cfg.rotations, "scales": cfg.head_scales, "return_log": True}
+            options.update(num_kv_heads=schema.num_kv_heads, rope=rope and cfg.rope_restricted)
+            fitted, log = estimate_head_alignment(fit.q[i], fit.k[i], fit.ctx[i], i, H, h, **options)
             t, *rescale = fitted
             if rope and not cfg.rope_restricted:  # the ablation: free Q/K maps, inexact under RoPE
                 t = UnrestrictedHeadAlignment(t.layer, t.perm, t.qk, t.vo)
@@ -100,9 +86,8 @@ def _layer_candidates(request: EstimationRequest, i: int) -> tuple[list[Transfor
 
 
 def solve_layer_early(stats, schema, config, i: int) -> None:
-    """Layer ``i``'s candidates from its complete fit moments, kept in ``stats.layer_candidates``
-    for :func:`activation_candidates`; the layer's co-moments (MLP, q, k, context) are then freed
-    (the layer-by-layer calibration pass, docs/design.md §7.4)."""
+    """Layer ``i``'s candidates from its complete fit moments, kept in ``stats.layer_candidates``;
+    its co-moments are then freed (the layer-by-layer calibration pass, docs/design.md §7.4)."""
     stats.layer_candidates[i] = _layer_candidates(EstimationRequest(stats, schema, {}, {}, config, False), i)
     fit = stats.fit
     for moments in (fit.mlp[i], fit.q[i], fit.k[i], fit.ctx[i]):

@@ -1,14 +1,10 @@
 """The decoder head solver: grouped-query attention and RoPE (docs/design.md §8.3).
 
-Keys are observed per query head (each query head sees its KV head's keys), so the moments
-are those of the encoders' solver, (H·h)² each. The group structure enters the solve: a KV
-head of A is matched to a KV head of B together with a matching of their query heads and one
-Q/K and one V/O map for the whole group, estimated from the scale-invariant cross blocks
-(:func:`~raot_hf.estimators.head_fit.normalised_blocks`) summed over the group's matched query
-heads. Under RoPE the Q/K map is restricted to one 2×2 rotation per rotary pair (dims p and
-p + h/2): the pair-restricted Procrustes maximises tr(N_p·R(φ)) = a·cos φ + b·sin φ with
-a = N_pp + N_qq, b = N_qp − N_pq (q = p + h/2), so φ = atan2(b, a) and the optimum is √(a² + b²);
-the pair's scale follows from its energies (:func:`~raot_hf.estimators.head_fit.matched_scales`).
+The moments are the encoders' ((H·h)², keys observed per query head); a KV head of A is matched to
+one of B with a matching of their query heads and one Q/K and one V/O map per group, from the
+scale-invariant cross blocks summed over the matched query heads. Under RoPE the Q/K map is one
+2×2 rotation per rotary pair (dims p, q = p + h/2): tr(N_p·R(φ)) = a·cos φ + b·sin φ with
+a = N_pp + N_qq, b = N_qp − N_pq, so φ = atan2(b, a) and the optimum is √(a² + b²).
 """
 
 from __future__ import annotations
@@ -79,15 +75,10 @@ def estimate_grouped_heads(
     scales: bool = True,
     return_log: bool = False,
 ):
-    """KV-head assignment, query-head matching within groups, per-group maps and scales
-    (docs/design.md §8.3).
-
-    Every (KV head of A, KV head of B) pair is scored by the mean cosine of its best group fit —
-    Σ over matched query heads of tr(C·R) over the group size, for QK and VO — and one exact
-    assignment on that score picks the KV correspondence. ``scales``: a :class:`HeadRescale`
-    follows the alignment (per rotary pair on Q/K under RoPE, per KV head on V/O). Returns the
-    list of transforms (and a log). ``rotations=False`` keeps every map the identity and
-    estimates no scale (the permutation-only baseline)."""
+    """KV-head assignment, query-head matching within groups, per-group maps and scales (§8.3):
+    each KV-head pair is scored by the mean cosine of its best group fit and one exact assignment
+    picks the KV map. ``scales``: a :class:`HeadRescale` follows (per rotary pair on Q/K under
+    RoPE); ``rotations=False``: identity maps, no scale. Returns the transforms (and a log)."""
     H, kv, h = num_heads, num_kv_heads, head_size
     group = H // kv
     c_qk, c_vo = normalised_blocks(q, k, ctx, H, h, rope=rope)

@@ -1,13 +1,9 @@
-"""The pieces both head solvers share (docs/design.md §4.4, §8.3): the exact assignment, the
-(H·h)² → head-block view of a moment, the Procrustes solution, the scale-invariant pair blocks
-and the per-head (per rotary pair under RoPE) scales of a matched pair.
+"""The pieces both head solvers share (docs/design.md §4.4, §8.3).
 
-A head pair (i of A, j of B) is scored on *normalised* cross blocks: q, k and the context each
-divided by the pair's energies, so that B = g·A for any element g of the head group — a
-permutation, rotations and positive scales (s on q with 1/s on k, c on v with 1/c on o) — gives
-the true match the value 1 and every other pair less (Cauchy–Schwarz). Under RoPE the
-normalisation is per rotary pair (dims p and p + h/2), because the admissible Q/K map is a
-complex scalar per pair (§8.2), and the pairs are weighted by their share of the head's energy.
+A head pair is scored on cross blocks *normalised* by the pair's energies, so that B = g·A for any
+g of the head group (permutation, rotations, positive scales) gives the true match 1 and every
+other pair less (Cauchy–Schwarz). Under RoPE the normalisation is per rotary pair (dims p and
+p + h/2: the admissible Q/K map is a complex scalar per pair, §8.2), weighted by energy share.
 """
 
 from __future__ import annotations
@@ -65,8 +61,7 @@ def _normalised(m: Moments, H: int, h: int, rope: bool) -> torch.Tensor:
 
 def pair_weights(q: Moments, k: Moments, H: int, h: int) -> torch.Tensor:
     """(H, H, h/2) weights of the rotary pairs of each head pair, summing to 1: the pair's
-    scale-invariant energy (E_q,A·E_k,A·E_q,B·E_k,B)^¼ over the head pair's total (a pair
-    nearly dead in either model counts little)."""
+    scale-invariant energy (E_q,A·E_k,A·E_q,B·E_k,B)^¼ over the head pair's total."""
     eqa, eka = group_energy(q.sq_a, H, h, True), group_energy(k.sq_a, H, h, True)
     eqb, ekb = group_energy(q.sq_b, H, h, True), group_energy(k.sq_b, H, h, True)
     g = ((eqa * eka)[:, None, :] * (eqb * ekb)[None, :, :]).clamp_min(0).pow(0.25)
@@ -94,14 +89,10 @@ def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
 def matched_scales(
     q: Moments, k: Moments, ctx: Moments, rows: torch.Tensor, cols: torch.Tensor, H: int, h: int, *, rope: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scales that undo B's for A's query heads ``rows`` matched to B's ``cols`` (one KV group,
-    or one head): ``(qk_scale, vo_scale)`` with qk_scale of shape (g,) (g = h/2 under RoPE, else
-    1) and vo_scale a scalar, to act on B′ *after* the rotations (q ← a·q, k ← k/a, v ← c·v).
-
-    Energy balance: B's q energy is s²·A's and its k energy A's/s², so
-    s⁴ = (E_q,B/E_q,A)·(E_k,A/E_k,B) and a = 1/s; the context carries v's scale, so
-    c = √(E_ctx,A/E_ctx,B). Exact on an exact symmetry; on independent models it gives B′ A's
-    ratio of query to key energy and A's context energy."""
+    """The scales that undo B's for A's query heads ``rows`` matched to B's ``cols``: ``(qk_scale,
+    vo_scale)``, qk_scale of shape (g,) (g = h/2 under RoPE, else 1), acting on B′ *after* the
+    rotations (q ← a·q, k ← k/a, v ← c·v). By energy balance s⁴ = (E_q,B/E_q,A)·(E_k,A/E_k,B),
+    a = 1/s and c = √(E_ctx,A/E_ctx,B): exact on an exact symmetry."""
     eqa = group_energy(q.sq_a, H, h, rope)[rows].sum(0)
     eka = group_energy(k.sq_a, H, h, rope)[rows].sum(0)
     eqb = group_energy(q.sq_b, H, h, rope)[cols].sum(0)

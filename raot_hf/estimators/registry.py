@@ -4,11 +4,9 @@
 >>> estimator_spec("activation").needs_statistics
 True
 
-An estimator is a function ``fn(request: EstimationRequest) -> (transforms, logs)`` returning
-candidate symmetries of B (B's coordinates → A's) and a log dict for the report. Its
-registration declares what it reads (the fit moments of the calibration pass, the weights),
-whether the gate judges its candidates, and which :class:`raot_hf.RaotConfig` section holds its
-options. Adding an estimator is one function and one :func:`register_estimator` call.
+An estimator is ``fn(request: EstimationRequest) -> (transforms, logs)``: candidate symmetries of B
+(B's coordinates → A's) and a log dict; its registration says what it reads, whether the gate judges
+it and which :class:`raot_hf.RaotConfig` section holds its options.
 """
 
 from __future__ import annotations
@@ -24,9 +22,7 @@ from raot_hf.errors import RaotError
 
 @dataclass
 class EstimationRequest:
-    """Everything an estimator may read: the statistics (None without calibration), the schema,
-    both state dicts, the config, whether this process shows progress bars, and its own options
-    section of the config."""
+    """Everything an estimator may read (``stats`` is None without calibration)."""
 
     stats: Any
     schema: Any
@@ -43,13 +39,9 @@ class EstimationRequest:
 
 @dataclass(frozen=True)
 class EstimatorSpec:
-    """A registered estimator.
-
-    * ``needs_statistics``: reads the calibration pass's fit moments (a forward of A and B).
-    * ``gated``: its candidates are exact symmetries the gate may judge; ``False`` for
-      non-symmetries (soft transport plans), which are applied ungated and reported approximate.
-    * ``options``: the name of the :class:`raot_hf.RaotConfig` section holding its options, or None.
-    """
+    """A registered estimator: ``needs_statistics`` (reads the fit moments), ``gated`` (exact
+    symmetries the gate may judge; False: applied ungated, reported approximate), ``options`` (its
+    :class:`raot_hf.RaotConfig` section, or None)."""
 
     name: str
     fn: Callable[[EstimationRequest], tuple[list, dict[str, Any]]]
@@ -77,9 +69,8 @@ def register_estimator(
     description: str = "",
     config: type | None = None,
 ) -> Callable:
-    """Register ``fn`` as ``alignment=name``; refuses bad names, non-callables and duplicates.
-    ``config``: the estimator's own options section, registered with it (``RaotConfig``, its JSON
-    and the CLI's flags know it) and handed to it as ``request.options``."""
+    """Register ``fn`` as ``alignment=name`` (bad names, non-callables and duplicates refused);
+    ``config``: its options section, registered with it and handed over as ``request.options``."""
     if not isinstance(name, str) or not name or name == "none":
         raise TypeError(f"an estimator name must be a non-empty string other than 'none', got {name!r}")
     if not callable(fn):

@@ -1,31 +1,14 @@
 """Soft optimal-transport alignment: the OT-fusion baseline (Sinkhorn plans, not a symmetry).
 
-Transport-based fusion (Singh & Jaggi; Imfeld et al. for Transformers) aligns B to A with an
-entropically regularised transport plan instead of a permutation. The plan lies in the
-Birkhoff polytope; only its vertices (permutations) are symmetries of the network, so for
-any finite regularisation B′ no longer computes B's function. The product ships it as a
-baseline (``alignment="soft_ot"``): every plan is a :class:`~raot_hf.symmetry.SoftTransport`
-whose ``exact`` flag is False, and the merger measures and reports B′'s deviation from B.
+Transport-based fusion (Singh & Jaggi; Imfeld et al.) aligns B to A with an entropic transport
+plan; only permutations are symmetries, so B′ no longer computes B's function: every plan is a
+:class:`~raot_hf.symmetry.SoftTransport` with ``exact`` False, and the merger reports B′'s deviation.
 
-Plans are estimated from the **fit** calibration statistics only:
-
-* **MLP units** (per layer): similarity = the A×B Pearson correlation of post-activation
-  units (:meth:`Moments.correlation`), cost = 1 − similarity.
-* **Heads** (per layer): similarity of head i of A and head j of B = the mean of the
-  Q/K and V/O cosines under the identity rotation, tr(Σ X_Aⁱᵀ X_Bʲ) / √(‖X_Aⁱ‖²·‖X_Bʲ‖²)
-  (the score of the permutation-only head matcher); the H×H plan is expanded to a block plan
-  with the identity inside each head (plan ⊗ I_h) and applied to the layer's ``qk`` and
-  ``vo`` spaces alike.
-
-Sinkhorn (POT's ``ot.sinkhorn``; log-domain for small ``reg``) runs with uniform marginals on the cost; the
-plan T (Σ T = 1) is scaled to n·T so that every column sums to 1. Orientation, as
-:class:`SoftTransport` reads it: ``plan[i, j]`` is the mass between unit i of **B** and unit j
-of **A**, and unit j of B′ = Σᵢ plan[i, j]·(unit i of B) — the barycentric projection of B
-onto A's units. As ``reg → 0`` the plan tends to the assignment's permutation matrix
-(``plan[perm[j], j] = 1``, the :class:`MLPPermutation` convention).
-
->>> from raot_hf.estimators.soft_ot import estimate_soft_ot  # doctest: +SKIP
->>> transform, log = estimate_soft_ot(stats, schema, reg=0.05, return_log=True)  # doctest: +SKIP
+From the fit statistics: MLP units by the A×B Pearson correlation (cost = 1 − similarity); heads
+by the mean Q/K and V/O cosine under the identity rotation, the H×H plan expanded to plan ⊗ I_h on
+the ``qk`` and ``vo`` spaces. Orientation: ``plan[i, j]`` is the mass between unit i of **B** and
+unit j of **A**, unit j of B′ = Σᵢ plan[i, j]·(unit i of B); as ``reg → 0`` the plan tends to the
+assignment's permutation matrix (``plan[perm[j], j] = 1``, the :class:`MLPPermutation` convention).
 """
 
 from __future__ import annotations
@@ -44,11 +27,11 @@ from raot_hf.calibration.statistics import CalibrationStatistics, Moments, Split
 from raot_hf.config.options import check_field_types, meta
 from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
+from raot_hf.estimators.weight_based import normalise_scope
 from raot_hf.symmetry.transforms import SoftTransport, Transform, TransformSequence
 
 logger = logging.getLogger("raot_hf.estimators.soft_ot")
 _F64 = torch.float64
-SCOPES = ("mlp", "heads")
 
 
 def _require_pot():
@@ -64,13 +47,9 @@ LOG_DOMAIN_BELOW = 0.005
 
 
 def sinkhorn_plan(similarity: torch.Tensor, reg: float, *, max_iter: int = 2000, tol: float = 1e-7) -> torch.Tensor:
-    """The column-stochastic transport plan between B's units (rows) and A's units (columns).
-
-    ``similarity[i, j]`` scores unit i of B against unit j of A (higher is closer). Sinkhorn
-    with uniform marginals on cost = 1 − similarity and entropic regularisation ``reg``
-    (log-domain iterations below :data:`LOG_DOMAIN_BELOW`); the plan is scaled by n so each
-    column (and, to Sinkhorn's tolerance, each row) sums to 1.
-    """
+    """The column-stochastic transport plan between B's units (rows) and A's (columns), from
+    ``similarity[i, j]`` (B unit i against A unit j): Sinkhorn with uniform marginals on cost
+    1 − similarity (log domain below :data:`LOG_DOMAIN_BELOW`), scaled so each column sums to 1."""
     if similarity.ndim != 2 or similarity.shape[0] != similarity.shape[1]:
         raise RaotError(f"soft OT needs a square similarity matrix, got shape {tuple(similarity.shape)}")
     if not reg > 0:
@@ -80,15 +59,9 @@ def sinkhorn_plan(similarity: torch.Tensor, reg: float, *, max_iter: int = 2000,
     cost = (1.0 - similarity.detach().to(_F64).cpu()).numpy()
     cost = np.nan_to_num(cost, nan=1.0, posinf=2.0, neginf=2.0)
     marginal = np.full(n, 1.0 / n)
+    method = "sinkhorn_log" if reg < LOG_DOMAIN_BELOW else "sinkhorn"
     plan = ot.sinkhorn(
-        marginal,
-        marginal,
-        cost,
-        float(reg),
-        method="sinkhorn_log" if reg < LOG_DOMAIN_BELOW else "sinkhorn",
-        numItermax=max_iter,
-        stopThr=tol,
-        warn=False,
+        marginal, marginal, cost, float(reg), method=method, numItermax=max_iter, stopThr=tol, warn=False
     )
     plan = torch.as_tensor(np.ascontiguousarray(plan), dtype=_F64) * n
     # Normalise columns exactly (Sinkhorn stops at a tolerance): each new unit is a barycentre.
@@ -143,32 +116,18 @@ def estimate_soft_ot(
 ) -> TransformSequence | tuple[TransformSequence, dict[str, Any]]:
     """Soft transport plans aligning B to A, per layer, from the fit calibration statistics.
 
-    ``scope``: ``"mlp"`` (one plan over each layer's MLP units) and/or ``"heads"`` (one plan
-    over each layer's heads, identity within heads, applied to the ``qk`` and ``vo`` spaces).
-    ``reg``: Sinkhorn's entropic regularisation, in units of the cost 1 − similarity (which
-    lies in [0, 2]); small values approach the hard assignment. The residual stream is not
-    transported (a soft plan on the LayerNorm stream is not even approximately an isometry).
-
-    Returns a :class:`TransformSequence` of :class:`SoftTransport` (approximate: ``exact`` is
-    False); with ``return_log=True`` also a dict with, per plan, how close it is to a
-    permutation (``mean_column_max``: 1 for a permutation) and the fit similarity it attains.
+    ``scope``: ``"mlp"`` and/or ``"heads"``; ``reg``: Sinkhorn's entropic regularisation in units of
+    the cost (in [0, 2]). The residual stream is not transported. With ``return_log=True`` also a
+    dict with, per plan, its closeness to a permutation (``mean_column_max``) and fit similarity.
     """
     if stats is None:
         raise RaotError("soft OT alignment needs calibration statistics; pass calibration=... to the merge")
-    scope = (scope,) if isinstance(scope, str) else tuple(scope)
-    unknown = sorted(set(scope) - set(SCOPES))
-    if unknown:
-        raise RaotError(f"unknown soft-OT scope {unknown}; choose from {', '.join(SCOPES)}")
+    scope = normalise_scope(scope, "soft-OT")
     parts: list[Transform] = []
     layers_log = [_layer_plans(stats.fit, schema, layer, scope, reg, parts) for layer in range(schema.num_layers)]
     transform = TransformSequence(parts)
-    logger.info(
-        "soft OT (%s, reg=%g): %d plans over %d layers (approximate: B′ ≠ B)",
-        "+".join(scope) or "none",
-        reg,
-        len(parts),
-        schema.num_layers,
-    )
+    message = "soft OT (%s, reg=%g): %d plans over %d layers (approximate: B′ ≠ B)"
+    logger.info(message, "+".join(scope) or "none", reg, len(parts), schema.num_layers)
     if not return_log:
         return transform
     log = {
@@ -188,8 +147,7 @@ def estimate_soft_ot(
 def _layer_plans(
     fit: SplitStatistics, schema: ModelSchema, layer: int, scope: tuple[str, ...], reg: float, parts: list[Transform]
 ) -> dict[str, Any]:
-    """One layer's plans (MLP units, then heads) from the fit statistics ``fit``; appends them to
-    ``parts`` and returns the layer's log entry."""
+    """One layer's plans (MLP units, then heads), appended to ``parts``; returns its log entry."""
     H, h = schema.num_heads, schema.head_size
     entry: dict[str, Any] = {"layer": layer}
     if "mlp" in scope:
@@ -210,8 +168,7 @@ def _layer_plans(
 @register_section
 @dataclass
 class SoftOTOptions(OptionSection):
-    """Options of the ``soft_ot`` baseline (Sinkhorn plans on MLP units and heads; not a
-    symmetry, so B′ only approximates B and the report says so)."""
+    """Options of the ``soft_ot`` baseline (Sinkhorn plans on MLP units and heads)."""
 
     section = "soft_ot"
 

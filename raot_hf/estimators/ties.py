@@ -1,12 +1,9 @@
 """Assignments that the precision of their scores cannot flip (docs/design.md §4.4).
 
-A correlation read from co-moments of finite precision lies within ε of the exact one
-(:func:`raot_hf.calibration.precision.correlation_error_bound`: 2⁻⁷ for bf16 products). Real
-checkpoints hold near-twin units — in a 135 M-parameter LLM two massive SwiGLU units correlate
-at 0.9994 — whose scores differ by less than that, so the assignment between them is decided by
-rounding. Such **near ties** are resolved from statistics that are exact whatever the products'
-precision: each unit's float64 mean and standard deviation, which an exact permutation carries
-over unchanged and which near-twins of different magnitude do not share.
+A correlation from finite-precision co-moments lies within ε of the exact one
+(:func:`raot_hf.calibration.precision.correlation_error_bound`), and near-twin units score closer
+than that. Such **near ties** are resolved from each unit's exact float64 mean and standard
+deviation, which an exact permutation carries over unchanged.
 """
 
 from __future__ import annotations
@@ -62,13 +59,11 @@ def unit_mismatch(mean_a, std_a, mean_b, std_b, rows: torch.Tensor, cols: torch.
 def resolve_near_ties(score: torch.Tensor, perm: torch.Tensor, tolerance: float, mismatch) -> tuple:
     """The assignment ``perm`` of ``score`` with its near ties resolved, and a :class:`TieResolution`.
 
-    The **band** holds the pairs that score within 2ε (ε = ``tolerance``) of their row's or their
-    column's match: between them the scores cannot tell the exact order. Rows and columns with
-    more than one pair in the band are near-tied; their band pairs lose 4ε·mismatch
-    (``mismatch(rows, cols)`` in [0, 1], from exact statistics) and the assignment is solved
-    again. Why 4ε: with every score off by at most ε, a rival with mismatch 1 then scores at least
-    2ε below its exact value's reach, below the exact match (mismatch 0) whatever the rounding.
-    Pairs outside the band keep their scores, so a match with no rival within 2ε never moves."""
+    The **band** holds the pairs within 2ε (ε = ``tolerance``) of their row's or column's match.
+    Rows and columns with more than one band pair are near-tied; their band pairs lose 4ε·mismatch
+    (``mismatch(rows, cols)`` in [0, 1]) and the assignment is solved again: a rival with mismatch
+    1 then falls below the exact match whatever the rounding, and a match with no rival within 2ε
+    never moves."""
     margins = match_margins(score, perm)
     smallest = float(margins.min()) if margins.numel() else float("inf")
     if tolerance <= 0 or score.numel() == 0:

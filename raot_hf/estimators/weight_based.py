@@ -1,37 +1,15 @@
 """Data-free, weight-based alignment: the rotation-symmetry paper's matching (docs/design.md §4).
 
-A baseline the product ships next to the activation-based estimators. It sees only the two
-models' weights and returns a transform that moves B towards A *in weight space*:
+A baseline that moves B towards A *in weight space*: per layer, MLP units by Git Re-Basin weight
+matching (one exact assignment on the ``mlp`` space's members, no residual coupling) and heads by
+orthogonal Procrustes on the ``qk`` and ``vo`` members (head i to head i as in the paper, or
+assigned first with ``match_heads``; ``rotations=False``: permutation only), then optionally the
+paper's per-head rescaling. The residual stream is not estimated from weights.
 
-* **MLP units** (per layer): Git Re-Basin weight matching restricted to one layer. Each unit
-  is described by every member of the layer's ``mlp`` space (its ``fc1`` row and bias, its
-  ``fc2`` column); the permutation maximising Σᵢ ⟨unit i of A, unit π(i) of B⟩ is one exact
-  assignment (:func:`scipy.optimize.linear_sum_assignment`). There is no coupling through the
-  residual stream — the stream is left as it is — so each layer's problem is exact on its own.
-* **Attention heads** (per layer): orthogonal Procrustes per head on the members of the
-  ``qk`` space (q/k rows with biases; DeBERTa's relative-position projections) and of the
-  ``vo`` space (v rows with bias, o columns). As in the paper, head i of B is aligned to head i
-  of A (no head permutation); ``match_heads=True`` first assigns heads by the Procrustes-optimal
-  score of every pair (the nuclear norm of its cross-covariance) — the same joint
-  assignment-and-rotation solve as the activation-based estimator, on weights.
-  ``rotations=False`` keeps R = I and matches heads by permutation only (Git Re-Basin style).
-* **Rescaling** (optional, the paper's ablation, applied after rotation): per head the
-  scalar a minimising ‖q_A − a·q_B‖² + ‖k_A − k_B/a‖² (and c for v/o), a positive root of a
-  quartic (:func:`optimal_head_scale`).
-* **Residual stream**: not estimated from weights here — every layer reads and writes it, so
-  a weight-only estimate would need the global coupled problem; use the activation-based
-  residual estimator.
-
-Orientation. Every symmetry acts on a member by contracting its space axis: with the space
-axis moved last, a member's features ``F`` (rows: everything else) become ``F·M``
-(covariant) or ``F·M⁻ᵀ`` (contravariant); for permutations and rotations both are ``F·M``.
-Head i of B′ is head π(i) of B times R, so the weight distance of head i is
-‖Z_Aⁱ − Z_B^π(i)·R‖ with Z the stacked features; it is minimised by R = U·Vᵀ where
-U·Σ·Vᵀ is the SVD of M = (Z_B^π(i))ᵀ·Z_Aⁱ (maximising tr(Rᵀ·M)), and the minimum is
-‖Z_Aⁱ‖² + ‖Z_B^π(i)‖² − 2‖M‖_*.
-
->>> from raot_hf.estimators.weight_based import estimate_weight_alignment  # doctest: +SKIP
->>> t, log = estimate_weight_alignment(state_a, state_b, schema, return_log=True)  # doctest: +SKIP
+Orientation: with the space axis last, a member's features F become F·M (covariant) or F·M⁻ᵀ
+(contravariant), both F·M for permutations and rotations. Head i of B′ is head π(i) of B times R,
+so ‖Z_Aⁱ − Z_B^π(i)·R‖ is minimised by R = U·Vᵀ, U·Σ·Vᵀ the SVD of M = (Z_B^π(i))ᵀ·Z_Aⁱ, with
+minimum ‖Z_Aⁱ‖² + ‖Z_B^π(i)‖² − 2‖M‖_*.
 """
 
 from __future__ import annotations
@@ -50,15 +28,10 @@ from raot_hf.adapters.schema import ModelSchema, Space
 from raot_hf.config.options import check_field_types, meta
 from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
+from raot_hf.estimators.head_fit import assign
 from raot_hf.estimators.weight_features import SpaceFeatures, space_features
 from raot_hf.estimators.weight_grouped import align_grouped_heads, check_grouped_options
-from raot_hf.symmetry.transforms import (
-    HeadAlignment,
-    HeadRescale,
-    MLPPermutation,
-    Transform,
-    TransformSequence,
-)
+from raot_hf.symmetry.transforms import HeadAlignment, HeadRescale, MLPPermutation, Transform, TransformSequence
 
 logger = logging.getLogger("raot_hf.estimators.weight_based")
 _F64 = torch.float64
@@ -73,11 +46,8 @@ def feature_distance(a: SpaceFeatures, b: SpaceFeatures) -> float:
 
 # -- MLP units ---------------------------------------------------------------------------------
 def match_mlp_units(features_a: torch.Tensor, features_b: torch.Tensor) -> torch.Tensor:
-    """The permutation ``perm`` maximising Σⱼ ⟨A unit j, B unit perm[j]⟩ (columns are units).
-
-    Equivalently it minimises ‖A − B·P‖ with ``(B·P)[:, j] = B[:, perm[j]]`` — the
-    :class:`~raot_hf.symmetry.transforms.MLPPermutation` convention.
-    """
+    """The permutation ``perm`` maximising Σⱼ ⟨A unit j, B unit perm[j]⟩ (columns are units): the
+    minimiser of ‖A − B·P‖ with ``(B·P)[:, j] = B[:, perm[j]]`` (:class:`MLPPermutation`'s convention)."""
     similarity = (features_a.T @ features_b).numpy()
     rows, cols = linear_sum_assignment(similarity, maximize=True)
     perm = np.empty(len(rows), dtype=np.int64)
@@ -95,11 +65,8 @@ def head_cross_covariances(features_a: torch.Tensor, features_b: torch.Tensor, n
 
 
 def procrustes(cross: torch.Tensor) -> torch.Tensor:
-    """R ∈ O(h) maximising tr(Rᵀ·M) (batched over leading axes): R = U·Vᵀ for M = U·Σ·Vᵀ.
-
-    With M = Bᵀ·A this is the minimiser of ‖A − B·R‖ (reflections allowed, as every
-    orthogonal R is a symmetry of attention).
-    """
+    """R ∈ O(h) maximising tr(Rᵀ·M) (batched): R = U·Vᵀ for M = U·Σ·Vᵀ; with M = Bᵀ·A the minimiser
+    of ‖A − B·R‖ (reflections allowed: every orthogonal R is a symmetry of attention)."""
     u, _, vh = torch.linalg.svd(cross)
     return u @ vh
 
@@ -113,17 +80,13 @@ def align_heads(
     match_heads: bool,
     rotations: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Head assignment and per-head Q/K and V/O rotations for one layer.
+    """Head assignment and per-head Q/K and V/O rotations for one layer, from stacked space features.
 
-    Inputs are stacked space features (rows × d). Returns ``perm`` (head i of B′ is head
-    ``perm[i]`` of B), the rotations ``qk`` and ``vo`` (H, h, h) and, per head i, the score
-    ‖M_qk‖_* + ‖M_vo‖_* of the pair (i, perm[i]) — its overlap under its best rotation. With
-    ``match_heads`` the assignment maximises the total score over all H×H pairs, which is the
-    joint minimiser of the weight distance over head permutations and rotations.
-
-    ``rotations=False`` fixes R = I: a pair's score is its overlap under the identity,
-    tr(M_qk) + tr(M_vo), and only the head permutation is estimated (with ``match_heads``;
-    otherwise nothing moves) — the permutation-only (Git Re-Basin style) baseline.
+    Returns ``perm`` (head i of B′ is head ``perm[i]`` of B), the rotations ``qk`` and ``vo``
+    (H, h, h) and per head the pair score ‖M_qk‖_* + ‖M_vo‖_* (overlap under its best rotation);
+    ``match_heads`` maximises the total score over all pairs (the joint minimiser of the weight
+    distance). ``rotations=False`` fixes R = I and scores tr(M_qk) + tr(M_vo): the permutation-only
+    (Git Re-Basin style) baseline.
     """
     m_qk = head_cross_covariances(qk_a, qk_b, num_heads)
     m_vo = head_cross_covariances(vo_a, vo_b, num_heads)
@@ -131,12 +94,7 @@ def align_heads(
         h = m_qk.shape[-1]
         score = m_qk.diagonal(dim1=-2, dim2=-1).sum(-1) + m_vo.diagonal(dim1=-2, dim2=-1).sum(-1)
         heads = torch.arange(num_heads)
-        if match_heads:
-            rows, cols = linear_sum_assignment(score.numpy(), maximize=True)
-            perm = torch.empty(num_heads, dtype=torch.long)
-            perm[torch.from_numpy(rows)] = torch.from_numpy(cols)
-        else:
-            perm = heads
+        perm = assign(score) if match_heads else heads
         eye = torch.eye(h, dtype=_F64).expand(num_heads, h, h).clone()
         return perm, eye, eye.clone(), score[heads, perm]
     if match_heads:
@@ -144,9 +102,7 @@ def align_heads(
         u_qk, s_qk, vh_qk = torch.linalg.svd(m_qk)
         u_vo, s_vo, vh_vo = torch.linalg.svd(m_vo)
         score = s_qk.sum(-1) + s_vo.sum(-1)
-        rows, cols = linear_sum_assignment(score.numpy(), maximize=True)
-        perm = torch.empty(num_heads, dtype=torch.long)
-        perm[torch.from_numpy(rows)] = torch.from_numpy(cols)
+        perm = assign(score)
         heads = torch.arange(num_heads)
         r_qk = u_qk[heads, perm] @ vh_qk[heads, perm]
         r_vo = u_vo[heads, perm] @ vh_vo[heads, perm]
@@ -171,11 +127,9 @@ def _block_transform(features: SpaceFeatures, perm: torch.Tensor, rotations: tor
 def optimal_head_scale(target: SpaceFeatures, source: SpaceFeatures) -> float:
     """The a > 0 minimising ‖X_A − a·X_B‖² + ‖Y_A − Y_B/a‖² (X covariant, Y contravariant rows).
 
-    With p = ⟨X_A, X_B⟩, s = ‖X_B‖², r = ⟨Y_A, Y_B⟩, t = ‖Y_B‖² the objective is
-    const − 2ap + a²s − 2r/a + t/a²; its derivative times a³/2 is the quartic
-    s·a⁴ − p·a³ + r·a − t, negative at 0 and positive at ∞ when s, t > 0, so the minimiser
-    is one of its positive roots (the one with the lowest objective, Newton-polished).
-    Returns 1 when either side is empty or zero (no scale is identifiable).
+    With p = ⟨X_A, X_B⟩, s = ‖X_B‖², r = ⟨Y_A, Y_B⟩, t = ‖Y_B‖², the derivative times a³/2 is the
+    quartic s·a⁴ − p·a³ + r·a − t (negative at 0, positive at ∞), so the minimiser is its positive
+    root of lowest objective, Newton-polished. 1 when either side is zero (no scale identifiable).
     """
     p = float((target.covariant * source.covariant).sum())
     s = float(source.covariant.pow(2).sum())
@@ -235,13 +189,12 @@ def _check_inputs(
             )
 
 
-def _normalise_scope(scope: Iterable[str]) -> tuple[str, ...]:
-    if isinstance(scope, str):
-        scope = (scope,)
-    scope = tuple(scope)
+def normalise_scope(scope: Iterable[str], estimator: str) -> tuple[str, ...]:
+    """``scope`` as a tuple of :data:`SCOPES` (one name or several); ``estimator`` names it in errors."""
+    scope = (scope,) if isinstance(scope, str) else tuple(scope)
     unknown = sorted(set(scope) - set(SCOPES))
     if unknown:
-        raise RaotError(f"unknown weight-alignment scope {unknown}; choose from {', '.join(SCOPES)}")
+        raise RaotError(f"unknown {estimator} scope {unknown}; choose from {', '.join(SCOPES)}")
     return scope
 
 
@@ -256,24 +209,15 @@ def estimate_weight_alignment(
     rotations: bool = True,
     return_log: bool = False,
 ) -> TransformSequence | tuple[TransformSequence, dict[str, Any]]:
-    """Estimate, from weights alone, a symmetry of B that moves B's weights close to A's.
+    """Estimate, from weights alone (parameter name → tensor, same ``schema``), a symmetry of B that
+    moves B's weights close to A's: ``scope`` ``"mlp"`` and/or ``"heads"``, ``match_heads``,
+    ``rotations`` and ``rescale`` as in the module docstring.
 
-    ``state_a`` / ``state_b``: parameter name → tensor for the two models (same ``schema``).
-    ``scope``: which factors to estimate — ``"mlp"`` (per-layer unit permutation by weight
-    matching; no residual coupling, one layer at a time) and/or ``"heads"`` (per-head Q/K and
-    V/O Procrustes; with ``match_heads=True`` a head permutation first, by exact assignment
-    on the Procrustes-optimal pair score). ``rotations=False`` keeps R = I (heads matched by
-    permutation only, scored by the trace of each pair's cross-covariance: with MLP weight
-    matching, the Git Re-Basin style permutation baseline). ``rescale=True`` adds the paper's
-    per-head q/k and v/o scalars after rotation (exact symmetries, :class:`HeadRescale`). The
-    residual stream is not estimated here.
-
-    Returns the transform to apply to B (``TransformSequence``: per layer MLPPermutation,
-    HeadAlignment, HeadRescale); with ``return_log=True`` also a dict whose ``"layers"`` list
-    holds, per layer and factor, the weight distance before and after, the head assignment,
-    the rotations' deviation from identity ‖R − I‖_F and the scales.
+    Returns the transform to apply to B (per layer MLPPermutation, HeadAlignment, HeadRescale);
+    with ``return_log=True`` also a dict whose ``"layers"`` hold per layer and factor the weight
+    distances before and after, the head assignment, ‖R − I‖_F of the rotations and the scales.
     """
-    scope = _normalise_scope(scope)
+    scope = normalise_scope(scope, "weight-alignment")
     check_grouped_options(schema, rescale)
     _check_inputs(state_a, state_b, schema, _spaces_needed(schema, scope, rescale))
     parts: list[Transform] = []
@@ -358,9 +302,8 @@ def _align_layer_heads(
     match_heads: bool,
     rotations: bool,
 ) -> dict[str, Any]:
-    """One layer's head alignment (``align``) then per-head rescaling (``rescale``); appends the
-    transforms to ``parts`` and returns the layer's ``heads`` log with the distances after each.
-    Grouped-query / RoPE layers go to :func:`align_grouped_heads` (one map per KV head)."""
+    """One layer's head alignment (``align``) then rescaling (``rescale``), appended to ``parts``;
+    returns the ``heads`` log. Grouped-query / RoPE layers: :func:`align_grouped_heads`."""
     if schema.kv_space(layer, "k") is not None:
         if not align:
             return {}
@@ -391,14 +334,9 @@ def _align_layer_heads(
         h = schema.head_size
         qk_b = qk_b.rescaled(a_scale.repeat_interleave(h))
         vo_b = vo_b.rescaled(c_scale.repeat_interleave(h))
-        heads.update(
-            {
-                "qk_scale": a_scale.tolist(),
-                "vo_scale": c_scale.tolist(),
-                "qk_distance_after_rescale": feature_distance(qk_a, qk_b),
-                "vo_distance_after_rescale": feature_distance(vo_a, vo_b),
-            }
-        )
+        heads.update(qk_scale=a_scale.tolist(), vo_scale=c_scale.tolist())
+        heads["qk_distance_after_rescale"] = feature_distance(qk_a, qk_b)
+        heads["vo_distance_after_rescale"] = feature_distance(vo_a, vo_b)
     heads["qk_distance_after"] = feature_distance(qk_a, qk_b)
     heads["vo_distance_after"] = feature_distance(vo_a, vo_b)
     return heads

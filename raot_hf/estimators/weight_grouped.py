@@ -1,16 +1,9 @@
 """Weight-based head alignment for decoders: grouped-query attention and RoPE (docs/design.md §8).
 
-The rotation-symmetry paper's weight matching (:mod:`raot_hf.estimators.weight_based`) aligns
-each head by its own Procrustes. In a grouped-query layer the query heads of one KV head share
-its keys and values, so they must share one Q/K map and one V/O map; under RoPE the Q/K map
-must also commute with the position rotations (one 2×2 rotation per rotary pair). Here the
-cross blocks of a group — its query rows with its key rows, its ``o_proj`` columns with its
-value rows — are summed and fitted once per group, with the same fits as the activation-based
-decoder solver (:mod:`raot_hf.estimators.grouped`), on weights instead of moments.
-
-With ``match_heads`` the heads are also matched: within every (KV head of A, KV head of B) pair
-the query heads are assigned as the activation solver does, the pair is scored by its fitted
-overlap, and one exact assignment over those scores picks the KV correspondence.
+The query heads of one KV head share one Q/K and one V/O map (under RoPE the Q/K map commutes with
+the position rotations), so a group's cross blocks are summed and fitted once, with the fits of
+:mod:`raot_hf.estimators.grouped` on weights. With ``match_heads`` the query heads are assigned
+within every KV-head pair and one exact assignment over the pairs' fitted overlaps picks the KV map.
 """
 
 from __future__ import annotations
@@ -19,11 +12,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from scipy.optimize import linear_sum_assignment
 
 from raot_hf.adapters.schema import ModelSchema
 from raot_hf.errors import RaotError
 from raot_hf.estimators.grouped import _identity_fit, _match_groups, _orthogonal_fit, _rope_fit
+from raot_hf.estimators.head_fit import assign
 from raot_hf.estimators.weight_features import space_features
 from raot_hf.symmetry.transforms import HeadAlignment
 
@@ -63,9 +56,8 @@ def align_grouped_heads(
     match_heads: bool,
     rotations: bool,
 ) -> tuple[HeadAlignment, dict[str, Any]]:
-    """One decoder layer's head alignment from weights: per-KV-head Q/K and V/O maps (RoPE-
-    restricted on a RoPE schema), and with ``match_heads`` a KV-head assignment. Returns the
-    transform and its log (the group scores under the chosen and the same-index matching)."""
+    """One decoder layer's head alignment from weights (per-KV-head maps, with ``match_heads`` a
+    KV-head assignment): the transform and its log (group scores, chosen and same-index)."""
     H, kv = schema.num_heads, schema.kv_heads
     group = H // kv
     blocks = {}
@@ -84,10 +76,7 @@ def align_grouped_heads(
             v_vo, r_vo = fit_vo(_group_cross(blocks["vo"], blocks["v"], ga, gb, tau))
             score[ga, gb] = v_qk + v_vo
             maps[ga, gb] = (gb * group + tau, r_qk, r_vo)
-    kv_perm = torch.arange(kv)
-    if match_heads:
-        rows, cols = linear_sum_assignment(score.numpy(), maximize=True)
-        kv_perm[torch.from_numpy(rows)] = torch.from_numpy(cols)
+    kv_perm = assign(score) if match_heads else torch.arange(kv)
     chosen = [maps[g, int(kv_perm[g])] for g in range(kv)]
     perm = torch.cat([c[0] for c in chosen])
     qk = torch.stack([c[1] for c in chosen]).repeat_interleave(group, 0)

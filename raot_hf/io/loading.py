@@ -295,10 +295,8 @@ def _check_heads(config_a, config_b, arch: str, head_policy: str) -> None:
 
 
 def adopt_head(model: torch.nn.Module, donor: torch.nn.Module, head_params: list[str] | tuple[str, ...]) -> None:
-    """Give ``model`` (A, receiving the merge) the head config and head parameter shapes of
-    ``donor`` (B′) for ``head="b"``: its label space (num_labels, id2label, label2id,
-    problem_type) and head module fields, and a parameter of B′'s shape wherever B′'s head
-    differs (e.g. another number of labels); the values are loaded afterwards."""
+    """Give ``model`` (A, receiving the merge) ``donor``'s (B′) label space, head module fields and
+    head parameter shapes for ``head="b"``; the values are loaded afterwards."""
     target, source = model.config, donor.config
     for key in (*LABEL_KEYS, *HEAD_MODULE_KEYS):
         if hasattr(source, key):
@@ -381,10 +379,8 @@ def check_base_tokenizer(pre_a, pre_base) -> None:
 
 
 def load_base_model(source: ModelSource, config_a, *, dtype: str = "auto", config=None):
-    """The base, loaded with A's class so that its parameters carry A's names (a pretraining
-    checkpoint saved as ``BertModel`` or ``BertForMaskedLM`` loads into the trunk of
-    ``BertForSequenceClassification``). Returns the model and the names of A's parameters the
-    checkpoint does not hold — transformers initialises those at random, so they have no base value."""
+    """The base, loaded with A's class so that its parameters carry A's names, and the names of A's
+    parameters the checkpoint does not hold (initialised at random: they have no base value)."""
     config = config if config is not None else load_config(source, "base")
     check_base_compatible(config_a, config)
     if source.is_local:

@@ -1,13 +1,9 @@
 """Learned alignment: gradient steps on the continuous symmetries of B′, label-free (docs/design.md §5.6).
 
-After the gated estimate T has moved B into A's basis, a refinement Δ (the stream rotation, each
-applied layer's Q/K and V/O maps and their scales, parametrised on their groups:
-:mod:`raot_hf.refine.parameters`) is fitted so that the half-way merge ``(1−α)·A + α·Δ(B′)``
-follows its parents more closely: the objective is the merged model's last-layer relative squared
-error to A's and to B″'s outputs, the gate's model-level fidelity (§5.3) — no labels. Held-out
-examples stop it early (the best step is kept), and the refined alignment must beat the
-unrefined one on them by the gate's own paired test, or nothing changes. Every step is an exact
-symmetry, so B″ ≡ B by construction (and checked once more after it is applied).
+A refinement Δ (:mod:`raot_hf.refine.parameters`) is fitted so that the merge ``(1−α)·A + α·Δ(B′)``
+follows its parents more closely (the gate's model-level fidelity, §5.3). Held-out examples stop
+it early, and it must beat the unrefined alignment by the gate's paired test, or nothing changes.
+Every step is an exact symmetry, so B″ ≡ B by construction (and checked after it is applied).
 """
 
 from __future__ import annotations
@@ -168,12 +164,9 @@ __all__ = ["RefineParameters", "refine_alignment"]
 @register_section
 @dataclass
 class RefineOptions(OptionSection):
-    """Learned alignment (docs/design.md §5.6): ``steps`` gradient steps (0: off) on the continuous
-    symmetries of B′ — the stream rotation and each applied layer's Q/K and V/O maps and scales,
-    parametrised on their groups — minimising the half-way merge's label-free error to its
-    parents on ``examples`` fit examples (Adam, learning rate ``lr``); the held-out gate set is
-    scored every ``eval_every`` steps, the best step kept, and the refinement applied only if it
-    beats the estimated alignment there."""
+    """Learned alignment (docs/design.md §5.6): ``steps`` Adam steps (0: off, learning rate ``lr``)
+    on ``examples`` fit examples; the held-out gate set is scored every ``eval_every`` steps and the
+    best step kept, applied only if it beats the estimated alignment."""
 
     section = "refine"
 
@@ -185,8 +178,7 @@ class RefineOptions(OptionSection):
         default=64, metadata=meta("Learned alignment: fit examples it descends on (default 64).", "refine_examples")
     )
     eval_every: int = field(
-        default=10,
-        metadata=meta("Learned alignment: steps between held-out scores (default 10).", "refine_eval_every"),
+        default=10, metadata=meta("Learned alignment: steps between held-out scores (default 10).", "refine_eval_every")
     )
 
     def __post_init__(self) -> None:

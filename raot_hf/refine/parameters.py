@@ -1,17 +1,9 @@
 """The continuous symmetries a refinement moves, parametrised on their groups (docs/design.md §5.6).
 
-A refinement Δ acts on B′ (B already in A's basis) after the estimated alignment: B″ = Δ(B′). Its
-parameters are unconstrained tensors mapped onto the group, so every step is an exact symmetry
-and B″ computes B's function by construction:
-
-* the residual stream: O = exp(S), S skew — all of O(d) for RMSNorm streams; for LayerNorm
-  streams the mean-fixing rotations O = u·uᵀ + Bᵤ·exp(S)·Bᵤᵀ (§3.3);
-* per layer and KV head, the Q/K map — a rotation angle and a log-scale per rotary pair under
-  RoPE (§8.2), else exp(S)·e^σ — and the V/O map exp(S)·e^γ.
-
-Unit permutations stay as estimated (discrete). :func:`dense_actions` gives each space's matrix
-and its inverse transpose as differentiable tensors; :func:`as_transforms` turns the final values
-into ordinary transforms (applied, checked and saved like any alignment).
+Unconstrained tensors map onto the group, so every step of B″ = Δ(B′) is exact: the stream
+O = exp(S), S skew (LayerNorm streams: u·uᵀ + Bᵤ·exp(S)·Bᵤᵀ, §3.3); per layer and KV head the Q/K
+map (per rotary pair an angle and a log-scale under RoPE, §8.2, else exp(S)·e^σ) and the V/O map
+exp(S)·e^γ. Unit permutations stay as estimated; :func:`as_transforms` gives ordinary transforms.
 """
 
 from __future__ import annotations

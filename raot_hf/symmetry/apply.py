@@ -1,8 +1,5 @@
 """Acting with a transform on weights: contraction of every member of a space (docs/design.md §3).
-
-State dicts here map parameter names to tensors; the arithmetic runs in float64 and each
-tensor is cast back to its own dtype.
-"""
+The arithmetic runs in float64 and each tensor is cast back to its own dtype."""
 
 from __future__ import annotations
 
@@ -21,10 +18,8 @@ _F64 = torch.float64
 
 
 def _contract(t: torch.Tensor, member: Member, action: SpaceAction) -> torch.Tensor:
-    """``t`` with ``member``'s axis contracted with the action (a new tensor of t's dtype).
-
-    A permutation only moves entries, so it runs in t's own dtype (bit-identical to a float64
-    round trip); a matrix is applied in float64."""
+    """``t`` with ``member``'s axis contracted with the action (a new tensor of t's dtype): a
+    permutation only moves entries in t's dtype, a matrix is applied in float64."""
     idx = member.index_tensor()
     if action.perm is not None:
         x = t.movedim(member.axis, -1)
@@ -43,13 +38,9 @@ def _contract(t: torch.Tensor, member: Member, action: SpaceAction) -> torch.Ten
 
 
 def _norm_weight(gamma: torch.Tensor, action: SpaceAction, second_moment: torch.Tensor | None) -> torch.Tensor:
-    """γ′ for a LayerNorm that sits in a space mapped by O (§3.3).
-
-    Exact for permutations. For a rotation the elementwise γ cannot follow O; the best
-    per-coordinate γ′ in least squares over normalized inputs z′ = z·O with second moment S′
-    is ``γ′_j = (S′·A)_jj / S′_jj`` with ``A = Oᵀ·diag(γ)·O`` — with S′ = I this is
-    ``Σᵢ O_ij²·γ_i``.
-    """
+    """γ′ for a LayerNorm in a space mapped by O (§3.3): exact for permutations; for a rotation the
+    least-squares γ′_j = (S′·A)_jj / S′_jj with A = Oᵀ·diag(γ)·O and S′ the second moment of
+    z′ = z·O (S′ = I: Σᵢ O_ij²·γ_i)."""
     if action.perm is not None:
         return gamma[action.perm]
     o = action.matrix.to(_F64)
@@ -68,13 +59,9 @@ def apply_transform(
     *,
     norm_second_moments: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Apply ``transform`` to the parameters in ``state`` (updated in place and returned).
-
-    Members absent from ``state`` are skipped, so a partial state (one shard) can be
-    transformed. A residual rotation of a pre-LN schema needs folded LayerNorms
-    (:func:`fold_layernorms`); ``norm_second_moments`` (LayerNorm weight name → second
-    moment of its normalized input) refines γ′ of post-LN norms under a rotation.
-    """
+    """Apply ``transform`` to the parameters in ``state`` (updated in place and returned; absent
+    members are skipped). A residual rotation of a pre-LN schema needs folded LayerNorms;
+    ``norm_second_moments`` (norm weight → second moment of its input) refines post-LN γ′."""
     if needs_folding(schema, stream_actions(transform, schema)):
         _require_folded(state, schema)
     for space_name, action in transform.space_actions(schema):
@@ -92,8 +79,7 @@ def apply_transform(
 
 def stream_actions(transform: Transform, schema: ModelSchema) -> dict[str, SpaceAction]:
     """``transform``'s action on the residual stream alone, as a one-entry actions dict (empty if
-    it does not move the stream): what the fold condition and the stream's output check read,
-    without composing every head space of a model-wide sequence."""
+    it does not move the stream), without composing every head space."""
     action = transform.space_action(schema, "residual")
     return {} if action is None else {"residual": action}
 
@@ -178,11 +164,8 @@ def load_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> Non
 
 
 class _WriteThrough(dict):
-    """A name → parameter map whose assignments copy into the parameter in place.
-
-    :func:`apply_transform` and :func:`fold_layernorms` replace entries of a state dict; on this
-    map each replacement is written into the model's own tensor at once, so a model is
-    transformed one parameter at a time, with no copy of the touched parameters."""
+    """A name → parameter map whose assignments copy into the parameter in place (a model is
+    transformed one parameter at a time, with no copy of the touched parameters)."""
 
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
         target = self[name]
@@ -191,7 +174,10 @@ class _WriteThrough(dict):
             release_tensor(target)  # an offloaded parameter's pages go back to its file
 
 
-def _parameters_in_place(model: torch.nn.Module, names: set[str]) -> _WriteThrough:
+def _fold_parameters(model: torch.nn.Module, schema: ModelSchema, names: set[str] = frozenset()) -> _WriteThrough:
+    """``names`` and every parameter a LayerNorm fold touches, written through to ``model``."""
+    names = set(names) | {n for f in schema.folds for n in (f.norm_weight, f.norm_bias) if n}
+    names |= {n for f in schema.folds for r in f.readers for n in r if n}
     return _WriteThrough(model_state(model, names))
 
 
@@ -199,9 +185,7 @@ def _parameters_in_place(model: torch.nn.Module, names: set[str]) -> _WriteThrou
 def transform_model(model: torch.nn.Module, schema: ModelSchema, transform: Transform, **kw) -> torch.nn.Module:
     """Apply ``transform`` to ``model`` in place, parameter by parameter; pre-LN LayerNorms are
     folded first if a residual rotation needs it. Returns the model."""
-    names = schema.parameter_names() | {n for f in schema.folds for n in (f.norm_weight, f.norm_bias) if n}
-    names |= {n for f in schema.folds for r in f.readers for n in r if n}
-    state = _parameters_in_place(model, names)
+    state = _fold_parameters(model, schema, schema.parameter_names())
     if needs_folding(schema, stream_actions(transform, schema)) and not is_folded(state, schema):
         logger.debug("folding pre-LN LayerNorms before a residual rotation")
         fold_layernorms(state, schema)
@@ -212,8 +196,5 @@ def transform_model(model: torch.nn.Module, schema: ModelSchema, transform: Tran
 @torch.no_grad()
 def fold_model(model: torch.nn.Module, schema: ModelSchema) -> torch.nn.Module:
     """Fold a pre-LN model's LayerNorms into their readers in place (exact)."""
-    names = {n for f in schema.folds for n in (f.norm_weight, f.norm_bias) if n}
-    names |= {n for f in schema.folds for r in f.readers for n in r if n}
-    state = _parameters_in_place(model, names)
-    fold_layernorms(state, schema)
+    fold_layernorms(_fold_parameters(model, schema), schema)
     return model

@@ -8,6 +8,11 @@ import torch
 
 from raot_hf.adapters import is_decoder, modality_of
 
+#: The output fields that define a model's function, in the order they are compared.
+PRIMARY_KEYS = tuple(
+    ["logits", "cls_logits", "distillation_logits", "start_logits", "end_logits", "pooler_output", "last_hidden_state"]
+)
+
 
 def primary_outputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The outputs that define the model's function: logits for task heads; for base models
@@ -19,15 +24,7 @@ def primary_outputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> 
 def select_primary(out, rows: int | None = None) -> dict[str, torch.Tensor]:
     """:func:`primary_outputs` of a model output already computed (its first ``rows`` rows)."""
     res = {}
-    for key in (
-        "logits",
-        "cls_logits",
-        "distillation_logits",
-        "start_logits",
-        "end_logits",
-        "pooler_output",
-        "last_hidden_state",
-    ):
+    for key in PRIMARY_KEYS:
         value = getattr(out, key, None)
         if value is not None:
             res[key] = value if rows is None else value[:rows]
@@ -48,7 +45,7 @@ def example_inputs(model: torch.nn.Module, batch: int = 3, seq: int = 9, seed: i
     mask = torch.ones(batch, seq, dtype=torch.long)
     if batch > 1:
         mask[-1, seq // 2 :] = 0
-    if is_decoder(cfg.model_type) and cfg.pad_token_id is not None:  # padded on the right, as calibration
+    if is_decoder(cfg.model_type) and cfg.pad_token_id is not None:
         ids = ids.masked_fill(mask == 0, cfg.pad_token_id)  # right padding, as the calibration batches
     out = {"input_ids": ids, "attention_mask": mask}
     if getattr(cfg, "type_vocab_size", 0):

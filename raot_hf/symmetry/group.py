@@ -52,16 +52,10 @@ def mean_fixing(rotation: torch.Tensor) -> torch.Tensor:
 
 
 def random_group_element(
-    schema: ModelSchema,
-    seed: int = 0,
-    kinds: Iterable[str] = SCRAMBLE_KINDS,
-    residual: str = "auto",
+    schema: ModelSchema, seed: int = 0, kinds: Iterable[str] = SCRAMBLE_KINDS, residual: str = "auto"
 ) -> TransformSequence:
-    """A random exact symmetry of a model with ``schema``.
-
-    ``residual``: ``"rotation"`` (a mean-fixing rotation; exact only for pre-LN), ``"permutation"``
-    or ``"auto"`` (rotation where it is exact, permutation otherwise).
-    """
+    """A random exact symmetry of a model with ``schema``; ``residual``: ``"rotation"`` (exact only
+    for pre-LN), ``"permutation"`` or ``"auto"`` (rotation where it is exact)."""
     kinds = tuple(kinds)
     unknown = set(kinds) - set(SCRAMBLE_KINDS)
     if unknown:
@@ -105,9 +99,8 @@ def random_group_element(
 
 def random_grouped_heads(schema: ModelSchema, layer: int, g: torch.Generator) -> HeadAlignment:
     """A random head symmetry of a grouped-query (and possibly RoPE) layer (docs/design.md §8): KV
-    heads permuted with their groups, query heads permuted within each group, one V/O map per KV
-    head and one Q/K map per KV head — Haar-orthogonal, or per rotary pair a random 2×2
-    rotation under RoPE."""
+    heads permuted with their groups, query heads within each, one Q/K and one V/O map per KV head
+    (Haar-orthogonal, or random 2×2 rotations per rotary pair under RoPE)."""
     H, kv, h = schema.num_heads, schema.kv_heads, schema.head_size
     group = H // kv
     kv_perm = torch.randperm(kv, generator=g)
@@ -122,20 +115,10 @@ def random_grouped_heads(schema: ModelSchema, layer: int, g: torch.Generator) ->
 
 
 def scramble(
-    model: torch.nn.Module,
-    seed: int = 0,
-    *,
-    kinds: Iterable[str] = SCRAMBLE_KINDS,
-    residual: str = "auto",
+    model: torch.nn.Module, seed: int = 0, *, kinds: Iterable[str] = SCRAMBLE_KINDS, residual: str = "auto"
 ) -> TransformSequence:
-    """Apply a random exact symmetry to ``model`` in place and return it as a transform.
-
-    The scrambled model computes the same function (for pre-LN models, LayerNorms are folded
-    into their readers first when a residual rotation is drawn). Use it to check a pipeline:
-    merging a model with its own scramble must give the model back.
-
-    >>> t = scramble(model, seed=0)  # doctest: +SKIP
-    """
+    """Apply a random exact symmetry to ``model`` in place (same function; pre-LN LayerNorms folded
+    first for a residual rotation) and return it: merging a model with its scramble gives it back."""
     schema = schema_for(model)
     transform = random_group_element(schema, seed, kinds, residual)
     transform_model(model, schema, transform)

@@ -1,11 +1,5 @@
-"""Transforms on disk: one safetensors file per alignment (``raot_transform.safetensors``).
-
-An applied alignment holds per-head rotations and the stream map — about a million numbers
-for a base-sized model — which is too much for a readable JSON report and too slow to write
-as JSON. The file keeps every tensor bit-exact; its metadata lists each transform's type and
-scalar fields, so :func:`load_transform` rebuilds the same :class:`TransformSequence`
-(e.g. to re-apply an alignment to B with :func:`raot_hf.symmetry.transform_model`).
-"""
+"""Transforms on disk: one safetensors file per alignment (``raot_transform.safetensors``), every
+tensor bit-exact, the metadata listing each transform's type and scalar fields."""
 
 from __future__ import annotations
 

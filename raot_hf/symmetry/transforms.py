@@ -9,7 +9,7 @@ round-trip through JSON (floats are written with ``repr`` precision, so exactly)
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -22,14 +22,10 @@ _F64 = torch.float64
 
 @dataclass
 class SpaceAction:
-    """How a transform acts on one space.
-
-    ``perm``: new position j takes old position ``perm[j]`` (a permutation matrix P with
-    ``P[perm[j], j] = 1``). ``matrix``: contraction ``new[..., j] = Σᵢ old[..., i]·M[i, j]``.
-    ``orthogonal`` marks M⁻ᵀ = M (no inverse needed). ``contra`` overrides the matrix that
-    contravariant members are contracted with (default M⁻ᵀ): a soft transport plan, which is
-    not a symmetry, acts with the same plan on both sides.
-    """
+    """How a transform acts on one space: ``perm`` (new position j takes old ``perm[j]``,
+    ``P[perm[j], j] = 1``) or ``matrix`` (``new[..., j] = Σᵢ old[..., i]·M[i, j]``); ``orthogonal``
+    marks M⁻ᵀ = M; ``contra`` overrides the contravariant members' matrix (default M⁻ᵀ; a soft
+    transport plan acts with the same plan on both sides)."""
 
     perm: torch.Tensor | None = None
     matrix: torch.Tensor | None = None
@@ -130,10 +126,9 @@ def _check_rope(blocks: torch.Tensor, layer: int) -> None:
 def grouped_blocks(
     schema: ModelSchema, layer: int, perm: torch.Tensor, qk: torch.Tensor, vo: torch.Tensor, *, rope: bool = True
 ):
-    """For grouped-query attention (docs/design.md §8): the KV-head permutation and the per-KV-head
-    Q/K and V/O maps implied by a per-query-head alignment, after checking that it moves whole
-    groups and gives every query head of a group its KV head's maps (and, with ``rope`` on a RoPE
-    schema, that the Q/K maps commute with the position rotations)."""
+    """For grouped-query attention (docs/design.md §8): the KV-head permutation and per-KV-head Q/K
+    and V/O maps implied by a per-query-head alignment, checked to move whole groups with one map
+    per group (and with ``rope`` on a RoPE schema, to commute with the position rotations)."""
     H, kv = schema.num_heads, schema.kv_heads
     group = H // kv
     kv_perm = (perm // group).view(kv, group)
@@ -185,7 +180,13 @@ class Transform:
         return self.exact
 
     def to_dict(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """The transform as JSON-ready data: its type and its dataclass fields (tensors as lists)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {"type": self.kind, **{k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in values.items()}}
+
+    @classmethod
+    def _from_dict(cls, d: dict[str, Any]) -> Transform:
+        return cls(*(d[f.name] for f in fields(cls)))
 
     def then(self, other: Transform) -> TransformSequence:
         """This transform followed by ``other``."""
@@ -222,13 +223,6 @@ class MLPPermutation(Transform):
         space = schema.mlp_space(self.layer)
         _check_perm(self.perm, space.size, f"MLP permutation of layer {self.layer}")
         return {space.name: SpaceAction(perm=self.perm)}
-
-    def to_dict(self):
-        return {"type": self.kind, "layer": self.layer, "perm": self.perm.tolist()}
-
-    @classmethod
-    def _from_dict(cls, d):
-        return cls(d["layer"], d["perm"])
 
     def describe(self):
         moved = int((self.perm != torch.arange(len(self.perm))).sum())
@@ -270,19 +264,6 @@ class HeadAlignment(Transform):
             out[schema.kv_space(self.layer, "v").name] = SpaceAction(matrix=block_matrix(kv_perm, vo_kv))
         return out
 
-    def to_dict(self):
-        return {
-            "type": self.kind,
-            "layer": self.layer,
-            "perm": self.perm.tolist(),
-            "qk": self.qk.tolist(),
-            "vo": self.vo.tolist(),
-        }
-
-    @classmethod
-    def _from_dict(cls, d):
-        return cls(d["layer"], d["perm"], d["qk"], d["vo"])
-
     def describe(self):
         moved = int((self.perm != torch.arange(len(self.perm))).sum())
         eye = torch.eye(self.qk.shape[-1], dtype=_F64)
@@ -292,11 +273,8 @@ class HeadAlignment(Transform):
 
 @dataclass
 class UnrestrictedHeadAlignment(HeadAlignment):
-    """A head alignment whose Q/K maps ignore RoPE: free orthogonal maps per head (an ablation).
-
-    On a model without rotary embeddings it acts exactly like :class:`HeadAlignment`. On a RoPE
-    model a Q/K map that is not one 2×2 rotation per rotary pair does not commute with the
-    position rotations, so B′ no longer computes B's function: the transform is labelled inexact
+    """A head alignment whose Q/K maps ignore RoPE (an ablation): exact without rotary embeddings;
+    on a RoPE model its maps do not commute with the position rotations, so it is labelled inexact
     and the merge reports the measured B′ deviation (docs/design.md §8)."""
 
     kind: ClassVar[str] = "head_alignment_unrestricted"
@@ -309,13 +287,16 @@ class UnrestrictedHeadAlignment(HeadAlignment):
         return super().describe() + " (Q/K maps not restricted to RoPE's commutant: approximate)"
 
 
+def _spread(scale: torch.Tensor, h: int) -> torch.Tensor:
+    """Scales per dimension: a (n,) scale covers its head's h dims, a (n, h/2) one each rotary pair's two dims."""
+    return scale.repeat_interleave(h) if scale.ndim == 1 else torch.cat([scale, scale], -1).reshape(-1)
+
+
 @dataclass
 class HeadRescale(Transform):
-    """Optional per-head rescaling (§3.4): q ← a·q, k ← k/a; v ← c·v, o ← o/c (exact).
-
-    ``qk_scale`` may also be (H, h/2): one scale per rotary pair (dims p and p + h/2), which
-    commutes with RoPE (docs/design.md §8). With grouped-query attention the query heads of one KV
-    head must carry that KV head's scales."""
+    """Optional per-head rescaling (§3.4): q ← a·q, k ← k/a; v ← c·v, o ← o/c (exact). ``qk_scale``
+    may be (H, h/2), one scale per rotary pair (commutes with RoPE, docs/design.md §8); query heads
+    sharing a KV head carry its scales."""
 
     layer: int
     qk_scale: torch.Tensor  # (H,) or (H, h/2)
@@ -329,22 +310,14 @@ class HeadRescale(Transform):
             raise RaotError(f"layer {self.layer} head rescale: scales must be positive")
 
     def per_dim(self, h: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The Q/K and V/O scales per dimension of the (query-head) spaces: a (H,) scale covers its
-        head's h dims, a (H, h/2) one each rotary pair's two dims (p and p + h/2)."""
-
-        def spread(s):
-            return s.repeat_interleave(h) if s.ndim == 1 else torch.cat([s, s], -1).reshape(-1)
-
-        return spread(self.qk_scale), spread(self.vo_scale)
+        """The Q/K and V/O scales per dimension of the (query-head) spaces."""
+        return _spread(self.qk_scale, h), _spread(self.vo_scale, h)
 
     def actions(self, schema):
         h = schema.head_size
 
-        def per_dim(s):  # (n,) → each head's h dims; (n, h/2) → each rotary pair's two dims
-            return s.repeat_interleave(h) if s.ndim == 1 else torch.cat([s, s], -1).reshape(-1)
-
         def diag(s):
-            d = per_dim(s)
+            d = _spread(s, h)
             return SpaceAction(matrix=torch.diag(d), orthogonal=False, contra=torch.diag(1 / d))
 
         if self.qk_scale.ndim == 2 and self.qk_scale.shape[1:] != (h // 2,):
@@ -364,18 +337,6 @@ class HeadRescale(Transform):
                     )
                 out[schema.kv_space(self.layer, kind).name] = diag(per_kv[:, 0])
         return out
-
-    def to_dict(self):
-        return {
-            "type": self.kind,
-            "layer": self.layer,
-            "qk_scale": self.qk_scale.tolist(),
-            "vo_scale": self.vo_scale.tolist(),
-        }
-
-    @classmethod
-    def _from_dict(cls, d):
-        return cls(d["layer"], d["qk_scale"], d["vo_scale"])
 
     def describe(self):
         qk, vo = self.qk_scale, self.vo_scale
@@ -399,13 +360,6 @@ class ResidualPermutation(Transform):
         _check_perm(self.perm, schema.hidden_size, "residual permutation")
         return {"residual": SpaceAction(perm=self.perm)}
 
-    def to_dict(self):
-        return {"type": self.kind, "perm": self.perm.tolist()}
-
-    @classmethod
-    def _from_dict(cls, d):
-        return cls(d["perm"])
-
     def describe(self):
         moved = int((self.perm != torch.arange(len(self.perm))).sum())
         return f"residual: permutation moving {moved}/{len(self.perm)} coordinates"
@@ -413,12 +367,8 @@ class ResidualPermutation(Transform):
 
 @dataclass
 class ResidualRotation(Transform):
-    """An orthogonal map O of the residual stream with O·1 = 1 (§3.3).
-
-    Exact for pre-LN models once LayerNorms are folded into their readers; for post-LN models
-    LayerNorm γ sits in the stream and is refit per coordinate — an approximation that is
-    reported as such (:meth:`exact_for` decides it against the schema).
-    """
+    """An orthogonal map O of the residual stream with O·1 = 1 (§3.3): exact for pre-LN models
+    once LayerNorms are folded; post-LN streams refit γ per coordinate (approximate, :meth:`exact_for`)."""
 
     matrix: torch.Tensor
     kind: ClassVar[str] = "residual_rotation"
@@ -446,13 +396,6 @@ class ResidualRotation(Transform):
             self.__dict__["_checked"] = checked
         return {"residual": SpaceAction(matrix=o)}
 
-    def to_dict(self):
-        return {"type": self.kind, "matrix": self.matrix.tolist()}
-
-    @classmethod
-    def _from_dict(cls, d):
-        return cls(d["matrix"])
-
     def describe(self):
         dev = float((self.matrix - torch.eye(len(self.matrix), dtype=_F64)).norm())
         return f"residual: mean-fixing rotation, ‖O − I‖_F = {dev:.3g}"
@@ -460,12 +403,8 @@ class ResidualRotation(Transform):
 
 @dataclass
 class SoftTransport(Transform):
-    """A soft transport plan on one space (OT fusion's baseline; **not** a symmetry).
-
-    ``plan`` (n×n) contracts covariant and contravariant members alike: new unit j of B′ is
-    Σᵢ plan[i, j]·(unit i of B) — a barycentric projection when the columns of ``plan`` sum
-    to 1. B′ no longer computes B's function; the merger reports the measured deviation.
-    """
+    """A soft transport plan on one space (OT fusion's baseline; **not** a symmetry): ``plan`` (n×n)
+    contracts covariant and contravariant members alike, unit j of B′ = Σᵢ plan[i, j]·(unit i of B)."""
 
     space: str
     plan: torch.Tensor
@@ -482,13 +421,6 @@ class SoftTransport(Transform):
                 f"soft transport on {self.space}: expected a {size}×{size} plan, got {tuple(self.plan.shape)}"
             )
         return {self.space: SpaceAction(matrix=self.plan, orthogonal=False, contra=self.plan)}
-
-    def to_dict(self):
-        return {"type": self.kind, "space": self.space, "plan": self.plan.tolist()}
-
-    @classmethod
-    def _from_dict(cls, d):
-        return cls(d["space"], d["plan"])
 
     def describe(self):
         return f"{self.space}: soft transport plan (approximate)"
@@ -509,9 +441,8 @@ class TransformSequence(Transform):
         return out
 
     def space_actions(self, schema):
-        """The composed action of each space as :meth:`actions` gives it, one space at a time: a
-        model-wide sequence's dense head actions (four spaces × layers × (H·h)²: 10 GB at a 3 B
-        model) are never all held at once."""
+        """The composed action of each space as :meth:`actions` gives it, one space at a time (the
+        dense head actions of a whole model are never all held at once)."""
         touching: dict[str, list[Transform]] = {}
         for t in self.transforms:
             for name in t.actions(schema):
