@@ -101,6 +101,7 @@ def test_a_toy_architecture_is_aligned_and_merged_and_joins_the_per_architecture
 
 # ----------------------------------------------------------------------------- a merge rule
 
+
 def take_reference(states, weights, base=None, *, return_log=False, **options):
     """A toy rule: the merge is the reference's tensors."""
     merged = {k: v.clone() for k, v in states[0].items()}
