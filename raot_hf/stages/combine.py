@@ -15,7 +15,6 @@ import torch
 
 from raot_hf.errors import RaotError
 from raot_hf.io.loading import adopt_head
-from raot_hf.io.offload import release_all
 from raot_hf.merging import MergeRuleSpec, add_rule_log, apply_rule, merge_heads, merge_rule_spec, rule_options
 from raot_hf.merging.grams import aligned_grams, transposed_weights
 from raot_hf.results import Alignment
@@ -111,10 +110,10 @@ def merge_in_place(ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], we
         if base is not None:
             inputs["base"] = {k: base[k] for k in chunk if k in base}
         part, part_log = apply_rule(spec, [{k: t[k] for k in chunk} for t in trunks], weighting, **inputs)
-        load_state(ctx.model_a, part)
+        load_state(ctx.model_a, part, working_files=ctx.working_files)
         add_rule_log(log, part_log)
         del part
-        release_all()  # the chunk's offloaded pages of every model (§7.4)
+        ctx.working_files.release_all()  # the chunk's offloaded pages of every model (§7.4)
     return log
 
 
@@ -132,7 +131,7 @@ def merge_trunks(
         return merge_in_place(ctx, spec, trunks, weighting, inputs)
     merged, log = apply_rule(spec, trunks, weighting, **inputs)
     log.pop("params", None)
-    load_state(ctx.model_a, merged)
+    load_state(ctx.model_a, merged, working_files=ctx.working_files)
     return log
 
 
@@ -186,7 +185,7 @@ def merge_weights(ctx: PairContext, alignment: Alignment, stats, run) -> dict[st
         parents = {"a": ctx.model_a, "b": ctx.model_b}
         log = merge_trunks(ctx, spec, [trunk_a, trunk_b], {"alpha": cfg.alpha}, inputs, run, method, parents)
         if head:
-            load_state(ctx.model_a, _merged_heads(ctx, state_a, state_b, head))
+            load_state(ctx.model_a, _merged_heads(ctx, state_a, state_b, head), working_files=ctx.working_files)
     if cfg.correction.method == "auto":
         log.setdefault("correction", {"method": "none"})["auto"] = why
     counts = ", ".join(f"{n} {m}" for m, n in sorted(log["counts"].items()))

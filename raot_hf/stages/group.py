@@ -99,7 +99,7 @@ def align_all(pairs: list[PairContext], calibration, early, like=None) -> list[M
     for i, ctx in enumerate(pairs, start=2):
         logger.info("aligning model %d of %d to the reference", i, len(pairs) + 1, extra=_STAGE)
         if any(m.ctx.unfolded_norms is not None for m in members):
-            fold_model(ctx.model_b, ctx.schema)
+            fold_model(ctx.model_b, ctx.schema, working_files=ctx.working_files)
         members.append(align_member(ctx, calibration, early, like))
         like = like or members[-1].run
     return members
@@ -112,7 +112,7 @@ def fold_all_if_any(members: list[Member]) -> bool:
     if folded:
         for m in members:
             if m.ctx.unfolded_norms is None:
-                fold_model(m.ctx.model_b, m.ctx.schema)
+                fold_model(m.ctx.model_b, m.ctx.schema, working_files=m.ctx.working_files)
     return folded
 
 
@@ -189,7 +189,7 @@ def merge_group_weights(members: list[Member], folded: bool) -> dict[str, Any]:
         parents = {"a": ref.model_a, **{f"b{i}": m.ctx.model_b for i, m in enumerate(members, start=2)}}
         log = merge_trunks(ref, spec, trunks, {"weights": weights}, inputs, members[0].run, method, parents)
         if head and cfg.head == "average":
-            load_state(ref.model_a, merge_heads_n(states, head, weights))
+            load_state(ref.model_a, merge_heads_n(states, head, weights), working_files=ref.working_files)
     log.pop("params", None)
     log.setdefault("settings", {})["weights"] = weights
     if cfg.correction.method == "auto":

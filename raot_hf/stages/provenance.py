@@ -72,7 +72,7 @@ def build_report(
         },
         "applied_exact": alignment.exact,
         "merge": merge_log,
-        "execution": execution(ctx.model_a),
+        "execution": execution(ctx),
         "quality": quality,
         "estimator_logs": alignment.logs,
         "checks": checks,
@@ -81,12 +81,10 @@ def build_report(
     }
 
 
-def execution(model) -> str:
-    """How the merge ran: "layer-wise" with the models offloaded to working files (docs/design.md
-    §7.4), else "in memory"."""
-    from raot_hf.io.offload import offloaded
-
-    return "layer-wise" if offloaded(model) is not None else "in memory"
+def execution(ctx) -> str:
+    """How the merge of the pair ``ctx`` ran: "layer-wise" with the models offloaded to working
+    files (docs/design.md §7.4), else "in memory"."""
+    return "layer-wise" if ctx.working_files.of(ctx.model_a) is not None else "in memory"
 
 
 def versions() -> dict[str, str]:

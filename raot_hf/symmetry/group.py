@@ -127,16 +127,19 @@ def scramble(
     *,
     kinds: Iterable[str] = SCRAMBLE_KINDS,
     residual: str = "auto",
+    working_files=None,
 ) -> TransformSequence:
     """Apply a random exact symmetry to ``model`` in place and return it as a transform.
 
     The scrambled model computes the same function (for pre-LN models, LayerNorms are folded
     into their readers first when a residual rotation is drawn). Use it to check a pipeline:
-    merging a model with its own scramble must give the model back.
+    merging a model with its own scramble must give the model back. ``working_files``
+    (:class:`raot_hf.io.offload.WorkingFiles`): the model's when it is offloaded, whose pages go
+    back to the file as each parameter is written.
 
     >>> t = scramble(model, seed=0)  # doctest: +SKIP
     """
     schema = schema_for(model)
     transform = random_group_element(schema, seed, kinds, residual)
-    transform_model(model, schema, transform)
+    transform_model(model, schema, transform, working_files=working_files)
     return transform
