@@ -282,9 +282,10 @@ class MergedModelRun:
         self.stream = stream_matrix(merged.residual, merged.schema) if aligned else None
         trunk = merged.merged(None, aligned=aligned)
         device = next(model_a.parameters()).device
-        self.carried = []
+        self.carried, tails = [], {}  # tails: layer 0's output structure, learnt at the first chunk
         for c in chunks:
-            calls, hidden = layer_calls(model_a, layer_names, {k: v.to(device) for k, v in c.inputs.items()}, trunk)
+            inputs = {k: v.to(device) for k, v in c.inputs.items()}
+            calls, hidden = layer_calls(model_a, layer_names, inputs, trunk, tails)
             self.carried.append([calls, hidden])
         self.next_layer = 0
         self.alpha = merged.alpha
