@@ -13,7 +13,6 @@ saved ``ViTImageProcessor`` rescales to [0, 1] and normalizes with mean 0.5, std
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -61,7 +60,6 @@ def _spec(name: str) -> ImageDatasetSpec:
     return IMAGE_DATASETS[name]
 
 
-@functools.lru_cache(maxsize=4)
 def _raw_images(name: str) -> tuple[np.ndarray, np.ndarray]:
     """Return (uint8 images of shape (n, side, side), int labels) for a known data set."""
     if name == "digits":
