@@ -22,6 +22,7 @@ from raot_hf.config import RaotConfig
 from raot_hf.distributed import DistributedContext
 from raot_hf.errors import RaotError
 from raot_hf.io.loading import ModelSource, check_compatible
+from raot_hf.io.offload import WorkingFiles
 from raot_hf.results import Alignment, MergeResult
 from raot_hf.stages.align import calibrate_and_solve, calibrate_solve_decide
 from raot_hf.stages.calibrate import CalibrationRun, fit_phase, heldout_phase, open_calibration
@@ -76,6 +77,7 @@ class RaotMerger:
         source_base: ModelSource | None = None,
         base_missing: list[str] | tuple[str, ...] = (),
         early_calibration: Any = None,
+        working_files: WorkingFiles | None = None,
     ):
         models = [m.eval() for m in (model_a, model_b, *more_models)]
         config = prepare_config(config or RaotConfig(), len(models), base_model is not None)
@@ -85,6 +87,7 @@ class RaotMerger:
         if any(schema_for(m).parameter_names() != schema.parameter_names() for m in models[1:]):
             raise RaotError("the models resolve to different parameter sets; load every one with the same class.")
         self._base = (base_model, source_base, base_missing)
+        self.working_files = working_files or WorkingFiles()  # offloaded models' (§7.4); empty: in memory
         self.models = models
         given = [source_a, source_b, *more_sources]
         self.sources = [
@@ -104,6 +107,7 @@ class RaotMerger:
         base_model, source_base, base_missing = self._base
         for other in self.models[1:]:
             pair = PairContext(self.models[0], other, schema, config, preprocessor, dist, timer)
+            pair.working_files = self.working_files  # one set for every pair: the models are shared
             pair.base = base_for(self.models[0], other, schema, base_model, source_base, base_missing)
             pairs.append(pair)
         return pairs
@@ -183,6 +187,7 @@ class RaotMerger:
             source_base=loaded.source_base,
             base_missing=loaded.base_missing,
             early_calibration=loaded.early_calibration,
+            working_files=loaded.working_files,
         )
         merger.timer.times.update(loaded.times)
         return merger
@@ -196,14 +201,19 @@ class RaotMerger:
         preprocessor=None,
         config: RaotConfig | None = None,
         base_model=None,
+        working_files: WorkingFiles | None = None,
         **options,
     ) -> RaotMerger:
         """Wrap two (or more) loaded models (the merge writes into ``model_a``, the reference);
         ``base_model``, for the base-relative rules, may be A's class or the bare model A's head
         class wraps. (Load it with its own class: parameters ``from_pretrained`` initialised at
-        random cannot be told apart here.)"""
+        random cannot be told apart here.) ``working_files``: the models' working files when they
+        were offloaded (:func:`raot_hf.stages.offload.offload_models`; docs/design.md §7.4)."""
         config = _with_options(config, options)
-        return cls(model_a, model_b, *more_models, config=config, preprocessor=preprocessor, base_model=base_model)
+        models = (model_a, model_b, *more_models)
+        return cls(
+            *models, config=config, preprocessor=preprocessor, base_model=base_model, working_files=working_files
+        )
 
     # -- stages ---------------------------------------------------------------------------------
     def _refuse_after_merge(self) -> None:
@@ -264,7 +274,10 @@ class RaotMerger:
         merge_log = merge_weights(members, members_folded(members))
         quality = merged_quality(members, quality_sets, parents)
         report = build_report(members, self.sources, merge_log, quality, self.reference_log)
-        result = MergeResult(self.model_a, report, members[0].alignment, self.preprocessor, self.source_a.name_or_path)
+        source_a, files = self.source_a.name_or_path, self.working_files
+        result = MergeResult(
+            self.model_a, report, members[0].alignment, self.preprocessor, source_a, working_files=files
+        )
         result.more_transforms = {transform_file(i): m.alignment.applied for i, m in enumerate(members[1:], start=3)}
         return result
 

@@ -11,6 +11,7 @@ import torch
 
 from raot_hf.gate import GateDecision
 from raot_hf.gate.verdict import BasisVerdict, Verdict
+from raot_hf.io.offload import WorkingFiles
 from raot_hf.symmetry import TransformSequence
 
 
@@ -64,6 +65,9 @@ class MergeResult:
     #: With more than two models: the alignments of models 3, 4, … by the file each is written to
     #: (model 2's is ``alignment``'s, in ``raot_transform.safetensors``).
     more_transforms: dict[str, TransformSequence] = field(default_factory=dict)
+    #: The working files behind the model's parameters when it was merged layer by layer (docs/design.md
+    #: §7.4): the writer drops each weight's pages once written. Empty (or None) in memory.
+    working_files: WorkingFiles | None = None
 
     def save_pretrained(self, out_dir: str | Path, *, overwrite: bool = False, max_shard_size: str = "2GB") -> Path:
         """Write a directory ``from_pretrained`` loads, with model card and ``raot_report.json``."""
@@ -81,6 +85,7 @@ class MergeResult:
             max_shard_size=max_shard_size,
             transform=self.alignment.applied,
             more_transforms=self.more_transforms,
+            working_files=self.working_files,
         )
         self.report.setdefault("timings", {})["write"] = time.perf_counter() - start
         return path

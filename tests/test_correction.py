@@ -272,9 +272,10 @@ def test_each_layer_is_called_as_the_model_calls_it_sliding_window_layers_includ
 
 @pytest.mark.parametrize("model_type,head", [("llama", "causal"), ("deberta-v2", "sequence"), ("bert", "sequence")])
 def test_capturing_the_layer_calls_runs_no_layer_after_the_first_time(model_type, head):
-    """Layer 0 computes only the first time its calls are captured (to learn its output's
-    structure: a tensor, or DeBERTa's tuple); later captures run no layer's Linear, and carrying
-    the states through the layers with the captured calls gives the model's own output."""
+    """Layer 0 computes only the first time its calls are captured in a pass (to learn its output's
+    structure, kept in the pass's ``tails``: a tensor, or DeBERTa's tuple); later captures run no
+    layer's Linear, and carrying the states through the layers with the captured calls gives the
+    model's own output."""
     from raot_hf.correction.carry import layer_calls
     from raot_hf.gate.fidelity import layer_module_names
     from raot_hf.hooks import capture_calls
@@ -286,10 +287,11 @@ def test_capturing_the_layer_calls_runs_no_layer_after_the_first_time(model_type
     for name in names:
         linears = [m for m in model.get_submodule(name).modules() if isinstance(m, torch.nn.Linear)]
         linears[0].register_forward_hook(lambda *_args, name=name: ran.append(name))
-    _, first = layer_calls(model, names, inputs)
+    tails = {}
+    _, first = layer_calls(model, names, inputs, tails=tails)
     assert set(ran) == set(names[:1])  # DeBERTa-v2 runs its key Linear on the relative embeddings too
     before = len(ran)
-    calls, hidden = layer_calls(model, names, inputs)
+    calls, hidden = layer_calls(model, names, inputs, tails=tails)
     assert len(ran) == before and torch.equal(hidden, first)
     want = capture_calls(model, names[-1:], inputs)[0].output
     with torch.no_grad():

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from raot_hf import RaotError, RaotMerger, merge_checkpoints, scramble
 from raot_hf.adapters import is_decoder
 from raot_hf.cli import main
-from raot_hf.io.offload import offload_model, offloaded, release_all
+from raot_hf.io.offload import WorkingFiles, offload_model
 from raot_hf.stages.offload import choose_offload, layerwise_bytes, offload_models
 from raot_hf.testing import (
     architectures,
@@ -53,12 +53,13 @@ def _pair(model_type, seed=1):
 
 def _merge(a, b, pre, data, tmp_path, offload: bool):
     a, b = clone(a), clone(b)
+    files = None
     if offload:
         from raot_hf.adapters import schema_for
 
-        offload_models([a, b], ["A", "B"], schema_for(a), tmp_path)
-        assert offloaded(a) is not None and offloaded(b) is not None
-    return RaotMerger.from_models(a, b, preprocessor=pre).merge(calibration=data)
+        files = offload_models([a, b], ["A", "B"], schema_for(a), tmp_path)
+        assert files.of(a) is not None and files.of(b) is not None
+    return RaotMerger.from_models(a, b, preprocessor=pre, working_files=files).merge(calibration=data)
 
 
 @pytest.mark.parametrize("model_type", ARCHS)
@@ -92,16 +93,17 @@ def test_offloading_keeps_values_dtypes_and_ties(tmp_path):
     with torch.no_grad():
         want = model(**inputs).logits
     attributes = set(vars(model))
-    weights = offload_model(model, tmp_path, "A")
-    assert set(vars(model)) == attributes and offloaded(model) is weights  # nothing is hung on the model
+    files = WorkingFiles()
+    weights = offload_model(model, tmp_path, "A", files)
+    assert set(vars(model)) == attributes and files.of(model) is weights  # nothing is hung on the model
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
     for name, p in model.named_parameters():
         assert weights.owns(p) is not None and p.dtype == before[name].dtype and torch.equal(p, before[name])
-    release_all()
+    files.release_all()
     with torch.no_grad():
         assert torch.equal(model(**inputs).logits, want)
         model.model.norm.weight.mul_(2.0)  # a write lands in the working file and survives a release
-    release_all()
+    files.release_all()
     assert torch.equal(model.model.norm.weight, 2 * before["model.norm.weight"])
 
 
@@ -120,12 +122,13 @@ def test_checkpoints_are_read_into_working_files_as_from_pretrained_loads_them(m
     source = ModelSource(str(tmp_path / "m"))
     config = load_config(source, "A")
     want = load_model(source, "A", config=config)
-    got = load_offloaded(model_class(config), tmp_path / "m", config, "auto", tmp_path, "A")
-    assert offloaded(got) is not None and not got.training
+    files = WorkingFiles()
+    got = load_offloaded(model_class(config), tmp_path / "m", config, "auto", tmp_path, "A", files)
+    assert files.of(got) is not None and not got.training
     params, expected = dict(got.named_parameters()), dict(want.named_parameters())
     assert set(params) == set(expected)
     for name, p in expected.items():
-        assert params[name].dtype == p.dtype and torch.equal(params[name], p) and offloaded(got).owns(params[name])
+        assert params[name].dtype == p.dtype and torch.equal(params[name], p) and files.of(got).owns(params[name])
     buffers, expected = dict(got.named_buffers()), dict(want.named_buffers())
     assert set(buffers) == set(expected) and all(torch.equal(buffers[k], v) for k, v in expected.items())
     if (
@@ -151,8 +154,8 @@ def test_each_layer_leaves_memory_after_its_forward(tmp_path):
     model = tiny_model("llama", "base", vocab_size=8, hidden_size=256, num_layers=8, intermediate_size=1024,
                        dtype=torch.float32)  # fmt: skip
     size = sum(p.numel() * p.element_size() for p in model.parameters()) // 1024
-    offload_models([model], ["A"], schema_for(model), tmp_path)
-    release_all()
+    files = offload_models([model], ["A"], schema_for(model), tmp_path)
+    files.release_all()
     resident = _status_kib("RssFile")
     with torch.no_grad():
         model(input_ids=torch.randint(0, 8, (1, 16)))
@@ -160,7 +163,7 @@ def test_each_layer_leaves_memory_after_its_forward(tmp_path):
     with torch.no_grad():
         total = sum(float(p.sum()) for p in model.parameters())  # outside a forward: every page read back
     assert total == total and _status_kib("RssFile") - resident > 0.8 * size
-    release_all()
+    files.release_all()
     assert _status_kib("RssFile") - resident < 0.05 * size
 
 
@@ -178,11 +181,11 @@ def test_writing_an_offloaded_model_copies_nothing_and_leaves_no_pages_behind(tm
                        dtype=torch.float32)  # fmt: skip
     expected = {k: v.clone() for k, v in weights_to_save(model).items()}
     size = sum(p.numel() * p.element_size() for p in model.parameters()) // 1024
-    offload_models([model], ["A"], schema_for(model), tmp_path)
-    release_all()
+    files = offload_models([model], ["A"], schema_for(model), tmp_path)
+    files.release_all()
     file_pages, anonymous = _status_kib("RssFile"), _status_kib("RssAnon")
     (tmp_path / "out").mkdir()
-    write_safetensors_shards(tmp_path / "out", weights_to_save(model), 10**9)
+    write_safetensors_shards(tmp_path / "out", weights_to_save(model, files), 10**9, working_files=files)
     assert _status_kib("RssFile") - file_pages < 0.05 * size
     assert _status_kib("RssAnon") - anonymous < 0.5 * size
     from safetensors.torch import load_file
@@ -267,9 +270,11 @@ def test_a_checkpoint_missing_a_parameter_is_loaded_whole_then_offloaded(tmp_pat
     save_file(state, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
     source = ModelSource(str(tmp_path / "m"))
     config = load_config(source, "A")
-    assert load_offloaded(model_class(config), tmp_path / "m", config, "auto", tmp_path, "A") is None
-    model = load_layerwise(source, "A", config, "auto", tmp_path)
-    assert offloaded(model) is not None and offloaded(model).owns(model.classifier.weight)
+    files = WorkingFiles()
+    assert load_offloaded(model_class(config), tmp_path / "m", config, "auto", tmp_path, "A", files) is None
+    assert len(files) == 0
+    model = load_layerwise(source, "A", config, "auto", tmp_path, files)
+    assert files.of(model) is not None and files.of(model).owns(model.classifier.weight)
 
 
 def test_an_offload_directory_without_room_is_refused(tmp_path, monkeypatch):
@@ -277,11 +282,12 @@ def test_an_offload_directory_without_room_is_refused(tmp_path, monkeypatch):
 
     model = tiny_model("bert", "base", dtype=torch.float32)
     monkeypatch.setattr(shutil, "disk_usage", lambda _path: shutil._ntuple_diskusage(1, 0, 1))
+    files = WorkingFiles()
     with pytest.raises(RaotError, match="--offload-dir"):
-        offload_model(model, tmp_path, "A")
-    assert offloaded(model) is None and not list(tmp_path.iterdir())
+        offload_model(model, tmp_path, "A", files)
+    assert files.of(model) is None and not list(tmp_path.iterdir())
     with pytest.raises(RaotError, match="does not exist"):
-        offload_model(model, tmp_path / "missing", "A")
+        offload_model(model, tmp_path / "missing", "A", files)
     with pytest.raises(RaotError, match="offload must be one of"):
         choose_offload("sometimes", [], None)
 

@@ -245,12 +245,12 @@ def _fail_on_second_shard(monkeypatch):
     real_write = shards._write_shard
     calls = []
 
-    def write_shard(path, tensors, names, metadata):
+    def write_shard(path, tensors, names, metadata, *rest):
         calls.append(path)
         if len(calls) == 2:
             path.write_bytes(b"partial")
             raise OSError("disk full (injected)")
-        return real_write(path, tensors, names, metadata)
+        return real_write(path, tensors, names, metadata, *rest)
 
     monkeypatch.setattr(shards, "_write_shard", write_shard)
     return calls

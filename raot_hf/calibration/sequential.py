@@ -37,11 +37,13 @@ def _enter(collector: StatisticsCollector, batches: Iterable[CalibrationBatch], 
     """Every batch of this phase up to layer 0 of both models (embeddings observed), with its layer calls."""
     carried = []
     models = {"a": collector.model_a, "b": collector.model_b}
+    tails: dict = {}  # layer 0's output structure, learnt once for the phase (layer_calls)
     for batch in batches:
         if not collector.begin(batch):
             continue
         calls = {
-            side: layer_calls(model, names, on_device_of(model, batch.inputs))[0] for side, model in models.items()
+            side: layer_calls(model, names, on_device_of(model, batch.inputs), tails=tails)[0]
+            for side, model in models.items()
         }
         hidden: dict[str, torch.Tensor] = {}
 

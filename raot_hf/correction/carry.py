@@ -13,7 +13,6 @@ its output's structure); the hidden states are replaced as the pass moves on.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -69,11 +68,6 @@ def _as_call(args: tuple, kwargs: dict) -> tuple[LayerCall, torch.Tensor]:
     return LayerCall((), rest, True), kwargs["hidden_states"]
 
 
-#: Layer 0's module → what its output carries after the states: None for a bare tensor, else the
-#: number of ``None`` entries that follow (DeBERTa's attention slot). Read from its first call.
-_OUTPUT_TAILS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _output_tail(out) -> int | None:
     """``out``'s structure if every call can be given it without computing: None (a tensor) or the
     number of trailing ``None`` entries; -1 when it carries tensors beside the states."""
@@ -82,33 +76,64 @@ def _output_tail(out) -> int | None:
     return len(out) - 1 if all(x is None for x in out[1:]) else -1
 
 
+def with_forwards(model: torch.nn.Module, forwards: dict[str, Callable]) -> torch.nn.Module:
+    """A stand-in for ``model`` in which each submodule named in ``forwards`` runs the given
+    function instead of its forward. The stand-ins are shallow copies of those submodules and of
+    the modules above them; every other module, and every parameter, buffer and hook, is the
+    model's own: nothing is set on ``model`` (it may be the user's object)."""
+    copies: dict[str, torch.nn.Module] = {}
+
+    def copy_of(name: str) -> torch.nn.Module:
+        if name not in copies:
+            module = model.get_submodule(name)
+            twin = object.__new__(type(module))
+            twin.__dict__.update(module.__dict__, _modules=dict(module._modules))
+            copies[name] = twin
+            if name:
+                parent, _, leaf = name.rpartition(".")
+                copy_of(parent)._modules[leaf] = twin
+        return copies[name]
+
+    for name, forward in forwards.items():
+        copy_of(name).__dict__["forward"] = forward
+    return copy_of("")
+
+
 @torch.no_grad()
 def layer_calls(
-    model: torch.nn.Module, layer_names: list[str], inputs: dict, params: dict | None = None
+    model: torch.nn.Module,
+    layer_names: list[str],
+    inputs: dict,
+    params: dict | None = None,
+    tails: dict | None = None,
 ) -> tuple[list[LayerCall], torch.Tensor]:
     """Every layer's call on ``inputs`` (``model`` computing with ``params`` swapped in, if given)
     and layer 0's input states, from one forward in which every layer returns its input (in the
-    structure of layer 0's output, which layer 0 computes the first time it is met), so that no
+    structure of layer 0's output, which layer 0 computes unless ``tails`` knows it), so that no
     layer's weights are read; the forward stops after the last layer. Layers may be called
-    differently — a sliding-window layer gets another attention mask than a full-attention one."""
+    differently — a sliding-window layer gets another attention mask than a full-attention one.
+    ``tails``: a pass's own record, layer 0's module → what its output carries after the states
+    (None: a bare tensor, else the number of ``None`` entries that follow — DeBERTa's attention
+    slot), filled from its first call, so that a pass computes layer 0 once. The layers' forwards
+    are swapped on a stand-in (:func:`with_forwards`), not on ``model``."""
     modules = [model.get_submodule(n) for n in layer_names]
     seen: list[tuple | None] = [None] * len(modules)
     first: dict[str, object] = {}
-    saved = [m.__dict__.get("forward") for m in modules]
+    tails = {} if tails is None else tails
 
-    def patched(i: int, module: torch.nn.Module):
+    def standin(i: int, module: torch.nn.Module):
         compute = module.forward
 
         def forward(*args, **kwargs):
             seen[i] = (args, kwargs)
             hidden = args[0] if args else kwargs["hidden_states"]
             if i == 0:
-                tail = _OUTPUT_TAILS.get(module, -1)
+                tail = tails.get(module, -1)
                 if tail == -1:  # not met yet, or an output that carries tensors: computed
                     first["out"] = real = compute(*args, **kwargs)
                     tail = _output_tail(real)
                     if tail != -1:
-                        _OUTPUT_TAILS[module] = tail
+                        tails[module] = tail
                 first["tail"] = tail
             tail = first["tail"]
             out = hidden if tail is None else (hidden, *(first["out"][1:] if tail == -1 else [None] * tail))
@@ -118,18 +143,12 @@ def layer_calls(
 
         return forward
 
-    for i, module in enumerate(modules):
-        module.forward = patched(i, module)
+    runner = with_forwards(model, {n: standin(i, m) for i, (n, m) in enumerate(zip(layer_names, modules, strict=True))})
     try:
         inputs = without_cache(model, inputs)
-        model(**inputs) if params is None else functional_call(model, params, (), inputs)
+        runner(**inputs) if params is None else functional_call(runner, params, (), inputs)
     except Stop:
         pass
-    finally:
-        for module, original in zip(modules, saved, strict=True):
-            del module.forward
-            if original is not None:
-                module.forward = original
     calls = [_as_call(*call) for call in seen]
     return [call for call, _ in calls], calls[0][1]
 
@@ -168,6 +187,7 @@ def capture(
     reference) and of M (A's module with the merged non-layer parameters ``merged_rest``) over the
     first ``examples`` rows of ``batches``."""
     chunks, taken = [], 0
+    tails: dict = {}  # layer 0's output structure, learnt once for the pass (layer_calls)
     for batch in batches:
         keep = min(examples - taken, len(batch))
         if keep <= 0:
@@ -179,7 +199,7 @@ def capture(
         for key, model, params in runs:
             device = next(model.parameters()).device
             layers[key], hidden[key] = layer_calls(
-                model, layer_names, {k: v.to(device) for k, v in inputs.items()}, params
+                model, layer_names, {k: v.to(device) for k, v in inputs.items()}, params, tails
             )
         if mask is None:  # images: every position the model produces is real
             mask = torch.ones(hidden["a"].shape[:2], dtype=torch.bool)

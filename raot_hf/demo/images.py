@@ -7,7 +7,6 @@ images (mode ``"L"``, ``num_channels=1``), normalized with mean 0.5, std 0.5.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -55,7 +54,6 @@ def _spec(name: str) -> ImageDatasetSpec:
     return IMAGE_DATASETS[name]
 
 
-@functools.lru_cache(maxsize=4)
 def _raw_images(name: str) -> tuple[np.ndarray, np.ndarray]:
     """Return (uint8 images of shape (n, side, side), int labels) for a known data set."""
     if name == "digits":

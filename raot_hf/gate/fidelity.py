@@ -34,7 +34,7 @@ from raot_hf.adapters.schema import ModelSchema
 from raot_hf.correction.carry import layer_calls
 from raot_hf.errors import RaotError
 from raot_hf.hooks import Call, capture_calls, first_tensor
-from raot_hf.io.offload import release_all
+from raot_hf.io.offload import WorkingFiles
 from raot_hf.symmetry import (
     Transform,
     apply_transform,
@@ -282,9 +282,10 @@ class MergedModelRun:
         self.stream = stream_matrix(merged.residual, merged.schema) if aligned else None
         trunk = merged.merged(None, aligned=aligned)
         device = next(model_a.parameters()).device
-        self.carried = []
+        self.carried, tails = [], {}  # tails: layer 0's output structure, learnt at the first chunk
         for c in chunks:
-            calls, hidden = layer_calls(model_a, layer_names, {k: v.to(device) for k, v in c.inputs.items()}, trunk)
+            inputs = {k: v.to(device) for k, v in c.inputs.items()}
+            calls, hidden = layer_calls(model_a, layer_names, inputs, trunk, tails)
             self.carried.append([calls, hidden])
         self.next_layer = 0
         self.alpha = merged.alpha
@@ -332,16 +333,24 @@ class MergedModelRun:
 
 
 def model_fidelity(
-    model_a, layer_names, merged: MergedParameters, chunks, layer_transforms: dict[int, list[Transform]] | None, alpha
+    model_a,
+    layer_names,
+    merged: MergedParameters,
+    chunks,
+    layer_transforms: dict[int, list[Transform]] | None,
+    alpha,
+    working_files: WorkingFiles | None = None,
 ) -> torch.Tensor:
     """Per-example fidelity of the merged model's last-layer output to A's and B′'s, in one sweep
     of its own (:class:`MergedModelRun`). ``layer_transforms=None``: the identity merge; otherwise
-    the aligned merge with the residual candidate of ``merged`` and these per-layer transforms."""
+    the aligned merge with the residual candidate of ``merged`` and these per-layer transforms.
+    ``working_files``: the models' when they are offloaded (each layer's pages are released)."""
+    working_files = working_files or WorkingFiles()  # in memory: nothing to release
     aligned = layer_transforms is not None
     run = MergedModelRun(model_a, layer_names, merged, chunks, aligned=aligned)
     for i in range(len(layer_names)):
         run.advance(merged.merged(i, (layer_transforms or {}).get(i, []), aligned=aligned))
-        release_all()  # offloaded models: the layer's pages, read to merge it (docs/design.md §7.4)
+        working_files.release_all()  # offloaded models: the layer's pages, read to merge it (docs/design.md §7.4)
     return run.scores(alpha)
 
 

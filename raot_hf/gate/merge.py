@@ -49,7 +49,7 @@ from raot_hf.gate.fidelity import (
 )
 from raot_hf.gate.lineage import LineageEvidence, detect_siblings
 from raot_hf.gate.verdict import BasisVerdict, ModelCheckFigures, OffPath, Verdict, affinity_phrase
-from raot_hf.io.offload import release_all
+from raot_hf.io.offload import WorkingFiles
 from raot_hf.symmetry import (
     HeadAlignment,
     HeadRescale,
@@ -253,11 +253,13 @@ def run_merge_gate(
     floor: float = 0.0,
     layer_names: list[str] | None = None,
     progress: bool = False,
+    working_files: WorkingFiles | None = None,
 ) -> MergeGateResult:
     """Re-decide every transform by merge fidelity (see the module docstring); ``layer_names``:
     the layer modules' names when the caller has them already; ``progress``: a progress bar over
-    the layers (rank 0)."""
+    the layers (rank 0); ``working_files``: the models' when they are offloaded (§7.4)."""
     layer_names = layer_names or layer_module_names(model_a, schema)
+    working_files = working_files or WorkingFiles()  # in memory: nothing to release
     rows = {(d.transform, d.layer): d for d in alignment_rows}
     n = sum(int(c.mask.shape[0]) for c in chunks)
     if n < MIN_GATE_EXAMPLES:
@@ -282,7 +284,7 @@ def run_merge_gate(
             decided.update(layer_decisions)
             every = [t for key in keys for t in per_layer[key]]
         run.advance_check(i, chosen, every)
-        release_all()  # an offloaded layer's pages, read to merge it, go back to their files (§7.4)
+        working_files.release_all()  # an offloaded layer's pages, read to merge it, go back to their files (§7.4)
     check, passed, worst = run.check()
     return _result(rows, decided, check, passed, residual is not None, worst)
 
@@ -377,6 +379,7 @@ def merge_gate(
         floor=gate.min_gain,
         layer_names=names,
         progress=ctx.dist.is_main,
+        working_files=ctx.working_files,
     )
     if gate.sibling_check:
         evidence = detect_siblings(parts)

@@ -40,10 +40,6 @@ _MADV_DONTNEED = 4
 #: Free disk space kept beyond the working files.
 DISK_MARGIN = 256 << 20
 
-#: Each offloaded model → the working file behind its parameters. Kept here, not on the model (a
-#: model may be the user's object); an entry goes with its model.
-_WORKING_FILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
 
 def _madvise():
     """libc's madvise (None where there is none: release is then a no-op)."""
@@ -165,10 +161,13 @@ def _mapped_file(params: list[tuple[str, torch.Tensor]], directory: Path, label:
 
 
 @torch.no_grad()
-def offload_model(model: torch.nn.Module, directory: str | Path | None, label: str) -> OffloadedWeights:
+def offload_model(
+    model: torch.nn.Module, directory: str | Path | None, label: str, files: WorkingFiles
+) -> OffloadedWeights:
     """Move ``model``'s parameters (tied ones once) into a working file in ``directory`` (None: the
     system's temporary directory) and make each a view of the file mapped into memory. Values,
-    dtypes, shapes and ties are unchanged; the in-memory copies are freed."""
+    dtypes, shapes and ties are unchanged; the in-memory copies are freed. The working file is
+    recorded in ``files`` and returned."""
     directory = Path(directory or tempfile.gettempdir())
     params = [(n, p) for n, p in model.named_parameters() if p.device.type == "cpu"]
     weights = _mapped_file(params, directory, label)
@@ -178,51 +177,70 @@ def offload_model(model: torch.nn.Module, directory: str | Path | None, label: s
         view.copy_(p.detach())
         p.data = view
         weights._drop(start, stop)
-    _WORKING_FILES[model] = weights
+    files.add(model, weights)
     logger.info("model %s offloaded: %.1f MiB of parameters in a working file", label, weights.nbytes / 2**20)
     return weights
 
 
-def offloaded(model: torch.nn.Module) -> OffloadedWeights | None:
-    """The working file behind ``model``'s parameters (None: they are in memory)."""
-    return _WORKING_FILES.get(model)
+class WorkingFiles:
+    """The working files behind one merge's offloaded models (docs/design.md §7.4): each model →
+    its :class:`OffloadedWeights`.
 
+    Made where the models are offloaded (:mod:`raot_hf.stages.offload`), carried by the pipeline
+    (``PairContext.working_files``, then the :class:`~raot_hf.results.MergeResult`) and passed to
+    every loop that releases pages. An in-memory merge carries an empty one: each release is then a
+    no-op. Nothing is kept on the model (it may be the user's object), and an entry goes with its
+    model (weak keys)."""
 
-def release_after_forward(model: torch.nn.Module, module_names: list[str]) -> None:
-    """Release each module's parameter pages as soon as its forward returns (layer by layer)."""
-    weights = offloaded(model)
-    if weights is None:
-        return
-    from raot_hf.hooks import Hooks
+    def __init__(self):
+        self._by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    modules = dict(model.named_modules())
-    weights.hooks = Hooks()  # kept for the model's life
-    for name in module_names:
-        weights.hooks.on_output(modules[name], lambda *_args, n=name: weights.release(n))
+    def add(self, model: torch.nn.Module, weights: OffloadedWeights) -> OffloadedWeights:
+        """Record ``weights`` as the working file behind ``model``'s parameters; returns it."""
+        self._by_model[model] = weights
+        return weights
 
+    def of(self, model: torch.nn.Module) -> OffloadedWeights | None:
+        """The working file behind ``model``'s parameters (None: they are in memory)."""
+        return self._by_model.get(model)
 
-def release_tensor(tensor: torch.Tensor, *, trim: bool = True) -> None:
-    """Drop the resident pages of ``tensor`` if it is a view of a working file (else nothing), and
-    (``trim``) hand the heap's free pages back: the temporaries of a parameter-by-parameter
-    transform (under glibc's 32 MB mmap threshold) otherwise pile up as fragmented heap — 11 GB for
-    a 3.4 B model."""
-    for weights in list(_WORKING_FILES.values()):
-        span = weights.owns(tensor)
-        if span is not None:
-            weights._drop(*span)
-            if trim:
-                trim_heap()
+    def __len__(self) -> int:
+        return len(self._by_model)
+
+    def release_after_forward(self, model: torch.nn.Module, module_names: list[str]) -> None:
+        """Release each module's parameter pages as soon as its forward returns (layer by layer);
+        nothing for a model in memory."""
+        weights = self.of(model)
+        if weights is None:
             return
+        from raot_hf.hooks import Hooks
 
+        modules = dict(model.named_modules())
+        weights.hooks = Hooks()  # kept for the model's life, with its working file
+        for name in module_names:
+            weights.hooks.on_output(modules[name], lambda *_args, n=name: weights.release(n))
 
-def release_all(*, trim: bool = True) -> None:
-    """Drop the resident pages of every offloaded model (between stages and layers), and, when
-    there is one (and ``trim``), hand the heap's free pages back too."""
-    live = list(_WORKING_FILES.values())
-    for weights in live:
-        weights.release()
-    if live and trim:
-        trim_heap()
+    def release_tensor(self, tensor: torch.Tensor, *, trim: bool = True) -> None:
+        """Drop the resident pages of ``tensor`` if it is a view of a working file (else nothing), and
+        (``trim``) hand the heap's free pages back: the temporaries of a parameter-by-parameter
+        transform (under glibc's 32 MB mmap threshold) otherwise pile up as fragmented heap — 11 GB
+        for a 3.4 B model."""
+        for weights in list(self._by_model.values()):
+            span = weights.owns(tensor)
+            if span is not None:
+                weights._drop(*span)
+                if trim:
+                    trim_heap()
+                return
+
+    def release_all(self, *, trim: bool = True) -> None:
+        """Drop the resident pages of every offloaded model (between stages and layers), and, when
+        there is one (and ``trim``), hand the heap's free pages back too."""
+        live = list(self._by_model.values())
+        for weights in live:
+            weights.release()
+        if live and trim:
+            trim_heap()
 
 
 def _model_dtype(dtype: str, config, ckpt) -> torch.dtype:
@@ -272,11 +290,14 @@ def checkpoint_keys(model: torch.nn.Module, names: list[str], keys: set[str]) ->
 
 
 @torch.no_grad()
-def load_offloaded(cls: type, path: Path, config, dtype: str, directory: str | Path | None, label: str):
+def load_offloaded(
+    cls: type, path: Path, config, dtype: str, directory: str | Path | None, label: str, files: WorkingFiles
+):
     """``cls`` built empty and filled tensor by tensor from the safetensors checkpoint at ``path``
     straight into a working file (:func:`offload_model`'s layout): no whole copy of the model is
-    ever in memory. Returns None when a parameter is not found in the checkpoint under its own or
-    its saved name: the caller then loads the model and offloads it."""
+    ever in memory; its working file is recorded in ``files``. Returns None when a parameter is not
+    found in the checkpoint under its own or its saved name: the caller then loads the model and
+    offloads it."""
     from accelerate import init_empty_weights
 
     from raot_hf.io.checkpoint import Checkpoint
@@ -316,6 +337,6 @@ def load_offloaded(cls: type, path: Path, config, dtype: str, directory: str | P
     ckpt.release()
     model.config._name_or_path = str(path)
     model.eval()
-    _WORKING_FILES[model] = weights
+    files.add(model, weights)
     logger.info("model %s read into a working file: %.1f MiB of parameters", label, weights.nbytes / 2**20)
     return model

@@ -74,11 +74,14 @@ def save_config(model: torch.nn.Module, directory: Path) -> None:
         model.generation_config.save_pretrained(str(directory))
 
 
-def _save_weights(model: torch.nn.Module, directory: Path, max_shard_bytes: int) -> None:
-    """Write the weights as shards plus index into ``directory`` and check them from the files."""
-    tensors = weights_to_save(model)
+def _save_weights(model: torch.nn.Module, directory: Path, max_shard_bytes: int, working_files=None) -> None:
+    """Write the weights as shards plus index into ``directory`` and check them from the files
+    (``working_files``: the model's, when it is offloaded)."""
+    tensors = weights_to_save(model, working_files)
     total_parameters = model.num_parameters() if hasattr(model, "num_parameters") else None
-    write_safetensors_shards(directory, tensors, max_shard_bytes, total_parameters=total_parameters)
+    write_safetensors_shards(
+        directory, tensors, max_shard_bytes, total_parameters=total_parameters, working_files=working_files
+    )
     verify_written_weights(directory, set(tensors))
 
 
@@ -94,6 +97,7 @@ def write_merged_repo(
     trust_remote_code: bool = False,
     transform: Any = None,
     more_transforms: dict | None = None,
+    working_files: Any = None,
 ) -> Path:
     """Write ``model`` as a repository directory that ``from_pretrained`` loads; return its path.
 
@@ -115,6 +119,8 @@ def write_merged_repo(
             is not empty it is written, bit-exact, to ``raot_transform.safetensors``.
         more_transforms: file name → alignment of a further model (a merge of several models),
             each written the same way when it is not empty.
+        working_files: the :class:`~raot_hf.io.offload.WorkingFiles` behind ``model``'s
+            parameters when it is offloaded (docs/design.md §7.4); None: it is in memory.
 
     Everything is written to ``<parent>/.<name>.tmp-<random>``, the weight files are checked
     against the expected key set, then the directory is renamed into place. On any error the
@@ -130,7 +136,7 @@ def write_merged_repo(
     with atomic_directory(out) as temporary:
         save_preprocessor(preprocessor_source, temporary, trust_remote_code)
         save_config(model, temporary)
-        _save_weights(model, temporary, max_shard_bytes)
+        _save_weights(model, temporary, max_shard_bytes, working_files)
         (temporary / CARD_NAME).write_text(card_text, encoding="utf-8", newline="\n")
         (temporary / REPORT_NAME).write_text(report_text, encoding="utf-8", newline="\n")
         from raot_hf.symmetry.io import TRANSFORM_NAME, save_transform

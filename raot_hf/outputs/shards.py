@@ -26,7 +26,7 @@ from safetensors import safe_open
 
 from raot_hf.errors import RaotError
 from raot_hf.io.checkpoint import TORCH_DTYPES
-from raot_hf.io.offload import offloaded, release_tensor, trim_heap
+from raot_hf.io.offload import WorkingFiles, trim_heap
 
 logger = logging.getLogger("raot_hf.outputs.shards")
 
@@ -83,20 +83,23 @@ def _drop_tied_targets(state: dict[str, torch.Tensor], model: torch.nn.Module) -
     return state
 
 
-def _without_tied(state: dict[str, torch.Tensor], model: torch.nn.Module, remove) -> dict[str, torch.Tensor]:
+def _without_tied(
+    state: dict[str, torch.Tensor], model: torch.nn.Module, remove, working_files: WorkingFiles | None
+) -> dict[str, torch.Tensor]:
     """``state`` less its tied aliases (``remove``: transformers' rule of which name is kept).
 
     An offloaded model's weights all share one storage, the working file, which ``remove`` would
     take for disjoint aliases and clone — a copy of the whole model in memory. It is then given
     meta stand-ins instead, whose ties are found by parameter identity, and keeps the real tensors."""
-    if offloaded(model) is None:
+    if working_files is None or working_files.of(model) is None:
         return remove(state, model)
     kept = remove({name: torch.empty_like(t, device="meta") for name, t in state.items()}, model)
     return {name: state[name] for name in kept}
 
 
-def weights_to_save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors ``save_pretrained`` would write, by checkpoint name, without copying them.
+def weights_to_save(model: torch.nn.Module, working_files: WorkingFiles | None = None) -> dict[str, torch.Tensor]:
+    """The tensors ``save_pretrained`` would write, by checkpoint name, without copying them
+    (``working_files``: the model's when it is offloaded, docs/design.md §7.4).
 
     Tied aliases are dropped (the kept name is the one ``from_pretrained`` expects) and the
     model's weight renamings (e.g. ViT's ``layers.N.attention.q_proj`` ↔
@@ -114,7 +117,7 @@ def weights_to_save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     except ImportError:  # older or newer transformers
         remove_tied_weights_from_state_dict = _drop_tied_targets
     all_names = set(state)
-    state = _without_tied(state, model, remove_tied_weights_from_state_dict)
+    state = _without_tied(state, model, remove_tied_weights_from_state_dict, working_files)
     tied_targets = set((getattr(model, "all_tied_weights_keys", None) or {}).keys())
     unexplained = all_names - set(state) - tied_targets
     if unexplained:
@@ -187,9 +190,15 @@ def _shard_header(tensors: dict[str, torch.Tensor], names: list[str], metadata: 
     return text + b" " * (-len(text) % 8)
 
 
-def _write_shard(path: Path, tensors: dict[str, torch.Tensor], names: list[str], metadata: dict[str, str]) -> None:
+def _write_shard(
+    path: Path,
+    tensors: dict[str, torch.Tensor],
+    names: list[str],
+    metadata: dict[str, str],
+    working_files: WorkingFiles | None = None,
+) -> None:
     """Write one shard's safetensors file, one tensor at a time; each written tensor's offloaded
-    pages are dropped (:func:`raot_hf.io.offload.release_tensor`)."""
+    pages are dropped (:meth:`raot_hf.io.offload.WorkingFiles.release_tensor`)."""
     names = _layout(tensors, names)
     header = _shard_header(tensors, names, metadata)
     with open(path, "wb") as handle:
@@ -201,7 +210,8 @@ def _write_shard(path: Path, tensors: dict[str, torch.Tensor], names: list[str],
             if data.numel():
                 handle.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
             del data
-            release_tensor(tensor, trim=False)
+            if working_files is not None:
+                working_files.release_tensor(tensor, trim=False)
     trim_heap()
 
 
@@ -210,17 +220,23 @@ def _streamable(tensors: dict[str, torch.Tensor], names: list[str]) -> bool:
 
 
 def write_safetensors_shards(
-    directory: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int, *, total_parameters: int | None = None
+    directory: Path,
+    tensors: dict[str, torch.Tensor],
+    max_shard_bytes: int,
+    *,
+    total_parameters: int | None = None,
+    working_files: WorkingFiles | None = None,
 ) -> dict[str, Any]:
     """Stream ``tensors`` into safetensors shards in ``directory`` and write the index (always,
-    even for one shard). Returns the index dict."""
+    even for one shard). Returns the index dict. ``working_files``: those behind the tensors when
+    they are an offloaded model's (each tensor's pages are dropped once written)."""
     shards = plan_shards(tensors, max_shard_bytes)
     weight_map: dict[str, str] = {}
     total_size = 0
     for number, names in enumerate(tqdm(shards, desc="Writing shards", unit="shard"), start=1):
         filename = shard_name(number, len(shards))
         if _streamable(tensors, names):
-            _write_shard(directory / filename, tensors, names, {"format": "pt"})
+            _write_shard(directory / filename, tensors, names, {"format": "pt"}, working_files)
         else:  # a dtype the streaming writer does not name: the whole shard through safetensors
             shard = {name: _cpu_copy_for_saving(tensors[name]) for name in names}
             safetensors.torch.save_file(shard, str(directory / filename), metadata={"format": "pt"})

@@ -29,10 +29,10 @@ def calibrate_and_solve(
     parts, logs = solve(ctx, stats)
     if stats is not None:
         stats.fit = None  # the estimators are done with the fit moments: free them before the held-out phase
-        release_freed_memory()
+        release_freed_memory(ctx.working_files)
         with ctx.timer.stage("calibration"):
             heldout_phase(ctx, run, stats, parts)
-        release_freed_memory()
+        release_freed_memory(ctx.working_files)
         run.fingerprint.update({"examples": stats.examples, "heldout_tokens": int(stats.heldout.tokens)})
     return stats, run, parts, logs
 
@@ -43,5 +43,5 @@ def calibrate_solve_decide(
     """:func:`calibrate_and_solve`, then the gate: the alignment, the statistics and the run."""
     stats, run, parts, logs = calibrate_and_solve(ctx, calibration, early, like)
     alignment = decide(ctx, parts, logs, stats, run)
-    release_freed_memory()  # the gate's captured layer calls
+    release_freed_memory(ctx.working_files)  # the gate's captured layer calls
     return alignment, stats, run

@@ -72,9 +72,9 @@ def apply_and_check(ctx: PairContext, alignment: Alignment, run) -> list[Check]:
         if len(alignment.applied):
             if needs_folding(ctx.schema, actions):  # both parents fold: record what the fold removes
                 ctx.unfolded_norms = (norm_affines(ctx.model_a, ctx.schema), norm_affines(ctx.model_b, ctx.schema))
-            transform_model(ctx.model_b, ctx.schema, alignment.applied)
+            transform_model(ctx.model_b, ctx.schema, alignment.applied, working_files=ctx.working_files)
             if needs_folding(ctx.schema, actions):
-                fold_model(ctx.model_a, ctx.schema)
+                fold_model(ctx.model_a, ctx.schema, working_files=ctx.working_files)
         value = deviation(ctx, reference, inputs, actions)
         threshold = exactness_threshold(next(ctx.model_b.parameters()).dtype, ctx.schema.norm_dtype)
         check = Check(

@@ -192,10 +192,8 @@ def _keep_check_rows(ctx: PairContext, run: CalibrationRun, batch, output_b) -> 
 def layer_by_layer(ctx: PairContext) -> bool:
     """Whether the calibration pass runs layer by layer: the models are offloaded to working
     files (docs/design.md §7.4) and the pass is one process on the models' own device."""
-    from raot_hf.io.offload import offloaded
-
     home = next(ctx.model_a.parameters()).device
-    return offloaded(ctx.model_a) is not None and not ctx.dist.is_distributed and ctx.stats_device == home
+    return ctx.working_files.of(ctx.model_a) is not None and not ctx.dist.is_distributed and ctx.stats_device == home
 
 
 def _solves_early(ctx: PairContext) -> bool:

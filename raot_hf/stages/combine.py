@@ -16,7 +16,6 @@ import torch
 
 from raot_hf.errors import RaotError
 from raot_hf.io.loading import adopt_head
-from raot_hf.io.offload import release_all
 from raot_hf.merging import (
     MergeRuleSpec,
     add_rule_log,
@@ -144,8 +143,8 @@ def merge_in_place(ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], we
     """:func:`merge_by_chunks` over the trunks in memory, written into the reference's parameters."""
 
     def write(part: dict) -> None:
-        load_state(ctx.model_a, part)
-        release_all()  # the chunk's offloaded pages of every model (§7.4)
+        load_state(ctx.model_a, part, working_files=ctx.working_files)
+        ctx.working_files.release_all()  # the chunk's offloaded pages of every model (§7.4)
 
     sizes = {name: t.numel() * t.element_size() for name, t in trunks[0].items()}
     return merge_by_chunks(
@@ -167,7 +166,7 @@ def merge_trunks(
         return merge_in_place(ctx, spec, trunks, weights, inputs)
     merged, log = apply_rule(spec, trunks, weights, **inputs)
     log.pop("params", None)
-    load_state(ctx.model_a, merged)
+    load_state(ctx.model_a, merged, working_files=ctx.working_files)
     return log
 
 
@@ -228,7 +227,7 @@ def merge_weights(members: list[Member], folded: bool) -> dict[str, Any]:
         parents = {"a": ref.model_a, **{side: m.ctx.model_b for side, m in zip(sides, members, strict=True)}}
         log = merge_trunks(ref, spec, trunks, weights, inputs, members[0].run, method, parents)
         if head:
-            load_state(ref.model_a, merged_heads(members, states, head, weights))
+            load_state(ref.model_a, merged_heads(members, states, head, weights), working_files=ref.working_files)
     log.pop("params", None)
     if len(models) > 2:
         log.setdefault("settings", {})["weights"] = weights

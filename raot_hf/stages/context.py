@@ -15,6 +15,7 @@ import torch
 
 from raot_hf.adapters.schema import ModelSchema
 from raot_hf.distributed import DistributedContext
+from raot_hf.io.offload import WorkingFiles
 
 
 class StageTimer:
@@ -59,6 +60,9 @@ class PairContext:
     base: BaseModel | None = None
     # A's and B's norm affines from before a fold (the apply stage records them; RegMean reads them)
     unfolded_norms: tuple[dict, dict] | None = None
+    # the working files of the offloaded models (docs/design.md §7.4): every loop that reads
+    # weights releases their pages through it; empty for an in-memory merge (releases do nothing)
+    working_files: WorkingFiles = field(default_factory=WorkingFiles)
 
     # what this merge will do (raot_hf.plan.MergePlan), decided once from the options
     plan: Any = field(init=False, default=None)

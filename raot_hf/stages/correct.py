@@ -22,7 +22,6 @@ from raot_hf.errors import RaotError
 from raot_hf.gate import PairedTest, paired_test
 from raot_hf.gate.fidelity import layer_module_names, relative_squared_error
 from raot_hf.gate.merge import MIN_GATE_EXAMPLES
-from raot_hf.io.offload import release_all
 from raot_hf.merging import MergeRuleSpec, add_rule_log, apply_rule
 from raot_hf.stages.context import PairContext
 from raot_hf.symmetry import load_state
@@ -212,9 +211,9 @@ def _corrected(ctx: PairContext, parents: dict, mix: dict, merge, names_all: lis
             if not kept:  # the fit examples' merged states follow the layer as written
                 outputs = layer.merged(rule, [], lambda *_: None)
         layer.advance(outputs)
-        load_state(ctx.model_a, merged)
+        load_state(ctx.model_a, merged, working_files=ctx.working_files)
         layers.append(entry)
-        release_all()  # the layer's offloaded pages, read by the parents and the merge (§7.4)
+        ctx.working_files.release_all()  # the layer's offloaded pages, read by the parents and the merge (§7.4)
     readers = final_readers(parents, ctx.schema, rest) if spec.readers is not None else None
     if readers is not None:  # an untied LM head reads the final stream: refitted like the layers' Linears
         norms, sites = readers
@@ -226,7 +225,9 @@ def _corrected(ctx: PairContext, parents: dict, mix: dict, merge, names_all: lis
             entry.update(kept=kept, heldout_gain=test.mean, heldout_stderr=test.stderr, reason=test.reason)
         rest = refit if kept else rest
         layers.append(entry)
-    load_state(ctx.model_a, rest)  # A's own non-layer parameters served its forward until now
+    load_state(
+        ctx.model_a, rest, working_files=ctx.working_files
+    )  # A's own non-layer parameters served its forward until now
     tokens = int(sum(int(c.mask.sum()) for c in chunks))
     log["correction"] = {
         "method": method,

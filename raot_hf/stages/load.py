@@ -23,6 +23,7 @@ from raot_hf.io.loading import (
     load_model,
     load_preprocessor,
 )
+from raot_hf.io.offload import WorkingFiles
 from raot_hf.merging import base_relative_rules, merge_rule_spec
 from raot_hf.merging.siblings import base_state_for, check_base_use, check_task_norms
 from raot_hf.outputs.shards import parse_size
@@ -43,7 +44,8 @@ def check_base_matches_rule(config, has_base: bool) -> None:
 @dataclass
 class LoadedPair:
     """What :func:`load_pair` read: the models, A's preprocessor, the sources, the base (if any),
-    the early-loaded calibration sample and the load time."""
+    the early-loaded calibration sample, the load time and the models' working files (empty when
+    they are in memory)."""
 
     model_a: torch.nn.Module
     model_b: torch.nn.Module
@@ -55,6 +57,7 @@ class LoadedPair:
     base_missing: tuple[str, ...] = ()
     early_calibration: Any = None
     times: dict[str, float] = field(default_factory=dict)
+    working_files: WorkingFiles = field(default_factory=WorkingFiles)
 
 
 def _label(i: int) -> str:
@@ -127,10 +130,10 @@ def load_pair(
         stage = {"stage": True}  # a line the CLI shows by default (raot_hf.cli.verbosity)
         names = ", ".join(f"{_label(i)} ({s.name_or_path})" for i, s in enumerate(sources))
         logger.info("loading %s", names, extra=stage)
-        models = []
+        models, files = [], WorkingFiles()
         for i, (src, cfg) in enumerate(zip(sources, configs, strict=True)):
             if memory["layerwise"]:  # each model goes to its working file before the next is read
-                models.append(load_layerwise(src, _label(i), cfg, config.dtype, offload_dir))
+                models.append(load_layerwise(src, _label(i), cfg, config.dtype, offload_dir, files))
             else:
                 models.append(load_model(src, _label(i), dtype=config.dtype, config=cfg))
         base_model, missing = (
@@ -138,7 +141,7 @@ def load_pair(
         )
     return LoadedPair(
         models[0], models[1], pre_a, tuple(sources), tuple(models[2:]), base_model, src_base, tuple(missing),
-        early, timer.times,
+        early, timer.times, files,
     )  # fmt: skip
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from raot_hf.errors import RaotError
+from raot_hf.memory import release_freed_memory
 from raot_hf.merging import merge_rule_spec, nary_merge_rules
 from raot_hf.merging.siblings import refuse_moved_b
 from raot_hf.outputs import Check
@@ -86,12 +87,15 @@ def align_member(ctx: PairContext, calibration, early, like=None) -> Member:
     merged); ``like``: an earlier member's calibration run, whose sample and tokens are reused."""
     norms = (norm_affines(ctx.model_a, ctx.schema), norm_affines(ctx.model_b, ctx.schema)) if ctx.plan.grams else None
     alignment, stats, run = calibrate_solve_decide(ctx, calibration, early, like)
+    if not ctx.plan.grams:
+        stats = None  # only RegMean reads statistics after the gate: free them before apply/merge
+        release_freed_memory(ctx.working_files)
     if ctx.base is not None:  # task vectors need B in the base's basis (docs/design.md §6)
         refuse_moved_b(alignment.decisions, ctx.config.merge_rule)
     if run is None and ctx.config.correction.method not in ("none", "auto"):  # the correction reads data
         run = open_calibration(ctx, calibration, early, like)
     checks = apply_and_check(ctx, alignment, run) + refine_and_check(ctx, alignment, run)
-    return Member(ctx, alignment, stats if ctx.plan.grams else None, run, checks, norms)
+    return Member(ctx, alignment, stats, run, checks, norms)
 
 
 def align_all(pairs: list[PairContext], calibration, early, like=None) -> list[Member]:
@@ -104,13 +108,13 @@ def align_all(pairs: list[PairContext], calibration, early, like=None) -> list[M
         if len(pairs) > 1:
             logger.info("aligning model %d of %d to the reference", i, len(pairs) + 1, extra=_STAGE)
         if any(m.ctx.unfolded_norms is not None for m in members):
-            fold_model(ctx.model_b, ctx.schema)
+            fold_model(ctx.model_b, ctx.schema, working_files=ctx.working_files)
         members.append(align_member(ctx, calibration, early, like))
         like = like or members[-1].run
     if any(m.ctx.unfolded_norms is not None for m in members):
         for m in members:
             if m.ctx.unfolded_norms is None:
-                fold_model(m.ctx.model_b, m.ctx.schema)
+                fold_model(m.ctx.model_b, m.ctx.schema, working_files=m.ctx.working_files)
     return members
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from raot_hf.errors import RaotError
 from raot_hf.io.loading import load_model_checks
-from raot_hf.io.offload import load_offloaded, offload_model, release_after_forward
+from raot_hf.io.offload import WorkingFiles, load_offloaded, offload_model
 from raot_hf.memory import release_freed_memory
 
 logger = logging.getLogger("raot_hf.stages.offload")
@@ -152,21 +152,24 @@ def choose_offload(
     return True
 
 
-def offload_models(models, labels, schema, directory) -> None:
+def offload_models(models, labels, schema, directory) -> WorkingFiles:
     """Offload each loaded model (:func:`raot_hf.io.offload.offload_model`) and release each
-    layer's pages after its forward."""
+    layer's pages after its forward; returns their working files, for the merge to carry."""
     from raot_hf.gate.fidelity import layer_module_names
 
+    files = WorkingFiles()
     for model, label in zip(models, labels, strict=True):
-        offload_model(model, directory, label)
-        release_after_forward(model, layer_module_names(model, schema))
-        release_freed_memory()
+        offload_model(model, directory, label, files)
+        files.release_after_forward(model, layer_module_names(model, schema))
+        release_freed_memory(files)
+    return files
 
 
-def load_layerwise(source, label: str, hf_config, dtype: str, directory):
+def load_layerwise(source, label: str, hf_config, dtype: str, directory, files: WorkingFiles):
     """One model for a layer-wise merge: a local safetensors checkpoint is read tensor by tensor
     straight into its working file (:func:`raot_hf.io.offload.load_offloaded`); anything else (a
-    Hub id, renamed keys) is loaded whole, then offloaded."""
+    Hub id, renamed keys) is loaded whole, then offloaded. Its working file is recorded in
+    ``files``."""
     from raot_hf.adapters import schema_for
     from raot_hf.gate.fidelity import layer_module_names
     from raot_hf.io.checkpoint import weight_files
@@ -175,10 +178,11 @@ def load_layerwise(source, label: str, hf_config, dtype: str, directory):
     model = None
     if source.is_local and weight_files(Path(source.name_or_path)):
         load_model_checks(source, label, hf_config)
-        model = load_offloaded(model_class(hf_config), Path(source.name_or_path), hf_config, dtype, directory, label)
+        path = Path(source.name_or_path)
+        model = load_offloaded(model_class(hf_config), path, hf_config, dtype, directory, label, files)
     if model is None:
         model = load_model(source, label, dtype=dtype, config=hf_config)
-        offload_model(model, directory, label)
-    release_after_forward(model, layer_module_names(model, schema_for(model)))
-    release_freed_memory()
+        offload_model(model, directory, label, files)
+    files.release_after_forward(model, layer_module_names(model, schema_for(model)))
+    release_freed_memory(files)
     return model

@@ -88,7 +88,7 @@ def build_report(
     records = [alignment_record(i, m, q) for i, (m, q) in enumerate(zip(members, quality, strict=True), start=2)]
     return report_of(
         ctx.schema, ctx.config, _inputs(ctx, sources, members), records, merge_log,
-        execution=execution(ctx.model_a), timings=dict(ctx.timer.times), estimator_logs=members[0].alignment.logs,
+        execution=execution(ctx), timings=dict(ctx.timer.times), estimator_logs=members[0].alignment.logs,
         reference_log=reference_log,
     )  # fmt: skip
 
@@ -149,12 +149,10 @@ def report_of(
     return report
 
 
-def execution(model) -> str:
-    """How the merge ran: "layer-wise" with the models offloaded to working files (docs/design.md
-    §7.4), else "in memory"."""
-    from raot_hf.io.offload import offloaded
-
-    return "layer-wise" if offloaded(model) is not None else "in memory"
+def execution(ctx) -> str:
+    """How the merge of the pair ``ctx`` ran: "layer-wise" with the models offloaded to working
+    files (docs/design.md §7.4), else "in memory"."""
+    return "layer-wise" if ctx.working_files.of(ctx.model_a) is not None else "in memory"
 
 
 def versions() -> dict[str, str]:

@@ -26,7 +26,7 @@ def refine_and_check(ctx: PairContext, alignment: Alignment, run) -> list[Check]
         alignment.logs["refine"] = log
         if not delta:
             return []
-        transform_model(ctx.model_b, ctx.schema, TransformSequence(delta))
+        transform_model(ctx.model_b, ctx.schema, TransformSequence(delta), working_files=ctx.working_files)
         alignment.applied = TransformSequence([*alignment.applied.transforms, *delta])
         inputs, reference = _check_inputs(ctx, run)
         value = deviation(ctx, reference, inputs, stream_actions(alignment.applied, ctx.schema))

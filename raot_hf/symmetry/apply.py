@@ -10,7 +10,7 @@ import torch
 
 from raot_hf.adapters.schema import Member, ModelSchema
 from raot_hf.errors import RaotError
-from raot_hf.io.offload import release_tensor
+from raot_hf.io.offload import WorkingFiles
 from raot_hf.symmetry.transforms import SpaceAction, Transform
 
 logger = logging.getLogger("raot_hf.symmetry")
@@ -153,39 +153,62 @@ def model_state(model: torch.nn.Module, names: set[str] | None = None) -> dict[s
 
 
 @torch.no_grad()
-def load_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Copy ``state`` into the model's parameters in place (casting to each parameter's dtype)."""
+def load_state(
+    model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, working_files: WorkingFiles | None = None
+) -> None:
+    """Copy ``state`` into the model's parameters in place (casting to each parameter's dtype);
+    ``working_files``: the model's when it is offloaded (each written parameter's pages go back to
+    its file, docs/design.md §7.4)."""
     params = dict(model.named_parameters())
     for name, value in state.items():
         if name not in params:
             raise KeyError(f"{name} is not a parameter of {type(model).__name__}")
         params[name].copy_(value.to(params[name].dtype))
-        release_tensor(params[name])
+        if working_files is not None:
+            working_files.release_tensor(params[name])
 
 
 class _WriteThrough(dict):
     """A name → parameter map whose assignments copy into the parameter in place (a model is
     transformed one parameter at a time, with no copy of the touched parameters)."""
 
+    def __init__(self, params: dict[str, torch.Tensor], working_files: WorkingFiles | None):
+        super().__init__(params)
+        self.working_files = working_files
+
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
         target = self[name]
         if value is not target:
             target.copy_(value)
-            release_tensor(target)  # an offloaded parameter's pages go back to its file
+            if self.working_files is not None:  # an offloaded parameter's pages go back to its file
+                self.working_files.release_tensor(target)
 
 
-def _fold_parameters(model: torch.nn.Module, schema: ModelSchema, names: set[str] = frozenset()) -> _WriteThrough:
-    """``names`` and every parameter a LayerNorm fold touches, written through to ``model``."""
+def _fold_parameters(
+    model: torch.nn.Module,
+    schema: ModelSchema,
+    names: set[str] = frozenset(),
+    working_files: WorkingFiles | None = None,
+) -> _WriteThrough:
+    """``names`` and every parameter a LayerNorm fold touches, written through to ``model``
+    (``working_files``: the model's when it is offloaded, docs/design.md §7.4)."""
     names = set(names) | {n for f in schema.folds for n in (f.norm_weight, f.norm_bias) if n}
     names |= {n for f in schema.folds for r in f.readers for n in r if n}
-    return _WriteThrough(model_state(model, names))
+    return _WriteThrough(model_state(model, names), working_files)
 
 
 @torch.no_grad()
-def transform_model(model: torch.nn.Module, schema: ModelSchema, transform: Transform, **kw) -> torch.nn.Module:
+def transform_model(
+    model: torch.nn.Module,
+    schema: ModelSchema,
+    transform: Transform,
+    *,
+    working_files: WorkingFiles | None = None,
+    **kw,
+) -> torch.nn.Module:
     """Apply ``transform`` to ``model`` in place, parameter by parameter; pre-LN LayerNorms are
     folded first if a residual rotation needs it. Returns the model."""
-    state = _fold_parameters(model, schema, schema.parameter_names())
+    state = _fold_parameters(model, schema, schema.parameter_names(), working_files)
     if needs_folding(schema, stream_actions(transform, schema)) and not is_folded(state, schema):
         logger.debug("folding pre-LN LayerNorms before a residual rotation")
         fold_layernorms(state, schema)
@@ -194,7 +217,9 @@ def transform_model(model: torch.nn.Module, schema: ModelSchema, transform: Tran
 
 
 @torch.no_grad()
-def fold_model(model: torch.nn.Module, schema: ModelSchema) -> torch.nn.Module:
+def fold_model(
+    model: torch.nn.Module, schema: ModelSchema, *, working_files: WorkingFiles | None = None
+) -> torch.nn.Module:
     """Fold a pre-LN model's LayerNorms into their readers in place (exact)."""
-    fold_layernorms(_fold_parameters(model, schema), schema)
+    fold_layernorms(_fold_parameters(model, schema, working_files=working_files), schema)
     return model

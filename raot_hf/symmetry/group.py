@@ -115,11 +115,17 @@ def random_grouped_heads(schema: ModelSchema, layer: int, g: torch.Generator) ->
 
 
 def scramble(
-    model: torch.nn.Module, seed: int = 0, *, kinds: Iterable[str] = SCRAMBLE_KINDS, residual: str = "auto"
+    model: torch.nn.Module,
+    seed: int = 0,
+    *,
+    kinds: Iterable[str] = SCRAMBLE_KINDS,
+    residual: str = "auto",
+    working_files=None,
 ) -> TransformSequence:
     """Apply a random exact symmetry to ``model`` in place (same function; pre-LN LayerNorms folded
-    first for a residual rotation) and return it: merging a model with its scramble gives it back."""
+    first for a residual rotation) and return it: merging a model with its scramble gives it back.
+    ``working_files``: the model's when it is offloaded (docs/design.md §7.4)."""
     schema = schema_for(model)
     transform = random_group_element(schema, seed, kinds, residual)
-    transform_model(model, schema, transform)
+    transform_model(model, schema, transform, working_files=working_files)
     return transform
