@@ -209,8 +209,7 @@ class GateOptions(OptionSection):
     section = "gate"
 
     enabled: bool = field(
-        default=True,
-        metadata=meta("Let the identity compete with every estimate (default on).", "gate", flag="--gate"),
+        default=True, metadata=meta("Let the identity compete with every estimate (default on).", "gate", flag="--gate")
     )
     objective: str = field(
         default="merge",

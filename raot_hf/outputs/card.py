@@ -60,13 +60,7 @@ under the Transformer's exact symmetries, written by raot-hf {{version}}.
 ```
 """
 
-__all__ = [
-    "CARD_NAME",
-    "alignment_summary",
-    "gate_table_text",
-    "render_model_card",
-    "summary_with_verdict",
-]
+__all__ = ["CARD_NAME", "alignment_summary", "gate_table_text", "render_model_card", "summary_with_verdict"]
 
 
 # ------------------------------------------------------------------- gate decisions as text
