@@ -142,10 +142,8 @@ class RaotMerger:
         cls, model_a, model_b, *more_models, preprocessor=None, config: RaotConfig | None = None, base_model=None,
         **options,
     ) -> RaotMerger:  # fmt: skip
-        """Wrap two (or more) loaded models (the merge writes into ``model_a``, the reference);
-        ``base_model``, for the base-relative rules, may be A's class or the bare model A's head
-        class wraps. (Load it with its own class: parameters ``from_pretrained`` initialised at
-        random cannot be told apart here.)"""
+        """Wrap two (or more) loaded models (the merge writes into ``model_a``); ``base_model``, for the
+        base-relative rules, may be A's class or the bare model A's head class wraps (loaded with its own class)."""
         config = _with_options(config, options)
         return cls(model_a, model_b, *more_models, config=config, preprocessor=preprocessor, base_model=base_model)
 
@@ -169,11 +167,8 @@ class RaotMerger:
             heldout_phase(self.pair, run, stats, candidates)
 
     def calibrate_and_solve(self, calibration=None) -> tuple[CalibrationStatistics | None, Any, list, dict]:
-        """The statistics pass and the solve, in the order every process runs them: the fit
-        phase, the candidates (solved by the main process and broadcast when the statistics
-        are sharded, §7), then the held-out phase that scores them. Returns the statistics
-        (held-out sums and Grams; the fit moments are freed), the data's fingerprint, the
-        candidates and the estimators' logs."""
+        """The fit phase, the candidates (§7), then the held-out phase that scores them: the statistics
+        (the fit moments freed), the data's fingerprint, the candidates and the estimators' logs."""
         self._refuse_after_merge()
         stats, run, parts, logs = calibrate_and_solve(self.pair, calibration, self.early_calibration)
         return stats, (run.fingerprint if run is not None else None), parts, logs
@@ -187,12 +182,8 @@ class RaotMerger:
         return alignment, stats, (run.fingerprint if run is not None else None)
 
     def merge(self, calibration=None) -> MergeResult:
-        """Estimate, gate, apply to B, check B′ ≡ B, merge, and return a :class:`MergeResult`.
-
-        Model A's object receives the merged weights (no third copy of the model is made). With
-        more than two models, each is aligned to the reference and gated on its own, then all are
-        merged by the rule over N models (docs/design.md §6.9); two models are the case N = 2.
-        """
+        """Estimate, gate, apply to B, check B′ ≡ B, merge into model A's object (no third copy), and
+        return a :class:`MergeResult`; with more models each is aligned to the reference (docs/design.md §6.9)."""
         self._refuse_after_merge()
         central = len(self.models) > 2 and self.config.group.reference == "central"
         run = self._reference_to_center(calibration) if central else None
