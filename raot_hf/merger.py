@@ -4,11 +4,8 @@
 >>> result = RaotMerger.from_pretrained("path/to/A", "path/to/B").merge(calibration="data.csv")  # doctest: +SKIP
 >>> result.save_pretrained("merged")  # doctest: +SKIP
 
-Data flows one way: load → for each model after the reference: calibrate (fit) → solve →
-calibrate (held-out) → gate → apply + check; then merge → report. Each stage is a function of
-:mod:`raot_hf.stages` taking the :class:`~raot_hf.stages.context.PairContext` (or the aligned
-:class:`~raot_hf.stages.members.Member` records) and what the previous stage returned; two models
-are the case N = 2.
+Data flows one way: load → per model after the reference: calibrate (fit) → solve → calibrate
+(held-out) → gate → apply + check; then merge → report, each a function of :mod:`raot_hf.stages`.
 """
 
 from __future__ import annotations
@@ -55,30 +52,16 @@ def _with_options(config: RaotConfig | None, options: dict) -> RaotConfig:
 
 
 class RaotMerger:
-    """Aligns B to A under the Transformer's symmetries and merges them.
-
-    Build it with :meth:`from_pretrained` (Hub ids or local directories) or
-    :meth:`from_models` (loaded models); options are the fields of :class:`RaotConfig`.
-    One merger makes one merge: :meth:`merge` writes into A's module and moves B, so a second
-    call is refused.
-    """
+    """Aligns B to A under the Transformer's symmetries and merges them; options are the fields of
+    :class:`RaotConfig`. One merger makes one merge: :meth:`merge` writes into A's module and moves B."""
 
     def __init__(
-        self,
-        model_a,
-        model_b,
-        *more_models,
-        config: RaotConfig | None = None,
-        preprocessor=None,
-        source_a: ModelSource | None = None,
-        source_b: ModelSource | None = None,
-        more_sources: tuple[ModelSource, ...] = (),
-        base_model=None,
-        source_base: ModelSource | None = None,
-        base_missing: list[str] | tuple[str, ...] = (),
-        early_calibration: Any = None,
+        self, model_a, model_b, *more_models, config: RaotConfig | None = None, preprocessor=None,
+        source_a: ModelSource | None = None, source_b: ModelSource | None = None,
+        more_sources: tuple[ModelSource, ...] = (), base_model=None, source_base: ModelSource | None = None,
+        base_missing: list[str] | tuple[str, ...] = (), early_calibration: Any = None,
         working_files: WorkingFiles | None = None,
-    ):
+    ):  # fmt: skip
         models = [m.eval() for m in (model_a, model_b, *more_models)]
         config = prepare_config(config or RaotConfig(), len(models), base_model is not None)
         for other in models[1:]:
@@ -94,23 +77,22 @@ class RaotMerger:
             (given[i] if i < len(given) else None) or ModelSource(getattr(m, "name_or_path", "") or f"model_{i + 1}")
             for i, m in enumerate(models)
         ]
-        self.pairs = self._pairs(schema, config, preprocessor, DistributedContext.detect())
-        self.pair = self.pairs[0]
-        self.source_a, self.source_b = self.sources[0], self.sources[1]
+        self._set_pairs(schema, config, preprocessor, DistributedContext.detect())
         self.early_calibration = early_calibration  # the sample from_pretrained's early check loaded
         self.merged = False
         self.reference_log: dict[str, Any] | None = None
 
-    def _pairs(self, schema, config, preprocessor, dist) -> list[PairContext]:
+    def _set_pairs(self, schema, config, preprocessor, dist) -> None:
         """One pair context (reference, model i) per model after the reference, sharing one clock."""
-        pairs, timer = [], self.pair.timer if hasattr(self, "pair") else StageTimer()
+        self.pairs, timer = [], self.pair.timer if hasattr(self, "pair") else StageTimer()
         base_model, source_base, base_missing = self._base
         for other in self.models[1:]:
             pair = PairContext(self.models[0], other, schema, config, preprocessor, dist, timer)
             pair.working_files = self.working_files  # one set for every pair: the models are shared
             pair.base = base_for(self.models[0], other, schema, base_model, source_base, base_missing)
-            pairs.append(pair)
-        return pairs
+            self.pairs.append(pair)
+        self.pair = self.pairs[0]
+        self.source_a, self.source_b = self.sources[0], self.sources[1]
 
     # -- the pair, as the stages see it --------------------------------------------------------
     model_a = property(lambda self: self.pair.model_a, doc="Model A, the reference (receives the merged weights).")
@@ -132,23 +114,12 @@ class RaotMerger:
     # -- construction ---------------------------------------------------------------------------
     @classmethod
     def from_pretrained(
-        cls,
-        a: str | Path,
-        b: str | Path,
-        *more: str | Path,
-        config: RaotConfig | None = None,
-        revision: str | None = None,
-        revision_b: str | None = None,
-        token: str | bool | None = None,
-        trust_remote_code: bool = False,
-        allow_pickle: bool = False,
-        base: str | Path | None = None,
-        base_revision: str | None = None,
-        offload: str | bool = "auto",
-        offload_dir: str | Path | None = None,
-        max_memory: str | int | None = None,
-        **options,
-    ) -> RaotMerger:
+        cls, a: str | Path, b: str | Path, *more: str | Path, config: RaotConfig | None = None,
+        revision: str | None = None, revision_b: str | None = None, token: str | bool | None = None,
+        trust_remote_code: bool = False, allow_pickle: bool = False, base: str | Path | None = None,
+        base_revision: str | None = None, offload: str | bool = "auto", offload_dir: str | Path | None = None,
+        max_memory: str | int | None = None, **options,
+    ) -> RaotMerger:  # fmt: skip
         """Load A and B — and any ``more`` models, aligned to the same reference (docs/design.md
         §6.9) — from Hub ids or local directories. ``revision`` applies to A (and to the others
         unless ``revision_b`` is given); ``options`` override fields of ``config``. ``base``
@@ -160,55 +131,25 @@ class RaotMerger:
         available); the result is the same (docs/design.md §7.4)."""
         config = prepare_config(_with_options(config, options), 2 + len(more), base is not None)
         access = dict(token=token, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
-        loaded = load_pair(
-            a,
-            b,
-            config,
-            *more,
-            revision=revision,
-            revision_b=revision_b,
-            base=base,
-            base_revision=base_revision,
-            offload=offload,
-            offload_dir=offload_dir,
-            max_memory=max_memory,
-            **access,
-        )
-        merger = cls(
-            loaded.model_a,
-            loaded.model_b,
-            *loaded.more_models,
-            config=config,
-            preprocessor=loaded.preprocessor,
-            source_a=loaded.sources[0],
-            source_b=loaded.sources[1],
-            more_sources=loaded.sources[2:],
-            base_model=loaded.base_model,
-            source_base=loaded.source_base,
-            base_missing=loaded.base_missing,
-            early_calibration=loaded.early_calibration,
-            working_files=loaded.working_files,
-        )
+        loaded = load_pair(a, b, config, *more, revision=revision, revision_b=revision_b, base=base,
+                           base_revision=base_revision, offload=offload, offload_dir=offload_dir,
+                           max_memory=max_memory, **access)  # fmt: skip
+        merger = cls(loaded.model_a, loaded.model_b, *loaded.more_models, config=config,
+                     preprocessor=loaded.preprocessor, source_a=loaded.sources[0], source_b=loaded.sources[1],
+                     more_sources=loaded.sources[2:], base_model=loaded.base_model, source_base=loaded.source_base,
+                     base_missing=loaded.base_missing, early_calibration=loaded.early_calibration,
+                     working_files=loaded.working_files)  # fmt: skip
         merger.timer.times.update(loaded.times)
         return merger
 
     @classmethod
     def from_models(
-        cls,
-        model_a,
-        model_b,
-        *more_models,
-        preprocessor=None,
-        config: RaotConfig | None = None,
-        base_model=None,
-        working_files: WorkingFiles | None = None,
-        **options,
-    ) -> RaotMerger:
-        """Wrap two (or more) loaded models (the merge writes into ``model_a``, the reference);
-        ``base_model``, for the base-relative rules, may be A's class or the bare model A's head
-        class wraps. (Load it with its own class: parameters ``from_pretrained`` initialised at
-        random cannot be told apart here.) ``working_files``: the models' working files when they
-        were offloaded (:func:`raot_hf.stages.offload.offload_models`; docs/design.md §7.4)."""
+        cls, model_a, model_b, *more_models, preprocessor=None, config: RaotConfig | None = None, base_model=None,
+        working_files: WorkingFiles | None = None, **options,
+    ) -> RaotMerger:  # fmt: skip
+        """Wrap two (or more) loaded models (the merge writes into ``model_a``); ``base_model``, for the
+        base-relative rules, may be A's class or the bare model A's head class wraps (loaded with its own class).
+        ``working_files``: the models' when they were offloaded (:func:`raot_hf.stages.offload.offload_models`)."""
         config = _with_options(config, options)
         models = (model_a, model_b, *more_models)
         return cls(
@@ -234,37 +175,24 @@ class RaotMerger:
         with self.timer.stage("calibration"):
             heldout_phase(self.pair, run, stats, candidates)
 
-    def _calibrate_and_solve(self, calibration) -> tuple[Any, CalibrationRun | None, list, dict]:
-        return calibrate_and_solve(self.pair, calibration, self.early_calibration)
-
     def calibrate_and_solve(self, calibration=None) -> tuple[CalibrationStatistics | None, Any, list, dict]:
-        """The statistics pass and the solve, in the order every process runs them: the fit
-        phase, the candidates (solved by the main process and broadcast when the statistics
-        are sharded, §7), then the held-out phase that scores them. Returns the statistics
-        (held-out sums and Grams; the fit moments are freed), the data's fingerprint, the
-        candidates and the estimators' logs."""
+        """The fit phase, the candidates (§7), then the held-out phase that scores them: the statistics
+        (the fit moments freed), the data's fingerprint, the candidates and the estimators' logs."""
         self._refuse_after_merge()
-        stats, run, parts, logs = self._calibrate_and_solve(calibration)
+        stats, run, parts, logs = calibrate_and_solve(self.pair, calibration, self.early_calibration)
         return stats, (run.fingerprint if run is not None else None), parts, logs
-
-    def _align(self, calibration) -> tuple[Alignment, CalibrationStatistics | None, CalibrationRun | None]:
-        return calibrate_solve_decide(self.pair, calibration, self.early_calibration)
 
     def align(self, calibration=None) -> tuple[Alignment, CalibrationStatistics | None, dict[str, Any] | None]:
         """Estimate every transform in scope, gate each against the identity, and return the
         decisions, the statistics and the data's fingerprint (nothing is applied to the models).
         With more than two models: the reference's alignment with model 2 (``merge`` aligns all)."""
         self._refuse_after_merge()
-        alignment, stats, run = self._align(calibration)
+        alignment, stats, run = calibrate_solve_decide(self.pair, calibration, self.early_calibration)
         return alignment, stats, (run.fingerprint if run is not None else None)
 
     def merge(self, calibration=None) -> MergeResult:
-        """Estimate, gate, apply to B, check B′ ≡ B, merge, and return a :class:`MergeResult`.
-
-        Model A's object receives the merged weights (no third copy of the model is made). With
-        more than two models, each is aligned to the reference and gated on its own, then all are
-        merged by the rule over N models (docs/design.md §6.9); two models are the case N = 2.
-        """
+        """Estimate, gate, apply to B, check B′ ≡ B, merge into model A's object (no third copy), and
+        return a :class:`MergeResult`; with more models each is aligned to the reference (docs/design.md §6.9)."""
         self._refuse_after_merge()
         central = len(self.models) > 2 and self.config.group.reference == "central"
         run = self._reference_to_center(calibration) if central else None
@@ -290,26 +218,15 @@ class RaotMerger:
             order = [index, *(i for i in range(len(self.models)) if i != index)]
             self.models = [self.models[i] for i in order]
             self.sources = [self.sources[i] for i in order]
-            self.pairs = self._pairs(self.pair.schema, self.config, self.preprocessor, self.dist)
-            self.pair = self.pairs[0]
-            self.source_a, self.source_b = self.sources[0], self.sources[1]
+            self._set_pairs(self.pair.schema, self.config, self.preprocessor, self.dist)
         return run
 
 
 def merge_checkpoints(
-    *models: str | Path,
-    out: str | Path,
-    base: str | Path | None = None,
-    config: RaotConfig | None = None,
-    calibration=None,
-    overwrite: bool = False,
-    max_shard_size: str | int = "2GB",
-    max_memory: str | int | None = None,
-    stream: bool = True,
-    offload: str | bool = "auto",
-    offload_dir: str | Path | None = None,
-    **options,
-) -> tuple[Path, dict[str, Any]]:
+    *models: str | Path, out: str | Path, base: str | Path | None = None, config: RaotConfig | None = None,
+    calibration=None, overwrite: bool = False, max_shard_size: str | int = "2GB", max_memory: str | int | None = None,
+    stream: bool = True, offload: str | bool = "auto", offload_dir: str | Path | None = None, **options,
+) -> tuple[Path, dict[str, Any]]:  # fmt: skip
     """Merge checkpoints (two or more local directories or Hub ids) into the directory ``out``;
     returns its path and the report. A merge that reads no data (no alignment, a per-tensor rule)
     of local safetensors checkpoints is streamed from the files a few tensors at a time, whatever

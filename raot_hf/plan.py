@@ -1,8 +1,5 @@
-"""What a merge will do, decided once from its options (docs/architecture.md): which estimator
-runs and what it reads, whether the calibration pass runs and what it collects, whether the gate
-judges the candidates, what the merge rule reads. The stages read this plan instead of each
-re-deriving it from the options.
-"""
+"""What a merge will do, decided once from its options (docs/architecture.md); the stages read this
+plan instead of each re-deriving it."""
 
 from __future__ import annotations
 
@@ -38,14 +35,12 @@ class MergePlan:
     uses_data: bool
 
     def statistics_pass(self, calibration: Any = None, source: Any = None) -> bool:
-        """Whether the calibration pass (fit, then held-out) runs: something reads it, and data is
-        at hand (passed to ``merge``, or the config's source)."""
+        """Whether the calibration pass runs: something reads it, and data is at hand (given or configured)."""
         reads = self.estimator is not None or self.grams or self.fisher
         return bool(reads and (self.needs_data or calibration is not None or source))
 
     def fit_forward(self) -> bool:
-        """Whether the fit examples need a forward at all (weight-based alignment with a linear
-        or Fisher merge reads nothing from them)."""
+        """Whether the fit examples need a forward at all."""
         return self.fit_moments or self.grams
 
 

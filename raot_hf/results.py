@@ -39,15 +39,13 @@ class Alignment:
 
     @property
     def shares_basis(self) -> bool:
-        """True when the gate rejected every transform: the pair already shares a basis. False
-        when nothing could be tested (too few held-out tokens or examples, NaN statistics): then
-        there is no verdict, only the identity by default."""
+        """True when the gate rejected every transform (the pair already shares a basis); False when
+        nothing could be tested (then there is no verdict, only the identity by default)."""
         if not self.decisions or any(d.applied for d in self.decisions):
             return False
         return not all(d.untested for d in self.decisions)
 
     def table(self) -> str:
-        """The gate table as aligned plain text."""
         from raot_hf.outputs.card import gate_table_text
 
         return gate_table_text(self.decisions)

@@ -1,12 +1,6 @@
-"""The gate: every estimate competes with the identity (docs/design.md §5).
-
-* :mod:`raot_hf.gate.decision` — a decision's data (:class:`GateDecision`, :class:`Status`), the
-  paired test and the alignment objective's rule;
-* :mod:`raot_hf.gate.fidelity` — merged computations without a third model (the merge objective);
-* :mod:`raot_hf.gate.merge` — the merge objective's gate: per layer, then the model-level check;
-* :mod:`raot_hf.gate.verdict` — the basis verdict (:class:`Verdict`, :class:`BasisVerdict`) and its line;
-* :mod:`raot_hf.gate.lineage` — sibling detection from the estimates' identity affinities.
-"""
+"""The gate: every estimate competes with the identity (docs/design.md §5). ``decision``: the paired
+test and a decision's data; ``fidelity`` / ``merge``: the merge objective's gate; ``verdict``: the
+basis verdict; ``lineage``: sibling detection."""
 
 from raot_hf.gate.decision import (
     GATE_OBJECTIVES,

@@ -1,12 +1,9 @@
 """The gate: the identity competes with every estimate on held-out statistics (docs/design.md §5).
 
-A transform's held-out gains are one number per unit (MLP), head, or stream coordinate:
-its alignment objective under the estimate minus under the identity. The transform is
-applied only if the mean gain exceeds ``z`` standard errors of that mean — a paired test
-across units, whose noise estimate comes from the held-out split itself — and if the
-held-out split holds enough tokens for the statistic to mean anything. A floor ``min_gain``
-(default 0.01 in cosine / correlation units) keeps statistically real but immaterial gains —
-siblings of one initialization whose bases already agree to within 1% — at the identity.
+A transform's held-out gains are one number per unit (MLP), head, or stream coordinate: its
+alignment objective under the estimate minus under the identity. It is applied only if the mean
+gain exceeds ``z`` standard errors (a paired test across units), the floor ``min_gain`` (cosine /
+correlation units) and the held-out split holds enough tokens.
 """
 
 from __future__ import annotations
@@ -26,16 +23,14 @@ logger = logging.getLogger("raot_hf.gate")
 
 
 class TextEnum(str, Enum):
-    """An enum whose members are their string values: equal to them, formatted as them, and
-    written to JSON as plain strings (the report keeps its strings)."""
+    """An enum whose members are their string values: equal to, formatted and written to JSON as them."""
 
     def __str__(self) -> str:
         return self.value
 
 
 class Status(TextEnum):
-    """Why a decision stands as it does (data, not a sentence: :attr:`GateDecision.reason` is the
-    human-readable line)."""
+    """Why a decision stands as it does (:attr:`GateDecision.reason` is the human-readable line)."""
 
     ACCEPTED = "accepted"  # the paired test passed: applied
     BELOW_MARGIN = "below_margin"  # scored, and the test did not pass
@@ -123,15 +118,8 @@ class GateDecision:
         """The report's row: every field, the status as its string."""
         return {**asdict(self), "status": self.status.value}
 
-    @property
-    def scored(self) -> bool:
-        """Whether a paired test decided it (the merge gate re-decides these)."""
-        return self.status in SCORED
-
-    @property
-    def untested(self) -> bool:
-        """Whether no test could judge the estimate (:data:`UNTESTED`)."""
-        return self.status in UNTESTED
+    scored = property(lambda self: self.status in SCORED, doc="A paired test decided it (the merge gate re-decides).")
+    untested = property(lambda self: self.status in UNTESTED, doc="No test could judge the estimate.")
 
 
 def unscored(kind: str, layer: int | None, applied: bool, status: Status, reason: str, description: str = ""):
@@ -140,19 +128,9 @@ def unscored(kind: str, layer: int | None, applied: bool, status: Status, reason
 
 
 def decide(
-    transform: str,
-    layer: int | None,
-    gains: torch.Tensor,
-    identity: float,
-    *,
-    z: float,
-    min_gain: float = 0.0,
-    heldout_tokens: int,
-    min_tokens: int,
-    is_identity: bool,
-    enabled: bool = True,
-    description: str = "",
-) -> GateDecision:
+    transform: str, layer: int | None, gains: torch.Tensor, identity: float, *, z: float, min_gain: float = 0.0,
+    heldout_tokens: int, min_tokens: int, is_identity: bool, enabled: bool = True, description: str = "",
+) -> GateDecision:  # fmt: skip
     """Decide whether one estimated transform earns its place (the alignment objective's gate)."""
     test = paired_test(gains, z=z, floor=min_gain)
     where = "" if layer is None else f" {layer}"
@@ -195,22 +173,17 @@ GATE_OBJECTIVES = ("merge", "alignment")
 class GateOptions(OptionSection):
     """The gate: the identity competes with every estimate on held-out data.
 
-    ``z``: margin in standard errors of the per-unit gains (3 ⇒ a one-sided false-accept rate
-    of ~0.1% per transform); ``min_gain``: floor on the mean gain (objectives are cosines or
-    correlations in [−1, 1]: below 0.01 the bases already agree); ``min_heldout_tokens``: below
-    it an estimate loses to the identity with a warning. ``objective``: ``merge`` decides each
-    transform by the merged computation's fidelity to A and B′ on ``examples`` held-out
-    examples (docs/design.md §5), ``alignment`` by the alignment objective's held-out gain alone
-    (the earlier gate, an ablation). ``sibling_check`` (merge objective): when every estimate
-    is identity-dominated the parents are fine-tuned siblings and the gate keeps the identity
-    everywhere (docs/design.md §5.4); False lets the merge-fidelity comparison repair drift.
+    ``z``: margin in standard errors of the per-unit gains (3 ⇒ ~0.1% one-sided false accepts per
+    transform); ``min_gain``: floor on the mean gain (objectives are cosines or correlations in [−1, 1]).
+    ``objective``: ``merge`` decides by the merged computation's fidelity to A and B′ on ``examples``
+    held-out examples (docs/design.md §5), ``alignment`` by the alignment objective's gain alone (an
+    ablation). ``sibling_check``: identity-dominated estimates keep the identity everywhere (§5.4).
     """
 
     section = "gate"
 
     enabled: bool = field(
-        default=True,
-        metadata=meta("Let the identity compete with every estimate (default on).", "gate", flag="--gate"),
+        default=True, metadata=meta("Let the identity compete with every estimate (default on).", "gate", flag="--gate")
     )
     objective: str = field(
         default="merge",

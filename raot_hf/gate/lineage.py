@@ -1,23 +1,12 @@
 """Sibling detection: are A and B fine-tunes of one initialization? (docs/design.md §5.4)
 
-A symmetry estimate is a map from B's coordinates to A's. Between independently trained
-models it is as far from the identity as a random map; between fine-tuned siblings it is the
-identity plus drift, because both models kept the coordinates of their common ancestor. The
-*identity affinity* of an estimate measures that:
-
-* a unit or coordinate permutation: the fraction of fixed points (a random permutation of n
-  has one fixed point on average, so chance is ≈ 1/n);
-* a residual rotation O: tr(O)/d (a Haar-random orthogonal matrix has E tr = 0, sd 1);
-* a head alignment: the mean over heads of [head i ↦ head i] · ½(tr(R_qkⁱ) + tr(R_voⁱ))/h.
-
-The pair is *siblings* when the estimates are identity-dominated: their median affinity is
-≥ ``threshold``, and every one is ≥ ``chance_multiple``/n for its size n (no estimate is a
-random map: a B that shares A's basis only in part is not siblings). Measured on the benchmark
-pairs (docs/design.md §5.4): siblings' median affinity 0.58–1.00, independent and
-recipe-different pairs' largest single affinity 0.05. Then the gate keeps the identity everywhere —
-detection, not repair — whatever the merge-fidelity comparison says (it stays in the report as
-evidence), because a map fitted to fine-tuning drift also moves the shared ancestor's weights
-and makes B's task vector against the base meaningless.
+Between independent models an estimate is as far from the identity as a random map; between
+siblings it is the identity plus drift. The *identity affinity* of an estimate: for a permutation,
+its fraction of fixed points (chance ≈ 1/n); for a residual rotation O, tr(O)/d (Haar: E tr = 0,
+sd 1); for a head alignment, the mean over heads of [head i ↦ head i] · ½(tr(R_qkⁱ) + tr(R_voⁱ))/h.
+The pair is *siblings* when the median affinity is ≥ ``threshold`` and every one is ≥
+``chance_multiple``/n (benchmark pairs: siblings' median 0.58–1.00, independent pairs' largest
+single affinity 0.05); the gate then keeps the identity everywhere — detection, not repair.
 """
 
 from __future__ import annotations
@@ -53,12 +42,11 @@ class LineageEvidence:
 
     @property
     def smallest(self) -> float:
-        """The smallest affinity (NaN without estimates)."""
         return min((a["affinity"] for a in self.affinities), default=float("nan"))
 
     @property
     def median(self) -> float:
-        """The median affinity (NaN without estimates)."""
+        """The median affinity (NaN without estimates, like :attr:`smallest`)."""
         values = sorted(a["affinity"] for a in self.affinities)
         if not values:
             return float("nan")
@@ -105,8 +93,7 @@ def identity_affinity(t: Transform) -> tuple[str, int | None, float, int] | None
 def detect_siblings(
     parts: list[Transform], *, threshold: float = SIBLING_AFFINITY, chance_multiple: float = CHANCE_MULTIPLE
 ) -> LineageEvidence:
-    """Siblings iff there is at least one estimate, the median affinity is ≥ ``threshold`` and
-    every estimate is ≥ ``chance_multiple``/n for its size n."""
+    """The affinities of ``parts`` and the sibling verdict drawn from them."""
     evidence = LineageEvidence(threshold=threshold)
     for t in parts:
         measured = identity_affinity(t)

@@ -1,9 +1,5 @@
 """The basis verdict of an alignment: do A and B share a basis, and on what evidence (docs/design.md §5).
-
-The gate's outcome is data — a :class:`Verdict` code and the numbers behind it, a
-:class:`BasisVerdict` — and :func:`render_verdict` is the one function that turns it into the line
-the report, the model card and ``raot-hf inspect`` show (``Alignment.verdict``).
-"""
+A :class:`BasisVerdict` is data; :func:`render_verdict` is the one function that turns it into a line."""
 
 from __future__ import annotations
 
@@ -63,9 +59,7 @@ class BasisVerdict:
     off_path: OffPath | None = None
     affinity: tuple[float, float] | None = None
 
-    @property
-    def text(self) -> str:
-        return render_verdict(self)
+    text = property(lambda self: render_verdict(self))
 
 
 def affinity_phrase(median: float, smallest: float) -> str:

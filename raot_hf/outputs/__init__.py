@@ -1,13 +1,5 @@
-"""What a merge writes (docs/design.md §6): the repository directory ``from_pretrained`` loads.
-
-* :mod:`~raot_hf.outputs.save` — :func:`write_merged_repo`, which orchestrates the rest;
-* :mod:`~raot_hf.outputs.shards` — size parsing, safetensors shards and their index, verification;
-* :mod:`~raot_hf.outputs.atomic` — the atomic temporary-sibling directory;
-* :mod:`~raot_hf.outputs.card` — the model card and every rendering of the gate table and verdict;
-* :mod:`~raot_hf.outputs.report` — ``raot_report.json``, its functional checks (:class:`Check`) and the
-  card's context built from it;
-* :mod:`~raot_hf.outputs.hashing` — SHA-256 of input files for the report.
-"""
+"""What a merge writes (docs/design.md §6): the repository directory ``from_pretrained`` loads, by
+:func:`write_merged_repo` (``save``) from shards, an atomic directory, the card and the report."""
 
 from raot_hf.outputs.atomic import check_destination
 from raot_hf.outputs.card import CARD_NAME, alignment_summary, gate_table_text, render_model_card

@@ -1,6 +1,5 @@
-"""The atomic output directory: everything is written into a hidden temporary sibling
-``<parent>/.<name>.tmp-<random>`` and renamed onto the destination only once it is complete, so
-a crash never leaves a half-written directory behind and an existing output stays untouched."""
+"""The atomic output directory: written into a hidden sibling ``<parent>/.<name>.tmp-<random>`` and
+renamed onto the destination only once complete, so a crash leaves an existing output untouched."""
 
 from __future__ import annotations
 
@@ -20,11 +19,8 @@ __all__ = ["atomic_directory", "check_destination"]
 
 
 def check_destination(out_dir: str | os.PathLike, overwrite: bool) -> Path:
-    """Validate the destination before any heavy work; returns it as an absolute path.
-
-    A non-empty existing directory needs ``overwrite`` and must be a model directory (holding
-    ``config.json`` or ``raot_report.json``); the nearest existing parent must be writable.
-    """
+    """Validate the destination before any heavy work; returns it as an absolute path. A non-empty
+    directory needs ``overwrite`` and must hold ``config.json`` or ``raot_report.json``."""
     out = Path(out_dir).expanduser().absolute()
     if out.exists() or out.is_symlink():
         if not out.is_dir():
@@ -56,8 +52,7 @@ def check_destination(out_dir: str | os.PathLike, overwrite: bool) -> Path:
 
 
 def _make_temp_dir(out: Path) -> Path:
-    """Create the hidden sibling ``.<name>.tmp-<random>`` (umask-respecting permissions), and
-    any missing parent directories of ``out``."""
+    """Create the hidden sibling ``.<name>.tmp-<random>`` (and missing parents of ``out``)."""
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -77,8 +72,7 @@ def _make_temp_dir(out: Path) -> Path:
 
 
 def _move_into_place(temporary: Path, out: Path) -> None:
-    """Rename ``temporary`` onto ``out``; an existing ``out`` is moved aside first and deleted
-    only once the new directory is in place (restored if the rename fails)."""
+    """Rename ``temporary`` onto ``out``; an existing ``out`` is moved aside, deleted once replaced."""
     if not (out.exists() or out.is_symlink()):
         os.rename(temporary, out)
         return
@@ -97,8 +91,7 @@ def _move_into_place(temporary: Path, out: Path) -> None:
 
 @contextmanager
 def atomic_directory(out: Path) -> Iterator[Path]:
-    """Yield a fresh temporary sibling of ``out`` to write into; when the block ends without an
-    error it replaces ``out``. On any error it is removed and an existing ``out`` is untouched."""
+    """Yield a fresh temporary sibling of ``out`` that replaces ``out`` when the block ends without error."""
     temporary = _make_temp_dir(out)
     try:
         yield temporary

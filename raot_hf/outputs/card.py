@@ -1,11 +1,5 @@
-"""The model card ``README.md`` and every rendering of the gate's decisions (docs/design.md §6).
-
-This is the one place that renders the gate table — as markdown for the card and as aligned
-plain text for the CLI and :meth:`raot_hf.Alignment.table` — and the sentences around the basis
-verdict: the card's gate summary, the alignment summary the report records and the card's
-basis-verdict paragraph (the verdict's own line is rendered from its code by
-:func:`raot_hf.gate.verdict.render_verdict`).
-"""
+"""The model card ``README.md`` and every rendering of the gate's decisions (docs/design.md §6): the
+gate table as markdown and as plain text, and the sentences around the basis verdict."""
 
 from __future__ import annotations
 
@@ -60,21 +54,11 @@ under the Transformer's exact symmetries, written by raot-hf {{version}}.
 ```
 """
 
-__all__ = [
-    "CARD_NAME",
-    "alignment_summary",
-    "gate_table_text",
-    "render_model_card",
-    "summary_with_verdict",
-]
-
-
-# ------------------------------------------------------------------- gate decisions as text
+__all__ = ["CARD_NAME", "alignment_summary", "gate_table_text", "render_model_card", "summary_with_verdict"]
 
 
 def gate_table_text(decisions: Sequence[Any]) -> str:
-    """The gate table as aligned plain text: one row per :class:`~raot_hf.gate.GateDecision`,
-    with the alignment-objective gain as a diagnostic column."""
+    """The gate table as aligned plain text, the alignment-objective gain as a diagnostic column."""
     head = (
         f"{'transform':<10} {'layer':>5} {'identity':>10} {'estimate':>10} {'gain':>10} {'margin':>10} "
         f"{'align.gain':>10}  applied"
@@ -95,8 +79,7 @@ def gate_table_text(decisions: Sequence[Any]) -> str:
 
 
 def alignment_summary(decisions: Sequence[Any]) -> str:
-    """One line on what the gate applied: nothing requested, nothing applied (the pair already
-    shares a basis), or how many transforms of which kinds."""
+    """One line on what the gate applied."""
     if not decisions:
         return "no alignment requested: plain merge in the parents' own bases"
     n = sum(d.applied for d in decisions)
@@ -116,8 +99,7 @@ def alignment_summary(decisions: Sequence[Any]) -> str:
 
 
 def summary_with_verdict(summary: str, verdict: str | None, quality: str | None = None) -> str:
-    """The card's summary paragraph, then the one-line basis verdict with its evidence
-    (docs/design.md §5) and the label-free check of the merged model (§6.8), when there are."""
+    """The card's summary, then the basis verdict (docs/design.md §5) and the label-free check (§6.8)."""
     if verdict:
         summary = f"{summary}\n\n**Basis verdict:** {verdict}."
     if quality:
@@ -125,12 +107,8 @@ def summary_with_verdict(summary: str, verdict: str | None, quality: str | None 
     return summary
 
 
-# ------------------------------------------------------------------------- markdown pieces
-
-
 def _template_text() -> str:
-    """The card template: the packaged copy, else the repository's ``model_cards/`` copy
-    (editable installs), else the built-in minimal template."""
+    """The packaged card template, else the repository's ``model_cards/`` copy, else the built-in one."""
     package_dir = Path(__file__).resolve().parent.parent
     for candidate in (package_dir / "templates" / _TEMPLATE_NAME, package_dir.parent / "model_cards" / _TEMPLATE_NAME):
         if candidate.is_file():
@@ -147,8 +125,7 @@ def _yaml_string(value: str) -> str:
 
 
 def _front_matter(card: dict) -> str:
-    """The YAML front matter: ``base_model`` (the Hub ids among A, B and the base), library,
-    pipeline tag and tags."""
+    """The YAML front matter: ``base_model`` (the Hub ids among A, B and the base), library and tags."""
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
@@ -184,14 +161,13 @@ def _cell(value: Any) -> str:
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
-    """A markdown table of ``rows`` under ``header``."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
 
 
 def _gate_markdown(rows: list[dict]) -> tuple[str, str]:
-    """The card's gate summary sentence and markdown table (one row per transform decision)."""
+    """The card's gate summary sentence and markdown table."""
     if not rows:
         return "No gate decisions were recorded.", ""
     applied = sum(bool(row.get("applied")) for row in rows)
@@ -208,16 +184,6 @@ def _gate_markdown(rows: list[dict]) -> tuple[str, str]:
     return summary, table
 
 
-def _checks_table(rows: list[dict]) -> str:
-    """The functional checks (e.g. B′ ≡ B) as a markdown table."""
-    if not rows:
-        return "No functional checks were recorded."
-    header = ["check", "kind", "value", "threshold", "passed"]
-    return _table(
-        header, [[r.get("name"), r.get("kind"), r.get("value"), r.get("threshold"), r.get("passed")] for r in rows]
-    )
-
-
 def _base_rows(card: dict) -> str:
     """The inputs-table rows of models 3, 4, … (a merge of several) and of the base (if any)."""
     rows = [
@@ -230,21 +196,15 @@ def _base_rows(card: dict) -> str:
     return "\n".join(rows)
 
 
-# ------------------------------------------------------------------------------ the card
-
-
-def _names(card: dict) -> str:
-    names = [str(card["model_a"]), str(card["model_b"]), *(str(m["id"]) for m in card.get("more_models") or [])]
-    return ", ".join(names[:-1]) + " and " + names[-1]
-
-
 def _placeholder_values(card: dict) -> dict[str, str]:
     """The text of every template placeholder, from the card context."""
     gate_summary, gate_table = _gate_markdown(list(card.get("gate_rows") or []))
-    alpha = card.get("alpha")
+    alpha, checks = card.get("alpha"), list(card.get("checks") or [])
+    names = [str(card["model_a"]), str(card["model_b"]), *(str(m["id"]) for m in card.get("more_models") or [])]
+    check_keys = ["name", "kind", "value", "threshold", "passed"]
     return {
         "front_matter": _front_matter(card),
-        "title": f"RaOT merge of {_names(card)}",
+        "title": f"RaOT merge of {', '.join(names[:-1])} and {names[-1]}",
         "model_a": str(card["model_a"]),
         "model_b": str(card["model_b"]),
         "revision_a": str(card.get("revision_a") or "not pinned"),
@@ -257,7 +217,11 @@ def _placeholder_values(card: dict) -> dict[str, str]:
         "alpha": _cell(float(alpha)) if alpha is not None else "—",
         "gate_summary": gate_summary,
         "gate_table": gate_table,
-        "checks_table": _checks_table(list(card.get("checks") or [])),
+        "checks_table": (
+            _table(["check", *check_keys[1:]], [[r.get(k) for k in check_keys] for r in checks])
+            if checks
+            else "No functional checks were recorded."
+        ),
         "summary": str(card.get("summary") or ""),
         "command": str(card.get("command") or "# command not recorded"),
         "version": str(card.get("version") or __version__),
@@ -265,26 +229,14 @@ def _placeholder_values(card: dict) -> dict[str, str]:
 
 
 def render_model_card(card: dict, *, template: str | None = None) -> str:
-    """Render the model card ``README.md`` from ``card``.
-
-    Keys of ``card`` (only ``model_a`` and ``model_b`` are required):
-
-    * ``model_a``, ``model_b``: ids (or local paths) of the inputs; Hub ids go into the YAML
-      ``base_model`` list (local paths are left out there, as the Hub would reject them).
-    * ``base_model``, ``revision_base`` (optional): the model A and B were fine-tuned from, for
-      the base-relative rules; listed in ``base_model`` too and in the card's inputs.
-    * ``revision_a``, ``revision_b``: the revisions (commit hashes) that were loaded.
-    * ``more_models`` (optional): with more than two models, ``{"id", "revision"}`` of models 3, 4, ….
-    * ``method``: how B was aligned (estimator); ``scope``: what was aligned (heads, MLP, stream).
-    * ``merge_rule``: e.g. ``linear`` or ``regmean``; ``alpha``: the interpolation weight.
-    * ``gate_rows``: one dict per gate decision with ``transform``, ``layer``, ``identity``
-      (score under the identity), ``estimate`` (score under the estimate), ``margin``, ``applied``.
-    * ``checks``: dicts with ``name``, ``value``, ``threshold``, ``passed`` and optionally
-      ``kind`` (``exact`` / ``approximate``), e.g. the max deviation of B′ vs B.
-    * ``summary``: free text under the title; ``command``: the CLI command that reproduces it.
-    * ``pipeline_tag`` (optional): Hub pipeline tag; ``version``: raot-hf version.
-
-    ``template`` (text with ``{{name}}`` placeholders) defaults to ``model_cards/raot_merge.md``.
+    """Render the model card ``README.md`` from ``card`` (``template``: text with ``{{name}}``
+    placeholders, default ``model_cards/raot_merge.md``). Keys of ``card``, only the first two required:
+    ``model_a``, ``model_b`` (ids or local paths; Hub ids go into the YAML ``base_model`` list),
+    ``revision_a``, ``revision_b``, ``base_model``, ``revision_base``, ``more_models`` (``{"id",
+    "revision"}`` of models 3, 4, …), ``method``, ``scope``, ``merge_rule``, ``alpha``, ``gate_rows``
+    (``transform``, ``layer``, ``identity``, ``estimate``, ``margin``, ``applied``), ``checks``
+    (``name``, ``value``, ``threshold``, ``passed``, ``kind``), ``summary``, ``command``,
+    ``pipeline_tag``, ``version``.
     """
     missing = [key for key in ("model_a", "model_b") if not card.get(key)]
     if missing:

@@ -14,7 +14,7 @@ __all__ = ["file_sha256", "hash_checkpoint_files"]
 
 
 def file_sha256(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
-    """Return the hex SHA-256 of the file at ``path``, read in ``chunk_size`` blocks."""
+    """The hex SHA-256 of the file at ``path``."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(chunk_size), b""):

@@ -23,10 +23,9 @@ __all__ = ["REPORT_NAME", "Check", "model_card_context", "report_to_json"]
 
 @dataclass(frozen=True)
 class Check:
-    """One functional check (B′ ≡ B, docs/design.md §5.5): the largest relative deviation of B′'s
-    outputs from B's on the held-out inputs, against the threshold an exact transform meets in
-    the model's dtype. ``exact``: the alignment is exact, so a deviation above the threshold is a
-    bug (it raises before a check is recorded); an approximate one records what it measured."""
+    """One functional check (B′ ≡ B, docs/design.md §5.5): the largest relative deviation of B′'s outputs
+    from B's on held-out inputs against the threshold an exact transform meets in the model's dtype
+    (``exact``: above it is a bug, raised before a check is recorded)."""
 
     name: str
     value: float
@@ -34,13 +33,9 @@ class Check:
     exact: bool
     passed: bool
 
-    @property
-    def kind(self) -> str:
-        """The kind the model card lists: "exact" or "approximate"."""
-        return "exact" if self.exact else "approximate"
+    kind = property(lambda self: "exact" if self.exact else "approximate", doc="The kind the model card lists.")
 
     def to_dict(self) -> dict[str, Any]:
-        """The report's entry: name, value, threshold, exact, passed."""
         return asdict(self)
 
     @classmethod
@@ -58,15 +53,6 @@ _PIPELINE_TAGS = {
 }
 
 
-def _base_rule_options(rule: str | None) -> tuple[str, ...]:
-    """The RaotConfig fields (dotted paths) a base-relative rule reads, from its registration (none for other rules)."""
-    from raot_hf.merging import available_merge_rules, merge_rule_spec
-
-    if rule not in available_merge_rules() or not merge_rule_spec(rule).needs_base:
-        return ()
-    return tuple(merge_rule_spec(rule).options.values())
-
-
 def _method_description(alignment: str | None) -> str | None:
     """The card's line for the estimator, from its registration."""
     from raot_hf.estimators import available_estimators, estimator_spec
@@ -79,7 +65,7 @@ def _method_description(alignment: str | None) -> str | None:
 
 
 def model_card_context(report: dict[str, Any]) -> dict[str, Any]:
-    """The ``card`` dict :func:`raot_hf.outputs.card.render_model_card` renders, built from a report."""
+    """The ``card`` dict :func:`raot_hf.outputs.card.render_model_card` renders, from a report."""
     settings = report.get("settings", {})
     inputs = report.get("inputs", {})
     a, b = inputs.get("a", {}), inputs.get("b", {})
@@ -105,8 +91,18 @@ def model_card_context(report: dict[str, Any]) -> dict[str, Any]:
         "revision_base": base.get("commit") or base.get("revision"),
         "alpha": settings.get("alpha"),
         "scope": ", ".join(scope) if scope else "none",
-        "gate_rows": _gate_rows(report.get("decisions", [])),
-        "checks": _check_rows(report.get("checks", [])),
+        "gate_rows": [
+            {
+                "transform": d["transform"] if "model" not in d else f"{d['transform']} (model {d['model']})",
+                "layer": "-" if d.get("layer") is None else d["layer"],
+                **{k: d.get(k) for k in ("identity", "estimate", "margin", "applied")},
+            }
+            for d in report.get("decisions", [])
+        ],
+        "checks": [
+            dict(name=c.name, value=c.value, threshold=c.threshold, passed=c.passed, kind=c.kind)
+            for c in map(Check.from_dict, report.get("checks", []))
+        ],
         "summary": summary_with_verdict(
             report.get("summary", ""), report.get("verdict"), describe_quality(report.get("quality"))
         ),
@@ -119,27 +115,6 @@ def model_card_context(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _gate_rows(decisions: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The card's gate-table rows from the report's decisions."""
-    return [
-        {
-            "transform": d["transform"] if "model" not in d else f"{d['transform']} (model {d['model']})",
-            "layer": "-" if d.get("layer") is None else d["layer"],
-            "identity": d.get("identity"),
-            "estimate": d.get("estimate"),
-            "margin": d.get("margin"),
-            "applied": d.get("applied"),
-        }
-        for d in decisions
-    ]
-
-
-def _check_rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The card's functional-check rows from the report's checks."""
-    checks = [Check.from_dict(entry) for entry in entries]
-    return [dict(name=c.name, value=c.value, threshold=c.threshold, passed=c.passed, kind=c.kind) for c in checks]
-
-
 def _rule_description(settings: dict[str, Any], merge_log: dict[str, Any]) -> str | None:
     """The rule's name (with the options a base-relative rule read, e.g. ``ties (density 0.2, …)``),
     and the post-merge correction when one ran."""
@@ -149,11 +124,6 @@ def _rule_description(settings: dict[str, Any], merge_log: dict[str, Any]) -> st
         return described
     how = correction_description(correction["method"])
     return f"{described}, then corrected layer by layer ({how} on {correction['examples']} calibration examples)"
-
-
-def _shown(value: Any) -> Any:
-    """An option's value for the card (None: the rule's default)."""
-    return "default" if value is None else value
 
 
 def _mergekit_note(rule: str | None, settings: dict[str, Any]) -> str:
@@ -168,12 +138,16 @@ def _mergekit_note(rule: str | None, settings: dict[str, Any]) -> str:
 
 
 def _rule_with_options(settings: dict[str, Any], merge_log: dict[str, Any]) -> str | None:
+    from raot_hf.merging import available_merge_rules, merge_rule_spec
+
     rule = settings.get("merge_rule")
-    fields = _base_rule_options(rule)
+    base_relative = rule in available_merge_rules() and merge_rule_spec(rule).needs_base
+    fields = tuple(merge_rule_spec(rule).options.values()) if base_relative else ()  # the RaotConfig paths it reads
     note = _mergekit_note(rule, settings)
     if not fields:
         return f"{rule}{note}" if rule else rule
-    options = ", ".join(f"{key.rsplit('.', 1)[-1]} {_shown(setting_at(settings, key))}" for key in fields)
+    shown = [(key.rsplit(".", 1)[-1], setting_at(settings, key)) for key in fields]  # None: the rule's default
+    options = ", ".join(f"{name} {'default' if value is None else value}" for name, value in shown)
     fallback = len((merge_log.get("settings") or {}).get("not_in_base") or [])
     tail = f"; {fallback} parameter(s) not in the base merged linearly" if fallback else ""
     totals = merge_log.get("totals") or {}
@@ -207,7 +181,7 @@ def _command(models: list[str | None], settings: dict[str, Any], base: str | Non
 
 
 def _json_default(value: Any) -> Any:
-    """``json.dump`` hook for the scalars and containers a report may still hold."""
+    """``json.dump`` hook for the tensors, scalars and containers a report may still hold."""
     if isinstance(value, torch.Tensor):
         return value.item() if value.numel() == 1 else value.tolist()
     if isinstance(value, (torch.dtype, torch.device, Path)):

@@ -1,12 +1,6 @@
-"""Write a merged model as a repository directory that ``from_pretrained`` loads (docs/design.md §6).
-
-The directory holds ``config.json``, the weights as ``*.safetensors`` shards with
-``model.safetensors.index.json`` (:mod:`raot_hf.outputs.shards`), A's tokenizer / processor, the
-model card ``README.md`` (:mod:`raot_hf.outputs.card`), ``raot_report.json``
-(:mod:`raot_hf.outputs.report`) and, when B was moved, ``raot_transform.safetensors``. It is
-written atomically (:mod:`raot_hf.outputs.atomic`): the weights are checked in a temporary sibling
-before it is renamed onto the destination.
-"""
+"""Write a merged model as a repository directory that ``from_pretrained`` loads (docs/design.md §6):
+``config.json``, safetensors shards and index, A's tokenizer / processor, ``README.md``,
+``raot_report.json`` and, when B was moved, ``raot_transform.safetensors``; written atomically."""
 
 from __future__ import annotations
 
@@ -74,57 +68,22 @@ def save_config(model: torch.nn.Module, directory: Path) -> None:
         model.generation_config.save_pretrained(str(directory))
 
 
-def _save_weights(model: torch.nn.Module, directory: Path, max_shard_bytes: int, working_files=None) -> None:
-    """Write the weights as shards plus index into ``directory`` and check them from the files
-    (``working_files``: the model's, when it is offloaded)."""
-    tensors = weights_to_save(model, working_files)
-    total_parameters = model.num_parameters() if hasattr(model, "num_parameters") else None
-    write_safetensors_shards(
-        directory, tensors, max_shard_bytes, total_parameters=total_parameters, working_files=working_files
-    )
-    verify_written_weights(directory, set(tensors))
-
-
 def write_merged_repo(
-    out_dir: str | os.PathLike,
-    model: torch.nn.Module,
-    *,
-    preprocessor_source: Any = None,
-    report: dict,
-    card: dict,
-    overwrite: bool = False,
-    max_shard_size: int | str = "2GB",
-    trust_remote_code: bool = False,
-    transform: Any = None,
-    more_transforms: dict | None = None,
-    working_files: Any = None,
-) -> Path:
-    """Write ``model`` as a repository directory that ``from_pretrained`` loads; return its path.
+    out_dir: str | os.PathLike, model: torch.nn.Module, *, preprocessor_source: Any = None, report: dict,
+    card: dict, overwrite: bool = False, max_shard_size: int | str = "2GB", trust_remote_code: bool = False,
+    transform: Any = None, more_transforms: dict | None = None, working_files: Any = None,
+) -> Path:  # fmt: skip
+    """Write the merged ``model`` (a ``PreTrainedModel``) as a repository directory; return its path.
 
-    Args:
-        out_dir: destination directory. If it exists and is non-empty, ``overwrite`` must be
-            true and it must be a model directory (holding ``config.json`` or
-            ``raot_report.json``); it is then replaced as a whole.
-        model: a ``transformers`` ``PreTrainedModel`` (the merged model).
-        preprocessor_source: model A's local directory or Hub id (its tokenizer / image
-            processor is loaded with ``AutoProcessor``, ``AutoTokenizer`` or
-            ``AutoImageProcessor``), or an already loaded object with ``save_pretrained``.
-            If nothing can be loaded a warning is logged and the output has none.
-        report: JSON-safe provenance record written to ``raot_report.json``.
-        card: model card context, see :func:`~raot_hf.outputs.card.render_model_card`.
-        overwrite: replace an existing non-empty output directory.
-        max_shard_size: largest shard in bytes, or a size string like ``"2GB"``.
-        trust_remote_code: passed to the preprocessor loaders.
-        transform: the alignment applied to B (a :class:`~raot_hf.symmetry.TransformSequence`); when it
-            is not empty it is written, bit-exact, to ``raot_transform.safetensors``.
-        more_transforms: file name → alignment of a further model (a merge of several models),
-            each written the same way when it is not empty.
-        working_files: the :class:`~raot_hf.io.offload.WorkingFiles` behind ``model``'s
-            parameters when it is offloaded (docs/design.md §7.4); None: it is in memory.
-
-    Everything is written to ``<parent>/.<name>.tmp-<random>``, the weight files are checked
-    against the expected key set, then the directory is renamed into place. On any error the
-    temporary directory is removed and an existing ``out_dir`` is left untouched.
+    ``out_dir``, if non-empty, is replaced only with ``overwrite`` and only if it is a model directory
+    (:func:`~raot_hf.outputs.atomic.check_destination`). ``preprocessor_source``: A's directory or Hub id,
+    or a loaded tokenizer / processor (none loadable: a warning). ``report`` goes to ``raot_report.json``,
+    ``card`` is :func:`~raot_hf.outputs.card.render_model_card`'s context; ``max_shard_size`` in bytes or
+    like ``"2GB"``. ``transform`` (B's alignment) and ``more_transforms`` (file name → a further model's)
+    are written bit-exact when not empty. ``working_files``: the :class:`~raot_hf.io.offload.WorkingFiles`
+    behind ``model``'s parameters when it is offloaded (docs/design.md §7.4). The weight files are checked
+    against the expected keys in a temporary sibling before it is renamed into place; on any error
+    ``out_dir`` is left untouched.
     """
     if not hasattr(getattr(model, "config", None), "save_pretrained"):
         raise RaotError(f"cannot write {type(model).__name__}: it has no transformers config; pass a PreTrainedModel")
@@ -136,7 +95,11 @@ def write_merged_repo(
     with atomic_directory(out) as temporary:
         save_preprocessor(preprocessor_source, temporary, trust_remote_code)
         save_config(model, temporary)
-        _save_weights(model, temporary, max_shard_bytes, working_files)
+        tensors = weights_to_save(model, working_files)
+        total_parameters = model.num_parameters() if hasattr(model, "num_parameters") else None
+        write_safetensors_shards(temporary, tensors, max_shard_bytes, total_parameters=total_parameters,
+                                 working_files=working_files)  # fmt: skip
+        verify_written_weights(temporary, set(tensors))
         (temporary / CARD_NAME).write_text(card_text, encoding="utf-8", newline="\n")
         (temporary / REPORT_NAME).write_text(report_text, encoding="utf-8", newline="\n")
         from raot_hf.symmetry.io import TRANSFORM_NAME, save_transform

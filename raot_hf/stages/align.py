@@ -17,10 +17,8 @@ from raot_hf.stages.solve import solve
 def calibrate_and_solve(
     ctx: PairContext, calibration, early=None, like: CalibrationRun | None = None
 ) -> tuple[Any, CalibrationRun | None, list, dict]:
-    """The fit phase, the candidates (solved by the main process and broadcast when the
-    statistics are sharded, §7), then the held-out phase that scores them. Returns the statistics
-    (held-out sums and Grams; the fit moments are freed), the run, the candidates and the logs.
-    ``like``: another pair's run on the same sample, whose dataset and tokens are reused."""
+    """The fit phase, the candidates (§7), then the held-out phase that scores them: the statistics
+    (the fit moments freed), the run, the candidates and the logs; ``like``: another pair's run."""
     stats = run = None
     if statistics_pass_needed(ctx.config, calibration):
         with ctx.timer.stage("calibration"):

@@ -1,8 +1,5 @@
-"""Stage: apply the accepted transforms to B and check that B′ computes B's function (docs/design.md §5.5).
-
-The check replays the held-out inputs kept by the calibration pass (synthetic inputs without
-calibration data) and compares B′'s primary outputs with B's, mapped by the stream action.
-"""
+"""Stage: apply the accepted transforms to B and check that B′ computes B's function (docs/design.md §5.5)
+on the held-out inputs kept by the calibration pass (synthetic inputs without calibration data)."""
 
 from __future__ import annotations
 
@@ -52,15 +49,22 @@ def _check_inputs(ctx: PairContext, run) -> tuple[list[dict], list[dict]]:
     return inputs, reference
 
 
-def deviation(ctx: PairContext, reference, inputs, actions) -> float:
-    """max |r − c| / max |r| over B′'s primary outputs c against B's r (padding masked; the
-    stream output mapped by the residual action)."""
+def checked_deviation(ctx: PairContext, reference, inputs, actions, exact: bool, what: str) -> tuple[float, float]:
+    """(max |r − c| / max |r| over B′'s primary outputs c against B's r — padding masked, the stream
+    output mapped by the residual action —, the dtype's exactness threshold); an ``exact`` alignment
+    above the threshold raises, naming ``what`` changed B."""
     stream = actions["residual"].dense(ctx.schema.hidden_size) if "residual" in actions else None
-    worst = 0.0
+    value = 0.0
     for ref, x in zip(reference, inputs, strict=True):
         cand = primary_outputs(ctx.model_b, on_device_of(ctx.model_b, x))
-        worst = max(worst, compare_outputs(ref, cand, x.get("attention_mask"), stream, relative=True))
-    return worst
+        value = max(value, compare_outputs(ref, cand, x.get("attention_mask"), stream, relative=True))
+    threshold = exactness_threshold(next(ctx.model_b.parameters()).dtype, ctx.schema.norm_dtype)
+    if exact and value > threshold:
+        raise EquivalenceError(
+            f"{what} changed B's function (relative deviation {value:.3g} > {threshold}); "
+            "this is a bug in raot_hf — please report it with raot_report.json"
+        )
+    return value, threshold
 
 
 def apply_and_check(ctx: PairContext, alignment: Alignment, run) -> list[Check]:
@@ -75,21 +79,11 @@ def apply_and_check(ctx: PairContext, alignment: Alignment, run) -> list[Check]:
             transform_model(ctx.model_b, ctx.schema, alignment.applied, working_files=ctx.working_files)
             if needs_folding(ctx.schema, actions):
                 fold_model(ctx.model_a, ctx.schema, working_files=ctx.working_files)
-        value = deviation(ctx, reference, inputs, actions)
-        threshold = exactness_threshold(next(ctx.model_b.parameters()).dtype, ctx.schema.norm_dtype)
-        check = Check(
-            name="B′ ≡ B on held-out inputs (max relative deviation)",
-            value=value,
-            threshold=threshold,
-            exact=alignment.exact,
-            passed=value <= threshold or not alignment.exact,
-        )
-        if alignment.exact and value > threshold:
-            raise EquivalenceError(
-                f"an exact transform changed B's function (relative deviation {value:.3g} > {threshold}); "
-                "this is a bug in raot_hf — please report it with raot_report.json"
-            )
-        if not alignment.exact:
+        exact = alignment.exact
+        value, threshold = checked_deviation(ctx, reference, inputs, actions, exact, "an exact transform")
+        name = "B′ ≡ B on held-out inputs (max relative deviation)"
+        check = Check(name, value, threshold, exact, passed=value <= threshold or not exact)
+        if not exact:
             logger.warning(
                 "approximate alignment (post-LN rotation, soft transport or RoPE-unrestricted heads): "
                 "B′ deviates from B by %.3g",

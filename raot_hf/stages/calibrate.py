@@ -1,9 +1,8 @@
 """Stage: the calibration pass — fit phase, then held-out phase (docs/design.md §4.1, §7.1).
 
-Each example goes through A and B once: the fit examples feed the estimators' moments (and
-RegMean's Grams), the held-out examples score the candidates against the identity and keep
-the inputs and B's outputs the B′ ≡ B check replays. Under ``accelerate launch`` each process
-runs its shard and the sums are all-reduced (shards never pad or repeat examples).
+The fit examples feed the estimators' moments (and RegMean's Grams); the held-out examples score
+the candidates and keep the B′ ≡ B check's inputs. Under ``accelerate launch`` each process runs
+its shard and the sums are all-reduced (shards never pad or repeat examples).
 """
 
 from __future__ import annotations
@@ -40,8 +39,8 @@ logger = logging.getLogger("raot_hf.stages.calibrate")
 
 @dataclass
 class CalibrationRun:
-    """The calibration sample as used: the dataset, its resolved settings, its fingerprint for the
-    report, and the held-out inputs and B's outputs kept for the B′ ≡ B check."""
+    """The calibration sample as used: dataset, resolved settings, fingerprint for the report, and the
+    held-out inputs and B's outputs kept for the B′ ≡ B check."""
 
     dataset: Any
     config: CalibrationConfig
@@ -60,8 +59,7 @@ class CalibrationRun:
 
 @dataclass(frozen=True)
 class CheckedSample:
-    """A calibration sample loaded and checked before any weights are read: the request it
-    answers, the dataset and its resolved column (the pass reuses it: read and announced once)."""
+    """A calibration sample loaded and checked before any weights are read (the pass reuses it)."""
 
     request: dict[str, Any]
     dataset: Any
@@ -69,8 +67,7 @@ class CheckedSample:
 
 
 def check_calibration_early(cal: CalibrationConfig, preprocessor) -> CheckedSample:
-    """Load the calibration sample and resolve its column before any weights are read, so a
-    wrong path, split, column or modality fails in seconds."""
+    """Load the sample and resolve its column before any weights are read: a wrong one fails in seconds."""
     dataset = load_calibration_dataset(cal)
     column = check_column(dataset, cal.column, detect_modality(preprocessor), model_label="model A")
     check_tokenizer_reads_text(dataset, column, preprocessor)
@@ -96,9 +93,8 @@ def resolve_calibration(ctx: PairContext, calibration) -> tuple[CalibrationConfi
 def open_calibration(
     ctx: PairContext, calibration, early: CheckedSample | None = None, like: CalibrationRun | None = None
 ) -> CalibrationRun:
-    """Load (or reuse the early check's) calibration sample and resolve its column. ``like``: a run
-    of another pair on the same sample (a merge of several models): its dataset and tokens are
-    reused, so the sample is read and tokenized once."""
+    """Load (or reuse the early check's) calibration sample and resolve its column. ``like``: another
+    pair's run on the same sample, whose dataset and tokens are reused."""
     if like is not None:
         fingerprint = dataset_fingerprint(like.dataset, like.config.column)
         return CalibrationRun(like.dataset, like.config, fingerprint, encodings=like.encodings)
@@ -137,26 +133,13 @@ def fit_phase(ctx: PairContext, run: CalibrationRun) -> CalibrationStatistics:
     cfg, plan = ctx.config, ctx.plan
     # Σbᵀb of the stream is read only when a residual rotation is estimated
     rotation = "residual" in cfg.scope and residual_mode(ctx.schema, cfg.residual) in ("rotation", "orthogonal")
-    stats = run_phase(
-        ctx,
-        run,
-        "fit",
-        forward=plan.fit_forward(),
-        stream_full=rotation,
-        moment_stride=run.config.moment_stride,
-        moments=plan.fit_moments,
-        **moment_options(ctx, run),
-    )
+    stats = run_phase(ctx, run, "fit", forward=plan.fit_forward(), stream_full=rotation, moments=plan.fit_moments,
+                      moment_stride=run.config.moment_stride, **moment_options(ctx, run))  # fmt: skip
     run.fingerprint.update(
-        {
-            "fit_examples": stats.examples,
-            "fit_tokens": int(stats.fit.tokens),
-            "moment_tokens": int(stats.fit.moment_tokens),
-            "mlp_moment_tokens": [int(m.n_cross) for m in stats.fit.mlp],
-            "moment_precision": run.moment_precision,
-            "config": run.config.to_dict(),
-        }
-    )
+        fit_examples=stats.examples, fit_tokens=int(stats.fit.tokens), moment_tokens=int(stats.fit.moment_tokens),
+        mlp_moment_tokens=[int(m.n_cross) for m in stats.fit.mlp], moment_precision=run.moment_precision,
+        config=run.config.to_dict(),
+    )  # fmt: skip
     if not all(torch.isfinite(t).all() for t in stats.fit.tensors()):
         logger.warning("NaN/Inf in fit activations: affected estimates will lose to the identity")
     return stats
@@ -176,9 +159,8 @@ def heldout_phase(ctx: PairContext, run: CalibrationRun, stats: CalibrationStati
 
 
 def _keep_check_rows(ctx: PairContext, run: CalibrationRun, batch, output_b) -> None:
-    """B's outputs on the first held-out rows are the B′ ≡ B check's reference (as many rows as
-    a mixed batch holds held-out rows: the check is one forward); without ``output_b`` only the
-    inputs are kept."""
+    """Keep the first held-out rows (as many as a mixed batch holds) and B's outputs on them (when
+    given) for the B′ ≡ B check."""
     if len(run.check_inputs) >= ctx.config.check_batches:
         return
     rows = max(1, run.config.batch_size // run.config.heldout_every)
@@ -190,15 +172,14 @@ def _keep_check_rows(ctx: PairContext, run: CalibrationRun, batch, output_b) -> 
 
 
 def layer_by_layer(ctx: PairContext) -> bool:
-    """Whether the calibration pass runs layer by layer: the models are offloaded to working
-    files (docs/design.md §7.4) and the pass is one process on the models' own device."""
+    """Whether the pass runs layer by layer: models offloaded to working files (docs/design.md §7.4),
+    one process on the models' own device."""
     home = next(ctx.model_a.parameters()).device
     return ctx.working_files.of(ctx.model_a) is not None and not ctx.dist.is_distributed and ctx.stats_device == home
 
 
 def _solves_early(ctx: PairContext) -> bool:
-    """Whether a layer-by-layer fit phase solves each layer as soon as it is complete: the
-    activation estimator with layers in scope, on models offloaded to working files."""
+    """Whether a layer-by-layer fit phase solves each layer once it is complete (activation estimator)."""
     from raot_hf.estimators import estimator_spec
     from raot_hf.estimators.builtin import activation_candidates
 
@@ -209,8 +190,7 @@ def _solves_early(ctx: PairContext) -> bool:
 
 
 def _early_solver(ctx: PairContext, stats: CalibrationStatistics):
-    """Each layer solved (and its MLP co-moment freed) once its last batch has passed, when
-    :func:`_solves_early`; else None."""
+    """Solves a layer (and frees its MLP co-moment) after its last batch, when :func:`_solves_early`."""
     from raot_hf.estimators.builtin import solve_layer_early
     from raot_hf.stages.context import one_thread
 
@@ -226,9 +206,8 @@ def _early_solver(ctx: PairContext, stats: CalibrationStatistics):
 
 
 def _fold_batches(ctx: PairContext, run: CalibrationRun, collector, phase: str, shard: dict, total: int) -> None:
-    """This process's batches of ``phase`` into ``collector``: batch by batch over the whole
-    models, or layer by layer (:func:`layer_by_layer`; the held-out phase then keeps only the
-    check's inputs: B's outputs on them are taken before B is transformed)."""
+    """This process's batches of ``phase`` into ``collector``, batch by batch or :func:`layer_by_layer`
+    (then the held-out phase keeps only the check's inputs)."""
     batches = run.batches(ctx.preprocessor, **shard)
     progress = {"desc": f"calibration ({phase})", "disable": not ctx.dist.is_main}
     if layer_by_layer(ctx):
@@ -255,23 +234,21 @@ def run_phase(
     ctx: PairContext, run: CalibrationRun, phase: str, *, forward: bool = True, **collector_options
 ) -> CalibrationStatistics:
     """Forward this process's shard of one split through A and B, then sum across processes
-    (``forward=False``: the phase has nothing to collect — its sums stay zero)."""
+    (``forward=False``: the sums stay zero)."""
     home, device = next(ctx.model_a.parameters()).device, ctx.stats_device
     if device != home:  # forward passes on this process's accelerator (accelerate --multi_gpu), then back
         ctx.model_a.to(device)
         ctx.model_b.to(device)
-    rank, world = ctx.dist.rank, ctx.dist.world_size
-    shard = {"rank": rank, "world_size": world, "split": phase}
+    world = ctx.dist.world_size
+    shard = {"rank": ctx.dist.rank, "world_size": world, "split": phase}
     total = count_calibration_batches(run.dataset, run.config, **shard) if forward else 0
     if phase == "heldout":
         run.check_inputs, run.check_reference = [], []
-    grams = ctx.plan.grams
     if phase == "fit" and forward and _solves_early(ctx):
         collector_options["defer_mlp"] = True  # each layer's f × f sum lives only while its layer runs
     try:
-        with StatisticsCollector(
-            ctx.model_a, ctx.model_b, ctx.schema, phase=phase, grams=grams, **collector_options
-        ) as collector:
+        options = dict(phase=phase, grams=ctx.plan.grams, **collector_options)
+        with StatisticsCollector(ctx.model_a, ctx.model_b, ctx.schema, **options) as collector:
             if forward:
                 _fold_batches(ctx, run, collector, phase, shard, total)
         stats = collector.stats

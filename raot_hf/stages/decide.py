@@ -1,10 +1,5 @@
-"""Stage: the gate — every candidate competes with the identity (docs/design.md §5).
-
-First each candidate's held-out alignment-objective gain (:func:`alignment_decisions`); then,
-under the default merge objective, :func:`raot_hf.gate.merge.merge_gate` re-decides them by the
-merged computation's fidelity and the sibling check; :func:`decide` returns the
-:class:`raot_hf.results.Alignment` with what is to be applied to B.
-"""
+"""Stage: the gate — every candidate competes with the identity (docs/design.md §5): first by its
+held-out alignment-objective gain, then (merge objective) :func:`raot_hf.gate.merge.merge_gate`."""
 
 from __future__ import annotations
 
@@ -54,24 +49,14 @@ def _scored(ctx: PairContext, t: Transform, stats, unchanged: bool) -> GateDecis
     else:
         gains, identity = residual_gains(ho.stream)
     gate = cfg.gate
-    return decide_one(
-        kind,
-        layer,
-        gains,
-        identity,
-        z=gate.z,
-        min_gain=gate.min_gain,
-        heldout_tokens=int(ho.tokens),
-        min_tokens=gate.min_heldout_tokens,
-        is_identity=unchanged,
-        enabled=gate.enabled,
-        description=t.describe(),
-    )
+    return decide_one(kind, layer, gains, identity, z=gate.z, min_gain=gate.min_gain, heldout_tokens=int(ho.tokens),
+                      min_tokens=gate.min_heldout_tokens, is_identity=unchanged, enabled=gate.enabled,
+                      description=t.describe())  # fmt: skip
 
 
 def alignment_decisions(ctx: PairContext, parts: list[Transform], stats) -> list[GateDecision]:
     """One row per candidate (head rescales follow their layer's heads): the alignment objective's
-    decision, or why the candidate is not gated (soft transport, no calibration data)."""
+    decision, or why it is not gated."""
     decisions = []
     scaled = {t.layer for t in parts if isinstance(t, HeadRescale) and not is_identity(t)}
     for t in parts:

@@ -1,12 +1,8 @@
 """Stage: each model aligned to one reference basis, gated on its own (docs/design.md §6.9).
 
-A merge of N ≥ 2 models is one pipeline: model 1 (or the most central model,
-``group.reference="central"``) is the reference, and every other model i — model 2 alone when two
-are merged — runs calibration pass, solve, gate, apply and the B′ᵢ ≡ Bᵢ check against it, so a
-sibling of the reference is detected as one and left as it is. When any alignment folded the
-reference's LayerNorms (a pre-LN stream rotation, §3.3), every model is folded, so all of them are
-merged in one parametrisation; folding is exact. :mod:`raot_hf.stages.combine` then merges the
-reference and every B′ᵢ into the reference's module.
+Model 1 (or the most central, ``group.reference="central"``) is the reference; every other model
+runs calibration, solve, gate, apply and the B′ᵢ ≡ Bᵢ check against it. When any alignment folded
+the reference's LayerNorms (§3.3), every model is folded (exactly), so all merge in one parametrisation.
 """
 
 from __future__ import annotations
@@ -37,9 +33,8 @@ _STAGE = {"stage": True}  # a line the CLI shows by default (raot_hf.cli.verbosi
 
 @dataclass
 class Member:
-    """One non-reference model after its alignment: its pair context (reference, model), what the
-    gate decided and applied, the statistics RegMean reads, the calibration run, the checks, and
-    the norm affines of both models when its calibration pass ran (RegMean's Grams, §6.2)."""
+    """One non-reference model after its alignment: pair context, alignment, the statistics RegMean
+    reads, calibration run, checks, and both models' norm affines for RegMean's Grams (§6.2)."""
 
     ctx: PairContext
     alignment: Alignment
@@ -48,10 +43,7 @@ class Member:
     checks: list[Check]
     norms: tuple[dict, dict] | None
 
-    @property
-    def fingerprint(self) -> dict | None:
-        """The calibration data's fingerprint (None without a calibration pass)."""
-        return self.run.fingerprint if self.run is not None else None
+    fingerprint = property(lambda self: self.run.fingerprint if self.run is not None else None)
 
 
 def model_weights(config, n: int) -> list[float]:
@@ -83,8 +75,7 @@ def check_models(config, n: int, distributed: bool = False) -> None:
 
 
 def align_member(ctx: PairContext, calibration, early, like=None) -> Member:
-    """Align one model to the reference: calibration pass, solve, gate, apply and B′ ≡ B (nothing
-    merged); ``like``: an earlier member's calibration run, whose sample and tokens are reused."""
+    """Align one model to the reference, nothing merged; ``like``: an earlier member's calibration run."""
     norms = (norm_affines(ctx.model_a, ctx.schema), norm_affines(ctx.model_b, ctx.schema)) if ctx.plan.grams else None
     alignment, stats, run = calibrate_solve_decide(ctx, calibration, early, like)
     if not ctx.plan.grams:
@@ -99,19 +90,18 @@ def align_member(ctx: PairContext, calibration, early, like=None) -> Member:
 
 
 def align_all(pairs: list[PairContext], calibration, early, like=None) -> list[Member]:
-    """Align every model to the reference in turn, on one calibration sample read and tokenized
-    once (``like``: a run that already opened it). Once an alignment has folded the reference's
-    norms (§3.3), each later model is folded before its own pass (exact), so that its gate
-    compares merges of one parametrisation. Then, when any alignment folded, every model is."""
+    """Align every model to the reference in turn, on one calibration sample read once. Once an
+    alignment has folded the reference's norms (§3.3), each later model is folded before its own pass,
+    so its gate compares merges of one parametrisation; at the end, if any folded, every model is."""
     members: list[Member] = []
     for i, ctx in enumerate(pairs, start=2):
         if len(pairs) > 1:
             logger.info("aligning model %d of %d to the reference", i, len(pairs) + 1, extra=_STAGE)
-        if any(m.ctx.unfolded_norms is not None for m in members):
+        if members_folded(members):
             fold_model(ctx.model_b, ctx.schema, working_files=ctx.working_files)
         members.append(align_member(ctx, calibration, early, like))
         like = like or members[-1].run
-    if any(m.ctx.unfolded_norms is not None for m in members):
+    if members_folded(members):
         for m in members:
             if m.ctx.unfolded_norms is None:
                 fold_model(m.ctx.model_b, m.ctx.schema, working_files=m.ctx.working_files)
@@ -119,7 +109,7 @@ def align_all(pairs: list[PairContext], calibration, early, like=None) -> list[M
 
 
 def members_folded(members: list[Member]) -> bool:
-    """Whether the models are folded (an alignment folded the reference's norms, §3.3)."""
+    """Whether an alignment folded the reference's norms (§3.3)."""
     return any(m.ctx.unfolded_norms is not None for m in members)
 
 
@@ -138,8 +128,6 @@ def merged_quality(members: list[Member], sets: list, parents: list) -> list[dic
     """The merged model against the reference and against each aligned model (one record per model)."""
     return [merge_quality(m.ctx, x, p) for m, x, p in zip(members, sets, parents, strict=True)]
 
-
-# ----------------------------------------------------------------------------- the reference
 
 #: Examples the central-reference choice reads (one forward of every model).
 CENTRAL_EXAMPLES = 32
@@ -169,9 +157,8 @@ def _representations(model: torch.nn.Module, batches: list) -> list[torch.Tensor
 
 
 def central_index(models: list[torch.nn.Module], ctx: PairContext, run) -> tuple[int, dict[str, Any]]:
-    """The model whose representations agree most with all the others': mean linear CKA over
-    layers and over the other models, on the first :data:`CENTRAL_EXAMPLES` calibration examples.
-    Returns its index and the affinity matrix for the report."""
+    """The index of the model whose representations agree most with the others' (mean linear CKA over
+    layers and models, first :data:`CENTRAL_EXAMPLES` examples) and the affinities for the report."""
     batches, taken = [], 0
     for batch in run.batches(ctx.preprocessor, split="fit"):
         batches.append(batch)
@@ -206,8 +193,7 @@ def two_model_config(config):
 
 
 def prepare_config(config, n: int, has_base: bool):
-    """The config of a merge of ``n`` models, checked before any weights are read: at least two
-    models; a base exactly when the rule reads one; the N-model refusals; two models' weights as α."""
+    """The config of a merge of ``n`` models, checked before any weights are read (two models' weights as α)."""
     from raot_hf.distributed import DistributedContext
     from raot_hf.stages.load import check_base_matches_rule
 

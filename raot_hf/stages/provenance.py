@@ -1,5 +1,5 @@
 """The provenance record of a merge (``raot_report.json``, docs/design.md §6.4), built from what the
-stages returned; :mod:`raot_hf.outputs.report` serialises it and renders the card from it."""
+stages returned."""
 
 from __future__ import annotations
 
@@ -27,8 +27,7 @@ def inputs_of(src: ModelSource, model) -> dict[str, Any]:
 
 
 def _inputs(ctx: PairContext, sources: list[ModelSource], members: list) -> dict[str, Any]:
-    """The inputs section: A and B (each model's files hashed once), every model with more than
-    two, and the base."""
+    """The inputs section: A and B (files hashed once), every model when more than two, and the base."""
     models = [ctx.model_a, *(m.ctx.model_b for m in members)]
     described = [inputs_of(s, m) for s, m in zip(sources, models, strict=True)]
     inputs: dict[str, Any] = {"a": described[0], "b": described[1]}
@@ -76,14 +75,10 @@ def alignment_record(index: int, member, quality: dict | None) -> dict[str, Any]
 
 
 def build_report(
-    members: list,
-    sources: list[ModelSource],
-    merge_log: dict | None,
-    quality: list[dict | None],
+    members: list, sources: list[ModelSource], merge_log: dict | None, quality: list[dict | None],
     reference_log: dict | None = None,
-) -> dict[str, Any]:
-    """The report of a merge of the reference and its aligned ``members``
-    (:class:`raot_hf.stages.members.Member`, one per model after the reference)."""
+) -> dict[str, Any]:  # fmt: skip
+    """The report of a merge of the reference and its aligned ``members`` (:class:`~raot_hf.stages.members.Member`)."""
     ctx = members[0].ctx
     records = [alignment_record(i, m, q) for i, (m, q) in enumerate(zip(members, quality, strict=True), start=2)]
     return report_of(
@@ -98,12 +93,9 @@ def report_of(
     timings: dict[str, float], estimator_logs: dict | None = None, reference_log: dict | None = None,
     verdict: str = "", summary: str = "",
 ) -> dict[str, Any]:  # fmt: skip
-    """The report dict (docs/design.md §6.4): inputs (with file hashes), settings, calibration
-    fingerprint, gate decisions and verdict, applied transforms, merge log, checks, timings and
-    versions. ``records``: one :func:`alignment_record` per aligned model — none for a merge of
-    the checkpoints as stored (``verdict`` and ``summary`` say so). With two models the sections
-    are model 2's; with more, every model is listed under ``models`` and the top-level sections
-    gather all of them."""
+    """The report dict (docs/design.md §6.4). ``records``: one :func:`alignment_record` per aligned model
+    (none for a merge of the checkpoints as stored: ``verdict`` and ``summary`` say so). With two models
+    the sections are model 2's; with more, ``models`` lists each and the top-level sections gather all."""
     first = records[0] if records else {
         "calibration": None, "decisions": [], "shares_basis": False, "verdict": verdict, "model_fidelity": {},
         "summary": summary, "applied_transform": {"file": None, "transforms": []}, "applied_exact": True,
@@ -150,8 +142,7 @@ def report_of(
 
 
 def execution(ctx) -> str:
-    """How the merge of the pair ``ctx`` ran: "layer-wise" with the models offloaded to working
-    files (docs/design.md §7.4), else "in memory"."""
+    """How the merge of the pair ``ctx`` ran: "layer-wise" (models offloaded to working files, §7.4) or "in memory"."""
     return "layer-wise" if ctx.working_files.of(ctx.model_a) is not None else "in memory"
 
 

@@ -1,11 +1,8 @@
 """Stage: how closely the merged model follows its parents, without labels (docs/design.md §6.8).
 
-On a few held-out calibration examples (those the B′ ≡ B check replays) A and B′ run before the
-merge writes into A, the merged model after. For outputs over classes or a vocabulary (logits),
-the report gets the agreement of the merged model's predictions with A's and with B′'s, the
-parents' agreement with each other (what "agreeing" can mean for this pair), and the mean
-KL(parent ‖ merged) per predicted position; for a base model's hidden states, the relative
-squared error to each parent. A user sees whether the merge is usable before evaluating it.
+On the held-out rows the B′ ≡ B check replays, A and B′ run before the merge, the merged model after.
+For logits: the merged predictions' agreement with each parent's, the parents' with each other, and
+the mean KL(parent ‖ merged) per position; for hidden states, the relative squared error to each parent.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ _LOGITS = ("logits", "start_logits", "end_logits", "cls_logits")
 
 
 def quality_inputs(ctx: PairContext, run) -> list[dict[str, torch.Tensor]]:
-    """The held-out rows the check replays; without a held-out phase, the first held-out rows."""
+    """The held-out rows the check replays, else the first held-out rows."""
     if run is None:
         return []
     if run.check_inputs:
@@ -53,18 +50,6 @@ def _positions(x: dict, out: torch.Tensor) -> torch.Tensor:
     return flat
 
 
-def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
-    return (p_log.exp() * (p_log - q_log)).sum(-1)
-
-
-def _same_labels(ctx: PairContext, side: str) -> bool:
-    """Whether a parent's classes are the merged model's (a classifier's head policy may have
-    given the merge the other parent's label space)."""
-    parent = ctx.model_a if side == "a" else ctx.model_b
-    merged_labels = getattr(ctx.model_a.config, "id2label", None)
-    return side == "a" or getattr(parent.config, "id2label", None) == merged_labels
-
-
 def _logit_figures(logits: dict[str, list[torch.Tensor]], comparable: dict[str, bool]) -> dict[str, Any]:
     m = torch.cat(logits["m"]).log_softmax(-1)
     out: dict[str, Any] = {"positions": int(m.shape[0])}
@@ -75,7 +60,7 @@ def _logit_figures(logits: dict[str, list[torch.Tensor]], comparable: dict[str, 
         p = torch.cat(logits[side]).log_softmax(-1)
         parents[side] = p
         out[f"agreement_{side}"] = float((m.argmax(-1) == p.argmax(-1)).double().mean())
-        out[f"kl_{side}"] = float(_kl(p, m).mean())
+        out[f"kl_{side}"] = float((p.exp() * (p - m)).sum(-1).mean())
     if len(parents) == 2:
         out["parents_agreement"] = float((parents["a"].argmax(-1) == parents["b"].argmax(-1)).double().mean())
     return out
@@ -88,7 +73,9 @@ def merge_quality(ctx: PairContext, inputs: list[dict], parents: list[tuple[dict
         return None
     logits: dict[str, list[torch.Tensor]] = {"a": [], "b": [], "m": []}
     hidden: dict[str, list[torch.Tensor]] = {"a": [], "b": [], "m": []}
-    comparable = {side: _same_labels(ctx, side) for side in "ab"}
+    # B′ is compared only when its classes are the merged model's (A's module; the head policy chose them)
+    labels = [getattr(model.config, "id2label", None) for model in (ctx.model_a, ctx.model_b)]
+    comparable = {"a": True, "b": labels[0] == labels[1]}
     examples = 0
     for x, (out_a, out_b) in zip(inputs, parents, strict=True):
         out_m = primary_outputs(ctx.model_a, on_device_of(ctx.model_a, x))

@@ -1,8 +1,5 @@
-"""Stage: solve — the configured estimator proposes candidate symmetries (docs/design.md §4.4).
-
-The estimator is looked up in :mod:`raot_hf.estimators.registry` by ``config.alignment``. With
-sharded statistics the main process solves and broadcasts the candidates (§7.1).
-"""
+"""Stage: solve — the configured estimator proposes candidate symmetries (docs/design.md §4.4); with
+sharded statistics the main process solves and broadcasts them (§7.1)."""
 
 from __future__ import annotations
 

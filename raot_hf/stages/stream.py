@@ -1,17 +1,10 @@
 """Execution mode: a merge that reads no data, streamed from the checkpoints' files (docs/design.md §7.3).
 
-A merge with no alignment and a per-tensor rule (``linear``, ``task_arithmetic``, ``ties``,
-``dare_ties``; any number of models) needs no forward pass: each output tensor depends only on
-the same-named input tensors. Such a merge of local safetensors checkpoints is computed a few
-tensors at a time, read with ``safe_open`` from every model (and the base), merged by the rule in
-the merge stage's own chunk loop (:func:`raot_hf.stages.combine.merge_by_chunks`) and written
-shard by shard, and reported by the one report builder (:mod:`raot_hf.stages.provenance`); no
-model is ever built beyond an empty (meta-device) skeleton that names the head's parameters.
-Memory holds one chunk of every model plus one output shard, whatever the models' size. The
-result is the in-memory merge's, bit for bit (tested), and the output directory is written
-atomically as always.
-
-:func:`stream_blocker` says why a merge cannot stream (then the in-memory path runs).
+With no alignment and a per-tensor rule each output tensor depends only on the same-named input
+tensors, so a merge of local safetensors checkpoints is read, merged
+(:func:`raot_hf.stages.combine.merge_by_chunks`) and written a few tensors at a time; no model is
+built beyond a meta-device skeleton. Memory holds one chunk of every model plus one output shard;
+the result is the in-memory merge's, bit for bit. :func:`stream_blocker` says why a merge cannot stream.
 """
 
 from __future__ import annotations
@@ -37,8 +30,6 @@ from raot_hf.stages.offload import RUNTIME_BYTES
 
 logger = logging.getLogger("raot_hf.stages.stream")
 _STAGE = {"stage": True}
-#: Tensors of A merged per call of the rule (about this many bytes).
-CHUNK_BYTES = 16 << 20
 
 
 def stream_blocker(config, sources: list, base=None) -> str | None:
@@ -57,15 +48,6 @@ def stream_blocker(config, sources: list, base=None) -> str | None:
         if not src.is_local or not weight_files(Path(src.name_or_path)):
             return f"{src.name_or_path} is not a local safetensors checkpoint"
     return None
-
-
-def _skeleton(config):
-    """A's model on the meta device: its parameter names and schema, no memory."""
-    from raot_hf.adapters import schema_for
-    from raot_hf.io.loading import meta_model
-
-    model = meta_model(config)
-    return model, schema_for(model)
 
 
 class _ShardWriter:
@@ -105,21 +87,17 @@ class _ShardWriter:
         return set(weight_map)
 
 
-def _resolved_dtype(config, hf_config) -> torch.dtype | None:
-    """The dtype the in-memory path would load the models in (``dtype="auto"``: the config's)."""
-    if config.dtype != "auto":
-        return LOAD_DTYPES[config.dtype]
-    dtype = getattr(hf_config, "dtype", None)
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
-
-
 class _Reading:
     """The checkpoints of one streamed merge, with the names checked against A's skeleton."""
 
     def __init__(self, sources, base_source, configs):
+        from raot_hf.adapters import schema_for
+        from raot_hf.io.loading import meta_model
+
         self.models = [Checkpoint(Path(s.name_or_path)) for s in sources]
         self.base = Checkpoint(Path(base_source.name_or_path)) if base_source is not None else None
-        self.skeleton, self.schema = _skeleton(configs[0])
+        self.skeleton = meta_model(configs[0])  # A's model on the meta device: parameter names, no memory
+        self.schema = schema_for(self.skeleton)
         names = set(self.skeleton.state_dict())
         self.keys = self.models[0].keys()
         renamed = [k for k in self.keys if k not in names]
@@ -181,13 +159,6 @@ def _merged_head(reading: _Reading, config, configs, names: list[str], read, wei
     return merge_heads(states[0], states[1], names, policy="average", alpha=config.alpha, **labels)
 
 
-def _check_ratios(ratios: list[list[float]]) -> list[float]:
-    """Each model's median relative distance from the base (§6.6); refuses one that is not a fine-tune."""
-    medians = [median_ratio(r) for r in ratios]
-    refuse_unrelated({f"model {i}": value for i, value in enumerate(medians, start=1)})
-    return medians
-
-
 def merge_streamed(
     sources, config, out, *, base_source=None, overwrite: bool = False, max_shard_size="2GB", command: str | None = None
 ):
@@ -208,14 +179,16 @@ def merge_streamed(
     destination = check_destination(out, overwrite)
     (configs, _), preprocessor, _ = _check_before_weights(config, sources, base_source)
     reading = _Reading(sources, base_source, configs)
-    dtype = _resolved_dtype(config, configs[0])
     if config.dtype != "auto":  # the written config names the dtype the weights were cast to (meta: no memory)
+        dtype = LOAD_DTYPES[config.dtype]
         reading.skeleton.to(dtype)
         reading.skeleton.config.dtype = dtype
+    else:  # the dtype the in-memory path would load the models in: the config's
+        dtype = getattr(configs[0], "dtype", None)
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     weights = model_weights(config, len(sources))
-    logger.info(
-        "streaming the merge of %d checkpoints tensor by tensor (no calibration needed)", len(sources), extra=_STAGE
-    )
+    logger.info("streaming the merge of %d checkpoints tensor by tensor (no calibration needed)", len(sources),
+                extra=_STAGE)  # fmt: skip
     ratios: list[list[float]] = [[] for _ in sources]
     spec = merge_rule_spec(config.merge_rule)
     inputs = rule_options(spec, config, len(sources), names=reading.keys)
@@ -248,13 +221,15 @@ def merge_streamed(
         log.pop("params", None)
         if len(sources) > 2:
             log["settings"]["weights"] = weights
-        medians = _check_ratios(ratios) if reading.base is not None else None
+        medians = None
+        if reading.base is not None:  # each model's median relative distance from the base (§6.6)
+            medians = [median_ratio(r) for r in ratios]
+            refuse_unrelated({f"model {i}": value for i, value in enumerate(medians, start=1)})
         report = streamed_report(sources, base_source, config, reading, log, medians, time.perf_counter() - started)
         if command:
             report["command"] = command
-        (temporary / CARD_NAME).write_text(
-            render_model_card(model_card_context(report)), encoding="utf-8", newline="\n"
-        )
+        card = render_model_card(model_card_context(report))
+        (temporary / CARD_NAME).write_text(card, encoding="utf-8", newline="\n")
         (temporary / REPORT_NAME).write_text(report_to_json(report), encoding="utf-8", newline="\n")
     return destination, report
 
@@ -275,9 +250,6 @@ def streamed_report(sources, base_source, config, reading: _Reading, merge_log, 
     )  # fmt: skip
 
 
-# ----------------------------------------------------------------------------- memory caps
-
-
 def _checkpoint_sizes(source) -> tuple[int, int]:
     """(total bytes, largest tensor's bytes) of a local safetensors checkpoint, from its headers."""
     sizes = Checkpoint(Path(source.name_or_path)).sizes()
@@ -285,15 +257,11 @@ def _checkpoint_sizes(source) -> tuple[int, int]:
 
 
 def shard_bytes_within(cap: int, sources, base_source, max_shard_bytes: int) -> int:
-    """The output shard size a streamed merge keeps under the memory cap ``cap`` (bytes), refusing
-    in one line, before any work, a cap it cannot keep: it holds one tensor of every model (and the
-    base) in float64 beside the runtime and one output shard. (A merge that loads the models
-    checks its cap when it loads them: :func:`raot_hf.stages.offload.choose_offload`.)"""
-    local = [
-        s
-        for s in [*sources, *([base_source] if base_source else [])]
-        if s.is_local and weight_files(Path(s.name_or_path))
-    ]
+    """The output shard size a streamed merge keeps under the memory cap ``cap`` (bytes), refusing before
+    any work a cap it cannot keep: one tensor of every model (and the base) in float64 beside the
+    runtime and one output shard."""
+    every = [*sources, *([base_source] if base_source else [])]
+    local = [s for s in every if s.is_local and weight_files(Path(s.name_or_path))]
     if len(local) < len(sources) + (base_source is not None):
         raise RaotError("--max-memory needs local safetensors checkpoints (their sizes are read from the files)")
     sizes = [_checkpoint_sizes(s) for s in local]
@@ -314,9 +282,8 @@ def shard_bytes_within(cap: int, sources, base_source, max_shard_bytes: int) -> 
 def run_streamed(sources, base_source, config, out, *, stream=True, overwrite=False, max_shard_size="2GB",
                  max_memory=None, command=None):  # fmt: skip
     """The merge streamed from the files when it can be (and ``stream``): ``((path, report),
-    shard_bytes)``, or ``(None, shard_bytes)`` when the in-memory path must run (the reason is
-    logged). ``max_memory`` (bytes or a size string) caps the process's memory, for either path:
-    too small a cap is refused in one line before any work, and streamed shards shrink to fit."""
+    shard_bytes)``, or ``(None, shard_bytes)`` when the in-memory path must run (the reason is logged).
+    ``max_memory`` (bytes or a size string) caps memory: too small is refused, streamed shards shrink."""
     from raot_hf.outputs.shards import parse_size
 
     why = stream_blocker(config, sources, base_source) if stream else "--no-stream"
