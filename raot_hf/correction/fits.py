@@ -182,13 +182,7 @@ def _rule_error(x: torch.Tensor, site: Site, weights: tuple, y_mix: torch.Tensor
 
 
 def least_squares_layer(
-    layer: LayerPass,
-    params: dict,
-    sites: list[Site],
-    *,
-    mix: dict[str, float],
-    shrink: float,
-    groups: SiteGroups,
+    layer: LayerPass, params: dict, sites: list[Site], *, mix: dict[str, float], shrink: float, groups: SiteGroups
 ) -> tuple[dict, list[torch.Tensor], dict]:
     """Refit every Linear of the layer to the parents' mix ``Σ w_p·Y_p`` (``mix``: side → weight,
     summing to 1; two models: ``(1−α)·Y_A + α·Y_B′``) on M's inputs, group by group in call order

@@ -88,12 +88,7 @@ def available_corrections() -> list[str]:
 
 
 def register_correction(
-    name: str,
-    fn: Callable,
-    *,
-    readers: Callable | None = None,
-    report: Callable | None = None,
-    description: str = "",
+    name: str, fn: Callable, *, readers: Callable | None = None, report: Callable | None = None, description: str = ""
 ) -> Callable:
     """Register ``fn`` as ``correction.method=name`` (see :class:`CorrectionSpec`); refuses bad
     names, non-callables and duplicates. The config's validation and the CLI's ``--correction``
