@@ -1,11 +1,6 @@
-"""The two post-merge corrections of one layer (docs/design.md §6.7), each a plain function of a
-:class:`~raot_hf.correction.layer.LayerPass` and the layer's merged parameters, returning the
-corrected parameters and a log.
-
-* :func:`least_squares_layer` — every Linear of the layer, in the order the layer calls them,
-  refitted to the parents' outputs on the merged model's own inputs;
-* :func:`repair_layer` — REPAIR for Transformers: the value channels, then the MLP's
-  pre-activations, given the α-interpolation of the parents' mean and spread.
+"""The two post-merge corrections of one layer (docs/design.md §6.7), plain functions of a
+:class:`~raot_hf.correction.layer.LayerPass` and the layer's merged parameters returning the
+corrected parameters and a log: :func:`least_squares_layer` and :func:`repair_layer`.
 """
 
 from __future__ import annotations
