@@ -53,7 +53,6 @@ class CorrectionOptions(OptionSection):
     and ``none`` when the parents share a basis or the rule is base-relative; ``compete`` keeps a
     layer's correction only where it beats the rule's merge on held-out examples."""
 
-
     section = "correction"
 
     method: str = field(
