@@ -87,14 +87,40 @@ class Adapter:
         return builder.finish(head, head_params, final_readers)
 
 
-class _EncoderSchemaBuilder:
+class ParameterSet:
+    """A model's parameters by name, for resolving templates: members are added only where the
+    parameter exists (optional biases), and a missing weight is a one-line error."""
+
+    def __init__(self, model: torch.nn.Module, layout: str):
+        self.params = dict(model.named_parameters())
+        self.owner, self.layout = type(model).__name__, layout
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.params
+
+    def linear(self, module: str) -> tuple[str, str | None]:
+        """The weight and (optional) bias names of a Linear module that must exist."""
+        if f"{module}.weight" not in self.params:
+            raise RaotError(
+                f"expected parameter {module}.weight in {self.owner}; the checkpoint does not match the "
+                f"{self.layout} layout."
+            )
+        return f"{module}.weight", (f"{module}.bias" if f"{module}.bias" in self.params else None)
+
+    def add(self, space: Space, name: str | None, axis: int, cov: bool, role: str, index=None) -> None:
+        """Append ``name`` to ``space`` as a member when the model has that parameter."""
+        if name is not None and name in self.params:
+            space.members.append(Member(name, axis, cov, role, index))
+
+
+class _EncoderSchemaBuilder(ParameterSet):
     """Resolves an encoder :class:`Adapter`'s templates on one model, member by member, in each
     space's order; optional parameters are skipped, a missing Linear weight is a one-line error."""
 
     def __init__(self, adapter: Adapter, model: torch.nn.Module):
+        super().__init__(model, adapter.name)
         config = model.config
-        self.adapter, self.config, self.model_class = adapter, config, type(model).__name__
-        self.params = dict(model.named_parameters())
+        self.adapter, self.config = adapter, config
         self.is_base = getattr(model, "base_model", model) is model
         self.base = "" if self.is_base else f"{adapter.base_prefix}."
         d, H = config.hidden_size, config.num_attention_heads
@@ -108,25 +134,6 @@ class _EncoderSchemaBuilder:
         self.layers: list[LayerSchema] = []
         self.stream_modules: list[str] = []
         self.folds: list[Fold] = []
-
-    def has(self, name: str) -> bool:
-        """True when the model has a parameter called ``name``."""
-        return name in self.params
-
-    def linear(self, module: str) -> tuple[str, str | None]:
-        """The weight and (optional) bias names of a Linear module that must exist."""
-        w, b = f"{module}.weight", f"{module}.bias"
-        if not self.has(w):
-            raise RaotError(
-                f"expected parameter {w} in {self.model_class}; "
-                f"the checkpoint does not match the {self.adapter.name} layout."
-            )
-        return w, (b if self.has(b) else None)
-
-    def add(self, space: Space, name: str | None, axis: int, cov: bool, role: str, index=None) -> None:
-        """Append ``name`` to ``space`` as a member when the model has that parameter."""
-        if name is not None and self.has(name):
-            space.members.append(Member(name, axis, cov, role, index))
 
     def add_embeddings(self) -> None:
         """The stream's writers and norms before the first layer, and the modules carrying it."""
@@ -208,7 +215,7 @@ class _EncoderSchemaBuilder:
         t = self.adapter.layer
         for mods, cov in ((t.pos_key, False), (t.pos_query, True)):
             for mod in mods:
-                if self.has(f"{p}{mod}.weight"):
+                if f"{p}{mod}.weight" in self:
                     w, b = self.linear(p + mod)
                     self.add(qk, w, 0, cov, "pos")
                     self.add(qk, b, 0, cov, "pos")
@@ -220,7 +227,7 @@ class _EncoderSchemaBuilder:
         return tuple(
             m
             for m in [t.fused_qkv, t.q, t.k, t.v, t.o, t.fc1, t.fc2]
-            if m and self.has(f"{p}{m}.weight") and not (t.fused_qkv and m in (t.q, t.k, t.v))
+            if m and f"{p}{m}.weight" in self and not (t.fused_qkv and m in (t.q, t.k, t.v))
         )
 
     def add_head(self, head: HeadTemplate) -> tuple[list[str], list[tuple[str, str | None]]]:
@@ -230,7 +237,7 @@ class _EncoderSchemaBuilder:
         final_readers: list[tuple[str, str | None]] = []
         base_params = {n for n in self.params if n.startswith(base)} if base else set(self.params)
         for mod in head.stream_readers:
-            if self.has(f"{mod}.weight"):
+            if f"{mod}.weight" in self:
                 w, b = self.linear(mod)
                 self.add(residual, w, 1, False, "head_reader")
                 final_readers.append((w, b))
@@ -267,7 +274,7 @@ class _EncoderSchemaBuilder:
             notes.append("the final LayerNorm cannot be folded (no reader after it, or a reader without bias)")
         return ModelSchema(
             model_type=self.config.model_type,
-            architecture=self.model_class,
+            architecture=self.owner,
             norm=self.adapter.norm,
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,

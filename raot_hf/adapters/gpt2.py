@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from raot_hf.adapters.base import Adapter, HeadTemplate, LayerTemplate
-from raot_hf.adapters.llama import ParameterSet, decoder_layers
+from raot_hf.adapters.base import Adapter, HeadTemplate, LayerTemplate, ParameterSet
+from raot_hf.adapters.llama import decoder_layers
 from raot_hf.adapters.schema import Fold, HeadReadout, LayerSchema, ModelSchema, Space, head_index
 from raot_hf.errors import RaotError
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from raot_hf.adapters.base import Adapter, HeadTemplate, LayerTemplate
-from raot_hf.adapters.schema import Fold, HeadReadout, LayerSchema, Member, ModelSchema, Space
+from raot_hf.adapters.base import Adapter, HeadTemplate, LayerTemplate, ParameterSet
+from raot_hf.adapters.schema import Fold, HeadReadout, LayerSchema, ModelSchema, Space
 from raot_hf.errors import RaotError
 
 LLAMA_LAYER = LayerTemplate(
@@ -54,27 +54,6 @@ def check_rope_config(config) -> None:
         raise RaotError(f"partial_rotary_factor={factor} is not supported; use a checkpoint with full rotary heads.")
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         raise RaotError("pretraining_tp > 1 (sliced projections) is not supported; set config.pretraining_tp = 1.")
-
-
-class ParameterSet:
-    """A model's parameters by name, for resolving templates: members are added only where the
-    parameter exists (optional biases), and a missing weight is a one-line error."""
-
-    def __init__(self, model: torch.nn.Module, layout: str):
-        self.params = dict(model.named_parameters())
-        self.owner, self.layout = type(model).__name__, layout
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.params
-
-    def linear(self, module: str) -> tuple[str, str | None]:
-        if f"{module}.weight" not in self.params:
-            raise RaotError(f"expected parameter {module}.weight in {self.owner}; not a {self.layout} layout.")
-        return f"{module}.weight", (f"{module}.bias" if f"{module}.bias" in self.params else None)
-
-    def add(self, space: Space, name: str | None, axis: int, cov: bool, role: str, index=None) -> None:
-        if name is not None and name in self.params:
-            space.members.append(Member(name, axis, cov, role, index))
 
 
 def decoder_layers(build_layer, ps: ParameterSet, prefix: str, num_layers: int, config, residual: Space):

@@ -212,15 +212,12 @@ class _TokenBudget:
 class StatisticsCollector:
     """Runs A and B on the same batches and accumulates one phase's :class:`CalibrationStatistics`.
 
-    ``phase="fit"``: fit rows feed :class:`SplitStatistics`, of every ``moment_stride``-th real token
-    (positions p with (p + example id) mod stride = 0). ``phase="heldout"``: held-out rows feed
-    :class:`HeldoutStatistics`, B's sample also mapped by ``candidates`` (site key ``("mlp", layer)``,
-    ``("q", layer)``, ``("k", layer)``, ``("ctx", layer)`` or ``("stream", None)`` → function of B's
-    rows, :func:`raot_hf.estimators.activation.candidate_maps`; missing: the identity).
-    ``grams``: RegMean Grams for every Linear of the layers; ``device``: where the sums live
-    (default A's); ``moments=False``: Grams only; ``mlp_token_budget`` with ``planned_examples``:
-    about that many fit tokens per MLP cross moment (:class:`_TokenBudget`); ``defer_mlp``: co-moments
-    allocated per layer (:meth:`start_layer`).
+    ``phase="fit"``: every ``moment_stride``-th real token (positions p with (p + example id) mod
+    stride = 0) feeds :class:`SplitStatistics`; ``phase="heldout"``: :class:`HeldoutStatistics`, B's
+    rows also mapped by ``candidates`` (site key → map, :func:`raot_hf.estimators.activation.candidate_maps`;
+    missing: the identity). ``grams``: RegMean Grams; ``device``: where the sums live (default A's);
+    ``moments=False``: Grams only; ``mlp_token_budget``: fit tokens per MLP cross moment
+    (:class:`_TokenBudget`); ``defer_mlp``: co-moments allocated per layer (:meth:`start_layer`).
     """
 
     def __init__(

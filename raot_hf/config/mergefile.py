@@ -5,27 +5,19 @@ a :class:`raot_hf.RaotConfig` (docs/design.md §6.9)::
       - model: ./seed-a
         parameters: {weight: 0.5}
       - model: ./seed-b
-        parameters: {weight: 0.25}
-      - model: ./seed-c
-        parameters: {weight: 0.25}
+        parameters: {weight: 0.5}
     merge_method: linear
-    dtype: float32
     raot:                       # this project's own options (any RaotConfig field or section)
       calibration: {source: calibration.csv, num_samples: 256}
 
-``merge_method`` is a registered merge rule; ``base_model`` the checkpoint the models were
-fine-tuned from (a ``models:`` entry naming it is the base, not a model to merge, as in mergekit)
-— for ``slerp`` the model at ``t = 0``, merged with the other; per-model ``parameters`` are
-``weight`` and ``density``; the top-level ``parameters`` take ``lambda`` (the task-vector scale),
-a default ``weight`` and ``density``, mergekit's ``normalize`` / ``rescale`` / ``int8_mask`` where
-they keep the method's definition, and the mergekit rules' own (``t``, ``epsilon``, ``gamma``,
-``filter_wise``, ``nuslerp_row_wise``, ``nuslerp_flatten``). For those rules a parameter may be a
-per-layer gradient or a list of ``{filter, value}`` entries (:mod:`raot_hf.merging.layered`).
-
-``slices:`` with one slice whose sources all cover the same whole layer range ``[0, L]`` is the
-whole-model merge and reads like ``models:`` (:func:`check_layer_range` checks ``L`` against the
-models' configs). What this project cannot do — other slices (frankenmerges), passthrough,
-another model's tokenizer — is refused in one line before any weights are read.
+``merge_method`` is a registered merge rule; ``base_model`` the models' origin (a ``models:`` entry
+naming it is the base, as in mergekit; for ``slerp`` the model at ``t = 0``). Per-model
+``parameters``: ``weight``, ``density``; top-level: ``lambda``, default ``weight`` / ``density``,
+mergekit's ``normalize`` / ``rescale`` / ``int8_mask`` where they keep the method's definition,
+and the mergekit rules' own (``t``, ``epsilon``, ``gamma``, ``filter_wise``, ``nuslerp_row_wise``,
+``nuslerp_flatten``), which may vary by layer (:mod:`raot_hf.merging.layered`). One ``slices:``
+entry covering the whole layer range reads like ``models:`` (:func:`check_layer_range`); other
+slices, passthrough and another model's tokenizer are refused in one line before any weights load.
 """
 
 from __future__ import annotations

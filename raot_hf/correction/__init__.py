@@ -1,17 +1,10 @@
-"""Post-merge corrections (docs/design.md §6.7): after the merge rule, a sequential pass of A, B′
-and the merged model over a few calibration examples, one layer at a time, corrects each merged
-layer before the next one runs, so errors do not compound through depth.
-
-* ``lsq`` — merged-input least squares: each Linear of a layer, in call order, refitted to the
-  α-mix of the parents' outputs on the merged model's own inputs (with RegMean's shrinkage
-  towards the rule's merged weight);
-* ``repair`` — REPAIR for Transformers: value channels and MLP pre-activations reset to the
-  α-interpolation of the parents' statistics, folded into the weights and biases.
-
-Both keep a merge of A with an exact scramble of itself equal to A, and write nothing but merged
-weights: the output loads with ``AutoModel*`` as before. Both are registered by name
-(:mod:`raot_hf.correction.registry`, :func:`register_correction`), as a correction added from
-outside the package is.
+"""Post-merge corrections (docs/design.md §6.7): a sequential pass of the parents and the merged
+model over a few calibration examples corrects each merged layer before the next one runs, so
+errors do not compound through depth. ``lsq`` refits each Linear, in call order, to the α-mix of
+the parents' outputs on the merged model's own inputs; ``repair`` resets value channels and MLP
+pre-activations to the α-interpolation of the parents' statistics. Both keep a merge of A with a
+scramble of itself equal to A, write only merged weights, and are registered by name
+(:func:`register_correction`) as outside corrections are.
 """
 
 from dataclasses import dataclass, field
@@ -56,16 +49,9 @@ __all__ = [
 @register_section
 @dataclass
 class CorrectionOptions(OptionSection):
-    """A correction of the merged model after the merge rule (docs/design.md §6.7), layer by layer
-    on ``examples`` fit examples, ``batch_size`` per forward: ``lsq`` refits every Linear to the
-    parents' outputs on the merged model's own inputs (``shrink``: RegMean's off-diagonal scale,
-    towards the rule's merged weight); ``repair`` resets value channels and MLP pre-activations to
-    the interpolation of the parents' statistics; ``none`` runs no pass; ``auto`` (default) is
-    ``lsq`` when the gate moved B (the parents differ in basis) and ``none`` when they share one
-    (fine-tuned siblings keep the plain merge their rules define) or the rule is base-relative.
-    ``compete`` (default on, with the gate): each layer's correction competes with the rule's merge
-    of that layer on held-out examples and is kept only where it makes the merge follow its
-    parents more closely."""
+    """The post-merge correction (docs/design.md §6.7). ``auto`` is ``lsq`` when the gate moved B
+    and ``none`` when the parents share a basis or the rule is base-relative; ``compete`` keeps a
+    layer's correction only where it beats the rule's merge on held-out examples."""
 
     section = "correction"
 

@@ -2,13 +2,10 @@
 merged model M run side by side over a few calibration examples, **one layer at a time**, each on
 its own hidden states carried from the layer before.
 
-Only the merged layer being corrected is ever built: M's layers are A's modules computing with
-merged parameters (``torch.func.functional_call``), so A's own parameters serve A's forward until
-its layer has been passed and the corrected merged layer is written into it — no third copy of
-the model. Every layer's call (attention masks — a sliding-window layer's differs from a full-attention
-layer's —, rotary position embeddings, DeBERTa's relative embeddings) is captured once, from each
-model's own forward in which no layer computes (layer 0 only the first time it is met, to learn
-its output's structure); the hidden states are replaced as the pass moves on.
+M's layers are A's modules computing with merged parameters (``torch.func.functional_call``), so no
+third copy of the model is built. Every layer's call (attention masks, which differ for
+sliding-window layers, rotary embeddings, DeBERTa's relative embeddings) is captured once from each
+model's own forward in which no layer computes; the hidden states are replaced as the pass moves on.
 """
 
 from __future__ import annotations
@@ -107,15 +104,11 @@ def layer_calls(
     params: dict | None = None,
     tails: dict | None = None,
 ) -> tuple[list[LayerCall], torch.Tensor]:
-    """Every layer's call on ``inputs`` (``model`` computing with ``params`` swapped in, if given)
-    and layer 0's input states, from one forward in which every layer returns its input (in the
-    structure of layer 0's output, which layer 0 computes unless ``tails`` knows it), so that no
-    layer's weights are read; the forward stops after the last layer. Layers may be called
-    differently — a sliding-window layer gets another attention mask than a full-attention one.
-    ``tails``: a pass's own record, layer 0's module → what its output carries after the states
-    (None: a bare tensor, else the number of ``None`` entries that follow — DeBERTa's attention
-    slot), filled from its first call, so that a pass computes layer 0 once. The layers' forwards
-    are swapped on a stand-in (:func:`with_forwards`), not on ``model``."""
+    """Every layer's call on ``inputs`` (with ``params`` swapped in, if given) and layer 0's input
+    states, from one forward in which every layer returns its input (in layer 0's output structure),
+    so that no layer's weights are read; the forward stops after the last layer. ``tails``: the
+    pass's record of layer 0's output structure, so that a pass computes layer 0 once. The layers'
+    forwards are swapped on a stand-in (:func:`with_forwards`), not on ``model``."""
     modules = [model.get_submodule(n) for n in layer_names]
     seen: list[tuple | None] = [None] * len(modules)
     first: dict[str, object] = {}

@@ -1,11 +1,6 @@
-"""The two post-merge corrections of one layer (docs/design.md §6.7), each a plain function of a
-:class:`~raot_hf.correction.layer.LayerPass` and the layer's merged parameters, returning the
-corrected parameters and a log.
-
-* :func:`least_squares_layer` — every Linear of the layer, in the order the layer calls them,
-  refitted to the parents' outputs on the merged model's own inputs;
-* :func:`repair_layer` — REPAIR for Transformers: the value channels, then the MLP's
-  pre-activations, given the α-interpolation of the parents' mean and spread.
+"""The two post-merge corrections of one layer (docs/design.md §6.7), plain functions of a
+:class:`~raot_hf.correction.layer.LayerPass` and the layer's merged parameters returning the
+corrected parameters and a log: :func:`least_squares_layer` and :func:`repair_layer`.
 """
 
 from __future__ import annotations
@@ -182,13 +177,7 @@ def _rule_error(x: torch.Tensor, site: Site, weights: tuple, y_mix: torch.Tensor
 
 
 def least_squares_layer(
-    layer: LayerPass,
-    params: dict,
-    sites: list[Site],
-    *,
-    mix: dict[str, float],
-    shrink: float,
-    groups: SiteGroups,
+    layer: LayerPass, params: dict, sites: list[Site], *, mix: dict[str, float], shrink: float, groups: SiteGroups
 ) -> tuple[dict, list[torch.Tensor], dict]:
     """Refit every Linear of the layer to the parents' mix ``Σ w_p·Y_p`` (``mix``: side → weight,
     summing to 1; two models: ``(1−α)·Y_A + α·Y_B′``) on M's inputs, group by group in call order

@@ -1,10 +1,7 @@
-"""One layer of the sequential correction pass (docs/design.md §6.7): every parent's layer (A's
-and B′'s; with more models, each aligned one's) runs once on its carried states (their module
-outputs kept), M's layer runs with the merged parameters as often as the correction needs, and
-every model's states move on to the next layer.
-
-A *site* is a module of the layer whose input rows (n × in) and output rows (n × out) over the
-chunk's real tokens a correction reads; the engine hands them to a callback, so nothing larger
+"""One layer of the sequential correction pass (docs/design.md §6.7): every parent's layer runs
+once on its carried states, M's layer runs with the merged parameters as often as the correction
+needs, and every model's states move on. A *site* is a module of the layer whose input rows
+(n × in) and output rows (n × out) over the chunk's real tokens a callback reads, so nothing larger
 than one chunk's activations is held, except the parents' outputs at the sites a fit needs.
 """
 
@@ -66,10 +63,8 @@ class LayerPass:
         self, params: dict[str, torch.Tensor], sites: list[str], on_site: SiteCallback, *, stop: bool = False
     ) -> list[torch.Tensor | None]:
         """Run M's layer (A's module with the merged ``params``, full names) on every chunk; returns
-        its outputs (``on_site(chunk, site, x, y)`` at each site: input and output rows in the
-        model's precision). ``stop``: the rest of the layer
-        is skipped once every site has reported (each is called once per chunk; the outputs are
-        then None) — a fit that reads only its sites needs nothing after them."""
+        its outputs (``on_site(chunk, site, x, y)``: rows in the model's precision). ``stop``: skip
+        the rest of the layer once every site has reported (the outputs are then None)."""
         rel, outs = _relative(params, self.prefix), []
         for i, c in enumerate(self.chunks):
             pending = set(sites)
@@ -137,11 +132,10 @@ class SiteGroups:
 
 @torch.no_grad()
 def site_groups(layer: LayerPass, params: dict, sites: list[str]) -> SiteGroups:
-    """``sites`` in the order the layer first calls them, those reading one input tensor together
-    (q, k and v; gate and up): a group is fitted on inputs produced by the groups before it,
-    already corrected. Sites whose input is not per token (DeBERTa's relative-position
-    projections read the relative embeddings) are left out. Layers of one class give the same
-    groups, so a pass finds them once (on its first layer)."""
+    """``sites`` in the order the layer first calls them, those reading one input together (q, k,
+    v; gate, up), each group fitted on inputs of the corrected groups before it. Sites whose input
+    is not per token (DeBERTa's relative-position projections) are left out."""
+
     c = layer.chunks[0]
     order: list[tuple[str, torch.Tensor]] = []  # the inputs are held, so no address is reused
     calls: dict[str, int] = {}

@@ -209,14 +209,10 @@ def estimate_weight_alignment(
     rotations: bool = True,
     return_log: bool = False,
 ) -> TransformSequence | tuple[TransformSequence, dict[str, Any]]:
-    """Estimate, from weights alone (parameter name → tensor, same ``schema``), a symmetry of B that
-    moves B's weights close to A's: ``scope`` ``"mlp"`` and/or ``"heads"``, ``match_heads``,
-    ``rotations`` and ``rescale`` as in the module docstring.
+    """A symmetry of B moving its weights close to A's (options as in the module docstring): per
+    layer MLPPermutation, HeadAlignment, HeadRescale; ``return_log=True`` adds per-layer distances
+    before and after, the head assignment, ‖R − I‖_F and the scales."""
 
-    Returns the transform to apply to B (per layer MLPPermutation, HeadAlignment, HeadRescale);
-    with ``return_log=True`` also a dict whose ``"layers"`` hold per layer and factor the weight
-    distances before and after, the head assignment, ‖R − I‖_F of the rotations and the scales.
-    """
     scope = normalise_scope(scope, "weight-alignment")
     check_grouped_options(schema, rescale)
     _check_inputs(state_a, state_b, schema, _spaces_needed(schema, scope, rescale))

@@ -1,13 +1,8 @@
-"""Merge rules on aligned state dicts, and a registry of them by name (docs/design.md §6).
+"""Merge rules and their registry by name (docs/design.md §6); the merger, :class:`raot_hf.RaotConfig`'s
+validation and the CLI's ``--merge-rule`` choices all read this one registry.
 
 >>> from raot_hf.merging import get_merge_rule
 >>> merged, log = get_merge_rule("linear")([state_a, state_b], [0.5, 0.5], return_log=True)  # doctest: +SKIP
-
-Every rule takes one signature for any number of models,
-``rule(states, weights, base=None, *, return_log=False, **options)`` (the first state dict is the
-reference; two models with weight α on B′ are ``weights=(1 − α, α)``); its :class:`MergeRuleSpec`
-says what else it reads, and the merger, :class:`raot_hf.RaotConfig`'s validation and the CLI's
-``--merge-rule`` choices all read this one registry.
 """
 
 from __future__ import annotations
@@ -62,20 +57,16 @@ from raot_hf.merging.rules import (
 class MergeRuleSpec:
     """A registered rule and what it needs besides the models' state dicts and weights.
 
-    * ``needs_base``: called with ``base=`` (the state dict of the model the others were
-      fine-tuned from); the merger then needs a base model.
+    * ``needs_base``: called with ``base=`` (the state dict the others were fine-tuned from).
     * ``needs_grams``: called with ``grams=`` (one mapping per model), ``linear_weights=`` and
       ``transposed_weights=`` (the weights stored (in, out), GPT-2's ``Conv1D``) (RegMean).
     * ``needs_fisher``: called with ``fishers=`` (one diagonal Fisher per model).
-    * ``per_tensor``: each output tensor depends only on the same-named inputs, so the merger
-      may call the rule on a few tensors at a time (no merged copy of the whole model is held).
-    * ``options``: rule keyword → :class:`raot_hf.RaotConfig` field the merger passes as that keyword
-      (a dotted path into a section, e.g. ``base_rules.density``; :meth:`RaotConfig.lookup`).
+    * ``per_tensor``: each output tensor depends only on the same-named inputs (chunked merges).
+    * ``options``: rule keyword → :class:`raot_hf.RaotConfig` path (e.g. ``base_rules.density``).
     * ``max_models``: the most models the rule merges (SLERP's two); None: any number.
-    * ``layered``: its options may vary by layer or module (:mod:`raot_hf.merging.layered`); called
-      with ``layer_count=`` (the model's layers) so that a few tensors at a time evaluate them right.
-    * ``absolute_weights``: it reads the models' weights as given, not normalised (mergekit's); it
-      is called with the per-model densities (``group.densities``) for two models too.
+    * ``layered``: options may vary by layer or module; called with ``layer_count=``.
+    * ``absolute_weights``: reads the weights as given (mergekit's); gets ``group.densities`` for two models too.
+
     """
 
     name: str
@@ -104,24 +95,13 @@ def base_relative_rules() -> list[str]:
 
 
 def register_merge_rule(
-    name: str,
-    fn: Callable,
-    *,
-    needs_base: bool = False,
-    needs_grams: bool = False,
-    needs_fisher: bool = False,
-    per_tensor: bool = False,
-    options: Mapping[str, str] | None = None,
-    config: type | None = None,
-    max_models: int | None = None,
-    layered: bool = False,
-    absolute_weights: bool = False,
+    name: str, fn: Callable, *, options: Mapping[str, str] | None = None, config: type | None = None, **flags: Any
 ) -> Callable:
-    """Register ``fn`` as the merge rule ``name`` (see :class:`MergeRuleSpec` for the flags);
-    refuses non-callables and duplicate names. ``config``: the rule's own options section (a
-    dataclass :class:`~raot_hf.config.sections.OptionSection`), registered with it — then
-    ``RaotConfig``, its JSON and the CLI's ``--<section>-<field>`` flags know it, and unless
-    ``options`` maps the rule's keywords elsewhere, the rule is called with every field of it."""
+    """Register ``fn`` as the merge rule ``name``; ``flags`` are :class:`MergeRuleSpec`'s booleans
+    and ``max_models``. ``config``: the rule's own options section (an
+    :class:`~raot_hf.config.sections.OptionSection`), registered with it so that ``RaotConfig``, its
+    JSON and the CLI's ``--<section>-<field>`` flags know it; unless ``options`` says otherwise, the
+    rule is called with every field of it. Refuses non-callables and duplicate names."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"a merge rule name must be a non-empty string, got {name!r}")
     if not callable(fn):
@@ -135,18 +115,7 @@ def register_merge_rule(
         register_section(config)
         if options is None:
             options = {f.name: f"{config.section}.{f.name}" for f in dataclasses.fields(config)}
-    _RULES[name] = MergeRuleSpec(
-        name,
-        fn,
-        needs_base,
-        needs_grams,
-        needs_fisher,
-        per_tensor,
-        dict(options or {}),
-        max_models,
-        layered,
-        absolute_weights,
-    )
+    _RULES[name] = MergeRuleSpec(name, fn, options=dict(options or {}), **flags)
     return fn
 
 
@@ -168,10 +137,8 @@ def get_merge_rule(name: str) -> Callable:
 
 
 def rule_options(spec: MergeRuleSpec, config, models: int = 2, names=None) -> dict[str, Any]:
-    """The keywords ``spec`` reads from ``config`` (its ``options``), and with more than two
-    models (or for an ``absolute_weights`` rule) the per-model densities (``group.densities``) of a
-    rule that takes a density; for a ``layered`` rule the layer count of the parameter ``names``
-    (all of the model's)."""
+    """The keywords ``spec`` reads from ``config``, plus per-model ``densities`` (more than two models
+    or ``absolute_weights``) and a ``layered`` rule's layer count of the parameter ``names``."""
     options: dict[str, Any] = {name: config.lookup(path) for name, path in spec.options.items()}
     if (models > 2 or spec.absolute_weights) and "density" in options and config.group.densities:
         options["densities"] = list(config.group.densities)
@@ -181,8 +148,7 @@ def rule_options(spec: MergeRuleSpec, config, models: int = 2, names=None) -> di
 
 
 def apply_rule(spec: MergeRuleSpec, states: list, weights: list[float], **inputs):
-    """Call the rule on ``states`` with one weight per model (two models with weight α on B′:
-    ``[1 − α, α]``); returns ``(merged, log)``."""
+    """Call the rule on ``states`` with one weight per model; returns ``(merged, log)``."""
     return spec.fn(list(states), list(weights), return_log=True, **inputs)
 
 

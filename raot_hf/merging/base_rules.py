@@ -1,26 +1,13 @@
 """Base-relative merge rules for fine-tuned siblings of one base model (docs/design.md §6, §6.9).
 
-Each rule measures the task vectors ``τᵢ = Wᵢ − W_base`` per tensor, combines them and adds the
-result back to the base, with the registry's signature ``rule(states, weights, base, *, ...)``
-(:mod:`raot_hf.merging.rules`). They follow mergekit's generalized task arithmetic, with
-``scale`` as mergekit's ``lambda`` and the weights wᵢ as given (not normalised):
-
-* ``task_arithmetic``: ``W = base + λ·Σ wᵢτᵢ``;
-* ``ties``: each τᵢ trimmed to its ``int(densityᵢ·n)`` largest magnitudes; the elected sign of an
-  entry is that of ``Σ wᵢτᵢ`` (+ where it is 0); ``W = base + λ·Σ wᵢmᵢτᵢ / Σ wᵢmᵢ`` over the
-  entries mᵢ that carry the elected sign (divisor 1 where none does);
-* ``dare_ties``: each τᵢ keeps every entry with probability densityᵢ (a seeded mask per tensor and
-  model) and is rescaled to its former L1 norm; signs elected as in TIES; ``W = base + λ·Σ wᵢmᵢτᵢ``
-  (not normalised).
-
-Two models merged with weight α on B′ are weights (1 − α, α). The arithmetic runs in float64 and
-each result is cast to the reference's dtype; non-floating-point tensors are copied from it.
-
-A parameter of the reference that the base lacks (a pooler the pretraining checkpoint never had)
-has no task vector: it merges linearly with the weights normalised, with a warning, and the log
-counts it. A parameter the base has with another shape is refused. No weight returns a model bit
-for bit: weights (1, 0) give ``base + λ·(sparsified) τ₁``, which is model 1 only for task
-arithmetic with λ = 1.
+Each rule combines the task vectors ``τᵢ = Wᵢ − W_base`` per tensor and adds the result back to
+the base, following mergekit's generalized task arithmetic (``scale`` is mergekit's ``lambda``;
+weights wᵢ as given, not normalised): ``task_arithmetic`` ``W = base + λ·Σ wᵢτᵢ``; ``ties`` trims
+each τᵢ to its top magnitudes, elects signs by ``Σ wᵢτᵢ`` and takes the weighted mean of the
+agreeing entries; ``dare_ties`` drops entries at random (seeded), rescales to the former L1 norm,
+elects signs the same way and adds the agreeing entries. Float64 arithmetic, cast to the
+reference's dtype. A parameter the base lacks merges linearly (normalised weights, a warning); one
+with another shape is refused. No weight returns a model bit for bit.
 """
 
 from __future__ import annotations
@@ -98,12 +85,8 @@ def check_densities(density: float, densities: Sequence[float] | None, n: int) -
 
 
 def relative_task_norm(base: StateDict, state: StateDict) -> float:
-    """Median over the shared 2-D floating-point weights of ``‖W − W_base‖ / ‖W_base‖``.
-
-    Fine-tuning moves weights by a few percent; a model trained from another initialisation (or
-    the base in another basis, e.g. with permuted MLP units) sits near √2. The median over
-    matrices keeps LayerNorm gains (≈ 1 in every model) from hiding an unrelated base.
-    """
+    """Median over the shared 2-D float weights of ``‖W − W_base‖ / ‖W_base‖``: a few percent for a
+    fine-tune, near √2 for another initialisation (the median ignores LayerNorm gains)."""
     ratios = [task_norm_ratio(w, base[key]) for key, w in state.items() if key in base]
     return median_ratio([r for r in ratios if r is not None])
 
@@ -137,9 +120,8 @@ def per_tensor_merge(
     logged: dict[str, Any] | None = None,
     return_log: bool = False,
 ):
-    """Run ``merge_one`` on every floating-point tensor with ``settings`` evaluated for it (they may
-    vary by layer or module, :mod:`raot_hf.merging.layered`; ``logged``: settings recorded as
-    they are); a tensor the base lacks merges linearly (normalised weights), with a warning."""
+    """Run ``merge_one`` on every float tensor with ``settings`` evaluated for it (per layer or
+    module, :mod:`raot_hf.merging.layered`); ``logged``: settings recorded as they are."""
     _check_states(states)
     ref = states[0]
     if needs_base and base is None:
@@ -177,8 +159,7 @@ def per_tensor_merge(
 
 
 def _add_totals(log: dict[str, Any], entries: int, details: dict[str, Any]) -> None:
-    """Entry counts over all tensors (kept per model, sign conflicts), which add up across the
-    merger's chunks (:func:`raot_hf.merging.add_rule_log`)."""
+    """Entry counts over all tensors, which add up across chunks (:func:`raot_hf.merging.add_rule_log`)."""
     if not details:
         return
     totals = log.setdefault("totals", {"entries": 0})
@@ -188,8 +169,7 @@ def _add_totals(log: dict[str, Any], entries: int, details: dict[str, Any]) -> N
 
 
 def sparsity_details(tasks: Sequence[torch.Tensor]) -> dict[str, float]:
-    """The fraction of entries each sparsified task vector keeps (``kept_1`` …) and of entries
-    where kept ones disagree in sign (``sign_conflicts``)."""
+    """Fractions of entries each sparse task vector keeps (``kept_i``) and that disagree in sign."""
     n = max(tasks[0].numel(), 1)
     details = {f"kept_{i}": float((t != 0).sum()) / n for i, t in enumerate(tasks, start=1)}
     stacked = torch.stack(list(tasks))
@@ -219,9 +199,8 @@ def keep_top_magnitudes(task: torch.Tensor, density: float) -> torch.Tensor:
 
 
 def random_keep_rescaled(task: torch.Tensor, density: float, *, seed: int, name: str, model: int) -> torch.Tensor:
-    """DARE as mergekit runs it in ``dare_ties``: keep each entry with probability ``density``
-    (a CPU generator seeded from ``(seed, name, model)``, so a tensor's mask depends neither on
-    the device nor on the other tensors) and rescale to the former L1 norm."""
+    """DARE (mergekit's ``dare_ties``): keep each entry with probability ``density`` (a CPU
+    generator seeded from ``(seed, name, model)``: device- and chunk-independent), rescale to L1."""
     if density >= 1.0:
         return task.clone()
     generator = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, name, f"model{model}"))
@@ -230,8 +209,7 @@ def random_keep_rescaled(task: torch.Tensor, density: float, *, seed: int, name:
 
 
 def l1_rescaled(task: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """``kept`` (a sparsified ``task``) rescaled to ``task``'s L1 norm, as mergekit rescales; left
-    as is when either norm is below :data:`RESCALE_EPS`."""
+    """``kept`` rescaled to ``task``'s L1 norm (as is when either norm is below :data:`RESCALE_EPS`)."""
     before, after = float(task.abs().sum()), float(kept.abs().sum())
     if before < RESCALE_EPS or after < RESCALE_EPS:
         return kept
@@ -239,8 +217,7 @@ def l1_rescaled(task: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
 
 
 def elect_signs(tasks: Sequence[torch.Tensor], weights: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """mergekit's ``sum`` consensus: the elected sign is that of ``Σ wᵢτᵢ`` (+1 where it is 0);
-    returns the weighted tasks (N, …) and the mask of entries that carry the elected sign."""
+    """mergekit's ``sum`` consensus (sign of ``Σ wᵢτᵢ``, +1 at 0): weighted tasks (N, …), agree mask."""
     weighted = torch.stack([w * t for t, w in zip(tasks, weights, strict=True)])
     elected = torch.where(weighted.sum(0) >= 0, 1.0, -1.0).to(weighted.dtype)
     return weighted, torch.sign(weighted) == elected
@@ -257,11 +234,7 @@ def merge_task_arithmetic(
     scale: float = 1.0,
     return_log: bool = False,
 ):
-    """Task arithmetic (mergekit): ``W = base + λ·Σ wᵢτᵢ`` with ``τᵢ = Wᵢ − base``.
-
-    Two models with weights (½, ½): ``scale = 1`` is the average of A and B and ``scale = 2`` the
-    sum of the task vectors (the task-arithmetic paper's λ is ``scale/2`` there).
-    """
+    """Task arithmetic (mergekit): ``W = base + λ·Σ wᵢτᵢ`` with ``τᵢ = Wᵢ − base``."""
     weights = check_weights(weights, len(states), normalise=False)
     scale = _check_finite("scale", scale)
 
@@ -287,9 +260,8 @@ def ties_rule(
     seed: int = 0,
     return_log: bool = False,
 ):
-    """mergekit's ``ties`` (``rule="ties"``) or ``dare_ties``: sparsify each task vector (keep
-    fraction ``densityᵢ``; ``densities``: one per model, else ``density`` for all), elect signs by
-    the weighted sum, combine the agreeing weighted entries; ``W = base + λ·combined``."""
+    """mergekit's ``ties`` or ``dare_ties``: sparsify each task vector to ``densityᵢ``, elect signs,
+    combine the agreeing weighted entries; ``W = base + λ·combined``."""
     weights = check_weights(weights, len(states), normalise=False)
     kept, scale = check_densities(density, densities, len(states)), _check_finite("scale", scale)
     seed = _check_seed(seed)
@@ -320,29 +292,19 @@ def ties_rule(
 
 
 def merge_ties(states, weights, base=None, *, return_log=False, **options):
-    """TIES (mergekit): trim each task vector to its top ``int(densityᵢ·n)`` magnitudes (0.2 is
-    the TIES paper's k = 20 %), elect signs by the weighted sum, take the weighted mean of the
-    agreeing entries (:func:`ties_rule`)."""
+    """TIES: top ``int(densityᵢ·n)`` magnitudes, weighted mean of the agreeing entries (:func:`ties_rule`)."""
     return ties_rule("ties", states, weights, base, return_log=return_log, **options)
 
 
 def merge_dare_ties(states, weights, base=None, *, return_log=False, **options):
-    """DARE-TIES (mergekit): :func:`random_keep_rescaled` each task vector (seeded by ``seed``),
-    elect signs by the weighted sum, add the agreeing weighted entries, not normalised
-    (:func:`ties_rule`). The same seed gives byte-identical weights."""
+    """DARE-TIES: seeded random drop and rescale, agreeing entries summed (:func:`ties_rule`)."""
     return ties_rule("dare_ties", states, weights, base, return_log=return_log, **options)
 
 
 @register_section
 @dataclass
 class BaseRuleOptions(OptionSection):
-    """Options of the base-relative rules ``task_arithmetic``, ``ties`` and ``dare_ties``.
-
-    ``density``: fraction of each task vector that ``ties`` keeps (top magnitudes; 0.2 is the
-    TIES paper's k) and ``dare_ties`` keeps at random (seeded by the config's ``seed``);
-    ``task_scale``: λ in ``base + λ·Σ wᵢτᵢ`` (two models with α = ½: 1 averages the task
-    vectors, 2 sums them).
-    """
+    """Options of ``task_arithmetic``, ``ties`` and ``dare_ties`` (``task_scale`` is λ)."""
 
     section = "base_rules"
 

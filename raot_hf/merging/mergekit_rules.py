@@ -1,17 +1,11 @@
 """mergekit's SLERP, NuSLERP, Model Stock, DELLA and Breadcrumbs rules (docs/design.md §6.10).
 
-Each rule has one signature for any number of models::
-
-    rule(states, weights, base=None, *, return_log=False, **options)
-
-``states`` are state dicts whose keys and shapes agree (the first is the reference: mergekit's
-``base_model`` for SLERP, the basis every other model was moved into), ``weights`` one number per
-model (mergekit's per-model ``weight``; SLERP and Model Stock ignore them), ``base`` the state
-dict the models were fine-tuned from (the task-vector rules). Every option may be a number or a
-setting that varies by layer or module (:mod:`raot_hf.merging.layered`): the rule evaluates it
-per tensor from the tensor's name and ``layer_count`` (the model's layers; counted from the
-names given when absent). Arithmetic runs in float64 and each result is cast to the reference's
-dtype; tensors that are not floating point are copied from the reference.
+The registry's signature ``rule(states, weights, base=None, *, return_log=False, **options)``
+(:mod:`raot_hf.merging.rules`): the first state is the reference (mergekit's ``base_model`` for
+SLERP), ``weights`` mergekit's per-model ``weight`` (SLERP and Model Stock ignore them), ``base``
+the fine-tunes' origin. Options may vary by layer or module (:mod:`raot_hf.merging.layered`),
+evaluated per tensor with ``layer_count`` (counted from the names when absent). Float64
+arithmetic, cast to the reference's dtype; non-float tensors are copied from the reference.
 """
 
 from __future__ import annotations
@@ -70,9 +64,7 @@ def _two(rule: str, states: Sequence[StateDict]) -> None:
 
 
 def slerp_vectors(t: float, v0: torch.Tensor, v1: torch.Tensor) -> torch.Tensor:
-    """Spherical interpolation of the flattened ``v0`` (t = 0) and ``v1`` (t = 1): with θ the
-    angle between them, ``sin((1−t)θ)/sin θ · v0 + sin(tθ)/sin θ · v1``; linear when
-    |cos θ| > :data:`SLERP_COLINEAR`."""
+    """``sin((1−t)θ)/sin θ · v0 + sin(tθ)/sin θ · v1`` (θ their angle); linear when |cos θ| > :data:`SLERP_COLINEAR`."""
     n0, n1 = torch.linalg.norm(v0), torch.linalg.norm(v1)
     u0 = v0 / n0 if n0 > SLERP_EPS else v0
     u1 = v1 / n1 if n1 > SLERP_EPS else v1
@@ -84,9 +76,7 @@ def slerp_vectors(t: float, v0: torch.Tensor, v1: torch.Tensor) -> torch.Tensor:
 
 
 def slerp(states, weights=(), base=None, *, t: Any = None, layer_count: int | None = None, return_log=False):
-    """mergekit's ``slerp``: per tensor, :func:`slerp_vectors` from the first model (mergekit's
-    ``base_model``; ``t = 0`` returns it) to the second by ``t`` (required; may vary by layer or
-    module). Two models; ``weights`` and ``base`` are not read."""
+    """mergekit's ``slerp`` of two models per tensor, from the first (``t = 0``) by ``t`` (required)."""
     _two("slerp", states)
     t = check_setting("t", t)
 
@@ -134,10 +124,8 @@ def nuslerp(
     layer_count: int | None = None,
     return_log: bool = False,
 ):
-    """mergekit's ``nuslerp``: ``t = w₂/(w₁ + w₂)`` (½ when the weights sum to ~0) and
-    :func:`nuslerp_rows` of the two models (``flatten``, mergekit's default: the whole tensor;
-    else row by row, ``row_wise`` column by column) — or, with ``base``, ``base + nuslerp`` of
-    the two task vectors. Two models."""
+    """mergekit's ``nuslerp`` of two models with ``t = w₂/(w₁ + w₂)`` (½ when the sum is ~0); with
+    ``base``, ``base + nuslerp`` of the two task vectors."""
     _two("nuslerp", states)
     w = [float(x) for x in weights]
     t = 0.5 if abs(sum(w)) < 1e-6 else w[1] / sum(w)
@@ -159,9 +147,8 @@ def nuslerp(
 
 
 def model_stock_tensor(origin: torch.Tensor, tensors: list[torch.Tensor], *, filter_wise: bool) -> torch.Tensor:
-    """Model Stock of one tensor: with ``cos θ`` the mean pairwise cosine of the task vectors
-    (per row when ``filter_wise``) and N models, ``t = N·cos θ / (1 + (N − 1)·cos θ)`` and
-    ``W = t·mean(Wᵢ) + (1 − t)·W_base``."""
+    """``W = t·mean(Wᵢ) + (1 − t)·W_base``, ``t = N·cos θ / (1 + (N − 1)·cos θ)`` with ``cos θ`` the
+    mean pairwise cosine of the task vectors (per row when ``filter_wise``)."""
     shape = origin.shape
     if filter_wise:
         w0 = origin.reshape(1, -1) if origin.dim() < 2 else origin.reshape(-1, origin.shape[-1])
@@ -191,8 +178,7 @@ def model_stock(
     layer_count: int | None = None,
     return_log: bool = False,
 ):
-    """mergekit's ``model_stock`` (Jang et al. 2024) over two or more fine-tunes of ``base``:
-    :func:`model_stock_tensor` per tensor; ``weights`` are not read."""
+    """mergekit's ``model_stock`` (Jang et al. 2024): :func:`model_stock_tensor` per tensor."""
     weights = list(weights) or [1.0] * len(states)
 
     def merge_one(key, tensors, origin, values):
@@ -209,9 +195,8 @@ def model_stock(
 
 
 def della_keep(task: torch.Tensor, density: float, epsilon: float, *, seed: int, name: str, model: int) -> torch.Tensor:
-    """DELLA's MagPrune as mergekit runs it: in each row (a vector is one row) the entries ranked by
-    magnitude, smallest first, get keep probabilities rising linearly from ``density − ε`` to
-    ``density + ε``; a seeded draw keeps them and the kept row set is rescaled to the task's L1 norm."""
+    """DELLA's MagPrune (mergekit): per row, keep probabilities rise with magnitude rank from
+    ``density − ε`` to ``density + ε``; a seeded draw, rescaled to the task's L1 norm."""
     if density >= 1.0:
         return task.clone()
     if density - epsilon <= 0.0 or density + epsilon >= 1.0:
@@ -231,8 +216,7 @@ def della_keep(task: torch.Tensor, density: float, epsilon: float, *, seed: int,
 
 
 def breadcrumbs_keep(task: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
-    """Model Breadcrumbs: drop the ``int(γ·n)`` largest-magnitude entries and the smallest ones, so
-    that ``int(density·n)`` remain (fewer large ones dropped when both do not fit)."""
+    """Model Breadcrumbs: drop the ``int(γ·n)`` largest and the smallest magnitudes, keeping ``int(density·n)``."""
     if density >= 1.0:
         return task.clone()
     n = task.numel()
@@ -278,10 +262,8 @@ def task_vector_rule(
     layer_count: int | None = None,
     return_log: bool = False,
 ):
-    """mergekit's generalized task arithmetic with DELLA's or Breadcrumbs' sparsification
-    (:data:`TASK_RULES`): each τᵢ = Wᵢ − base sparsified, weighted by wᵢ; with sign election only
-    the entries whose sign is that of ``Σ wᵢτᵢ`` count; normalised by the weights that count
-    (DELLA); ``W = base + λ·mixed``."""
+    """Generalized task arithmetic with DELLA's or Breadcrumbs' sparsification (:data:`TASK_RULES`):
+    ``W = base + λ·mixed`` of the sparse weighted τᵢ (sign-elected, normalised as registered)."""
     sparsify, elect, normalise = TASK_RULES[rule]
     weights = check_weights(weights, len(states), normalise=False)
     seed = _check_seed(seed)
@@ -349,12 +331,9 @@ def _setting_field(help: str, flag: str | None = None) -> Any:
 @register_section
 @dataclass
 class MergekitOptions(OptionSection):
-    """Options of the mergekit rules (``slerp``, ``nuslerp``, ``model_stock``, ``della``,
-    ``della_linear``, ``breadcrumbs``, ``breadcrumbs_ties``), with mergekit's names and
-    defaults (None: mergekit's default). ``t``, ``density``, ``epsilon``, ``gamma`` and ``scale``
-    (mergekit's ``lambda``) may be numbers, per-layer lists or filters
-    (:mod:`raot_hf.merging.layered`); on the command line ``0.5``, ``0,0.5,1`` or
-    ``self_attn=0,1;mlp=1,0;default=0.5``."""
+    """Options of the mergekit rules, with mergekit's names and defaults (None). ``t``, ``density``,
+    ``epsilon``, ``gamma`` and ``scale`` may vary by layer (:mod:`raot_hf.merging.layered`), e.g.
+    ``0,0.5,1`` or ``self_attn=0,1;mlp=1,0;default=0.5``."""
 
     section = "mergekit"
 

@@ -1,30 +1,17 @@
-"""Merge rules on aligned state dicts (docs/design.md §6): the weight-space rules.
+"""Merge rules on aligned state dicts (docs/design.md §6): linear, RegMean, Fisher, heads.
 
-Every rule of the registry has one signature for any number of models::
+Every rule has one signature for any number of models::
 
     rule(states, weights, base=None, *, return_log=False, **options)
 
-``states`` are N ≥ 2 state dicts (parameter name → tensor) whose keys and shapes agree — the first
-is the reference, the others already moved into its basis (for two models: A and B′) — and
-``weights`` one non-negative number per model; two models merged with weight α on B′ are
-``weights=(1 − α, α)``. The arithmetic runs in float64, one tensor at a time, and each result is
-cast to the reference's dtype. Tensors that are not floating point (integer buffers such as
-``position_ids``) are copied from the reference. Inputs a rule reads per model come as lists in
-the models' order (``grams=[...]``, ``fishers=[...]``).
-
-With ``return_log=True`` a rule returns ``(merged, log)`` (the POT convention). The log is
-JSON-serialisable and feeds the provenance report::
-
-    {"rule": "regmean", "settings": {...}, "counts": {"regmean": 72, "linear": 127},
-     "params": {"encoder.layer.0.attention.self.query.weight": {"method": "regmean", ...}, ...}}
-
-The rules here (linear, RegMean, Fisher) take a weighted mean, the weights normalised to sum 1.
-Endpoints are exact: when one model has all the weight, its tensors come back bit for bit (cast
-to the reference's dtype), without any arithmetic that could round or flip the sign of a zero.
-Sums run left to right from the first model's term, so two models with weights (1 − α, α) give
-``(1 − α)·x_A + α·x_B′`` exactly as written. The base-relative rules (task arithmetic, TIES,
-DARE-TIES) are in :mod:`raot_hf.merging.base_rules`, mergekit's further rules in
-:mod:`raot_hf.merging.mergekit_rules`.
+``states``: N ≥ 2 state dicts with agreeing keys and shapes, the first the reference, the others
+already in its basis; ``weights``: one non-negative number per model (α on B′ is ``(1 − α, α)``).
+Arithmetic runs in float64 per tensor, cast back to the reference's dtype; non-float tensors are
+copied from the reference; per-model inputs are lists in the models' order (``grams=[...]``).
+``return_log=True`` also returns a JSON-serialisable log ``{"rule", "settings", "counts",
+"params"}`` for the provenance report. Weights here are normalised to sum 1; a model with all the
+weight comes back bit for bit, and sums run left to right from the first model's term
+(``(1 − α)·x_A + α·x_B′`` exactly as written). Base-relative rules: :mod:`raot_hf.merging.base_rules`.
 """
 
 from __future__ import annotations
@@ -93,8 +80,7 @@ def _check_states(states: Sequence[StateDict]) -> None:
 
 
 def check_weights(weights: Sequence[float], n: int, *, normalise: bool) -> list[float]:
-    """One finite, non-negative weight per model with a positive sum; divided by the sum when
-    ``normalise``."""
+    """One finite, non-negative weight per model, positive sum; divided by the sum when ``normalise``."""
     weights = [float(w) for w in weights]
     if len(weights) != n:
         raise RaotError(f"{len(weights)} weights for {n} models; give one weight per model (--weights w1,w2,...).")
@@ -171,8 +157,7 @@ def _sole_model(weights: Sequence[float]) -> int | None:
 
 
 def _linear_entry(key: str, tensors: Sequence[torch.Tensor], weights: Sequence[float], log: dict) -> torch.Tensor:
-    """``Σ wᵢ·xᵢ`` of one tensor (weights summing to 1; zero-weight models left out); a model with
-    all the weight is returned bit for bit, and a non-floating-point tensor comes from the reference."""
+    """``Σ wᵢ·xᵢ`` of one tensor, zero-weight models left out; a sole model's tensor bit for bit."""
     ref = tensors[0]
     if not ref.is_floating_point():
         return _copy_non_float(key, ref, tensors[1], log)
@@ -199,8 +184,7 @@ def _endpoint_state(states: Sequence[StateDict], weights: Sequence[float], log: 
 def merge_linear(
     states: Sequence[StateDict], weights: Sequence[float], base: StateDict | None = None, *, return_log: bool = False
 ):
-    """Linear interpolation ``W = Σ wᵢWᵢ / Σ wᵢ`` of every floating-point tensor (two models with
-    weights (1 − α, α): ``(1 − α)·W_A + α·W_B′``). ``base`` is not read."""
+    """Linear interpolation ``W = Σ wᵢWᵢ / Σ wᵢ`` of every floating-point tensor."""
     _check_states(states)
     weights = check_weights(weights, len(states), normalise=True)
     log = _new_log("linear", {"weights": tuple(weights)})  # a tuple: chunks' logs add up lists
@@ -212,11 +196,7 @@ def merge_linear(
 
 
 def shrink_gram(gram: torch.Tensor, shrink: float) -> torch.Tensor:
-    """``G̃ = shrink·G + (1 − shrink)·diag(G)`` in float64, after symmetrising G.
-
-    ``shrink=1`` leaves G as is; smaller values pull the off-diagonal entries towards zero
-    (the RegMean paper's α), which keeps the merged system well conditioned.
-    """
+    """``G̃ = shrink·G + (1 − shrink)·diag(G)`` in float64, after symmetrising G (the paper's α)."""
     g = _f64(gram)
     g = 0.5 * (g + g.T)
     if shrink == 1.0:
@@ -259,15 +239,9 @@ def _regmean_groups(
 def _solve_symmetric(
     system: torch.Tensor, rhs: torch.Tensor, prior: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Solve ``system·X = rhs`` for a symmetric positive semi-definite system.
-
-    A Cholesky factorisation solves it (a solve, never an explicit inverse). When the system is
-    singular — a pivot below ``SINGULAR_PIVOT_RATIO`` of the largest diagonal entry, e.g. an
-    input feature no calibration token activates, or fewer tokens than inputs with ``shrink=1``
-    — a ridge ``λ·I`` pulls the solution towards ``prior`` (the linear merge), so directions
-    with no data get the linear merge rather than arbitrary values. A least-squares solve is
-    the last resort. The returned dict records what was done.
-    """
+    """Solve a symmetric PSD ``system·X = rhs`` by Cholesky (never an inverse). A singular one (a
+    pivot below ``SINGULAR_PIVOT_RATIO`` of the largest diagonal) gets a ridge ``λ·I`` towards
+    ``prior`` (the linear merge), so directions without data keep the linear merge; lstsq last."""
     diag = torch.diagonal(system)
     scale = float(diag.mean()) if diag.numel() else 0.0
     if not scale > 0.0:
@@ -299,21 +273,15 @@ def merge_regmean(
     transposed_weights: Collection[str] = (),
     return_log: bool = False,
 ):
-    """RegMean: per Linear layer, the weight that best reproduces every model's outputs on its inputs.
+    """RegMean: per Linear layer, the weight that best reproduces every model's outputs.
 
-    For each weight name in ``linear_weights`` (weight name → gram key; weights reading the same
-    input, such as q, k and v, or DeBERTa v1's fused ``in_proj``, may share a key), with each
-    model's input Gram ``Gᵢ = XᵢᵀXᵢ`` (in × in; ``grams``: one mapping per model) and the weights
-    wᵢ normalised to sum 1::
+    ``linear_weights`` maps weight name → gram key (q, k, v may share one); ``grams`` holds each
+    model's input Grams ``Gᵢ = XᵢᵀXᵢ`` (in × in). With normalised weights wᵢ::
 
-        W = (Σ wᵢG̃ᵢ)⁻¹ · Σ wᵢG̃ᵢWᵢᵀ, transposed back to (out, in)
+        W = (Σ wᵢG̃ᵢ)⁻¹ · Σ wᵢG̃ᵢWᵢᵀ, transposed back to (out, in),  G̃ = shrink·G + (1 − shrink)·diag(G)
 
-    where ``G̃ = shrink·G + (1 − shrink)·diag(G)``. This minimises ``Σ wᵢ‖X̃ᵢ·(W − Wᵢ)ᵀ‖²``; two
-    models with equal weights are plain RegMean. Systems are solved (Cholesky), never inverted; a
-    singular one gets a tiny ridge towards the linear merge (see :func:`_solve_symmetric`),
-    recorded in the log. Every other tensor (biases, LayerNorms, embeddings) merges linearly
-    with the same weights. Weights named in ``transposed_weights`` are stored (in, out) —
-    GPT-2's ``Conv1D`` — and solved as their transpose. ``base`` is not read.
+    minimising ``Σ wᵢ‖X̃ᵢ·(W − Wᵢ)ᵀ‖²``. Every other tensor merges linearly. Weights in
+    ``transposed_weights`` are stored (in, out) (GPT-2's ``Conv1D``) and solved transposed.
     """
     _check_states(states)
     weights = check_weights(weights, len(states), normalise=True)
@@ -392,21 +360,13 @@ def merge_fisher(
     eps: float = 1e-8,
     return_log: bool = False,
 ):
-    """Fisher-weighted averaging with diagonal Fishers (``fishers``: one per model, with the
-    parameters' keys and shapes).
-
-    Normalisation: each model's Fisher is divided by its mean over all the entries it covers,
-    so all have mean 1. Only the ratios of the Fishers matter per entry, and this keeps a model
-    whose Fisher is larger overall (a sharper loss, more samples, a summed estimator) from
-    winning every entry, while keeping relative importance within that model. ``eps`` is then in
-    units of the mean Fisher and is added to every one; with the weights wᵢ normalised::
+    """Fisher-weighted averaging with one diagonal Fisher per model (the parameters' keys and shapes)::
 
         F̂ᵢ = Fᵢ / mean(Fᵢ) + eps;   W = Σ wᵢF̂ᵢWᵢ / Σ wᵢF̂ᵢ
 
-    Adding eps to every Fisher (rather than only to the denominator) makes entries where no
-    model has Fisher mass fall back to the linear merge instead of to zero, and equal Fishers
-    give exactly the linear merge. Parameters absent from the Fishers merge linearly. ``base``
-    is not read.
+    Dividing by the mean keeps an overall larger Fisher from winning every entry; ``eps`` (in
+    units of the mean Fisher, added to every one) sends entries without Fisher mass to the linear
+    merge. Parameters absent from the Fishers merge linearly.
     """
     _check_states(states)
     weights = check_weights(weights, len(states), normalise=True)
@@ -475,14 +435,10 @@ def merge_heads(
     alpha: float = 0.5,
     return_log: bool = False,
 ) -> dict:
-    """The classification-head parameters ``head_params``, taken from A, from B′, or averaged.
+    """The head parameters ``head_params`` (cast to A's dtype) from A, from B′, or averaged with
+    weight ``alpha`` on B′ (same ``num_labels`` and ``id2label`` needed); for ``"b"`` the receiving
+    model first takes B's head shapes (:func:`raot_hf.io.loading.adopt_head`)."""
 
-    Returns a dict holding only the head parameters (cast to A's dtype), to overlay on the body
-    merge — merge the body with the head parameters left out when the label spaces differ.
-    ``policy="average"`` interpolates with weight ``alpha`` on B′ and needs the same label
-    space (equal ``num_labels`` and ``id2label``); with ``policy="b"`` the model receiving the
-    merge must first take B's head shapes and label config (:func:`raot_hf.io.loading.adopt_head`).
-    """
     if policy not in HEAD_POLICIES:
         raise RaotError(f"unknown head policy {policy!r}; use one of: {', '.join(HEAD_POLICIES)}.")
     sources = {"a": (state_a,), "b": (state_b,), "average": (state_a, state_b)}[policy]
