@@ -240,3 +240,29 @@ def test_no_private_name_is_imported_across_packages(tmp_path):
     assert private_imports_across_packages({"raot_hf.stages.planted": planted}) == [
         ("raot_hf.stages.planted", "raot_hf.gate.fidelity", "_hidden_in")
     ]
+
+
+#: The layers of a merge, callers first: a module may import the layers after its own, never one
+#: before it (docs/architecture.md). Deferred imports inside functions count too.
+LAYERS = ("raot_hf.merger", "raot_hf.stages", "raot_hf.results", "raot_hf.outputs")
+
+
+def _layer(module: str) -> int | None:
+    return next((i for i, name in enumerate(LAYERS) if module == name or module.startswith(name + ".")), None)
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs where a later layer imports an earlier one."""
+    return sorted(
+        (module, target)
+        for module, targets in graph.items()
+        for target in targets
+        if _layer(module) is not None and _layer(target) is not None and _layer(target) < _layer(module)
+    )
+
+
+def test_imports_run_one_way_merger_stages_results_outputs():
+    assert layering_violations({"raot_hf.outputs.card": {"raot_hf.stages.members"}}) == [
+        ("raot_hf.outputs.card", "raot_hf.stages.members")
+    ]  # the check sees a backward import
+    assert layering_violations(import_graph(deferred=True)) == []
