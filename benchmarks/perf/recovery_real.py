@@ -66,7 +66,7 @@ RESULTS_JSON = HERE / "results_recovery_real.json"
 RESULTS_MD = HERE / "results_recovery_real.md"
 PRECISIONS = ("float32", "bfloat16", "auto")
 CORRECTIONS = ("auto", "none", "lsq", "repair")
-#: The recovery bar of tests/test_moment_precision.py: merged vs A, relative, ≤ 1e-4.
+#: The recovery bar of tests/calibration/test_moment_precision.py: merged vs A, relative, ≤ 1e-4.
 RECOVERED = 1e-4
 SCRAMBLE_SEED = 3
 TEXT_SOURCE = "rotten_tomatoes"

@@ -332,7 +332,7 @@ def test_the_readme_merge_file_runs_as_written(tmp_path, monkeypatch):
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     yml = re.search(r"```yaml\n(# merge\.yml.*?)```", readme, re.S).group(1)
     command = re.search(r"```bash\n(raot-hf merge --config merge\.yml[^\n]*)\n```", readme).group(1)
     a = _save_scrambles(tmp_path, ("seed-a", "seed-b", "seed-c"), "calib.csv")

@@ -301,7 +301,7 @@ def test_merger_reads_legacy_keyword_options(tmp_path):
 
 def _readme_commands() -> list[list[str]]:
     """The ``raot-hf merge`` / ``raot-hf inspect`` command lines of README.md, split into words."""
-    readme = Path(__file__).resolve().parents[1] / "README.md"
+    readme = Path(__file__).resolve().parents[2] / "README.md"
     lines = re.findall(r"^raot-hf (?:merge|inspect) .*$", readme.read_text(encoding="utf-8"), flags=re.M)
     return [shlex.split(line.split("#", 1)[0])[1:] for line in lines]
 
@@ -316,7 +316,7 @@ def test_readme_command_lines_still_parse():
         for flag in (w for w in words if w.startswith("--")):
             assert flag in known and flag in help_text, (words, flag)
         params = command.make_context(words[0], words[1:]).params
-        if params.get("config_file") not in ("merge.yml", "slerp.yml"):  # merge files: test_group, test_mergekit_rules
+        if params.get("config_file") not in ("merge.yml", "slerp.yml"):  # merge files: test_members, test_mergekit_rules
             build_config(params)
 
 
