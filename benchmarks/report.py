@@ -379,8 +379,12 @@ def does_not_help(grouped: dict[str, list[dict]], methods: list[str]) -> list[st
     return lines
 
 
-def write_report(results: dict[str, Any], out: Path) -> None:
-    """Write RESULTS.md and the plots into ``out``."""
+PLOT_FILES = ("barrier_curves.png", "gate_gains.png", "width_series.png")
+
+
+def write_report(results: dict[str, Any], out: Path, markdown_only: bool = False) -> str:
+    """Write RESULTS.md and the plots into ``out``; returns the markdown. ``markdown_only``: return
+    the markdown without writing anything, linking the plots already in ``out``."""
     from benchmarks.report_corrections import sections as correction_sections
     from benchmarks.report_mergekit import sections as mergekit_sections
     from benchmarks.report_siblings import sections as sibling_sections
@@ -390,8 +394,10 @@ def write_report(results: dict[str, Any], out: Path) -> None:
     methods = _method_names(results)
     labels = {m["name"]: m["label"] for m in results["methods"]}
     meta = results["meta"]
-    plots = []
+    plots = [out / name for name in PLOT_FILES if (out / name).is_file()] if markdown_only else []
     try:
+        if markdown_only:
+            raise StopIteration
         from benchmarks.plots import barrier_plot, gate_gain_plot, width_plot
 
         plots = [
@@ -403,6 +409,8 @@ def write_report(results: dict[str, Any], out: Path) -> None:
             )
             if p
         ]
+    except StopIteration:
+        pass
     except ImportError as exc:
         meta.setdefault("notes", []).append(f"plots skipped: {exc} (pip install matplotlib)")
     md = ["# RaOT evidence: results", ""]
@@ -486,4 +494,7 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         md += [f"### {pair}", ""] + pair_table(runs, methods, labels) + [""]
     if plots:
         md += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
-    (out / "RESULTS.md").write_text("\n".join(md))
+    text = "\n".join(md)
+    if not markdown_only:
+        (out / "RESULTS.md").write_text(text)
+    return text

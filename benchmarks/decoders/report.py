@@ -163,8 +163,9 @@ def _plot_widths(grouped: dict[str, list[dict]], out: Path) -> Path | None:
     return path
 
 
-def write_report(results: dict[str, Any], out: Path) -> None:
-    """Write ``RESULTS.md`` (and the plots) from ``results.json``'s runs."""
+def write_report(results: dict[str, Any], out: Path, markdown_only: bool = False) -> str:
+    """Write ``RESULTS.md`` (and the plots) from ``results.json``'s runs; returns the markdown.
+    ``markdown_only``: return it without writing anything, linking the plots already in ``out``."""
     grouped = _by_pair(results)
     lines = [
         "# Decoder benchmark",
@@ -194,10 +195,16 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         lines.append("")
     for name, runs in grouped.items():
         lines += [f"## {name}", "", *pair_table(runs), *_notes(runs), ""]
-    for plot in (_plot_barriers(grouped, out), _plot_widths(grouped, out)):
-        if plot is not None:
-            lines += [f"![{plot.stem}]({plot.name})", ""]
-    (out / "RESULTS.md").write_text("\n".join(lines))
+    if markdown_only:
+        plots = [out / name for name in ("decoder_barriers.png", "decoder_widths.png") if (out / name).is_file()]
+    else:
+        plots = [p for p in (_plot_barriers(grouped, out), _plot_widths(grouped, out)) if p is not None]
+    for plot in plots:
+        lines += [f"![{plot.stem}]({plot.name})", ""]
+    text = "\n".join(lines)
+    if not markdown_only:
+        (out / "RESULTS.md").write_text(text)
+    return text
 
 
 #: The rows compared, paired by run, with RaOT and with RaOT + RegMean.

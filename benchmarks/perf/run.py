@@ -30,13 +30,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+try:  # run as a script (python benchmarks/perf/run.py) or as a module
+    from benchmarks.records import append_run, provenance, render_blocks, run_heading
+except ImportError:  # pragma: no cover
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks.records import append_run, provenance, render_blocks, run_heading
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -362,20 +367,14 @@ def _verdict(name: str, value: float, target: float, unit: str) -> str:
     return f"{name} {value:.2f}{unit} (target ≤ {target}{unit}: {'met' if value <= target else 'missed'})"
 
 
-def render(results: dict, args) -> str:
-    """The markdown report."""
-    import torch
-
+def render(results: dict, run: dict) -> list[str]:
+    """The markdown of one run's record (its settings and provenance in ``run``), without a title."""
     lines = [
-        "# raot_hf performance benchmark",
-        "",
-        f"Command: `{' '.join(['python', 'benchmarks/perf/run.py', *sys.argv[1:]])}`  ",
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs visible, "
-        f"torch {torch.__version__} with {args.threads} threads; "
-        f"load average at start {results['_load']:.2f}.  ",
-        f"Calibration: {args.examples} examples × {args.seq} tokens (synthetic), batch size {args.batch_size}; "
+        f"Command: `{run['command']}`  ",
+        f"Machine: {run['machine']} with {run['threads']} threads; load average at start {run['load']:.2f}.  ",
+        f"Calibration: {run['examples']} examples × {run['seq']} tokens (synthetic), batch size {run['batch_size']}; "
         "B = scramble(A), so every transform is estimated, accepted and applied. "
-        f"Each kind ran {args.repeat}× (alternating floor and merge); the fastest run is shown.",
+        f"Each kind ran {run['repeat']}× (alternating floor and merge); the fastest run is shown.",
         "",
         "| shape | floor (s) | merge (s) | merge / floor | CPU-time ratio | solve (s) | peak RSS merge "
         "| peak RSS floor | A + B | RSS / (A + B) | statistics | RegMean Grams (A and B) |",
@@ -446,7 +445,31 @@ def render(results: dict, args) -> str:
             lines.append(
                 f"  MLP cross moments: {mp['used']} products (requested {mp['requested']}; {mp['why']}){tokens}."
             )
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def render_history(history: dict, record_name: str) -> str:
+    """The markdown of a history of runs (``benchmarks/records.py``): the latest run first, then the
+    earlier ones, each with its provenance; runs recovered from earlier markdown as printed."""
+    runs = history["runs"]
+    lines = [f"# {history.get('title') or 'raot_hf performance benchmark'}", ""]
+    lines += [
+        f"Generated from the records in `{record_name}` by `python -m benchmarks.report_all` "
+        f"({len(runs)} run(s), the latest first; do not edit by hand).",
+        "",
+    ]
+    lines += render_blocks(history.get("notes", []))
+    for i, run in enumerate(reversed(runs)):
+        title = run.get("title") or ("Latest run" if i == 0 else "Earlier run")
+        lines += [f"## {title}", "", run_heading(run), ""]
+        if run.get("kind") == "transcribed":
+            lines += render_blocks(run["blocks"])
+        else:
+            lines += render_blocks(run.get("notes_before", []))
+            lines += render(run["results"], run)
+            lines += render_blocks(run.get("notes", []))
+        lines.append("")
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def main(argv=None) -> None:
@@ -555,9 +578,23 @@ def main(argv=None) -> None:
                     "base": shape,
                     "all_totals": {k: [round(x["total_s"], 2) for x in runs[k]] for k in ("floor", kind)},
                 }
-    text = render(results, args)
+    # append this run to the record beside --out (earlier runs are kept), then regenerate the markdown
+    command = " ".join(["python", "benchmarks/perf/run.py", *(sys.argv[1:] if argv is None else argv)])
+    run = provenance(command)
+    run.update(
+        kind="perf-run",
+        threads=args.threads,
+        examples=args.examples,
+        seq=args.seq,
+        batch_size=args.batch_size,
+        repeat=args.repeat,
+        load=results["_load"],
+        results=results,
+    )
+    record = Path(args.out).with_suffix(".json")
+    history = append_run(record, run)
+    text = render_history(history, record.name)
     Path(args.out).write_text(text)
-    Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=2))
     print(text)
 
 

@@ -1,0 +1,137 @@
+"""Regenerate every results markdown under ``benchmarks/`` from its JSON record(s) — no model runs.
+
+    python -m benchmarks.report_all            # rewrite every generated markdown
+    python -m benchmarks.report_all --check    # exit 1 if a committed markdown differs from its records
+
+Each entry of ``GENERATED`` names a markdown file, the records it is generated from and the function
+that renders it. The markdown is never edited by hand: a change goes into the record (a rerun
+appends a run to it), and this command re-renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Generated:
+    """A markdown file, the records it is generated from (paths relative to ``benchmarks/``) and its renderer."""
+
+    markdown: str
+    records: tuple[str, ...]
+    render: Callable[[], str]
+
+
+def _load(rel: str):
+    return json.loads((BENCH / rel).read_text(encoding="utf-8"))
+
+
+def _evidence(results_dir: str) -> Callable[[], str]:
+    def render() -> str:
+        from benchmarks.report import write_report
+
+        return write_report(_load(f"{results_dir}/results.json"), BENCH / results_dir, markdown_only=True)
+
+    return render
+
+
+def _decoders() -> str:
+    from benchmarks.decoders.report import write_report
+
+    return write_report(_load("decoders/results/results.json"), BENCH / "decoders/results", markdown_only=True)
+
+
+def _group() -> str:
+    from benchmarks.group import write_report
+
+    return write_report(_load("results/results_group.json"), BENCH / "results", markdown_only=True)
+
+
+def _perf(record: str) -> Callable[[], str]:
+    def render() -> str:
+        from benchmarks.perf.run import render_history
+
+        return render_history(_load(record), Path(record).name)
+
+    return render
+
+
+def _recovery_real() -> str:
+    from benchmarks.perf.recovery_real import read_records, render_markdown
+
+    return render_markdown(read_records(BENCH / "perf/results_recovery_real.json"))
+
+
+_PERF = (
+    "results",
+    "results_corrections",
+    "results_layerwise",
+    "results_layerwise_0.5b",
+    "results_llama",
+    "results_llama16",
+    "results_precision",
+    "results_recovery",
+    "results_rules",
+    "results_stream",
+)
+
+GENERATED: tuple[Generated, ...] = (
+    Generated("results/RESULTS.md", ("results/results.json",), _evidence("results")),
+    Generated("results/precision/RESULTS.md", ("results/precision/results.json",), _evidence("results/precision")),
+    Generated(
+        "results/precision/SUMMARY.md", ("results/precision/summary.json",), _perf("results/precision/summary.json")
+    ),
+    Generated("results/RESULTS_group.md", ("results/results_group.json",), _group),
+    Generated("decoders/results/RESULTS.md", ("decoders/results/results.json",), _decoders),
+    Generated("perf/results_recovery_real.md", ("perf/results_recovery_real.json",), _recovery_real),
+    *(Generated(f"perf/{name}.md", (f"perf/{name}.json",), _perf(f"perf/{name}.json")) for name in _PERF),
+)
+
+
+def records_of(markdown: str) -> tuple[str, ...]:
+    """The records (paths relative to ``benchmarks/``) a generated markdown comes from."""
+    for entry in GENERATED:
+        if entry.markdown == markdown:
+            return entry.records
+    raise KeyError(f"{markdown} is not generated from records")
+
+
+def stale() -> list[tuple[str, str]]:
+    """Every generated markdown whose committed text differs from its regeneration: (path, diff)."""
+    out = []
+    for entry in GENERATED:
+        path = BENCH / entry.markdown
+        want = entry.render()
+        have = path.read_text(encoding="utf-8") if path.is_file() else ""
+        if want != have:
+            diff = difflib.unified_diff(have.splitlines(), want.splitlines(), "committed", "regenerated", lineterm="")
+            out.append((entry.markdown, "\n".join(list(diff)[:40])))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="only compare; exit 1 if a markdown is stale")
+    args = parser.parse_args(argv)
+    if args.check:
+        bad = stale()
+        for path, diff in bad:
+            print(f"benchmarks/{path} differs from its records:\n{diff}\n")
+        print(f"{len(GENERATED) - len(bad)}/{len(GENERATED)} generated markdown files match their records")
+        return 1 if bad else 0
+    for entry in GENERATED:
+        (BENCH / entry.markdown).write_text(entry.render(), encoding="utf-8")
+        print(f"wrote benchmarks/{entry.markdown} from {', '.join(entry.records)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
