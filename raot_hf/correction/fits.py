@@ -63,13 +63,13 @@ class _Normal:
         self.add_residual(y_merged, y_mix, target)
 
     def add_products(self, x: torch.Tensor, y_mix: torch.Tensor, gram: torch.Tensor | None = None) -> None:
-        """Add one chunk's x̃ᵀx̃ and x̃ᵀȳ; ``gram``: x̃ᵀx̃ (float64) already made for the readers of
+        """Add one chunk's x̃ᵀx̃ and x̃ᵀȳ; ``gram``: x̃ᵀx̃ (float64) already made for all the
         Linears that read one input."""
         dt = _product_dtype(x)
         x = x.to(dt)
         g = _gram(x) if gram is None else gram
         c = (x.T @ y_mix.to(dt)).to(_F64)
-        self.gram = g if self.gram is None else self.gram + g  # not in place: one input's Gram is shared by its readers
+        self.gram = g if self.gram is None else self.gram + g  # not in place: the readers of one input share its Gram
         self.cross = c if self.cross is None else self.cross.add_(c)
 
     @property
@@ -161,8 +161,8 @@ SCREEN_ABOVE = 1e-3
 
 def _rule_error(x: torch.Tensor, site: Site, weights: tuple, y_mix: torch.Tensor, target: float, n: _Normal) -> None:
     """The rule's error at a site whose outputs M's forward has not computed (the readers of one
-    input refitted as the forward reaches them), taken from the rows in float64 wherever it may be small enough to keep
-    the Linear. It is screened first on :data:`SCREEN_ROWS` evenly spaced rows: when M's outputs
+    input refitted as the forward reaches them), taken from the rows in float64 wherever it may be
+    small enough to keep the Linear. It is screened first on :data:`SCREEN_ROWS` evenly spaced rows: when M's outputs
     there miss the parents' mix by more than :data:`SCREEN_ABOVE` (relative), the rule's error —
     which is at least that (docs/design.md §6.7) — is left to the summed products, and M's outputs
     on the other rows, a product as large as the Linear's forward, are never computed. An exact
