@@ -50,9 +50,9 @@ def _decoders() -> str:
 
 
 def _group() -> str:
-    from benchmarks.group import write_report
+    from benchmarks.three_models import write_report
 
-    return write_report(_load("results/results_group.json"), BENCH / "results", markdown_only=True)
+    return write_report(_load("results/results_three_models.json"), BENCH / "results", markdown_only=True)
 
 
 def _perf(record: str) -> Callable[[], str]:
@@ -89,7 +89,7 @@ GENERATED: tuple[Generated, ...] = (
     Generated(
         "results/precision/SUMMARY.md", ("results/precision/summary.json",), _perf("results/precision/summary.json")
     ),
-    Generated("results/RESULTS_group.md", ("results/results_group.json",), _group),
+    Generated("results/RESULTS_three_models.md", ("results/results_three_models.json",), _group),
     Generated("decoders/results/RESULTS.md", ("decoders/results/results.json",), _decoders),
     Generated("perf/results_recovery_real.md", ("perf/results_recovery_real.json",), _recovery_real),
     *(Generated(f"perf/{name}.md", (f"perf/{name}.json",), _perf(f"perf/{name}.json")) for name in _PERF),

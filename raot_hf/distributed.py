@@ -32,7 +32,7 @@ class DistributedContext:
     world_size: int = 1
     state: object | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    owns_group: bool = False  # whether detect() created the process group (then close() ends it)
+    owns_processes: bool = False  # whether detect() created the process group (then close() ends it)
 
     @property
     def is_main(self) -> bool:
@@ -55,12 +55,12 @@ class DistributedContext:
         state = PartialState()
         rank, world = state.process_index, state.num_processes
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # a group initialised by the caller (e.g. accelerate's debug launcher) is authoritative
+            # a process group initialised by the caller (e.g. accelerate's debug launcher) is authoritative
             rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         device = torch.device(state.device) if state.device is not None else torch.device("cpu")
         if world > 1:
             logger.info("distributed calibration: process %d of %d on %s", rank, world, device)
-        return cls(rank, world, state, device, owns_group=not existed)
+        return cls(rank, world, state, device, owns_processes=not existed)
 
     def _collective_device(self) -> torch.device:
         import torch.distributed as dist
@@ -88,11 +88,11 @@ class DistributedContext:
         small = [t for t in tensors if t.numel() <= _BUCKET_ELEMENTS]
         large = [t for t in tensors if t.numel() > _BUCKET_ELEMENTS]
         for start in range(0, len(small), 4096):
-            group = small[start : start + 4096]
-            flat = torch.cat([t.reshape(-1).to(device, torch.float64) for t in group])
+            bucket = small[start : start + 4096]
+            flat = torch.cat([t.reshape(-1).to(device, torch.float64) for t in bucket])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             offset = 0
-            for t in group:
+            for t in bucket:
                 n = t.numel()
                 t.copy_(flat[offset : offset + n].view(t.shape))
                 offset += n
@@ -127,10 +127,10 @@ class DistributedContext:
 
     def close(self) -> None:
         """End the process group if :meth:`detect` created it (call once, at the end of a run);
-        a group its caller set up is left to the caller."""
-        if self.owns_group and torch.distributed.is_available() and torch.distributed.is_initialized():
+        a process group its caller set up is left to the caller."""
+        if self.owns_processes and torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-            self.owns_group = False
+            self.owns_processes = False
 
 
 def statistics_pass_needed(config, calibration: Any = None) -> bool:

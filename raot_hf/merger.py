@@ -194,7 +194,7 @@ class RaotMerger:
         """Estimate, gate, apply to B, check B′ ≡ B, merge into model A's object (no third copy), and
         return a :class:`MergeResult`; with more models each is aligned to the reference (docs/design.md §6.9)."""
         self._refuse_after_merge()
-        central = len(self.models) > 2 and self.config.group.reference == "central"
+        central = len(self.models) > 2 and self.config.models.reference == "central"
         run = self._reference_to_center(calibration) if central else None
         self.merged = True  # from here on the models change
         members = align_all(self.pairs, calibration, self.early_calibration, run)
@@ -210,7 +210,7 @@ class RaotMerger:
         return result
 
     def _reference_to_center(self, calibration) -> CalibrationRun:
-        """Make the most central model the reference (``group.reference="central"``); returns the
+        """Make the most central model the reference (``models.reference="central"``); returns the
         calibration run it read, for the alignments to reuse."""
         run = open_calibration(self.pair, calibration, self.early_calibration)
         index, self.reference_log = central_index(self.models, self.pair, run)

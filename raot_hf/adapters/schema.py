@@ -102,9 +102,10 @@ class ModelSchema:
     head_params: list[str] = field(default_factory=list)  # task-head parameters (head policy)
     output_in_stream: bool = False  # the model's primary output is the stream (base models)
     notes: list[str] = field(default_factory=list)
-    # Decoders (docs/design.md §8). ``num_kv_heads``: grouped-query attention (None: one KV head per
-    # query head); the schema then has per-layer ``layers.i.k`` / ``layers.i.v`` spaces over
-    # the KV heads beside ``qk`` (query rows) and ``vo`` (output columns). ``qk_structure``:
+    # Decoders (docs/design.md §8). ``num_kv_heads``: KV heads shared by several query heads
+    # (grouped-query attention; None: one KV head per query head); the schema then has per-layer
+    # ``layers.i.k`` / ``layers.i.v`` spaces over the KV heads beside ``qk`` (query rows) and ``vo``
+    # (output columns). ``qk_structure``:
     # ``"rope"`` restricts Q/K maps to one 2×2 rotation per rotary pair (i, i + h/2).
     # ``stream_centered``: whether stream statistics project out the mean axis (LayerNorm) or
     # not (RMSNorm, where the mean axis is not special).
@@ -135,7 +136,7 @@ class ModelSchema:
         return self.spaces[f"layers.{layer}.vo"]
 
     def kv_space(self, layer: int, kind: str) -> Space | None:
-        """The KV-head space (``kind`` "k" or "v") of a grouped schema, else None."""
+        """The KV-head space (``kind`` "k" or "v") of a schema with shared KV heads, else None."""
         return self.spaces.get(f"layers.{layer}.{kind}")
 
     @property

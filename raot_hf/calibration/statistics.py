@@ -312,8 +312,8 @@ def _site_tensors(split, *counts: torch.Tensor) -> list[torch.Tensor]:
     """Every sum of a split, in a fixed order: its counts, the stream's, then each layer's
     MLP, q, k and context sums (the order the all-reduce and the tests rely on)."""
     out = [*counts, *split.stream.tensors()]
-    for group in (split.mlp, split.q, split.k, split.ctx):
-        for m in group:
+    for of_site in (split.mlp, split.q, split.k, split.ctx):
+        for m in of_site:
             out += m.tensors()
     return out
 

@@ -155,8 +155,8 @@ def _merger(options: dict, resolved: tuple | None = None, memory: dict | None = 
     )
 
 
-class _LiveGroup(click.Group):
-    """The ``raot-hf`` group: ``merge`` and ``inspect`` are built when they are invoked, from the
+class _LiveCommands(click.Group):
+    """The ``raot-hf`` command and its subcommands: ``merge`` and ``inspect`` are built when they are invoked, from the
     registries as they are then — a merge rule or estimator registered after import (with its
     own options section) has its choice and its flags."""
 
@@ -168,7 +168,7 @@ class _LiveGroup(click.Group):
         return sorted({*super().list_commands(ctx), *_LIVE_COMMANDS})
 
 
-@click.group(cls=_LiveGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_LiveCommands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="raot-hf")
 @click.option("-v", "--verbose", count=True, help="Every INFO log line (-vv: debug).")
 @click.option("-q", "--quiet", is_flag=True, help="Errors only: no stage lines, progress bars or results.")

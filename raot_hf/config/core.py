@@ -3,7 +3,8 @@
 The top level says what to align and how to merge; each method's options live in a section
 registered beside its code (:func:`raot_hf.config.sections.register_section`): built-in sections are
 typed fields, later ones are held alike as ``config.<section>``. Flat keys of earlier versions
-(``gate_z``, ``gate=False`` …) and every section field's command-line name (``correction="none"``)
+(``gate_z``, ``gate=False`` …), sections under earlier names (``group``, now ``models``) and every
+section field's command-line name (``correction="none"``)
 are read by :meth:`RaotConfig.from_dict` and :meth:`RaotConfig.replace`. Field metadata (``help``,
 ``flag``, ``choices``) generates the CLI options (:func:`raot_hf.config.options.cli_options`).
 """
@@ -26,7 +27,7 @@ from raot_hf.estimators.weight_based import WeightMatchingOptions
 from raot_hf.gate import GATE_OBJECTIVES, GateOptions
 from raot_hf.merging import HEAD_POLICIES, available_merge_rules, merge_rule_spec
 from raot_hf.merging.base_rules import BaseRuleOptions
-from raot_hf.merging.nary import GroupOptions
+from raot_hf.merging.nary import ModelsOptions
 from raot_hf.merging.rules import FisherOptions, RegMeanOptions
 from raot_hf.refine import RefineOptions
 from raot_hf.version import __version__
@@ -46,6 +47,9 @@ RESIDUAL_MODES = ("auto", "permutation", "rotation")
 #: The merge rules registered when this module was imported (validation reads the live registry).
 MERGER_RULES = tuple(available_merge_rules())
 DTYPES = ("float32", "float64", "bfloat16", "float16", "auto")
+#: Sections of earlier versions → their names now: a config or merge file written before the
+#: rename still reads (``group`` was the options of a merge of several models, now ``models``).
+RENAMED_SECTIONS = {"group": "models"}
 
 __all__ = [
     "ALIGNMENTS",
@@ -53,6 +57,7 @@ __all__ = [
     "GATE_OBJECTIVES",
     "HEAD_POLICIES",
     "MERGER_RULES",
+    "RENAMED_SECTIONS",
     "RESIDUAL_MODES",
     "SCOPES",
     "RaotConfig",
@@ -75,7 +80,7 @@ class RaotConfig:
       ``rope_restricted`` off: free Q/K maps on RoPE models, inexact (an ablation).
     * ``merge_rule``: a rule of :mod:`raot_hf.merging`'s registry (the base-relative ones need a base,
       docs/design.md §6); ``alpha``: weight of B′ (0 gives A; base-relative: of B's task vector).
-    * ``correction`` (docs/design.md §6.7), ``group`` (several models, §6.9), ``refine`` (§5.6), ``gate``,
+    * ``correction`` (docs/design.md §6.7), ``models`` (a merge of several models, §6.9), ``refine`` (§5.6), ``gate``,
       ``calibration`` and each method's options: their sections.
     """
 
@@ -110,7 +115,7 @@ class RaotConfig:
     regmean: RegMeanOptions = field(default_factory=RegMeanOptions)
     fisher: FisherOptions = field(default_factory=FisherOptions)
     base_rules: BaseRuleOptions = field(default_factory=BaseRuleOptions)
-    group: GroupOptions = field(default_factory=GroupOptions)
+    models: ModelsOptions = field(default_factory=ModelsOptions)
     correction: CorrectionOptions = field(default_factory=CorrectionOptions)
     refine: RefineOptions = field(default_factory=RefineOptions)
     dtype: str = field(default="auto", metadata=_help("Dtype the models load in (default auto).", choices=DTYPES))
@@ -225,12 +230,13 @@ class RaotConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RaotConfig:
-        """Build a config from :meth:`to_dict` output (or the flat keys of earlier versions);
+        """Build a config from :meth:`to_dict` output (or the flat keys and section names of earlier
+        versions, :data:`RENAMED_SECTIONS`);
         unknown keys are an error that lists the valid ones."""
         if not isinstance(data, dict):
             raise RaotError(f"options must be a dict of option names to values, got {type(data).__name__}")
         typed = {f.name for f in fields(cls)} - {"extra"}
-        known = typed | set(registered_sections())
+        known = typed | set(registered_sections()) | set(RENAMED_SECTIONS)
         keywords = option_keywords()
         unknown = sorted(str(k) for k in set(data) - known - set(keywords))
         if unknown:
@@ -270,6 +276,18 @@ class RaotConfig:
         return RaotConfig.from_dict(_fold_keywords(self.to_dict(), changes))
 
 
+def current_section_names(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with every section given under an earlier name (:data:`RENAMED_SECTIONS`) moved
+    to its name now; a section given under both names is an error."""
+    out = dict(options)
+    for old, new in RENAMED_SECTIONS.items():
+        if old in out:
+            if new in out:
+                raise RaotError(f"options give both {old!r} (the earlier name of {new!r}) and {new!r}; keep {new!r}")
+            out[new] = out.pop(old)
+    return out
+
+
 def _is_section_value(name: str, value: Any) -> bool:
     return isinstance(value, (dict, registered_sections()[name]))
 
@@ -282,7 +300,7 @@ def _fold_keywords(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, A
     out = dict(base)
     flat_values = {}
     flat, sections = option_keywords(), registered_sections()
-    for key, value in changes.items():
+    for key, value in current_section_names(changes).items():
         if key in flat and not (key in sections and _is_section_value(key, value)):
             flat_values[key] = value
         else:

@@ -77,9 +77,11 @@ class MergeFile:
 
 
 def looks_like_merge_file(data: Any) -> bool:
-    """Whether parsed ``--config`` content is a merge file (it names models or a method), not a
-    RaotConfig JSON."""
-    return isinstance(data, dict) and bool({"models", "merge_method", "slices"} & set(data))
+    """Whether parsed ``--config`` content is a merge file (it lists models or names a method), not
+    a RaotConfig JSON (whose ``models`` is the several-model options section, a mapping)."""
+    if not isinstance(data, dict):
+        return False
+    return bool({"merge_method", "slices"} & set(data)) or isinstance(data.get("models"), list)
 
 
 def parse_text(text: str, name: str) -> Any:
@@ -207,15 +209,18 @@ def _check_method(method: Any) -> str:
 
 
 def _raot_section(data: dict) -> dict:
+    from raot_hf.config.core import current_section_names
+
     raot = data.get("raot") or {}
     if not isinstance(raot, dict):
         raise RaotError("raot: must be a mapping of RaotConfig options (e.g. alignment, calibration, correction)")
     for key, where in (("merge_rule", "merge_method:"), ("dtype", "dtype:"), ("alpha", "parameters: weight")):
         if key in raot:
             raise RaotError(f"raot: {key} is set by the merge file's {where}; remove it from raot:")
-    group = raot.get("group") or {}
-    if isinstance(group, dict) and ({"weights", "densities"} & set(group)):
-        raise RaotError("raot: group weights and densities come from the models' parameters:; remove them from raot:")
+    raot = current_section_names(raot)  # ``group:`` of earlier versions reads as ``models:``
+    section = raot.get("models") or {}
+    if isinstance(section, dict) and ({"weights", "densities"} & set(section)):
+        raise RaotError("raot: models weights and densities come from the models' parameters:; remove them from raot:")
     return raot
 
 
@@ -261,13 +266,13 @@ def read_merge_file(data: dict) -> MergeFile:
         raise RaotError("parameters: weight must be one number (per-layer weights are not supported); give one")
     weights = [p.get("weight", top.get("weight", 1.0 / len(models))) for p in params]
     densities = [p["density"] for p in params if "density" in p]
-    section = dict(options.get("group") or {})
+    section = dict(options.get("models") or {})
     section["weights"] = weights
     if densities:
         if not isinstance(top.get("density", 1.0), float):
             raise RaotError("parameters: density varies by layer but a model sets its own density; give one kind")
         section["densities"] = [p.get("density", top.get("density", 1.0)) for p in params]
-    config = {**options, "merge_rule": method, "group": section}
+    config = {**options, "merge_rule": method, "models": section}
     if layered:
         mergekit = dict(options.get("mergekit") or {})
         mergekit.update({_MERGEKIT_PARAMETERS[k]: v for k, v in top.items() if k in _MERGEKIT_PARAMETERS})

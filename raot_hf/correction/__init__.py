@@ -72,8 +72,8 @@ class CorrectionOptions(OptionSection):
         default=64,
         metadata=meta(
             "Examples per forward of the correction pass (default 64). When every correction example fits in "
-            "one, M's layer runs once per layer, each group of Linears refitted as the forward reaches it; "
-            "otherwise once per group. Lower it for long sequences or large models.",
+            "one, M's layer runs once per layer, the Linears reading one input refitted as the forward reaches "
+            "them; otherwise once per input. Lower it for long sequences or large models.",
             "correction_batch_size",
         ),
     )

@@ -10,7 +10,7 @@ import torch
 
 from raot_hf.adapters.schema import ModelSchema
 from raot_hf.correction.fits import Site, least_squares_layer, least_squares_readers, repair_layer
-from raot_hf.correction.layer import site_groups
+from raot_hf.correction.layer import shared_input_sites
 from raot_hf.correction.registry import CorrectionRequest, register_correction
 
 
@@ -59,14 +59,14 @@ def repair_sites(model, schema: ModelSchema, index: int, prefix: str) -> tuple[l
 
 def least_squares(request: CorrectionRequest):
     """``lsq``: each Linear of the layer, in call order, refitted to the parents' mix on M's own
-    inputs. Layers of one class call their sites in one order, found once (``memo["groups"]``)."""
+    inputs. Layers of one class call their sites in one order, found once (``memo["shared_inputs"]``)."""
     sites = linear_sites(request.model, request.schema, request.index, request.name)
-    groups = request.memo.setdefault("groups", {})
+    shared = request.memo.setdefault("shared_inputs", {})
     key = (type(request.layer.module_a), tuple(s.module for s in sites))
-    if key not in groups:
-        groups[key] = site_groups(request.layer, request.rule, [s.module for s in sites])
+    if key not in shared:
+        shared[key] = shared_input_sites(request.layer, request.rule, [s.module for s in sites])
     return least_squares_layer(
-        request.layer, request.rule, sites, mix=request.mix, shrink=request.options.shrink, groups=groups[key]
+        request.layer, request.rule, sites, mix=request.mix, shrink=request.options.shrink, shared=shared[key]
     )
 
 
@@ -76,8 +76,9 @@ def least_squares_final(chunks, norms, rest, sites, *, mix, options):
 
 
 def least_squares_report(memo: dict, options) -> dict[str, Any]:
-    """``lsq``'s report fields: the shrinkage and the site groups of each layer class."""
-    return {"shrink": options.shrink, "groups": [g.groups for g in memo.get("groups", {}).values()]}
+    """``lsq``'s report fields: the shrinkage and, per layer class, its sites gathered by the input
+    they read (the report key ``groups`` is kept as it was)."""
+    return {"shrink": options.shrink, "groups": [s.readers for s in memo.get("shared_inputs", {}).values()]}
 
 
 def repair(request: CorrectionRequest):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from raot_hf.calibration.statistics import row_blocks
-from raot_hf.correction.layer import LayerPass, SiteGroups
+from raot_hf.correction.layer import LayerPass, SharedInputs
 
 _F64 = torch.float64
 
@@ -63,13 +63,13 @@ class _Normal:
         self.add_residual(y_merged, y_mix, target)
 
     def add_products(self, x: torch.Tensor, y_mix: torch.Tensor, gram: torch.Tensor | None = None) -> None:
-        """Add one chunk's x̃ᵀx̃ and x̃ᵀȳ; ``gram``: x̃ᵀx̃ (float64) already made for a group of
+        """Add one chunk's x̃ᵀx̃ and x̃ᵀȳ; ``gram``: x̃ᵀx̃ (float64) already made for all the
         Linears that read one input."""
         dt = _product_dtype(x)
         x = x.to(dt)
         g = _gram(x) if gram is None else gram
         c = (x.T @ y_mix.to(dt)).to(_F64)
-        self.gram = g if self.gram is None else self.gram + g  # not in place: a group's Gram is shared
+        self.gram = g if self.gram is None else self.gram + g  # not in place: the readers of one input share its Gram
         self.cross = c if self.cross is None else self.cross.add_(c)
 
     @property
@@ -160,9 +160,9 @@ SCREEN_ABOVE = 1e-3
 
 
 def _rule_error(x: torch.Tensor, site: Site, weights: tuple, y_mix: torch.Tensor, target: float, n: _Normal) -> None:
-    """The rule's error at a site whose outputs M's forward has not computed (a group refitted as
-    the forward reaches it), taken from the rows in float64 wherever it may be small enough to keep
-    the Linear. It is screened first on :data:`SCREEN_ROWS` evenly spaced rows: when M's outputs
+    """The rule's error at a site whose outputs M's forward has not computed (the readers of one
+    input refitted as the forward reaches them), taken from the rows in float64 wherever it may be
+    small enough to keep the Linear. It is screened first on :data:`SCREEN_ROWS` evenly spaced rows: when M's outputs
     there miss the parents' mix by more than :data:`SCREEN_ABOVE` (relative), the rule's error —
     which is at least that (docs/design.md §6.7) — is left to the summed products, and M's outputs
     on the other rows, a product as large as the Linear's forward, are never computed. An exact
@@ -177,11 +177,11 @@ def _rule_error(x: torch.Tensor, site: Site, weights: tuple, y_mix: torch.Tensor
 
 
 def least_squares_layer(
-    layer: LayerPass, params: dict, sites: list[Site], *, mix: dict[str, float], shrink: float, groups: SiteGroups
+    layer: LayerPass, params: dict, sites: list[Site], *, mix: dict[str, float], shrink: float, shared: SharedInputs
 ) -> tuple[dict, list[torch.Tensor], dict]:
     """Refit every Linear of the layer to the parents' mix ``Σ w_p·Y_p`` (``mix``: side → weight,
-    summing to 1; two models: ``(1−α)·Y_A + α·Y_B′``) on M's inputs, group by group in call order
-    (docs/design.md §6.7). ``groups``: the layer's :func:`site_groups` (one per layer class).
+    summing to 1; two models: ``(1−α)·Y_A + α·Y_B′``) on M's inputs, input by input in call order
+    (docs/design.md §6.7). ``shared``: the layer's :func:`shared_input_sites` (one per layer class).
     Returns the parameters, M's layer outputs, and the log."""
     by_module = {s.module: s for s in sites}
     mixed: dict[tuple[int, str], torch.Tensor] = {}
@@ -200,15 +200,15 @@ def least_squares_layer(
     params = dict(params)
     log = {}
 
-    def refit(group: list[str], normals: dict[str, _Normal]) -> None:
-        for name in group:
+    def refit(readers: list[str], normals: dict[str, _Normal]) -> None:
+        for name in readers:
             log[name] = _refit(params, by_module[name], normals[name], _prior(params, by_module[name]), shrink)
 
-    if len(layer.chunks) == 1 and groups.once:  # one forward of M: each group refitted as it is reached
+    if len(layer.chunks) == 1 and shared.once:  # one forward of M: each input's readers refitted as it is reached
 
-        def fit(group: list[str], x: torch.Tensor) -> dict[str, torch.Tensor]:
+        def fit(readers: list[str], x: torch.Tensor) -> dict[str, torch.Tensor]:
             normals, inputs = {}, {}
-            for name in group:
+            for name in readers:
                 site, key = by_module[name], (0, name)
                 n = normals[name] = _Normal(target=energy[key], tokens=x.shape[0])
                 _rule_error(x, site, _weights(params, site), mixed[key], energy[key], n)
@@ -220,21 +220,21 @@ def least_squares_layer(
                     inputs[biased] = augmented, _gram(augmented)
                 augmented, gram = inputs[biased]
                 n.add_products(augmented, mixed[key], gram=gram)
-            refit(group, normals)
-            for name in group:  # the group's mixed outputs are not read again
+            refit(readers, normals)
+            for name in readers:  # the readers' mixed outputs are not read again
                 del mixed[(0, name)]
-            return {k: params[k] for name in group for k in (by_module[name].weight, by_module[name].bias) if k}
+            return {k: params[k] for name in readers for k in (by_module[name].weight, by_module[name].bias) if k}
 
-        return params, layer.merged_fitting(params, groups.groups, fit), log
-    for group in groups.groups:
-        normals = {name: _Normal() for name in group}
+        return params, layer.merged_fitting(params, shared.readers, fit), log
+    for readers in shared.readers:
+        normals = {name: _Normal() for name in readers}
 
         def merged(i, name, x, y, normals=normals):
             key = (i, name)
             normals[name].add(_augment(x, by_module[name].bias is not None), mixed[key], energy[key], y)
 
-        layer.merged(params, group, merged, stop=groups.once)
-        refit(group, normals)
+        layer.merged(params, readers, merged, stop=shared.once)
+        refit(readers, normals)
     outputs = layer.merged(params, [], lambda *_: None)
     return params, outputs, log
 
@@ -366,14 +366,14 @@ def repair_layer(
     params = dict(params)
     log = {}
     for kind in ("v", "mlp"):
-        group = [s.module for s in sites if s.kind == kind]
-        if not group:
+        of_kind = [s.module for s in sites if s.kind == kind]
+        if not of_kind:
             continue
-        merged = {name: _Moments() for name in group}
+        merged = {name: _Moments() for name in of_kind}
         layer.merged(
-            params, group, lambda _i, name, _x, y, m=merged: m[name].add(_channels(y.to(_F64), by_module[name]))
+            params, of_kind, lambda _i, name, _x, y, m=merged: m[name].add(_channels(y.to(_F64), by_module[name]))
         )
-        for name in group:
+        for name in of_kind:
             site, stats = by_module[name], {side: parents[(side, name)] for side in mix}
             if site.bias is None:
                 target = (sum(w * stats[side].rms() for side, w in mix.items()),)

@@ -84,16 +84,20 @@ class LayerPass:
         return outs
 
     def merged_fitting(
-        self, params: dict[str, torch.Tensor], groups: list[list[str]], fit: Callable[[list[str], torch.Tensor], dict]
+        self,
+        params: dict[str, torch.Tensor],
+        readers_by_input: list[list[str]],
+        fit: Callable[[list[str], torch.Tensor], dict],
     ) -> list[torch.Tensor]:
         """One forward of M's layer over the single chunk, refitting as it goes: when the forward
-        reaches a group's first Linear (its one-row-per-position call), ``fit(group, x)`` gets the
-        group's input rows (model precision) and returns the group's new parameters (full names),
-        which the running layer then computes with. Returns M's layer output, every group
-        corrected. Only for one chunk: a fit needs every example's inputs before the group runs."""
+        reaches the first Linear reading an input (its one-row-per-position call), ``fit(readers,
+        x)`` gets that input's rows (model precision) and returns its readers' new parameters (full
+        names), which the running layer then computes with. ``readers_by_input``: the Linears
+        reading each input (:class:`SharedInputs`). Returns M's layer output, every Linear
+        corrected. Only for one chunk: a fit needs every example's inputs before its readers run."""
         (c,) = self.chunks
         rel = {k: v.clone() for k, v in _relative(params, self.prefix).items()}  # written in place
-        first = {group[0]: group for group in groups}
+        first = {readers[0]: readers for readers in readers_by_input}
         done: set[str] = set()
         n = len(self.prefix) + 1
 
@@ -122,19 +126,20 @@ class _SitesDone(Exception):
 
 
 @dataclass(frozen=True)
-class SiteGroups:
-    """A layer's sites in call order, grouped by the input tensor they read; ``once``: every site
-    is called once per chunk (a group's forward may then stop after its last site)."""
+class SharedInputs:
+    """A layer's sites in call order, gathered by the input tensor they read: ``readers``, the sites
+    reading each input, inputs in call order; ``once``: every site is called once per chunk (a
+    forward for one input's readers may then stop after the last of them)."""
 
-    groups: list[list[str]]
+    readers: list[list[str]]
     once: bool
 
 
 @torch.no_grad()
-def site_groups(layer: LayerPass, params: dict, sites: list[str]) -> SiteGroups:
+def shared_input_sites(layer: LayerPass, params: dict, sites: list[str]) -> SharedInputs:
     """``sites`` in the order the layer first calls them, those reading one input together (q, k,
-    v; gate, up), each group fitted on inputs of the corrected groups before it. Sites whose input
-    is not per token (DeBERTa's relative-position projections) are left out."""
+    v; gate, up), the readers of each input fitted on the inputs that the Linears corrected before
+    them produce. Sites whose input is not per token (DeBERTa's relative-position projections) are left out."""
 
     c = layer.chunks[0]
     order: list[tuple[str, torch.Tensor]] = []  # the inputs are held, so no address is reused
@@ -149,12 +154,12 @@ def site_groups(layer: LayerPass, params: dict, sites: list[str]) -> SiteGroups:
     rel = _relative(params, layer.prefix)
     with recording(layer.module_a, sites, note):
         c.calls["m"](layer.module_a, c.hidden["m"], rel)
-    groups: list[list[str]] = []
+    readers: list[list[str]] = []
     last = None
     for name, x in order:
-        if groups and x.data_ptr() == last.data_ptr() and x.shape == last.shape:
-            groups[-1].append(name)
+        if readers and x.data_ptr() == last.data_ptr() and x.shape == last.shape:
+            readers[-1].append(name)
         else:
-            groups.append([name])
+            readers.append([name])
         last = x
-    return SiteGroups(groups, all(n == 1 for n in calls.values()))
+    return SharedInputs(readers, all(n == 1 for n in calls.values()))

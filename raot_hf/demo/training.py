@@ -45,38 +45,39 @@ def default_cache_dir() -> Path:
 
 
 def split_three_ways(
-    labels: Sequence[int], n_test: int, n_calibration: int, split_seed: int, groups: Sequence[Any] | None = None
+    labels: Sequence[int], n_test: int, n_calibration: int, split_seed: int, sources: Sequence[Any] | None = None
 ) -> tuple[list[int], list[int], list[int]]:
-    """Split example indices into (train, calibration, test), stratified by label; a group
-    (``groups[i]``) never straddles two splits. Within each label, shuffled groups (``split_seed``)
-    fill test, then calibration, the rest is train; each split keeps the original order."""
-    groups = list(range(len(labels))) if groups is None else list(groups)
-    if len(groups) != len(labels):
-        raise RaotError(f"got {len(labels)} labels but {len(groups)} group ids; pass one group per example")
+    """Split example indices into (train, calibration, test), stratified by label; the
+    examples of one source (``sources[i]``, e.g. one speech) never straddle two splits. Within each
+    label, shuffled sources (``split_seed``) fill test, then calibration, the rest is train; each
+    split keeps the original order."""
+    sources = list(range(len(labels))) if sources is None else list(sources)
+    if len(sources) != len(labels):
+        raise RaotError(f"got {len(labels)} labels but {len(sources)} source ids; pass one source per example")
     members: dict[Any, list[int]] = {}
-    for index, group in enumerate(groups):
-        members.setdefault(group, []).append(index)
+    for index, source in enumerate(sources):
+        members.setdefault(source, []).append(index)
     by_label: dict[int, list[Any]] = {}
-    for group, indices in members.items():
-        by_label.setdefault(int(labels[indices[0]]), []).append(group)
+    for source, indices in members.items():
+        by_label.setdefault(int(labels[indices[0]]), []).append(source)
     rng = np.random.default_rng(split_seed)
     test: list[int] = []
     calibration: list[int] = []
     train: list[int] = []
     for label in sorted(by_label):
-        label_groups = by_label[label]
-        share = sum(len(members[group]) for group in label_groups) / len(labels)
+        label_sources = by_label[label]
+        share = sum(len(members[source]) for source in label_sources) / len(labels)
         test_target, calibration_target = round(n_test * share), round(n_calibration * share)
         label_test: list[int] = []
         label_calibration: list[int] = []
-        for position in rng.permutation(len(label_groups)):
-            group_members = members[label_groups[position]]
+        for position in rng.permutation(len(label_sources)):
+            source_members = members[label_sources[position]]
             if len(label_test) < test_target:
-                label_test.extend(group_members)
+                label_test.extend(source_members)
             elif len(label_calibration) < calibration_target:
-                label_calibration.extend(group_members)
+                label_calibration.extend(source_members)
             else:
-                train.extend(group_members)
+                train.extend(source_members)
         test.extend(label_test)
         calibration.extend(label_calibration)
     if not train:

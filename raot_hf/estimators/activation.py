@@ -77,7 +77,7 @@ def estimate_head_alignment(
 ):
     """Head correspondence, within-head Q/K and V/O rotations and per-head scales as one exact
     assignment; with ``num_kv_heads`` or ``rope`` the decoder solver runs instead
-    (:func:`~raot_hf.estimators.grouped.estimate_grouped_heads`, docs/design.md §8).
+    (:func:`~raot_hf.estimators.shared_kv.estimate_shared_kv_heads`, docs/design.md §8).
 
     Each pair is scored by the nuclear norm of its scale-invariant cross blocks (QK and VO,
     :func:`~raot_hf.estimators.head_fit.normalised_blocks`); one assignment gives π, the matched
@@ -87,10 +87,10 @@ def estimate_head_alignment(
     """
     H, h = num_heads, head_size
     if rope or (num_kv_heads is not None and num_kv_heads != num_heads):
-        from raot_hf.estimators.grouped import estimate_grouped_heads
+        from raot_hf.estimators.shared_kv import estimate_shared_kv_heads
 
         kw = dict(rope=rope, rotations=rotations, scales=scales, return_log=return_log)
-        return estimate_grouped_heads(q, k, ctx, layer, H, num_kv_heads or H, h, **kw)
+        return estimate_shared_kv_heads(q, k, ctx, layer, H, num_kv_heads or H, h, **kw)
     c_qk, c_vo = normalised_blocks(q, k, ctx, H, h, rope=False)
     ar = torch.arange(H)
     if rotations:

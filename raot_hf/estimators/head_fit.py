@@ -36,9 +36,9 @@ def procrustes(n: torch.Tensor) -> torch.Tensor:
     return vh.transpose(-1, -2) @ u.transpose(-1, -2)
 
 
-def group_energy(sq: torch.Tensor, H: int, h: int, rope: bool) -> torch.Tensor:
-    """(H, g) summed squares per energy group: each rotary pair (dims p, p + h/2; g = h/2) under
-    RoPE, else the whole head (g = 1)."""
+def scale_unit_energy(sq: torch.Tensor, H: int, h: int, rope: bool) -> torch.Tensor:
+    """(H, g) summed squares per scale unit (the dims one positive scale acts on): each rotary pair
+    (dims p, p + h/2; g = h/2) under RoPE, else the whole head (g = 1)."""
     e = sq.to(_F64).reshape(H, h)
     if rope:
         half = h // 2
@@ -47,14 +47,14 @@ def group_energy(sq: torch.Tensor, H: int, h: int, rope: bool) -> torch.Tensor:
 
 
 def _per_dim(e: torch.Tensor, h: int) -> torch.Tensor:
-    """(H, g) group energies → (H, h): each dimension carries its group's energy."""
+    """(H, g) scale-unit energies → (H, h): each dimension carries its unit's energy."""
     return e.expand(-1, h) if e.shape[1] == 1 else torch.cat([e, e], -1)
 
 
 def _normalised(m: Moments, H: int, h: int, rope: bool) -> torch.Tensor:
-    """Cross blocks of one site divided by √(E_A·E_B) of the row's and the column's group."""
-    ea = _per_dim(group_energy(m.sq_a, H, h, rope), h)
-    eb = _per_dim(group_energy(m.sq_b, H, h, rope), h)
+    """Cross blocks of one site divided by √(E_A·E_B) of the row's and the column's scale unit."""
+    ea = _per_dim(scale_unit_energy(m.sq_a, H, h, rope), h)
+    eb = _per_dim(scale_unit_energy(m.sq_b, H, h, rope), h)
     z = (ea[:, None, :, None] * eb[None, :, None, :]).clamp_min(_TINY).sqrt()
     return blocks(m.raw_cross(), H, h) / z
 
@@ -62,15 +62,15 @@ def _normalised(m: Moments, H: int, h: int, rope: bool) -> torch.Tensor:
 def pair_weights(q: Moments, k: Moments, H: int, h: int) -> torch.Tensor:
     """(H, H, h/2) weights of the rotary pairs of each head pair, summing to 1: the pair's
     scale-invariant energy (E_q,A·E_k,A·E_q,B·E_k,B)^¼ over the head pair's total."""
-    eqa, eka = group_energy(q.sq_a, H, h, True), group_energy(k.sq_a, H, h, True)
-    eqb, ekb = group_energy(q.sq_b, H, h, True), group_energy(k.sq_b, H, h, True)
+    eqa, eka = scale_unit_energy(q.sq_a, H, h, True), scale_unit_energy(k.sq_a, H, h, True)
+    eqb, ekb = scale_unit_energy(q.sq_b, H, h, True), scale_unit_energy(k.sq_b, H, h, True)
     g = ((eqa * eka)[:, None, :] * (eqb * ekb)[None, :, :]).clamp_min(0).pow(0.25)
     return g / g.sum(-1, keepdim=True).clamp_min(_TINY)
 
 
 def normalised_blocks(q: Moments, k: Moments, ctx: Moments, H: int, h: int, *, rope: bool):
     """(C_qk, C_vo), each (H, H, h, h): C_qk = ½·(N_q/√(E_q,A·E_q,B) + N_k/√(E_k,A·E_k,B)) per
-    energy group (rotary pairs weighted by :func:`pair_weights` under RoPE), C_vo = N_ctx/√(…)
+    scale unit (rotary pairs weighted by :func:`pair_weights` under RoPE), C_vo = N_ctx/√(…)
     per head. Their best-rotation values (nuclear norm, or Σ over pairs of the pair optimum)
     lie in [0, 1] and are 1 for the true match of an exact symmetry, scales included."""
     c_qk = 0.5 * (_normalised(q, H, h, rope) + _normalised(k, H, h, rope))
@@ -93,11 +93,11 @@ def matched_scales(
     vo_scale)``, qk_scale of shape (g,) (g = h/2 under RoPE, else 1), acting on B′ *after* the
     rotations (q ← a·q, k ← k/a, v ← c·v). By energy balance s⁴ = (E_q,B/E_q,A)·(E_k,A/E_k,B),
     a = 1/s and c = √(E_ctx,A/E_ctx,B): exact on an exact symmetry."""
-    eqa = group_energy(q.sq_a, H, h, rope)[rows].sum(0)
-    eka = group_energy(k.sq_a, H, h, rope)[rows].sum(0)
-    eqb = group_energy(q.sq_b, H, h, rope)[cols].sum(0)
-    ekb = group_energy(k.sq_b, H, h, rope)[cols].sum(0)
+    eqa = scale_unit_energy(q.sq_a, H, h, rope)[rows].sum(0)
+    eka = scale_unit_energy(k.sq_a, H, h, rope)[rows].sum(0)
+    eqb = scale_unit_energy(q.sq_b, H, h, rope)[cols].sum(0)
+    ekb = scale_unit_energy(k.sq_b, H, h, rope)[cols].sum(0)
     s4 = _ratio(eqb, eqa) * _ratio(eka, ekb)
-    eva = group_energy(ctx.sq_a, H, h, False)[rows].sum()
-    evb = group_energy(ctx.sq_b, H, h, False)[cols].sum()
+    eva = scale_unit_energy(ctx.sq_a, H, h, False)[rows].sum()
+    evb = scale_unit_energy(ctx.sq_b, H, h, False)[cols].sum()
     return s4.pow(-0.25), _ratio(eva, evb).sqrt()

@@ -30,7 +30,7 @@ from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
 from raot_hf.estimators.head_fit import assign
 from raot_hf.estimators.weight_features import SpaceFeatures, space_features
-from raot_hf.estimators.weight_grouped import align_grouped_heads, check_grouped_options
+from raot_hf.estimators.weight_shared_kv import align_shared_kv_heads, check_shared_kv_options
 from raot_hf.symmetry.transforms import HeadAlignment, HeadRescale, MLPPermutation, Transform, TransformSequence
 
 logger = logging.getLogger("raot_hf.estimators.weight_based")
@@ -214,7 +214,7 @@ def estimate_weight_alignment(
     before and after, the head assignment, ‖R − I‖_F and the scales."""
 
     scope = normalise_scope(scope, "weight-alignment")
-    check_grouped_options(schema, rescale)
+    check_shared_kv_options(schema, rescale)
     _check_inputs(state_a, state_b, schema, _spaces_needed(schema, scope, rescale))
     parts: list[Transform] = []
     layers_log: list[dict[str, Any]] = []
@@ -299,11 +299,11 @@ def _align_layer_heads(
     rotations: bool,
 ) -> dict[str, Any]:
     """One layer's head alignment (``align``) then rescaling (``rescale``), appended to ``parts``;
-    returns the ``heads`` log. Grouped-query / RoPE layers: :func:`align_grouped_heads`."""
+    returns the ``heads`` log. Layers with shared KV heads or RoPE: :func:`align_shared_kv_heads`."""
     if schema.kv_space(layer, "k") is not None:
         if not align:
             return {}
-        transform, log = align_grouped_heads(
+        transform, log = align_shared_kv_heads(
             state_a, state_b, schema, layer, match_heads=match_heads, rotations=rotations
         )
         parts.append(transform)

@@ -83,7 +83,7 @@ def identity_affinity(t: Transform) -> tuple[str, int | None, float, int] | None
     if isinstance(t, HeadAlignment):
         fixed = _fixed_fraction(t.perm)
         qk, vo = _normalised_traces(t.qk), _normalised_traces(t.vo)
-        # grouped attention may carry one Q/K or V/O map per KV head: then their mean trace
+        # shared KV heads may carry one Q/K or V/O map per KV head: then their mean trace
         per_head = qk.shape == vo.shape == fixed.shape
         rotation = 0.5 * (qk + vo) if per_head else 0.5 * (qk.mean() + vo.mean())
         return "heads", t.layer, float((fixed * rotation).mean()), t.perm.numel() * t.qk.shape[-1]

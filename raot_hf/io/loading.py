@@ -221,7 +221,7 @@ _SHAPE_KEYS = (
 )
 
 
-# Decoders (docs/design.md §8): what fixes the head groups, RoPE and the attention pattern.
+# Decoders (docs/design.md §8): what fixes the KV sharing of the heads, RoPE and the attention pattern.
 _DECODER_KEYS = (
     "num_key_value_heads",
     "head_dim",

@@ -65,7 +65,7 @@ class MergeRuleSpec:
     * ``options``: rule keyword → :class:`raot_hf.RaotConfig` path (e.g. ``base_rules.density``).
     * ``max_models``: the most models the rule merges (SLERP's two); None: any number.
     * ``layered``: options may vary by layer or module; called with ``layer_count=``.
-    * ``absolute_weights``: reads the weights as given (mergekit's); gets ``group.densities`` for two models too.
+    * ``absolute_weights``: reads the weights as given (mergekit's); gets ``models.densities`` for two models too.
 
     """
 
@@ -140,8 +140,8 @@ def rule_options(spec: MergeRuleSpec, config, models: int = 2, names=None) -> di
     """The keywords ``spec`` reads from ``config``, plus per-model ``densities`` (more than two models
     or ``absolute_weights``) and a ``layered`` rule's layer count of the parameter ``names``."""
     options: dict[str, Any] = {name: config.lookup(path) for name, path in spec.options.items()}
-    if (models > 2 or spec.absolute_weights) and "density" in options and config.group.densities:
-        options["densities"] = list(config.group.densities)
+    if (models > 2 or spec.absolute_weights) and "density" in options and config.models.densities:
+        options["densities"] = list(config.models.densities)
     if spec.layered and names is not None:
         options["layer_count"] = count_layers(names)
     return options

@@ -32,7 +32,7 @@ def _numbers(name: str, value: Any) -> tuple[float, ...]:
 
 @register_section
 @dataclass
-class GroupOptions(OptionSection):
+class ModelsOptions(OptionSection):
     """Options of a merge of several models (docs/design.md §6.9).
 
     ``weights``: one weight per model, in the order given (empty: equal weights; with two models
@@ -42,7 +42,7 @@ class GroupOptions(OptionSection):
     the others (mean linear CKA over layers, a quantity no rotation, permutation or scale changes).
     """
 
-    section = "group"
+    section = "models"
 
     weights: tuple = field(
         default=(),

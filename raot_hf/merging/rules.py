@@ -204,11 +204,11 @@ def shrink_gram(gram: torch.Tensor, shrink: float) -> torch.Tensor:
     return shrink * g + (1.0 - shrink) * torch.diag(torch.diagonal(g))
 
 
-def _regmean_groups(
+def _regmean_readers(
     ref: StateDict, linear_weights: Mapping[str, str], grams: Sequence[Mapping[str, torch.Tensor]]
 ) -> dict[str, list[str]]:
-    """Group the RegMean weights by gram key (q, k and v read one input), validating every model's Grams."""
-    groups: dict[str, list[str]] = {}
+    """Gram key → the RegMean weights reading that input (q, k and v read one), validating every model's Grams."""
+    readers: dict[str, list[str]] = {}
     for name, gram_key in linear_weights.items():
         if name not in ref:
             raise RaotError(f"RegMean weight {name!r} is not a parameter of the models; check the linear_weights map.")
@@ -232,8 +232,8 @@ def _regmean_groups(
                 )
             if not bool(torch.isfinite(_f64(gram)).all()):
                 raise RaotError(f"Gram {gram_key!r} of {side} has non-finite entries; recollect the statistics.")
-        groups.setdefault(gram_key, []).append(name)
-    return groups
+        readers.setdefault(gram_key, []).append(name)
+    return readers
 
 
 def _solve_symmetric(
@@ -296,14 +296,14 @@ def merge_regmean(
         return w.T if name in transposed else w
 
     stored = {n: (w.T if n in transposed else w) for n, w in ref.items() if n in linear_weights}
-    groups = _regmean_groups(stored, linear_weights, grams)
+    readers = _regmean_readers(stored, linear_weights, grams)
     log = _new_log("regmean", {"weights": weights, "shrink": shrink, "ridge_relative": RIDGE_RELATIVE})
     endpoint = _endpoint_state(states, weights, log)
     if endpoint is not None:
         return _finish(endpoint, log, return_log)
 
     merged = {k: _linear_entry(k, [s[k] for s in states], weights, log) for k in ref if k not in linear_weights}
-    for gram_key, names in tqdm(groups.items(), desc="RegMean solves", leave=False, disable=len(groups) < 4):
+    for gram_key, names in tqdm(readers.items(), desc="RegMean solves", leave=False, disable=len(readers) < 4):
         device = ref[names[0]].device
         shrunk = [w * shrink_gram(g[gram_key], shrink).to(device) for g, w in zip(grams, weights, strict=True)]
         stacked = [torch.cat([as_linear(s, n).to(device) for n in names], dim=0) for s in states]

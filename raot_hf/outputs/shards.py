@@ -1,6 +1,6 @@
 """The weights of a merged model as safetensors shards with ``model.safetensors.index.json``.
 
-A streaming writer: the tensors are grouped into shards of at most ``max_shard_size`` bytes and
+A streaming writer: the tensors are gathered into shards of at most ``max_shard_size`` bytes and
 each shard's file is written tensor by tensor (the safetensors layout: an 8-byte header length,
 the JSON header, the raw little-endian bytes), so at most one tensor is copied at a time and an
 offloaded model's pages are dropped as soon as they are written (docs/design.md §7.4). The key set is the one
@@ -134,7 +134,7 @@ def _tensor_nbytes(tensor: torch.Tensor) -> int:
 
 
 def plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
-    """Group tensor names, in order, into shards of at most ``max_shard_bytes`` (a tensor larger
+    """Split tensor names, in order, into shards of at most ``max_shard_bytes`` (a tensor larger
     than the limit gets a shard of its own)."""
     shards: list[list[str]] = []
     current: list[str] = []

@@ -55,8 +55,8 @@ class RefineParameters:
 
     def tensors(self) -> list[torch.Tensor]:
         out = [] if self.stream is None else [self.stream]
-        for group in (self.qk, self.qk_scale, self.vo, self.vo_scale):
-            out += list(group.values())
+        for per_layer in (self.qk, self.qk_scale, self.vo, self.vo_scale):
+            out += list(per_layer.values())
         return out
 
     # -- the group elements ----------------------------------------------------------------------
@@ -101,11 +101,17 @@ def dense_actions(p: RefineParameters) -> dict[str, tuple[torch.Tensor, torch.Te
     stream = p.stream_matrix()
     if stream is not None:
         out["residual"] = (stream, stream)
-    group = schema.num_heads // schema.kv_heads
+    queries_per_kv = schema.num_heads // schema.kv_heads
     for layer in p.qk:
         (qk, qk_inv_t), (vo, vo_inv_t) = p.qk_blocks(layer), p.vo_blocks(layer)
-        out[schema.qk_space(layer).name] = (_block_diagonal(qk, group), _block_diagonal(qk_inv_t, group))
-        out[schema.vo_space(layer).name] = (_block_diagonal(vo, group), _block_diagonal(vo_inv_t, group))
+        out[schema.qk_space(layer).name] = (
+            _block_diagonal(qk, queries_per_kv),
+            _block_diagonal(qk_inv_t, queries_per_kv),
+        )
+        out[schema.vo_space(layer).name] = (
+            _block_diagonal(vo, queries_per_kv),
+            _block_diagonal(vo_inv_t, queries_per_kv),
+        )
         if schema.kv_space(layer, "k") is not None:
             out[schema.kv_space(layer, "k").name] = (_block_diagonal(qk), _block_diagonal(qk_inv_t))
             out[schema.kv_space(layer, "v").name] = (_block_diagonal(vo), _block_diagonal(vo_inv_t))
@@ -143,7 +149,7 @@ def as_transforms(p: RefineParameters) -> list[Transform]:
         stream = p.stream_matrix()
         if stream is not None:
             parts.append(ResidualRotation(stream.detach().clone()))
-        H, group = schema.num_heads, schema.num_heads // schema.kv_heads
+        H, queries_per_kv = schema.num_heads, schema.num_heads // schema.kv_heads
         for layer in p.qk:
             if schema.qk_structure == "rope":
                 qk = rope_blocks(p.qk[layer])
@@ -153,10 +159,16 @@ def as_transforms(p: RefineParameters) -> list[Transform]:
                 qk_scale = p.qk_scale[layer].exp()
             vo = torch.matrix_exp(_skew(p.vo[layer]))
             perm = torch.arange(H)
-            parts.append(HeadAlignment(layer, perm, qk.repeat_interleave(group, 0), vo.repeat_interleave(group, 0)))
+            parts.append(
+                HeadAlignment(
+                    layer, perm, qk.repeat_interleave(queries_per_kv, 0), vo.repeat_interleave(queries_per_kv, 0)
+                )
+            )
             parts.append(
                 HeadRescale(
-                    layer, qk_scale.repeat_interleave(group, 0), p.vo_scale[layer].exp().repeat_interleave(group, 0)
+                    layer,
+                    qk_scale.repeat_interleave(queries_per_kv, 0),
+                    p.vo_scale[layer].exp().repeat_interleave(queries_per_kv, 0),
                 )
             )
     return parts

@@ -1,6 +1,6 @@
 """Stage: each model aligned to one reference basis, gated on its own (docs/design.md §6.9).
 
-Model 1 (or the most central, ``group.reference="central"``) is the reference; every other model
+Model 1 (or the most central, ``models.reference="central"``) is the reference; every other model
 runs calibration, solve, gate, apply and the B′ᵢ ≡ Bᵢ check against it. When any alignment folded
 the reference's LayerNorms (§3.3), every model is folded (exactly), so all merge in one parametrisation.
 """
@@ -47,11 +47,11 @@ class Member:
 
 
 def model_weights(config, n: int) -> list[float]:
-    """The per-model weights: ``(1 − α, α)`` for two models (``group.weights`` set α, see
-    :func:`two_model_config`), else ``group.weights`` (one per model) or equal weights."""
-    if n == 2 and not config.group.weights:
+    """The per-model weights: ``(1 − α, α)`` for two models (``models.weights`` set α, see
+    :func:`two_model_config`), else ``models.weights`` (one per model) or equal weights."""
+    if n == 2 and not config.models.weights:
         return [1.0 - config.alpha, config.alpha]
-    weights = list(config.group.weights) or [1.0 / n] * n
+    weights = list(config.models.weights) or [1.0 / n] * n
     if len(weights) != n:
         raise RaotError(f"--weights gives {len(weights)} weights for {n} models; give one weight per model, in order")
     return weights
@@ -66,8 +66,8 @@ def check_models(config, n: int, distributed: bool = False) -> None:
             f"{', '.join(nary_merge_rules())}"
         )
     model_weights(config, n)
-    if config.group.densities and len(config.group.densities) != n:
-        raise RaotError(f"--densities gives {len(config.group.densities)} values for {n} models; give one per model")
+    if config.models.densities and len(config.models.densities) != n:
+        raise RaotError(f"--densities gives {len(config.models.densities)} values for {n} models; give one per model")
     if config.head == "b":
         raise RaotError(f"--head b names one of two models; with {n} models use --head a (the reference's) or average")
     if distributed:
@@ -187,9 +187,9 @@ def two_model_config(config):
     changes: dict[str, Any] = {"alpha": weights[1] / total}
     if config.merge_rule == "task_arithmetic":
         changes["base_rules"] = {**config.base_rules.to_dict(), "task_scale": config.base_rules.task_scale * total}
-    if config.group.densities:
+    if config.models.densities:
         raise RaotError("--densities sets one density per model for three or more; with two use --density")
-    return config.replace(**changes, group={**config.group.to_dict(), "weights": []})
+    return config.replace(**changes, models={**config.models.to_dict(), "weights": []})
 
 
 def prepare_config(config, n: int, has_base: bool):
@@ -203,4 +203,4 @@ def prepare_config(config, n: int, has_base: bool):
     if n > 2:
         check_models(config, n, DistributedContext.detect().is_distributed)
         return config
-    return two_model_config(config) if config.group.weights else config
+    return two_model_config(config) if config.models.weights else config

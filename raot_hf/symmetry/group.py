@@ -78,40 +78,40 @@ def random_group_element(
     for layer in range(schema.num_layers):
         if "mlp" in kinds:
             parts.append(MLPPermutation(layer, torch.randperm(schema.intermediate_size, generator=g)))
-        grouped = schema.kv_space(layer, "k") is not None
-        if "heads" in kinds and grouped:
-            parts.append(random_grouped_heads(schema, layer, g))
+        shares_kv = schema.kv_space(layer, "k") is not None
+        if "heads" in kinds and shares_kv:
+            parts.append(random_shared_kv_heads(schema, layer, g))
         elif "heads" in kinds:
             qk = torch.stack([random_orthogonal(h, g) for _ in range(H)])
             vo = torch.stack([random_orthogonal(h, g) for _ in range(H)])
             parts.append(HeadAlignment(layer, torch.randperm(H, generator=g), qk, vo))
         if "rescale" in kinds:
-            n = schema.kv_heads if grouped else H
+            n = schema.kv_heads if shares_kv else H
             # under RoPE one Q/K scale per rotary pair (s on q, 1/s on k commutes with the rotations)
             a_shape = (n, h // 2) if schema.qk_structure == "rope" else (n,)
             a = torch.exp(0.5 * torch.randn(*a_shape, generator=g, dtype=_F64))
             c = torch.exp(0.5 * torch.randn(n, generator=g, dtype=_F64))
-            if grouped:  # one scale per KV head, shared by its query heads
+            if shares_kv:  # one scale per KV head, shared by its query heads
                 a, c = (x.repeat_interleave(H // n, 0) for x in (a, c))
             parts.append(HeadRescale(layer, a, c))
     return TransformSequence(parts)
 
 
-def random_grouped_heads(schema: ModelSchema, layer: int, g: torch.Generator) -> HeadAlignment:
-    """A random head symmetry of a grouped-query (and possibly RoPE) layer (docs/design.md §8): KV
-    heads permuted with their groups, query heads within each, one Q/K and one V/O map per KV head
-    (Haar-orthogonal, or random 2×2 rotations per rotary pair under RoPE)."""
+def random_shared_kv_heads(schema: ModelSchema, layer: int, g: torch.Generator) -> HeadAlignment:
+    """A random head symmetry of a layer with shared KV heads (grouped-query attention, possibly
+    RoPE; docs/design.md §8): KV heads permuted with their query heads, query heads within each,
+    one Q/K and one V/O map per KV head (Haar-orthogonal, or random 2×2 rotations per rotary pair under RoPE)."""
     H, kv, h = schema.num_heads, schema.kv_heads, schema.head_size
-    group = H // kv
+    queries_per_kv = H // kv
     kv_perm = torch.randperm(kv, generator=g)
-    within = torch.stack([torch.randperm(group, generator=g) for _ in range(kv)])
-    perm = (kv_perm[:, None] * group + within).reshape(H)
+    within = torch.stack([torch.randperm(queries_per_kv, generator=g) for _ in range(kv)])
+    perm = (kv_perm[:, None] * queries_per_kv + within).reshape(H)
     if schema.qk_structure == "rope":
         qk = rope_blocks(2 * torch.pi * torch.rand(kv, h // 2, generator=g, dtype=_F64))
     else:
         qk = torch.stack([random_orthogonal(h, g) for _ in range(kv)])
     vo = torch.stack([random_orthogonal(h, g) for _ in range(kv)])
-    return HeadAlignment(layer, perm, qk.repeat_interleave(group, 0), vo.repeat_interleave(group, 0))
+    return HeadAlignment(layer, perm, qk.repeat_interleave(queries_per_kv, 0), vo.repeat_interleave(queries_per_kv, 0))
 
 
 def scramble(

@@ -123,23 +123,24 @@ def _check_rope(blocks: torch.Tensor, layer: int) -> None:
         )
 
 
-def grouped_blocks(
+def shared_kv_blocks(
     schema: ModelSchema, layer: int, perm: torch.Tensor, qk: torch.Tensor, vo: torch.Tensor, *, rope: bool = True
 ):
-    """For grouped-query attention (docs/design.md §8): the KV-head permutation and per-KV-head Q/K
-    and V/O maps implied by a per-query-head alignment, checked to move whole groups with one map
-    per group (and with ``rope`` on a RoPE schema, to commute with the position rotations)."""
+    """For shared KV heads (grouped-query attention, docs/design.md §8): the KV-head permutation and
+    per-KV-head Q/K and V/O maps implied by a per-query-head alignment, checked to move each KV head
+    with all its query heads and one map per KV head (and with ``rope`` on a RoPE schema, to commute
+    with the position rotations)."""
     H, kv = schema.num_heads, schema.kv_heads
-    group = H // kv
-    kv_perm = (perm // group).view(kv, group)
+    queries_per_kv = H // kv
+    kv_perm = (perm // queries_per_kv).view(kv, queries_per_kv)
     if not torch.equal(kv_perm, kv_perm[:, :1].expand_as(kv_perm)):
         raise RaotError(
-            f"layer {layer}: a head permutation of a grouped-query model must move whole groups "
-            f"({group} query heads per KV head); permute KV heads and query heads within a group only"
+            f"layer {layer}: a head permutation of a model with shared KV heads must move each KV head with all "
+            f"its query heads ({queries_per_kv} per KV head); permute KV heads, and query heads within one KV head only"
         )
     maps = []
     for name, r in (("qk", qk), ("vo", vo)):
-        per_kv = r.view(kv, group, *r.shape[1:])
+        per_kv = r.view(kv, queries_per_kv, *r.shape[1:])
         if not torch.allclose(per_kv, per_kv[:, :1].expand_as(per_kv), atol=1e-12):
             raise RaotError(
                 f"layer {layer}: the query heads of one KV head need one {name} map (they share its keys/values)"
@@ -259,7 +260,7 @@ class HeadAlignment(Transform):
             schema.vo_space(self.layer).name: SpaceAction(matrix=block_matrix(self.perm, self.vo)),
         }
         if schema.kv_space(self.layer, "k") is not None:
-            kv_perm, qk_kv, vo_kv = grouped_blocks(schema, self.layer, self.perm, self.qk, self.vo, rope=self.exact)
+            kv_perm, qk_kv, vo_kv = shared_kv_blocks(schema, self.layer, self.perm, self.qk, self.vo, rope=self.exact)
             out[schema.kv_space(self.layer, "k").name] = SpaceAction(matrix=block_matrix(kv_perm, qk_kv))
             out[schema.kv_space(self.layer, "v").name] = SpaceAction(matrix=block_matrix(kv_perm, vo_kv))
         return out
@@ -326,14 +327,14 @@ class HeadRescale(Transform):
             schema.qk_space(self.layer).name: diag(self.qk_scale),
             schema.vo_space(self.layer).name: diag(self.vo_scale),
         }
-        if schema.kv_space(self.layer, "k") is not None:  # one scale per KV head, shared by its group
-            group = schema.num_heads // schema.kv_heads
+        if schema.kv_space(self.layer, "k") is not None:  # one scale per KV head, shared by its query heads
+            queries_per_kv = schema.num_heads // schema.kv_heads
             for kind, scale in (("k", self.qk_scale), ("v", self.vo_scale)):
-                per_kv = scale.view(schema.kv_heads, group, *scale.shape[1:])
+                per_kv = scale.view(schema.kv_heads, queries_per_kv, *scale.shape[1:])
                 if not torch.equal(per_kv, per_kv[:, :1].expand_as(per_kv)):
                     raise RaotError(
                         f"layer {self.layer} head rescale: query heads sharing a KV head need one scale; "
-                        "repeat each KV head's scale over its group"
+                        "repeat each KV head's scale over its query heads"
                     )
                 out[schema.kv_space(self.layer, kind).name] = diag(per_kv[:, 0])
         return out
@@ -385,7 +386,7 @@ class ResidualRotation(Transform):
         if o.shape != (d, d):
             raise RaotError(f"residual rotation: expected a {d}×{d} matrix, got {tuple(o.shape)}")
         # the check is a d³ product (a second at d = 3,072) and a merge asks for the actions of
-        # one rotation once per tensor group: checked once per matrix and kind of stream
+        # one rotation once per tensor it moves: checked once per matrix and kind of stream
         checked = (o.data_ptr(), o._version, bool(schema.stream_centered))
         if self.__dict__.get("_checked") != checked:
             ones = torch.ones(d, dtype=_F64)

@@ -63,7 +63,7 @@ def test_exact_symmetry_float64(model_type, head, tied, kinds):
 @pytest.mark.parametrize(
     "model_type,layout",
     [
-        *((m, {"num_kv_heads": 8}) for m in ROPE),  # multi-head attention: every KV head its own group
+        *((m, {"num_kv_heads": 8}) for m in ROPE),  # multi-head attention: one query head per KV head
         *((m, {"num_kv_heads": 1}) for m in ROPE),  # multi-query attention
         ("llama", {"attention_bias": True, "mlp_bias": True}),  # o_proj / MLP biases
     ],
@@ -124,20 +124,20 @@ def test_rope_admits_only_pair_rotations():
 
 
 def test_gqa_maps_belong_to_kv_heads():
-    """Head permutations must move whole groups, and a group's query heads share its maps."""
+    """Head permutations move each KV head with all its query heads, which share its maps."""
     schema = schema_for(tiny_model("llama", "causal"))
     H, h = schema.num_heads, schema.head_size
     eye = torch.eye(h, dtype=torch.float64).expand(H, h, h).clone()
     split = torch.arange(H)
     split[[0, H - 1]] = split[[H - 1, 0]]  # swaps query heads of different KV heads
-    with pytest.raises(RaotError, match="whole groups"):
+    with pytest.raises(RaotError, match="move each KV head with all its query heads"):
         HeadAlignment(0, split, eye, eye).actions(schema)
     vo = eye.clone()
-    vo[1] = random_orthogonal(h, torch.Generator().manual_seed(1))  # head 1 differs from head 0 of its group
+    vo[1] = random_orthogonal(h, torch.Generator().manual_seed(1))  # head 1 differs from head 0 of its KV head
     with pytest.raises(RaotError, match="one vo map"):
         HeadAlignment(0, torch.arange(H), eye, vo).actions(schema)
     within = torch.arange(H)
-    within[[0, 1]] = within[[1, 0]]  # a permutation inside group 0 is allowed
+    within[[0, 1]] = within[[1, 0]]  # a permutation among the query heads of KV head 0 is allowed
     assert HeadAlignment(0, within, eye, eye).actions(schema)
 
 
@@ -274,7 +274,7 @@ def test_recovery_through_data_aware_rules(rule):
     assert output_deviation(reference, result.model, example_inputs(reference), relative=True) <= 1e-4
 
 
-def test_grouped_rope_solver_inverts_a_group_symmetry():
+def test_shared_kv_rope_solver_inverts_a_head_symmetry():
     """The decoder head solver on synthetic activations: B's heads are A's moved by a random
     GQA + RoPE symmetry with its scales (per rotary pair on Q/K, per KV head on V/O); the estimate
     maps B's q, (expanded) k and context back onto A's."""
@@ -303,7 +303,7 @@ def test_grouped_rope_solver_inverts_a_group_symmetry():
     estimate = estimate_head_alignment(moments["q"], moments["k"], moments["ctx"], 0, H, h, num_kv_heads=kv, rope=True)
     assert [type(t).__name__ for t in estimate] == ["HeadAlignment", "HeadRescale"]
     for t in estimate:
-        t.actions(schema)  # a valid group element: whole groups, shared maps and scales, pair rotations
+        t.actions(schema)  # a valid group element: whole KV heads, shared maps and scales, pair rotations
     back = candidate_maps(estimate, H, h)
     for site in a:
         assert torch.allclose(back[(site, 0)](b[site]), a[site], atol=1e-8), site

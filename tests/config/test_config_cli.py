@@ -89,9 +89,9 @@ FLAGS_ADDED = {
     "--check-batches": "check_batches",
     "--calibration-seed": "calibration.seed",
     "--heldout-every": "calibration.heldout_every",
-    "--weights": "group.weights",
-    "--densities": "group.densities",
-    "--reference": "group.reference",
+    "--weights": "models.weights",
+    "--densities": "models.densities",
+    "--reference": "models.reference",
 }
 #: The flat keys of earlier versions, a non-default value each, and where the value lands.
 LEGACY = {
@@ -256,6 +256,33 @@ def test_legacy_flat_keys_are_read_everywhere():
         RaotConfig.from_dict({"gate_z": -1})
 
 
+def test_the_earlier_section_name_group_reads_as_models(tmp_path):
+    """A config or merge file written when the several-model options were called ``group`` still
+    reads; ``to_dict`` writes ``models``."""
+    from raot_hf.config.mergefile import read_merge_file
+
+    old = {"group": {"weights": [0.5, 0.25, 0.25], "reference": "central"}, "alpha": 0.25}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    for cfg in (
+        RaotConfig.from_dict(old),
+        RaotConfig.from_json(json.dumps(old)),
+        _parse("merge", ["--config", str(path)]),
+    ):
+        assert (cfg.models.weights, cfg.models.reference, cfg.alpha) == ((0.5, 0.25, 0.25), "central", 0.25)
+        assert "models" in cfg.to_dict() and "group" not in cfg.to_dict()
+    changed = RaotConfig(models={"weights": [1, 1, 2]}).replace(group={"reference": "central"})
+    assert changed.models == RaotConfig(models={"reference": "central"}).models
+    with pytest.raises(RaotError, match="both 'group'.*and 'models'"):
+        RaotConfig.from_dict({"group": {}, "models": {}})
+    merge_file = {
+        "models": [{"model": "a"}, {"model": "b"}, {"model": "c"}],
+        "merge_method": "linear",
+        "raot": {"group": {"reference": "central"}},
+    }
+    assert read_merge_file(merge_file).config.models.reference == "central"
+
+
 def test_unknown_keys_are_one_line_errors_listing_the_valid_names():
     with pytest.raises(RaotError) as info:
         RaotConfig.from_dict({"gate_zz": 1})
@@ -316,7 +343,10 @@ def test_readme_command_lines_still_parse():
         for flag in (w for w in words if w.startswith("--")):
             assert flag in known and flag in help_text, (words, flag)
         params = command.make_context(words[0], words[1:]).params
-        if params.get("config_file") not in ("merge.yml", "slerp.yml"):  # merge files: test_members, test_mergekit_rules
+        if params.get("config_file") not in (
+            "merge.yml",
+            "slerp.yml",
+        ):  # merge files: test_members, test_mergekit_rules
             build_config(params)
 
 

@@ -54,9 +54,9 @@ def test_a_correction_keeps_a_scrambled_copy_equal_to_a(model_type, head, method
     assert correction["method"] == method and len(correction["layers"]) >= 3 and correction["tokens"] > 0
 
 
-#: The Linears of one layer as the least squares fits them, group by group in call order (a group
-#: reads one input tensor): attention's input projections, its output, the MLP's input(s), its output.
-LAYER_GROUPS = {
+#: The Linears of one layer as the least squares fits them, the readers of one input tensor together,
+#: in call order: attention's input projections, its output, the MLP's input(s), its output.
+READERS_BY_INPUT = {
     "bert": [["attention.self.query", "attention.self.key", "attention.self.value"], ["attention.output.dense"],
              ["intermediate.dense"], ["output.dense"]],
     "vit": [["attention.q_proj", "attention.k_proj", "attention.v_proj"], ["attention.o_proj"], ["mlp.fc1"],
@@ -67,26 +67,27 @@ LAYER_GROUPS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("model_type", sorted(LAYER_GROUPS))
-def test_least_squares_groups_the_linears_by_the_input_they_read(model_type):
-    """The groups are found from which tensor each Linear reads; a freed input whose address is
-    reused by the next group's input must not merge two groups (the inputs are held while
-    grouping). Each group is then fitted on inputs the groups before it produced, corrected."""
+@pytest.mark.parametrize("model_type", sorted(READERS_BY_INPUT))
+def test_least_squares_gathers_the_linears_by_the_input_they_read(model_type):
+    """The readers of one input are found from which tensor each Linear reads; a freed input whose
+    address is reused by the next input must not merge their readers (the inputs are held while
+    gathering). Each input's readers are then fitted on inputs the Linears before them produced,
+    corrected (the report keeps its key ``groups``)."""
     head = dict(ARCHITECTURES)[model_type]
     a, b = _model(model_type, head), _model(model_type, head, seed=1)
     pre, data = _data(model_type)
     result = RaotMerger.from_models(a, b, preprocessor=pre, correction={"method": "lsq", "compete": False}).merge(
         calibration=data
     )
-    groups = result.report["merge"]["correction"]["groups"]
-    assert groups == [LAYER_GROUPS[model_type]]
+    readers = result.report["merge"]["correction"]["groups"]
+    assert readers == [READERS_BY_INPUT[model_type]]
 
 
 @pytest.mark.parametrize("model_type,head", ARCHITECTURES)
-def test_one_forward_per_layer_equals_one_forward_per_group(model_type, head):
-    """With every correction example in one chunk, M's layer runs once and each group is refitted
-    as the forward reaches it; in several chunks it runs once per group. Both fit each group on
-    the inputs the corrected groups before it produce, so the merges agree to float rounding
+def test_one_forward_per_layer_equals_one_forward_per_input(model_type, head):
+    """With every correction example in one chunk, M's layer runs once and each input's readers are
+    refitted as the forward reaches them; in several chunks it runs once per input. Both fit the
+    readers of each input on the inputs the Linears corrected before them produce, so the merges agree to float rounding
     (measured ≤ 5.4e-5; a forward that kept computing with the rule's weights after a refit
     differs by 0.4–1.2)."""
     merged = []

@@ -38,10 +38,10 @@ def _differs(first, second):
     return any(not torch.equal(first[name], second[name]) for name in first)
 
 
-def test_split_is_disjoint_complete_stratified_and_keeps_groups():
+def test_split_is_disjoint_complete_stratified_and_keeps_sources_whole():
     labels = [i % 3 for i in range(600)]
-    groups = [i // 4 for i in range(600)]
-    train, calibration, test = split_three_ways(labels, 90, 60, split_seed=7, groups=groups)
+    sources = [i // 4 for i in range(600)]
+    train, calibration, test = split_three_ways(labels, 90, 60, split_seed=7, sources=sources)
     assert set(train).isdisjoint(calibration) and set(train).isdisjoint(test)
     assert set(calibration).isdisjoint(test)
     assert sorted(train + calibration + test) == list(range(600))
@@ -50,9 +50,9 @@ def test_split_is_disjoint_complete_stratified_and_keeps_groups():
         counts = np.bincount([labels[i] for i in split], minlength=3)
         assert counts.max() - counts.min() <= 8  # stratified: every label gets its share
     split_of = {i: name for name, split in (("tr", train), ("ca", calibration), ("te", test)) for i in split}
-    for group in set(groups):
-        assert len({split_of[i] for i in range(600) if groups[i] == group}) == 1
-    assert split_three_ways(labels, 90, 60, split_seed=7, groups=groups) == (train, calibration, test)
+    for source in set(sources):
+        assert len({split_of[i] for i in range(600) if sources[i] == source}) == 1
+    assert split_three_ways(labels, 90, 60, split_seed=7, sources=sources) == (train, calibration, test)
 
 
 def test_digits_dataset_has_disjoint_splits_that_match_the_source():

@@ -1,4 +1,4 @@
-"""Decoder head maps from weights (grouped-query / RoPE) and the RoPE-unrestricted ablation
+"""Decoder head maps from weights (shared KV heads / RoPE) and the RoPE-unrestricted ablation
 (docs/design.md §8)."""
 
 import pytest
@@ -32,8 +32,8 @@ def _max_weight_difference(a, b) -> float:
 
 @pytest.mark.parametrize("model_type,kv", [("llama", 2), ("llama", 4), ("mistral", 1), ("qwen2", 2)])
 @pytest.mark.parametrize("match_heads", [True, False])
-def test_weight_matching_recovers_grouped_rope_heads(model_type, kv, match_heads):
-    """B = A under a random MLP and head symmetry (KV heads and query heads within groups
+def test_weight_matching_recovers_shared_kv_rope_heads(model_type, kv, match_heads):
+    """B = A under a random MLP and head symmetry (KV heads, and query heads within each KV head
     permuted when ``match_heads``; one RoPE rotation per rotary pair and one V/O map per KV head):
     weight matching finds it, so B′'s weights are A's."""
     a = tiny_model(model_type, "causal", num_key_value_heads=kv)
@@ -53,7 +53,7 @@ def test_weight_matching_recovers_grouped_rope_heads(model_type, kv, match_heads
     assert _max_weight_difference(a, b) <= 1e-10
 
 
-def test_weight_rescale_refused_on_grouped_heads():
+def test_weight_rescale_refused_on_shared_kv_heads():
     a = tiny_model("llama", "causal", num_key_value_heads=2)
     with pytest.raises(RaotError, match="rescaling is not implemented.*--no-weight-rescale"):
         estimate_weight_alignment(model_state(a), model_state(clone(a)), schema_for(a), rescale=True)
@@ -61,8 +61,8 @@ def test_weight_rescale_refused_on_grouped_heads():
 
 def _free_head_map(schema, layer, seed):
     g = torch.Generator().manual_seed(seed)
-    h, kv, group = schema.head_size, schema.kv_heads, schema.num_heads // schema.kv_heads
-    qk = torch.stack([random_orthogonal(h, g) for _ in range(kv)]).repeat_interleave(group, 0)
+    h, kv, queries_per_kv = schema.head_size, schema.kv_heads, schema.num_heads // schema.kv_heads
+    qk = torch.stack([random_orthogonal(h, g) for _ in range(kv)]).repeat_interleave(queries_per_kv, 0)
     eye = torch.eye(h, dtype=torch.float64).expand(schema.num_heads, h, h)
     return UnrestrictedHeadAlignment(layer, torch.arange(schema.num_heads), qk, eye)
 

@@ -236,7 +236,7 @@ def test_group_refusals_name_the_fix():
 def test_two_model_weights_set_alpha():
     a, b = (tiny_model("bert", "sequence", dtype=torch.float32, seed=s) for s in (0, 1))
     merger = RaotMerger.from_models(a, b, weights=[3, 1], alignment="none")
-    assert merger.config.alpha == 0.25 and merger.config.group.weights == ()
+    assert merger.config.alpha == 0.25 and merger.config.models.weights == ()
 
 
 # ----------------------------------------------------------------------------- merge files and the CLI

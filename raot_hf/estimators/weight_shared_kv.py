@@ -1,8 +1,9 @@
-"""Weight-based head alignment for decoders: grouped-query attention and RoPE (docs/design.md §8).
+"""Weight-based head alignment for decoders: shared KV heads (grouped-query attention) and RoPE
+(docs/design.md §8).
 
 The query heads of one KV head share one Q/K and one V/O map (under RoPE the Q/K map commutes with
-the position rotations), so a group's cross blocks are summed and fitted once, with the fits of
-:mod:`raot_hf.estimators.grouped` on weights. With ``match_heads`` the query heads are assigned
+the position rotations), so the cross blocks of a KV head's readers are summed and fitted once, with
+the fits of :mod:`raot_hf.estimators.shared_kv` on weights. With ``match_heads`` the query heads are assigned
 within every KV-head pair and one exact assignment over the pairs' fitted overlaps picks the KV map.
 """
 
@@ -15,8 +16,8 @@ import torch
 
 from raot_hf.adapters.schema import ModelSchema
 from raot_hf.errors import RaotError
-from raot_hf.estimators.grouped import _identity_fit, _match_groups, _orthogonal_fit, _rope_fit
 from raot_hf.estimators.head_fit import assign
+from raot_hf.estimators.shared_kv import _identity_fit, _match_query_heads, _orthogonal_fit, _rope_fit
 from raot_hf.estimators.weight_features import space_features
 from raot_hf.symmetry.transforms import HeadAlignment
 
@@ -31,23 +32,29 @@ def _diagonal_blocks(features_a: torch.Tensor, features_b: torch.Tensor, heads: 
     return cross.reshape(heads, h, heads, h).permute(0, 2, 1, 3).contiguous()
 
 
-def _group_cross(q_blocks, kv_blocks, ga: int, gb: int, tau: torch.Tensor) -> torch.Tensor:
+def _kv_pair_cross(q_blocks, kv_blocks, ga: int, gb: int, tau: torch.Tensor) -> torch.Tensor:
     """Summed cross block of KV head ``ga`` of A against ``gb`` of B: query (or output) head i of
-    the group against B's ``tau[i]``, plus the KV head's own rows."""
-    group = len(tau)
-    return q_blocks[ga * group + torch.arange(group), gb * group + tau].sum(0) + kv_blocks[ga, gb]
+    that KV head against B's ``tau[i]``, plus the KV head's own rows."""
+    queries_per_kv = len(tau)
+    return (
+        q_blocks[ga * queries_per_kv + torch.arange(queries_per_kv), gb * queries_per_kv + tau].sum(0)
+        + kv_blocks[ga, gb]
+    )
 
 
-def _within_group(blocks, ga: int, gb: int, group: int, fit_qk, fit_vo, match: bool) -> torch.Tensor:
-    """The query-head matching τ of a group pair (:func:`raot_hf.estimators.grouped._match_groups`
+def _query_matching(blocks, ga: int, gb: int, queries_per_kv: int, fit_qk, fit_vo, match: bool) -> torch.Tensor:
+    """The query-head matching τ of a KV-head pair (:func:`raot_hf.estimators.shared_kv._match_query_heads`
     on the query and output blocks; the shared key and value rows do not depend on τ)."""
-    if not match or group == 1:
-        return torch.arange(group)
-    rows, cols = torch.arange(ga * group, (ga + 1) * group), torch.arange(gb * group, (gb + 1) * group)
-    return _match_groups(blocks["qk"], blocks["vo"], fit_qk, fit_vo, rows, cols)[0]
+    if not match or queries_per_kv == 1:
+        return torch.arange(queries_per_kv)
+    rows, cols = (
+        torch.arange(ga * queries_per_kv, (ga + 1) * queries_per_kv),
+        torch.arange(gb * queries_per_kv, (gb + 1) * queries_per_kv),
+    )
+    return _match_query_heads(blocks["qk"], blocks["vo"], fit_qk, fit_vo, rows, cols)[0]
 
 
-def align_grouped_heads(
+def align_shared_kv_heads(
     state_a: Mapping[str, torch.Tensor],
     state_b: Mapping[str, torch.Tensor],
     schema: ModelSchema,
@@ -57,9 +64,9 @@ def align_grouped_heads(
     rotations: bool,
 ) -> tuple[HeadAlignment, dict[str, Any]]:
     """One decoder layer's head alignment from weights (per-KV-head maps, with ``match_heads`` a
-    KV-head assignment): the transform and its log (group scores, chosen and same-index)."""
+    KV-head assignment): the transform and its log (KV-head pair scores, chosen and same-index)."""
     H, kv = schema.num_heads, schema.kv_heads
-    group = H // kv
+    queries_per_kv = H // kv
     blocks = {}
     for name in ("qk", "k", "vo", "v"):
         space = schema.space(f"layers.{layer}.{name}")
@@ -71,31 +78,32 @@ def align_grouped_heads(
     maps = {}
     for ga in range(kv):
         for gb in range(kv) if match_heads else (ga,):
-            tau = _within_group(blocks, ga, gb, group, fit_qk, fit_vo, match_heads)
-            v_qk, r_qk = fit_qk(_group_cross(blocks["qk"], blocks["k"], ga, gb, tau))
-            v_vo, r_vo = fit_vo(_group_cross(blocks["vo"], blocks["v"], ga, gb, tau))
+            tau = _query_matching(blocks, ga, gb, queries_per_kv, fit_qk, fit_vo, match_heads)
+            v_qk, r_qk = fit_qk(_kv_pair_cross(blocks["qk"], blocks["k"], ga, gb, tau))
+            v_vo, r_vo = fit_vo(_kv_pair_cross(blocks["vo"], blocks["v"], ga, gb, tau))
             score[ga, gb] = v_qk + v_vo
-            maps[ga, gb] = (gb * group + tau, r_qk, r_vo)
+            maps[ga, gb] = (gb * queries_per_kv + tau, r_qk, r_vo)
     kv_perm = assign(score) if match_heads else torch.arange(kv)
     chosen = [maps[g, int(kv_perm[g])] for g in range(kv)]
     perm = torch.cat([c[0] for c in chosen])
-    qk = torch.stack([c[1] for c in chosen]).repeat_interleave(group, 0)
-    vo = torch.stack([c[2] for c in chosen]).repeat_interleave(group, 0)
+    qk = torch.stack([c[1] for c in chosen]).repeat_interleave(queries_per_kv, 0)
+    vo = torch.stack([c[2] for c in chosen]).repeat_interleave(queries_per_kv, 0)
     ar = torch.arange(kv)
     log = {
         "kv_heads": kv,
         "rope": schema.qk_structure == "rope",
         "kv_perm": kv_perm.tolist(),
+        # per KV-head pair (report keys as earlier versions wrote them)
         "group_score": score[ar, kv_perm].tolist(),
         "group_score_same_index": score.diagonal().tolist(),
     }
     return HeadAlignment(layer, perm, qk, vo), log
 
 
-def check_grouped_options(schema: ModelSchema, rescale: bool) -> None:
-    """Refuse the paper's per-head rescaling on a grouped or RoPE schema (not implemented there)."""
+def check_shared_kv_options(schema: ModelSchema, rescale: bool) -> None:
+    """Refuse the paper's per-head rescaling on a schema with shared KV heads or RoPE (not implemented there)."""
     if rescale and (schema.kv_space(0, "k") is not None):
         raise RaotError(
-            f"weight-based rescaling is not implemented for {schema.model_type} (grouped-query / RoPE heads); "
+            f"weight-based rescaling is not implemented for {schema.model_type} (shared-KV / RoPE heads); "
             "turn weight.rescale off (--no-weight-rescale)"
         )
