@@ -47,58 +47,58 @@ def _check_v2(config) -> None:
         )
 
 
-DEBERTA_V1 = Adapter(
-    name="deberta",
-    model_types=("deberta",),
+# The layer outputs, norms and stream members both versions share; they differ in how Q/K/V
+# are stored (v1: one fused, per-head interleaved ``in_proj``), the relative-position projections'
+# names and v2's LayerNorm on the relative embeddings.
+_LAYER_OUTPUTS = dict(
+    o="attention.output.dense",
+    fc1="intermediate.dense",
+    fc2="output.dense",
+    norm_attn="attention.output.LayerNorm",
+    norm_mlp="output.LayerNorm",
+)
+_COMMON = dict(
     norm="post",
     base_prefix="deberta",
     layers="encoder.layer",
+    embedding_writers=_EMBEDDINGS,
+    stream_norms=("embeddings.LayerNorm",),
+    extra_stream=(("encoder.rel_embeddings.weight", 1),),
+    heads=_HEADS,
+)
+
+DEBERTA_V1 = Adapter(
+    name="deberta",
+    model_types=("deberta",),
     layer=LayerTemplate(
         q="",
         k="",
         v="",
-        o="attention.output.dense",
-        fc1="intermediate.dense",
-        fc2="output.dense",
-        norm_attn="attention.output.LayerNorm",
-        norm_mlp="output.LayerNorm",
+        **_LAYER_OUTPUTS,
         fused_qkv="attention.self.in_proj",
         q_bias="attention.self.q_bias",
         v_bias="attention.self.v_bias",
         pos_key=("attention.self.pos_proj",),
         pos_query=("attention.self.pos_q_proj",),
     ),
-    embedding_writers=_EMBEDDINGS,
-    stream_norms=("embeddings.LayerNorm",),
-    extra_stream=(("encoder.rel_embeddings.weight", 1),),
-    heads=_HEADS,
     check_config=_check_v1,
+    **_COMMON,
 )
 
 DEBERTA_V2 = Adapter(
     name="deberta-v2",
     model_types=("deberta-v2",),
-    norm="post",
-    base_prefix="deberta",
-    layers="encoder.layer",
     layer=LayerTemplate(
         q="attention.self.query_proj",
         k="attention.self.key_proj",
         v="attention.self.value_proj",
-        o="attention.output.dense",
-        fc1="intermediate.dense",
-        fc2="output.dense",
-        norm_attn="attention.output.LayerNorm",
-        norm_mlp="output.LayerNorm",
+        **_LAYER_OUTPUTS,
         pos_key=("attention.self.pos_key_proj",),
         pos_query=("attention.self.pos_query_proj",),
     ),
-    embedding_writers=_EMBEDDINGS,
-    stream_norms=("embeddings.LayerNorm",),
-    extra_stream=(("encoder.rel_embeddings.weight", 1),),
     extra_stream_norms=("encoder.LayerNorm",),
-    heads=_HEADS,
     check_config=_check_v2,
+    **_COMMON,
 )
 
 ADAPTERS = (DEBERTA_V1, DEBERTA_V2)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from raot_hf.adapters.base import Adapter, HeadTemplate, LayerTemplate, ParameterSet
-from raot_hf.adapters.llama import decoder_layers
+from raot_hf.adapters.llama import decoder_layers, decoder_schema
 from raot_hf.adapters.schema import Fold, HeadReadout, LayerSchema, ModelSchema, Space, head_index
 from raot_hf.errors import RaotError
 
@@ -57,11 +57,12 @@ class GPT2Adapter(Adapter):
                 f"{type(model).__name__} is not supported; use one of GPT2{', GPT2'.join(sorted(self.heads))}."
             )
         base = "" if is_base else f"{self.base_prefix}."
-        d, H, L = config.hidden_size, config.num_attention_heads, config.num_hidden_layers
+        d, L = config.hidden_size, config.num_hidden_layers
         residual = Space("residual", "residual", d)
         for mod, _ in self.embedding_writers:
             ps.add(residual, base + mod, 1, True, "writer")
-        spaces, layers, folds = decoder_layers(self._layer, ps, f"{base}{self.layers}", L, config, residual)
+        trunk = decoder_layers(self._layer, ps, f"{base}{self.layers}", L, config, residual)
+        spaces = trunk[0]  # the residual space joins below
         for mod in head.stream_readers:
             ps.add(residual, f"{mod}.weight", 1, False, "head_reader")
         ps.add(residual, f"{base}{self.final_norm}.weight", 0, True, "norm")
@@ -69,23 +70,15 @@ class GPT2Adapter(Adapter):
         residual.exact = "permutation"  # ln_f cannot be folded (FINAL_NOTE)
         spaces["residual"] = residual
         trunk_only = is_base or suffix == "LMHeadModel"  # a causal LM's head shares the (checked) vocabulary
-        return ModelSchema(
-            model_type=config.model_type,
-            architecture=type(model).__name__,
-            norm="pre",
-            num_layers=L,
-            hidden_size=d,
-            num_heads=H,
-            head_size=d // H,
+        return decoder_schema(
+            model,
+            ps,
+            base,
+            trunk,
+            stream_start=base + self.embedding_module,
+            trunk_only=trunk_only,
             intermediate_size=config.n_inner or 4 * d,
-            spaces=spaces,
-            layers=layers,
-            stream_modules=[base + self.embedding_module] + [lay.module for lay in layers],
-            folds=folds,
-            head_params=[] if trunk_only else sorted(n for n in ps.params if not n.startswith(base)),
-            output_in_stream=is_base,
             notes=[FINAL_NOTE],
-            causal=True,
         )
 
     def _layer(self, ps: ParameterSet, p: str, i: int, config, residual: Space):

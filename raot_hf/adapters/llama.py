@@ -69,6 +69,44 @@ def decoder_layers(build_layer, ps: ParameterSet, prefix: str, num_layers: int, 
     return spaces, layers, folds
 
 
+def decoder_schema(
+    model: torch.nn.Module,
+    ps: ParameterSet,
+    base: str,
+    trunk: tuple[dict[str, Space], list[LayerSchema], list[Fold]],
+    *,
+    stream_start: str,
+    trunk_only: bool,
+    **fields,
+) -> ModelSchema:
+    """The :class:`ModelSchema` of a pre-norm causal decoder from its ``trunk`` (spaces, layers and
+    folds, as :func:`decoder_layers` returns them, completed), whose parameters start with ``base``
+    (empty for a bare base model): the stream runs from ``stream_start`` through every layer's
+    output; unless ``trunk_only``, the parameters outside the trunk are the head's. ``fields``: the
+    architecture's further schema fields (``intermediate_size``, ``notes``, ...)."""
+    spaces, layers, folds = trunk
+    config = model.config
+    d, H = config.hidden_size, config.num_attention_heads
+    is_base = base == ""
+    return ModelSchema(
+        model_type=config.model_type,
+        architecture=type(model).__name__,
+        norm="pre",
+        num_layers=config.num_hidden_layers,
+        hidden_size=d,
+        num_heads=H,
+        head_size=d // H,
+        spaces=spaces,
+        layers=layers,
+        stream_modules=[stream_start] + [lay.module for lay in layers],
+        folds=folds,
+        head_params=[] if trunk_only else sorted(n for n in ps.params if not n.startswith(base)),
+        output_in_stream=is_base,
+        causal=True,
+        **fields,
+    )
+
+
 @dataclass(frozen=True)
 class RopeDecoderAdapter(Adapter):
     """Weight names of a Llama-style decoder; :meth:`build_schema` resolves them (docs/design.md §8)."""
@@ -89,7 +127,8 @@ class RopeDecoderAdapter(Adapter):
         kv = getattr(config, "num_key_value_heads", None) or H
         residual = Space("residual", "residual", d)
         ps.add(residual, f"{base}{self.embedding}.weight", 1, True, "writer")
-        spaces, layers, folds = decoder_layers(self._layer, ps, f"{base}{self.layers}", L, config, residual)
+        trunk = decoder_layers(self._layer, ps, f"{base}{self.layers}", L, config, residual)
+        spaces, _, folds = trunk  # the residual space and the final fold join below
         final_readers = []
         for mod in head.stream_readers:
             if f"{mod}.weight" in ps:
@@ -105,26 +144,18 @@ class RopeDecoderAdapter(Adapter):
         spaces["residual"] = residual
         # the LM head shares the vocabulary (checked): it is merged with the trunk, not by head policy
         trunk_only = is_base or suffix == "ForCausalLM"
-        return ModelSchema(
-            model_type=config.model_type,
-            architecture=type(model).__name__,
-            norm="pre",
-            num_layers=L,
-            hidden_size=d,
-            num_heads=H,
-            head_size=d // H,
+        return decoder_schema(
+            model,
+            ps,
+            base,
+            trunk,
+            stream_start=f"{base}{self.embedding}",
+            trunk_only=trunk_only,
             intermediate_size=config.intermediate_size,
-            spaces=spaces,
-            layers=layers,
-            stream_modules=[f"{base}{self.embedding}"] + [lay.module for lay in layers],
-            folds=folds,
-            head_params=[] if trunk_only else sorted(n for n in ps.params if not n.startswith(base)),
-            output_in_stream=is_base,
             notes=[TIED_NOTE] if tied else [],
             num_kv_heads=kv,
             qk_structure="rope",
             stream_centered=False,
-            causal=True,
             norm_dtype="float32",
         )
 
