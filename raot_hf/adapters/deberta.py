@@ -3,7 +3,10 @@ with disentangled relative attention (docs/design.md §2)."""
 
 from __future__ import annotations
 
-from raot_hf.adapters.base import Adapter, HeadTemplate, LayerTemplate
+from dataclasses import replace
+
+from raot_hf.adapters.base import Adapter, HeadTemplate
+from raot_hf.adapters.bert import BERT_LAYER, EMBEDDINGS
 from raot_hf.errors import RaotError
 
 _HEADS = {
@@ -15,12 +18,6 @@ _HEADS = {
         tied=("cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm", "cls.predictions.decoder")
     ),
 }
-
-_EMBEDDINGS = (
-    ("embeddings.word_embeddings.weight", 1),
-    ("embeddings.position_embeddings.weight", 1),
-    ("embeddings.token_type_embeddings.weight", 1),
-)
 
 
 def _check_common(config) -> None:
@@ -47,58 +44,47 @@ def _check_v2(config) -> None:
         )
 
 
-# The layer outputs, norms and stream members both versions share; they differ in how Q/K/V
-# are stored (v1: one fused, per-head interleaved ``in_proj``), the relative-position projections'
-# names and v2's LayerNorm on the relative embeddings.
-_LAYER_OUTPUTS = dict(
-    o="attention.output.dense",
-    fc1="intermediate.dense",
-    fc2="output.dense",
-    norm_attn="attention.output.LayerNorm",
-    norm_mlp="output.LayerNorm",
-)
-_COMMON = dict(
+# DeBERTa keeps BERT's attention-output, MLP and LayerNorm names; v2/v3 store Q/K/V apart and
+# normalise the relative embeddings; v1 fuses Q/K/V into one per-head interleaved ``in_proj``.
+DEBERTA_V2 = Adapter(
+    name="deberta-v2",
+    model_types=("deberta-v2",),
     norm="post",
     base_prefix="deberta",
     layers="encoder.layer",
-    embedding_writers=_EMBEDDINGS,
+    layer=replace(
+        BERT_LAYER,
+        q="attention.self.query_proj",
+        k="attention.self.key_proj",
+        v="attention.self.value_proj",
+        pos_key=("attention.self.pos_key_proj",),
+        pos_query=("attention.self.pos_query_proj",),
+    ),
+    embedding_writers=EMBEDDINGS,
     stream_norms=("embeddings.LayerNorm",),
     extra_stream=(("encoder.rel_embeddings.weight", 1),),
+    extra_stream_norms=("encoder.LayerNorm",),
     heads=_HEADS,
+    check_config=_check_v2,
 )
 
-DEBERTA_V1 = Adapter(
+DEBERTA_V1 = replace(
+    DEBERTA_V2,
     name="deberta",
     model_types=("deberta",),
-    layer=LayerTemplate(
+    layer=replace(
+        BERT_LAYER,
         q="",
         k="",
         v="",
-        **_LAYER_OUTPUTS,
         fused_qkv="attention.self.in_proj",
         q_bias="attention.self.q_bias",
         v_bias="attention.self.v_bias",
         pos_key=("attention.self.pos_proj",),
         pos_query=("attention.self.pos_q_proj",),
     ),
+    extra_stream_norms=(),
     check_config=_check_v1,
-    **_COMMON,
-)
-
-DEBERTA_V2 = Adapter(
-    name="deberta-v2",
-    model_types=("deberta-v2",),
-    layer=LayerTemplate(
-        q="attention.self.query_proj",
-        k="attention.self.key_proj",
-        v="attention.self.value_proj",
-        **_LAYER_OUTPUTS,
-        pos_key=("attention.self.pos_key_proj",),
-        pos_query=("attention.self.pos_query_proj",),
-    ),
-    extra_stream_norms=("encoder.LayerNorm",),
-    check_config=_check_v2,
-    **_COMMON,
 )
 
 ADAPTERS = (DEBERTA_V1, DEBERTA_V2)

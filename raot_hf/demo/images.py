@@ -142,25 +142,11 @@ def build_vit(
     return cached_build(f"vit-{dataset}-seed{seed}", params, lambda out_dir: train_vit(params, out_dir), cache_dir)
 
 
-def build_vit_pair(
-    dataset: str = "digits",
-    seeds: tuple[int, int] = (0, 1),
-    hidden_size: int = 64,
-    num_layers: int = 4,
-    num_heads: int = 4,
-    intermediate_size: int | None = None,
-    epochs: float | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    **training_options,
-) -> tuple[Path, Path]:
+def build_vit_pair(dataset: str = "digits", seeds: tuple[int, int] = (0, 1), **options) -> tuple[Path, Path]:
     """Train two ViTs that differ only in seed (initialization and data order); return their
-    directories (cached, offline-loadable). ``training_options`` go to :func:`build_vit`."""
-    sizes = dict(
-        hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, intermediate_size=intermediate_size
-    )
-    return build_seed_pair(
-        build_vit, seeds, dataset=dataset, epochs=epochs, cache_dir=cache_dir, **sizes, **training_options
-    )
+    directories (cached, offline-loadable). ``options`` (sizes, ``epochs``, ``cache_dir`` and the
+    training options) go to :func:`build_vit`."""
+    return build_seed_pair(build_vit, seeds, dataset=dataset, **options)
 
 
 def train_vit(params: dict, out_dir: Path) -> dict:

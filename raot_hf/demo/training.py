@@ -251,37 +251,17 @@ def train_classifier(
 
 
 def fit_and_score(
-    model: torch.nn.Module,
-    processor,
-    train_split,
-    test_split,
-    *,
-    seed: int,
-    steps: int,
-    batch_size: int,
-    learning_rate: float,
-    max_length: int = 64,
-    weight_decay: float = 0.01,
-    description: str = "training",
+    model: torch.nn.Module, processor, train_split, test_split, *, max_length: int = 64, **training
 ) -> dict[str, float]:
-    """Encode ``train_split``, train ``model`` on it (:func:`train_classifier`), and return the
+    """Encode ``train_split``, train ``model`` on it (:func:`train_classifier`, which takes the
+    ``training`` options: ``seed``, ``steps``, ``batch_size``, ``learning_rate``, ...), and return the
     training metrics with ``test_accuracy`` on ``test_split`` and the step / example counts.
     Call inside :func:`deterministic_torch` for reproducible weights."""
     inputs = encode_examples(train_split, processor, max_length=max_length)
     labels = torch.tensor(train_split["label"])
-    metrics = train_classifier(
-        model,
-        inputs,
-        labels,
-        seed=seed,
-        steps=steps,
-        batch_size=batch_size,
-        learning_rate=learning_rate,
-        weight_decay=weight_decay,
-        description=description,
-    )
+    metrics = train_classifier(model, inputs, labels, **training)
     metrics["test_accuracy"] = evaluate_accuracy(model, test_split, processor, max_length=max_length)
-    metrics.update(steps=steps, train_examples=len(labels), test_examples=len(test_split))
+    metrics.update(steps=training["steps"], train_examples=len(labels), test_examples=len(test_split))
     return metrics
 
 
