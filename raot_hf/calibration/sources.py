@@ -13,7 +13,7 @@ import datasets
 import numpy as np
 
 from raot_hf.calibration.settings import CalibrationConfig
-from raot_hf.errors import RaotError
+from raot_hf.errors import RaotError, lookup
 
 logger = logging.getLogger("raot_hf.calibration.sources")
 
@@ -191,12 +191,12 @@ def _guarded(load, source: str, hint: str = "check the data and the split", *, a
 
 
 def _pick_split(dataset_dict: datasets.DatasetDict, split: str, where: str) -> datasets.Dataset:
-    if split not in dataset_dict:
-        raise RaotError(
-            f"split {split!r} not in the calibration data from {where} "
-            f"(splits: {', '.join(dataset_dict)}); pass --split with one of them"
-        )
-    return dataset_dict[split]
+    splits = ", ".join(dataset_dict)
+    return lookup(
+        dataset_dict,
+        split,
+        f"split {split!r} not in the calibration data from {where} (splits: {splits}); pass --split with one of them",
+    )
 
 
 def _one_line(exc: BaseException) -> str:

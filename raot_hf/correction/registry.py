@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from raot_hf.errors import RaotError
+from raot_hf.errors import RaotError, lookup
 
 #: The methods that are not registrations: "auto" chooses one per merge, "none" runs no pass.
 CHOOSING_METHODS = ("auto", "none")
@@ -95,12 +95,8 @@ def unregister_correction(name: str) -> CorrectionSpec:
 
 def get_correction(name: str) -> CorrectionSpec:
     """The registration of correction ``name``; the error lists the valid names."""
-    if name not in _CORRECTIONS:
-        raise RaotError(
-            f"unknown correction {name!r}; registered: {', '.join(_CORRECTIONS)} "
-            f"(valid methods: {', '.join(available_corrections())})"
-        )
-    return _CORRECTIONS[name]
+    registered, valid = ", ".join(_CORRECTIONS), ", ".join(available_corrections())
+    return lookup(_CORRECTIONS, name, f"unknown correction {name!r}; registered: {registered} (valid methods: {valid})")
 
 
 def correction_description(name: str) -> str:
