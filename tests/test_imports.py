@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -209,6 +210,56 @@ def test_each_shared_condition_is_written_once():
                 seen.add(name)
     assert where["register_forward"] == {"raot_hf.hooks"}
     assert where[fold] == {"raot_hf.symmetry.apply"}
+
+
+#: How many consecutive code lines make a block that must not be written twice.
+BLOCK_LINES = 6
+#: A line of brackets and commas only (the end of a call or literal) says nothing on its own.
+_PUNCTUATION_ONLY = re.compile(r"[()\[\]{},:]*")
+
+
+def _code_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, stripped text) of a file's lines that carry code: not blank, not a comment,
+    not brackets alone, and not part of an import statement."""
+    text = path.read_text(encoding="utf-8")
+    in_imports = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            in_imports.update(range(node.lineno, node.end_lineno + 1))
+    kept = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        stripped = line.strip()
+        carries_code = stripped and not stripped.startswith("#") and not _PUNCTUATION_ONLY.fullmatch(stripped)
+        if carries_code and number not in in_imports:
+            kept.append((number, stripped))
+    return kept
+
+
+def repeated_blocks(files: dict[str, Path]) -> list[tuple[str, str]]:
+    """(first place, second place) of every run of ``BLOCK_LINES`` code lines, the same to the
+    letter after stripping, that stands twice among ``files`` (in one file or two)."""
+    first_seen: dict[tuple[str, ...], str] = {}
+    repeats = []
+    for name, path in files.items():
+        lines = _code_lines(path)
+        for start in range(len(lines) - BLOCK_LINES + 1):
+            block = tuple(text for _, text in lines[start : start + BLOCK_LINES])
+            place = f"{name}:{lines[start][0]}"
+            if block in first_seen:
+                repeats.append((first_seen[block], place))
+            else:
+                first_seen[block] = place
+    return repeats
+
+
+def test_no_block_of_code_is_written_twice(tmp_path):
+    """Logic two places need lives in one helper or one table: no six code lines (imports,
+    comments and lone brackets aside) stand twice in raot_hf; the check sees a planted copy."""
+    assert repeated_blocks(_module_files()) == []
+    body = "".join(f"    total = total + {i}\n" for i in range(BLOCK_LINES))
+    planted = tmp_path / "planted.py"
+    planted.write_text(f"import os\nimport sys\n\n\ndef f(total):\n{body}\n\ndef g(total):\n{body}", encoding="utf-8")
+    assert repeated_blocks({"planted": planted}) == [("planted:6", "planted:15")]
 
 
 def _package(module: str) -> str:
