@@ -81,7 +81,7 @@ def corrected_merge(
     corrected layer by layer (``method``: a registered correction, e.g. ``lsq`` or ``repair``) to
     the mix of ``parents`` (side → model, ``"a"`` the reference, in the trunks' order) and written
     into the reference's module; returns the rule's log (summed over the calls) with the
-    correction's under ``"correction"``."""
+    correction's record in its ``correction``."""
     log = RuleLog(spec.name)
     merged_all = None
     if not spec.per_tensor:  # RegMean, Fisher: the whole trunk at once (as without correction)
