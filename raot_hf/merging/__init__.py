@@ -27,6 +27,7 @@ from raot_hf.merging.base_rules import (
     relative_task_norm,
 )
 from raot_hf.merging.layered import count_layers
+from raot_hf.merging.log import RuleLog
 from raot_hf.merging.mergekit_rules import (
     TASK_RULES,
     MergekitOptions,
@@ -46,7 +47,6 @@ from raot_hf.merging.rules import (
     check_weights,
     merge_fisher,
     merge_heads,
-    merge_heads_n,
     merge_linear,
     merge_regmean,
     shrink_gram,
@@ -147,22 +147,11 @@ def rule_options(spec: MergeRuleSpec, config, models: int = 2, names=None) -> di
     return options
 
 
-def apply_rule(spec: MergeRuleSpec, states: list, weights: list[float], **inputs):
-    """Call the rule on ``states`` with one weight per model; returns ``(merged, log)``."""
-    return spec.fn(list(states), list(weights), return_log=True, **inputs)
-
-
-def add_rule_log(total: dict[str, Any], part: dict[str, Any]) -> None:
-    """Sum one chunk's rule log into ``total`` (counts and totals add, lists such as ``not_in_base`` extend)."""
-    for key, value in part.get("settings", {}).items():
-        if isinstance(value, list):
-            total["settings"].setdefault(key, []).extend(value)
-        else:
-            total["settings"][key] = value
-    for method, n in part.get("counts", {}).items():
-        total["counts"][method] = total["counts"].get(method, 0) + n
-    for name, n in part.get("totals", {}).items():  # entry counts of the base-relative rules
-        total.setdefault("totals", {})[name] = total.get("totals", {}).get(name, 0) + n
+def apply_rule(spec: MergeRuleSpec, states: list, weights: list[float], **inputs) -> tuple[dict, RuleLog]:
+    """Call the rule on ``states`` with one weight per model; returns ``(merged, log)``, a log given as
+    a plain dict (a rule registered from outside may return one) read by :meth:`RuleLog.from_dict`."""
+    merged, log = spec.fn(list(states), list(weights), return_log=True, **inputs)
+    return merged, log if isinstance(log, RuleLog) else RuleLog.from_dict(log)
 
 
 register_merge_rule("linear", merge_linear, per_tensor=True)
@@ -231,10 +220,10 @@ for _name, _rule in zip(TASK_RULES, (della, della_linear, breadcrumbs, breadcrum
 
 __all__ = [
     "HEAD_POLICIES",
-    "add_rule_log",
     "apply_rule",
     "MAX_RELATIVE_TASK_NORM",
     "MergeRuleSpec",
+    "RuleLog",
     "available_merge_rules",
     "base_relative_rules",
     "check_base_states",
@@ -246,7 +235,6 @@ __all__ = [
     "merge_dare_ties",
     "merge_fisher",
     "merge_heads",
-    "merge_heads_n",
     "merge_linear",
     "merge_regmean",
     "merge_rule_spec",

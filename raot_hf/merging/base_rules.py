@@ -24,6 +24,7 @@ from raot_hf.config.options import check_field_types, meta
 from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
 from raot_hf.merging.layered import count_layers, evaluate_setting
+from raot_hf.merging.log import RuleLog
 from raot_hf.merging.rules import (
     StateDict,
     _check_finite,
@@ -34,8 +35,6 @@ from raot_hf.merging.rules import (
     _f64,
     _finish,
     _linear_entry,
-    _new_log,
-    _note,
     _total,
     check_weights,
 )
@@ -128,16 +127,16 @@ def per_tensor_merge(
         raise RaotError(f"merge_rule={rule!r} measures task vectors; pass the base model (base_model: or --base)")
     missing = check_base_states(base, ref) if base is not None else []
     layers = count_layers(ref) if layer_count is None else int(layer_count)
-    # lists as tuples: a chunked merge's logs add up lists (add_rule_log), settings stay as given
+    # lists as tuples: a chunked merge's logs add up lists (RuleLog.add), settings stay as given
     given = {"weights": weights, **settings, **(logged or {})}
-    log = _new_log(rule, {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
+    log = RuleLog(rule, {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
     if missing and needs_base:
         floating = [k for k in missing if ref[k].is_floating_point()]
         if floating:
             logger.warning(
                 "%d parameter(s) are not in the base (first: %s): they merge linearly", len(floating), floating[0]
             )
-        log["settings"]["not_in_base"] = missing
+        log.settings["not_in_base"] = missing
     total = sum(weights)
     normalised = [w / total for w in weights] if total > 0 else [1.0 / len(weights)] * len(weights)
     merged: dict[str, torch.Tensor] = {}
@@ -146,26 +145,16 @@ def per_tensor_merge(
         if not r.is_floating_point():
             merged[key] = _copy_non_float(key, r, tensors[1], log)
         elif needs_base and key not in base:
-            merged[key] = _linear_entry(key, tensors, normalised, _new_log("linear", {}))
-            _note(log, key, "linear (not in the base)")
+            merged[key] = _linear_entry(key, tensors, normalised, RuleLog("linear"))
+            log.note(key, "linear (not in the base)")
         else:
             values = {name: evaluate_setting(v, key, layers) for name, v in settings.items()}
             origin = _f64(base[key]).to(r.device) if base is not None and key in base else None
             value, details = merge_one(key, [_f64(t).to(r.device) for t in tensors], origin, values)
-            _note(log, key, rule, **{k: v for k, v in values.items() if isinstance(v, (int, float))}, **details)
-            _add_totals(log, r.numel(), details)
+            log.note(key, rule, **{k: v for k, v in values.items() if isinstance(v, (int, float))}, **details)
+            log.add_totals(r.numel(), details)  # entry counts, which add up across chunks
             merged[key] = value.to(r.dtype)
     return _finish(merged, log, return_log)
-
-
-def _add_totals(log: dict[str, Any], entries: int, details: dict[str, Any]) -> None:
-    """Entry counts over all tensors, which add up across chunks (:func:`raot_hf.merging.add_rule_log`)."""
-    if not details:
-        return
-    totals = log.setdefault("totals", {"entries": 0})
-    totals["entries"] += entries
-    for name, fraction in details.items():
-        totals[name] = totals.get(name, 0) + round(fraction * entries)
 
 
 def sparsity_details(tasks: Sequence[torch.Tensor]) -> dict[str, float]:

@@ -8,8 +8,8 @@ Every rule has one signature for any number of models::
 already in its basis; ``weights``: one non-negative number per model (α on B′ is ``(1 − α, α)``).
 Arithmetic runs in float64 per tensor, cast back to the reference's dtype; non-float tensors are
 copied from the reference; per-model inputs are lists in the models' order (``grams=[...]``).
-``return_log=True`` also returns a JSON-serialisable log ``{"rule", "settings", "counts",
-"params"}`` for the provenance report. Weights here are normalised to sum 1; a model with all the
+``return_log=True`` also returns the rule's :class:`~raot_hf.merging.log.RuleLog` (its settings, counts
+and per-tensor notes) for the provenance report. Weights here are normalised to sum 1; a model with all the
 weight comes back bit for bit, and sums run left to right from the first model's term
 (``(1 − α)·x_A + α·x_B′`` exactly as written). Base-relative rules: :mod:`raot_hf.merging.base_rules`.
 """
@@ -28,6 +28,7 @@ from huggingface_hub.utils import tqdm
 from raot_hf.config.options import check_field_types, check_non_negative_int, meta
 from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
+from raot_hf.merging.log import RuleLog
 
 logger = logging.getLogger("raot_hf.merging")
 
@@ -127,26 +128,17 @@ def _total(terms: Sequence[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def _new_log(rule: str, settings: dict[str, Any]) -> dict[str, Any]:
-    return {"rule": rule, "settings": dict(settings), "counts": {}, "params": {}}
-
-
-def _note(log: dict[str, Any], key: str, method: str, **details: Any) -> None:
-    log["params"][key] = {"method": method, **details}
-    log["counts"][method] = log["counts"].get(method, 0) + 1
-
-
-def _finish(merged: dict[str, torch.Tensor], log: dict[str, Any], return_log: bool):
+def _finish(merged: dict[str, torch.Tensor], log: RuleLog, return_log: bool):
     # DEBUG: the merger calls per-tensor rules once per chunk and logs one summary itself
-    logger.debug("%s merge: %s", log["rule"], ", ".join(f"{n} {m}" for m, n in sorted(log["counts"].items())))
+    logger.debug("%s merge: %s", log.rule, ", ".join(f"{n} {m}" for m, n in sorted(log.counts.items())))
     return (merged, log) if return_log else merged
 
 
-def _copy_non_float(key: str, ref: torch.Tensor, other: torch.Tensor, log: dict[str, Any]) -> torch.Tensor:
+def _copy_non_float(key: str, ref: torch.Tensor, other: torch.Tensor, log: RuleLog) -> torch.Tensor:
     same = torch.equal(ref.detach().cpu(), other.detach().cpu())
     if not same:
         logger.warning("non-float tensor %s differs between the models; A's is kept", key)
-    _note(log, key, "copied from A (not floating point)", identical=same)
+    log.note(key, "copied from A (not floating point)", identical=same)
     return ref.detach().clone()
 
 
@@ -156,12 +148,12 @@ def _sole_model(weights: Sequence[float]) -> int | None:
     return nonzero[0] if len(nonzero) == 1 else None
 
 
-def _linear_entry(key: str, tensors: Sequence[torch.Tensor], weights: Sequence[float], log: dict) -> torch.Tensor:
+def _linear_entry(key: str, tensors: Sequence[torch.Tensor], weights: Sequence[float], log: RuleLog) -> torch.Tensor:
     """``Σ wᵢ·xᵢ`` of one tensor, zero-weight models left out; a sole model's tensor bit for bit."""
     ref = tensors[0]
     if not ref.is_floating_point():
         return _copy_non_float(key, ref, tensors[1], log)
-    _note(log, key, "linear")
+    log.note(key, "linear")
     sole = _sole_model(weights)
     if sole is not None:
         return tensors[sole].detach().to(dtype=ref.dtype, device=ref.device, copy=True)
@@ -169,12 +161,12 @@ def _linear_entry(key: str, tensors: Sequence[torch.Tensor], weights: Sequence[f
     return _total(terms).to(ref.dtype)
 
 
-def _endpoint_state(states: Sequence[StateDict], weights: Sequence[float], log: dict[str, Any]) -> dict | None:
+def _endpoint_state(states: Sequence[StateDict], weights: Sequence[float], log: RuleLog) -> dict | None:
     """Every tensor of the model with all the weight (bit for bit), or None when several have some."""
     sole = _sole_model(weights)
     if sole is None:
         return None
-    log["settings"]["endpoint"] = f"all the weight on {model_names(len(states))[sole]}: its tensors exactly"
+    log.settings["endpoint"] = f"all the weight on {model_names(len(states))[sole]}: its tensors exactly"
     return {key: _linear_entry(key, [s[key] for s in states], weights, log) for key in states[0]}
 
 
@@ -187,7 +179,7 @@ def merge_linear(
     """Linear interpolation ``W = Σ wᵢWᵢ / Σ wᵢ`` of every floating-point tensor."""
     _check_states(states)
     weights = check_weights(weights, len(states), normalise=True)
-    log = _new_log("linear", {"weights": tuple(weights)})  # a tuple: chunks' logs add up lists
+    log = RuleLog("linear", {"weights": tuple(weights)})  # a tuple: chunks' logs add up lists
     merged = {key: _linear_entry(key, [s[key] for s in states], weights, log) for key in states[0]}
     return _finish(merged, log, return_log)
 
@@ -297,7 +289,7 @@ def merge_regmean(
 
     stored = {n: (w.T if n in transposed else w) for n, w in ref.items() if n in linear_weights}
     readers = _regmean_readers(stored, linear_weights, grams)
-    log = _new_log("regmean", {"weights": weights, "shrink": shrink, "ridge_relative": RIDGE_RELATIVE})
+    log = RuleLog("regmean", {"weights": weights, "shrink": shrink, "ridge_relative": RIDGE_RELATIVE})
     endpoint = _endpoint_state(states, weights, log)
     if endpoint is not None:
         return _finish(endpoint, log, return_log)
@@ -320,7 +312,7 @@ def merge_regmean(
             offset += rows
             change = float(torch.linalg.norm(weight - linear) / torch.linalg.norm(linear).clamp_min(1e-300))
             others = [n for n in names if n != name]
-            _note(log, name, "regmean", gram=gram_key, shared_with=others, relative_change_vs_linear=change, **info)
+            log.note(name, "regmean", gram=gram_key, shared_with=others, relative_change_vs_linear=change, **info)
             weight = weight.T if name in transposed else weight
             merged[name] = weight.to(ref[name].dtype).contiguous()
     return _finish({key: merged[key] for key in ref}, log, return_log)
@@ -384,7 +376,7 @@ def merge_fisher(
     sides = model_names(len(states))
     means = [_fisher_mean(f, s, side) for f, s, side in zip(fishers, states, sides, strict=True)]
     settings = {"weights": weights, "eps": eps, "normalisation": "each Fisher divided by its mean", "means": means}
-    log = _new_log("fisher", settings)
+    log = RuleLog("fisher", dict(settings))
     endpoint = _endpoint_state(states, weights, log)
     if endpoint is not None:
         return _finish(endpoint, log, return_log)
@@ -400,7 +392,7 @@ def merge_fisher(
         ]
         total = _total(parts)
         value = _total([p * _f64(t).to(ref.device) for p, t in zip(parts, tensors, strict=True)]) / total
-        _note(log, key, "fisher", mean_shares=[float((p / total).mean()) for p in parts])
+        log.note(key, "fisher", mean_shares=[float((p / total).mean()) for p in parts])
         merged[key] = value.to(ref.dtype)
     return _finish(merged, log, return_log)
 
@@ -422,59 +414,70 @@ def _describe_labels(num_labels: int | None, id2label: dict[int, str] | None) ->
     return f"{num_labels} labels {{{shown}{more}}}"
 
 
-def merge_heads(
-    state_a: StateDict,
-    state_b: StateDict,
-    head_params: list[str] | tuple[str, ...],
-    policy: str = "a",
-    num_labels_a: int | None = None,
-    num_labels_b: int | None = None,
-    id2label_a: Mapping | None = None,
-    id2label_b: Mapping | None = None,
-    *,
-    alpha: float = 0.5,
-    return_log: bool = False,
-) -> dict:
-    """The head parameters ``head_params`` (cast to A's dtype) from A, from B′, or averaged with
-    weight ``alpha`` on B′ (same ``num_labels`` and ``id2label`` needed); for ``"b"`` the receiving
-    model first takes B's head shapes (:func:`raot_hf.io.loading.adopt_head`)."""
+def _check_label_spaces(labels: Sequence[tuple[int | None, Mapping | None]] | None, n: int) -> None:
+    """Refuse ``--head average`` unless every model has the reference's ``num_labels`` and ``id2label``."""
+    if labels is None or len(labels) != n:
+        raise RaotError(
+            "--head average needs every model's label space: pass labels=[(num_labels, id2label), ...], one per model."
+        )
+    sides = ["A", "B"] if n == 2 else model_names(n)
+    alternatives = "--head a or --head b" if n == 2 else "--head a"
+    num_ref, map_ref = labels[0][0], _label_map(labels[0][1])
+    for side, (num, id2label) in zip(sides[1:], labels[1:], strict=True):
+        mapped = _label_map(id2label)
+        if num_ref is None or num is None or num != num_ref or mapped != map_ref:
+            raise RaotError(
+                f"--head average needs the same label space; {sides[0]} has {_describe_labels(num_ref, map_ref)}, "
+                f"{side} has {_describe_labels(num, mapped)}; use {alternatives}"
+            )
 
+
+def merge_heads(
+    states: Sequence[StateDict],
+    head_params: Sequence[str],
+    weights: Sequence[float],
+    policy: str = "a",
+    labels: Sequence[tuple[int | None, Mapping | None]] | None = None,
+    *,
+    return_log: bool = False,
+):
+    """The head parameters ``head_params`` of N ≥ 2 models (``states``, the reference first), cast to
+    the reference's dtype: the reference's (``"a"``); B′'s (``"b"``, two models only: the receiving
+    model first takes B's head shapes, :func:`raot_hf.io.loading.adopt_head`); or (``"average"``) the
+    weighted average of every model's, as :func:`merge_linear` computes it (weights normalised; two
+    models' ``(1 − α, α)`` sum to exactly 1, so the average is ``(1 − α)·x_A + α·x_B′`` as written).
+    Averaging needs ``labels``, one ``(num_labels, id2label)`` per model, all the reference's."""
     if policy not in HEAD_POLICIES:
         raise RaotError(f"unknown head policy {policy!r}; use one of: {', '.join(HEAD_POLICIES)}.")
-    sources = {"a": (state_a,), "b": (state_b,), "average": (state_a, state_b)}[policy]
+    n = len(states)
+    if n < 2:
+        raise RaotError(f"a head merge needs at least two models, got {n}.")
+    if policy == "b" and n != 2:
+        raise RaotError(f"--head b names one of two models; with {n} models use --head a (the reference's) or average")
+    names = model_names(n)
+    sources = {"a": [0], "b": [1], "average": list(range(n))}[policy]
     for name in head_params:
-        for state, side in zip((state_a, state_b), ("A", "B′")):
-            if any(state is s for s in sources) and name not in state:
-                raise RaotError(f"head parameter {name!r} is not in {side}; check the head parameter names.")
-    log = _new_log("heads", {"policy": policy, "alpha": alpha if policy == "average" else None})
+        for i in sources:
+            if name not in states[i]:
+                raise RaotError(f"head parameter {name!r} is not in {names[i]}; check the head parameter names.")
     merged: dict[str, torch.Tensor] = {}
     if policy == "average":
-        alpha = _check_unit("alpha", alpha)
-        labels_a, labels_b = _label_map(id2label_a), _label_map(id2label_b)
-        if num_labels_a is None or num_labels_b is None or num_labels_a != num_labels_b or labels_a != labels_b:
-            raise RaotError(
-                f"--head average needs the same label space; A has {_describe_labels(num_labels_a, labels_a)}, "
-                f"B has {_describe_labels(num_labels_b, labels_b)}; use --head a or --head b"
-            )
-        head_a = {name: state_a[name] for name in head_params}
-        head_b = {name: state_b[name] for name in head_params}
-        check_compatible_states(head_a, head_b)
+        weights = check_weights(weights, n, normalise=True)
+        log = RuleLog("heads", {"policy": policy, "weights": weights})
+        _check_label_spaces(labels, n)
+        heads = [{name: state[name] for name in head_params} for state in states]
+        for side, head in zip(names[1:], heads[1:]):
+            check_compatible_states(heads[0], head, names=(names[0], side))
         for name in head_params:
-            merged[name] = _linear_entry(name, [state_a[name], state_b[name]], [1.0 - alpha, alpha], log)
+            merged[name] = _linear_entry(name, [state[name] for state in states], weights, log)
     else:
-        source = state_a if policy == "a" else state_b
+        log = RuleLog("heads", {"policy": policy, "weights": None})
+        source = sources[0]
         for name in head_params:
-            dtype = state_a[name].dtype if name in state_a else source[name].dtype
-            merged[name] = source[name].detach().to(dtype=dtype, copy=True)
-            _note(log, name, f"head from {'A' if policy == 'a' else 'B′'}")
+            dtype = states[0][name].dtype if name in states[0] else states[source][name].dtype
+            merged[name] = states[source][name].detach().to(dtype=dtype, copy=True)
+            log.note(name, f"head from {names[source]}")
     return _finish(merged, log, return_log)
-
-
-def merge_heads_n(states: Sequence[StateDict], head_params: Sequence[str], weights: Sequence[float]) -> dict:
-    """The classification head averaged over N models with the same label space (normalised weights)."""
-    weights = check_weights(weights, len(states), normalise=True)
-    log = _new_log("heads", {"policy": "average", "weights": weights})
-    return {name: _linear_entry(name, [s[name] for s in states], weights, log) for name in head_params}
 
 
 @register_section

@@ -16,15 +16,7 @@ import torch
 
 from raot_hf.errors import RaotError
 from raot_hf.io.loading import adopt_head
-from raot_hf.merging import (
-    MergeRuleSpec,
-    add_rule_log,
-    apply_rule,
-    merge_heads,
-    merge_heads_n,
-    merge_rule_spec,
-    rule_options,
-)
+from raot_hf.merging import MergeRuleSpec, RuleLog, apply_rule, merge_heads, merge_rule_spec, rule_options
 from raot_hf.merging.grams import aligned_grams, transposed_weights
 from raot_hf.results import Alignment
 from raot_hf.stages.context import PairContext
@@ -119,7 +111,7 @@ def chunks_of(sizes: dict[str, int]) -> list[list[str]]:
     return [*chunks, chunk] if chunk else chunks
 
 
-def merge_by_chunks(spec: MergeRuleSpec, chunks, read, weights: list, inputs: dict, write) -> dict:
+def merge_by_chunks(spec: MergeRuleSpec, chunks, read, weights: list, inputs: dict, write) -> RuleLog:
     """Run a per-tensor rule a chunk of names at a time (``weights``: one per model, see
     :func:`raot_hf.merging.apply_rule`): ``read(names)`` gives every model's tensors of the chunk
     (the reference's first), ``write(merged)`` stores the merged ones — into the reference's
@@ -127,19 +119,19 @@ def merge_by_chunks(spec: MergeRuleSpec, chunks, read, weights: list, inputs: di
     temporaries stay ~100 MB; ``inputs["base"]`` may be any mapping, read after ``read``. Returns the
     chunks' logs added up."""
     base = inputs.pop("base", None)
-    log: dict[str, Any] = {"rule": spec.name, "settings": {}, "counts": {}}
+    log = RuleLog(spec.name)
     for names in chunks:
         states = read(names)
         if base is not None:
             inputs["base"] = {k: base[k] for k in names if k in base}
         part, part_log = apply_rule(spec, states, weights, **inputs)
         write(part)
-        add_rule_log(log, part_log)
+        log.add(part_log)
         del part
     return log
 
 
-def merge_in_place(ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weights: list, inputs: dict) -> dict:
+def merge_in_place(ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weights: list, inputs: dict) -> RuleLog:
     """:func:`merge_by_chunks` over the trunks in memory, written into the reference's parameters."""
 
     def write(part: dict) -> None:
@@ -155,7 +147,7 @@ def merge_in_place(ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], we
 def merge_trunks(
     ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weights: list, inputs: dict, run, method: str,
     parents: dict,
-) -> dict:  # fmt: skip
+) -> RuleLog:  # fmt: skip
     """The rule's merge of the trunks (the reference's first), written into the reference's module:
     corrected layer by layer when ``method`` is not ``none`` (docs/design.md §6.7; ``parents``:
     side → model, ``"a"`` the reference), a few tensors at a time for a per-tensor rule, else
@@ -165,31 +157,18 @@ def merge_trunks(
     if spec.per_tensor:
         return merge_in_place(ctx, spec, trunks, weights, inputs)
     merged, log = apply_rule(spec, trunks, weights, **inputs)
-    log.pop("params", None)
     load_state(ctx.model_a, merged, working_files=ctx.working_files)
     return log
 
 
 def merged_heads(members: list[Member], states: list[dict], head: list[str], weights: list[float]) -> dict:
-    """The classifier head by the head policy (``b``: A's module takes B′'s head and label config
-    first); with more than two models the reference's (``a``) or the weighted average."""
+    """The classifier head by the head policy (:func:`raot_hf.merging.merge_heads`): the reference's,
+    the weighted average, or (two models) B′'s, for which A's module takes B′'s head and label config first."""
     ref = members[0].ctx
-    cfg, ca, cb = ref.config, ref.model_a.config, ref.model_b.config
-    if len(states) > 2:
-        return merge_heads_n(states, head, weights) if cfg.head == "average" else {}
-    if cfg.head == "b":
+    if ref.config.head == "b":
         adopt_head(ref.model_a, ref.model_b, head)
-    return merge_heads(
-        states[0],
-        states[1],
-        head,
-        policy=cfg.head,
-        num_labels_a=ca.num_labels,
-        num_labels_b=cb.num_labels,
-        id2label_a=getattr(ca, "id2label", None),
-        id2label_b=getattr(cb, "id2label", None),
-        alpha=cfg.alpha,
-    )
+    labels = [(m.config.num_labels, getattr(m.config, "id2label", None)) for m in member_models(members)]
+    return merge_heads(states, head, weights, policy=ref.config.head, labels=labels)
 
 
 def correction_method(ctx: PairContext, alignment: Alignment, spec: MergeRuleSpec, run) -> tuple[str, str]:
@@ -209,7 +188,7 @@ def correction_method(ctx: PairContext, alignment: Alignment, spec: MergeRuleSpe
     return "lsq", "auto: the gate moved B (the parents differ in basis)"
 
 
-def merge_weights(members: list[Member], folded: bool) -> dict[str, Any]:
+def merge_weights(members: list[Member], folded: bool) -> RuleLog:
     """Merge the reference and every aligned model into the reference's module; returns the rule's log."""
     ref = members[0].ctx
     cfg = ref.config
@@ -228,13 +207,14 @@ def merge_weights(members: list[Member], folded: bool) -> dict[str, Any]:
         log = merge_trunks(ref, spec, trunks, weights, inputs, members[0].run, method, parents)
         if head:
             load_state(ref.model_a, merged_heads(members, states, head, weights), working_files=ref.working_files)
-    log.pop("params", None)
     if len(models) > 2:
-        log.setdefault("settings", {})["weights"] = weights
+        log.settings["weights"] = weights
     if cfg.correction.method == "auto":
-        log.setdefault("correction", {"method": "none"})["auto"] = why
+        if log.correction is None:
+            log.correction = {"method": "none"}
+        log.correction["auto"] = why
     if len(models) == 2:
-        counts = ", ".join(f"{n} {m}" for m, n in sorted(log["counts"].items()))
+        counts = ", ".join(f"{n} {m}" for m, n in sorted(log.counts.items()))
         logger.info("%s merge (alpha=%g): %s; written into A", spec.name, cfg.alpha, counts)
     else:
         logger.info("%s merge of %d models: written into the reference", spec.name, len(models))

@@ -22,7 +22,7 @@ from raot_hf.errors import RaotError
 from raot_hf.gate import PairedTest, paired_test
 from raot_hf.gate.fidelity import layer_module_names, relative_squared_error
 from raot_hf.gate.merge import MIN_GATE_EXAMPLES
-from raot_hf.merging import MergeRuleSpec, add_rule_log, apply_rule
+from raot_hf.merging import MergeRuleSpec, RuleLog, apply_rule
 from raot_hf.stages.context import PairContext
 from raot_hf.symmetry import load_state
 
@@ -54,9 +54,9 @@ def _rule(spec: MergeRuleSpec, inputs: dict, trunks: list[dict], merged_all: dic
     """The rule's merge of a subset of the trunk: per tensor (:func:`raot_hf.merging.apply_rule`),
     or sliced from a whole-trunk merge."""
 
-    def merge(keys: list[str]) -> tuple[dict, dict]:
-        if merged_all is not None:
-            return {k: merged_all[k] for k in keys}, {}
+    def merge(keys: list[str]) -> tuple[dict, RuleLog]:
+        if merged_all is not None:  # logged once, by the whole-trunk merge
+            return {k: merged_all[k] for k in keys}, RuleLog(spec.name)
         kw = dict(inputs)
         if "base" in kw:
             kw["base"] = {k: kw["base"][k] for k in keys if k in kw["base"]}
@@ -76,18 +76,17 @@ def _mix(parents: dict, weights: list) -> dict[str, float]:
 def corrected_merge(
     ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weights: list, inputs: dict, run, method: str,
     parents: dict,
-) -> dict:  # fmt: skip
+) -> RuleLog:  # fmt: skip
     """The rule's merge of ``trunks`` (``weights``: one per model, :func:`raot_hf.merging.apply_rule`),
     corrected layer by layer (``method``: a registered correction, e.g. ``lsq`` or ``repair``) to
     the mix of ``parents`` (side → model, ``"a"`` the reference, in the trunks' order) and written
     into the reference's module; returns the rule's log (summed over the calls) with the
-    correction's under ``"correction"``."""
-    log: dict[str, Any] = {"rule": spec.name, "settings": {}, "counts": {}}
+    correction's record in its ``correction``."""
+    log = RuleLog(spec.name)
     merged_all = None
     if not spec.per_tensor:  # RegMean, Fisher: the whole trunk at once (as without correction)
         merged_all, rule_log = apply_rule(spec, trunks, weights, **inputs)
-        rule_log.pop("params", None)
-        add_rule_log(log, rule_log)
+        log.add(rule_log)
     merge = _rule(spec, inputs, trunks, merged_all, weights)
     return _corrected(ctx, parents, _mix(parents, weights), merge, list(trunks[0]), run, method, log)
 
@@ -172,7 +171,9 @@ class HeldoutPaths:
         return {"written": float(written.mean()), "rule": float(rule.mean()), "examples": int(written.numel())}
 
 
-def _corrected(ctx: PairContext, parents: dict, mix: dict, merge, names_all: list[str], run, method: str, log: dict):
+def _corrected(
+    ctx: PairContext, parents: dict, mix: dict, merge, names_all: list[str], run, method: str, log: RuleLog
+) -> RuleLog:
     """The layer-by-layer pass shared by two and N models: ``merge(keys)`` gives the rule's merge of
     those trunk tensors, ``parents`` the models (side → model, ``"a"`` the reference) and ``mix``
     their weights in the target. Each layer's correction competes with the rule's merge of that
@@ -185,7 +186,7 @@ def _corrected(ctx: PairContext, parents: dict, mix: dict, merge, names_all: lis
     names = layer_module_names(ctx.model_a, ctx.schema)
     in_layer = tuple(n + "." for n in names)
     rest, part = merge([k for k in names_all if not k.startswith(in_layer)])
-    add_rule_log(log, part)
+    log.add(part)
     batches = run.batches(ctx.preprocessor, batch_size=cfg.correction.batch_size, split="fit")
     chunks = capture(parents, names, batches, rest, cfg.correction.examples)
     held = None
@@ -200,7 +201,7 @@ def _corrected(ctx: PairContext, parents: dict, mix: dict, merge, names_all: lis
     memo: dict[str, Any] = {}  # what the correction keeps over the layers of this merge
     for i, name in enumerate(tqdm(names, desc=f"correction ({method})", disable=not ctx.dist.is_main)):
         rule, part = merge([k for k in names_all if k.startswith(name + ".")])
-        add_rule_log(log, part)
+        log.add(part)
         layer = LayerPass(chunks, name, {side: m.get_submodule(name) for side, m in parents.items()})
         request = CorrectionRequest(layer, rule, i, name, mix, ctx.model_a, ctx.schema, cfg.correction, memo, skipped)
         merged, outputs, fits = spec.fn(request)
@@ -229,7 +230,7 @@ def _corrected(ctx: PairContext, parents: dict, mix: dict, merge, names_all: lis
         ctx.model_a, rest, working_files=ctx.working_files
     )  # A's own non-layer parameters served its forward until now
     tokens = int(sum(int(c.mask.sum()) for c in chunks))
-    log["correction"] = {
+    log.correction = {
         "method": method,
         "examples": int(sum(c.mask.shape[0] for c in chunks)),
         "tokens": tokens,
@@ -239,9 +240,8 @@ def _corrected(ctx: PairContext, parents: dict, mix: dict, merge, names_all: lis
     }
     if held is not None:
         kept = sum(1 for e in layers if e.get("kept") and e["layer"] != "final")
-        log["correction"]["competition"] = {**held.final(), "layers_kept": kept, "layers": len(names)}
+        competition = log.correction["competition"] = {**held.final(), "layers_kept": kept, "layers": len(names)}
         logger.info("correction %s: kept in %d of %d layers (held-out fidelity %.4f, rule alone %.4f)", method,
-                    kept, len(names), log["correction"]["competition"]["written"],
-                    log["correction"]["competition"]["rule"])  # fmt: skip
+                    kept, len(names), competition["written"], competition["rule"])  # fmt: skip
     logger.info("correction %s: %d layers on %d tokens", method, len(layers), tokens)
     return log

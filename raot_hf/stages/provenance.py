@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from raot_hf.io.loading import ModelSource
+from raot_hf.merging import RuleLog
 from raot_hf.outputs import hash_checkpoint_files
 from raot_hf.outputs.card import alignment_summary
 from raot_hf.stages.context import PairContext
@@ -75,7 +76,7 @@ def alignment_record(index: int, member, quality: dict | None) -> dict[str, Any]
 
 
 def build_report(
-    members: list, sources: list[ModelSource], merge_log: dict | None, quality: list[dict | None],
+    members: list, sources: list[ModelSource], merge_log: RuleLog | None, quality: list[dict | None],
     reference_log: dict | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The report of a merge of the reference and its aligned ``members`` (:class:`~raot_hf.stages.members.Member`)."""
@@ -89,7 +90,7 @@ def build_report(
 
 
 def report_of(
-    schema, config, inputs: dict, records: list[dict], merge_log: dict | None, *, execution: str,
+    schema, config, inputs: dict, records: list[dict], merge_log: RuleLog | None, *, execution: str,
     timings: dict[str, float], estimator_logs: dict | None = None, reference_log: dict | None = None,
     verdict: str = "", summary: str = "",
 ) -> dict[str, Any]:  # fmt: skip
@@ -116,7 +117,7 @@ def report_of(
         "summary": first["summary"],
         "applied_transform": {k: first["applied_transform"][k] for k in ("file", "transforms")},
         "applied_exact": first["applied_exact"],
-        "merge": merge_log,
+        "merge": merge_log.to_dict() if merge_log is not None else None,
         "execution": execution,
         "quality": first["quality"],
         "estimator_logs": estimator_logs or {},

@@ -21,7 +21,7 @@ import torch
 from raot_hf.errors import RaotError
 from raot_hf.io.checkpoint import Checkpoint, prefix_variants, weight_files
 from raot_hf.io.loading import LOAD_DTYPES
-from raot_hf.merging import merge_heads, merge_heads_n, merge_rule_spec, rule_options
+from raot_hf.merging import merge_heads, merge_rule_spec, rule_options
 from raot_hf.merging.base_rules import median_ratio, task_norm_ratio
 from raot_hf.merging.siblings import refuse_unrelated
 from raot_hf.plan import plan_for
@@ -150,13 +150,8 @@ def _merged_head(reading: _Reading, config, configs, names: list[str], read, wei
     if config.head != "average":
         return {n: read(reading.models[0], n) for n in names}
     states = [{n: read(m, n) for n in names} for m in reading.models]
-    if len(states) > 2:
-        return merge_heads_n(states, names, weights)
-    labels = dict(
-        num_labels_a=configs[0].num_labels, num_labels_b=configs[1].num_labels,
-        id2label_a=getattr(configs[0], "id2label", None), id2label_b=getattr(configs[1], "id2label", None),
-    )  # fmt: skip
-    return merge_heads(states[0], states[1], names, policy="average", alpha=config.alpha, **labels)
+    labels = [(c.num_labels, getattr(c, "id2label", None)) for c in configs]
+    return merge_heads(states, names, weights, policy="average", labels=labels)
 
 
 def merge_streamed(
@@ -218,9 +213,8 @@ def merge_streamed(
         if reading.head:
             write(_merged_head(reading, config, configs, sorted(reading.head), read, weights))
         verify_written_weights(temporary, writer.finish())
-        log.pop("params", None)
         if len(sources) > 2:
-            log["settings"]["weights"] = weights
+            log.settings["weights"] = weights
         medians = None
         if reading.base is not None:  # each model's median relative distance from the base (§6.6)
             medians = [median_ratio(r) for r in ratios]

@@ -57,7 +57,7 @@ def test_parameters_missing_from_the_base_merge_linearly_and_are_logged():
     merged, log = merge_task_arithmetic([a, b], [0.75, 0.25], base=base, scale=2.0, return_log=True)
     torch.testing.assert_close(merged["p"], _t(0.75 * 2.0 + 0.25 * 6.0))
     torch.testing.assert_close(merged["w"], _t(2.0 * (0.75 + 0.75)))
-    assert log["settings"]["not_in_base"] == ["p"] and log["counts"] == {
+    assert log.settings["not_in_base"] == ["p"] and log.counts == {
         "task_arithmetic": 1,
         "linear (not in the base)": 1,
     }

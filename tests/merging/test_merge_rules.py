@@ -63,9 +63,9 @@ def test_linear_matches_numpy_and_keeps_int_buffers():
             continue
         expected = 0.7 * a[key].numpy().astype(np.float64) + 0.3 * b[key].numpy().astype(np.float64)
         np.testing.assert_array_equal(merged[key].numpy(), expected.astype(np.float32))
-    assert log["rule"] == "linear" and log["settings"]["weights"] == (0.7, 0.3)
-    assert log["params"]["embeddings.position_ids"]["identical"] is False
-    assert log["counts"]["linear"] == len(a) - 1
+    assert log.rule == "linear" and log.settings["weights"] == (0.7, 0.3)
+    assert log.params["embeddings.position_ids"]["identical"] is False
+    assert log.counts["linear"] == len(a) - 1
 
 
 @settings(max_examples=40, deadline=None)
@@ -156,9 +156,9 @@ def test_regmean_matches_numpy_with_shrinking_and_shared_grams():
         expected = np.linalg.solve(0.6 * ga + 0.4 * gb, 0.6 * ga @ wa.T + 0.4 * gb @ wb.T).T
         np.testing.assert_allclose(merged[name].numpy(), expected, rtol=1e-5, atol=1e-6)
         assert merged[name].dtype == torch.float32
-        assert log["params"][name]["solver"] == "cholesky"
-        assert log["params"][name]["gram"] == gram_key
-    assert log["params"]["layer.0.query.weight"]["shared_with"] == ["layer.0.key.weight"]
+        assert log.params[name]["solver"] == "cholesky"
+        assert log.params[name]["gram"] == gram_key
+    assert log.params["layer.0.query.weight"]["shared_with"] == ["layer.0.key.weight"]
     # a shared key solves the same as separate keys
     split = {"layer.0.query.weight": "q", "layer.0.key.weight": "k", "layer.0.out.weight": "layer.0.out_in"}
     alias = lambda grams: {"q": grams["l0.in"], "k": grams["l0.in"], "layer.0.out_in": grams["l0.out_in"]}  # noqa: E731
@@ -171,7 +171,7 @@ def test_regmean_matches_numpy_with_shrinking_and_shared_grams():
     linear = merge_linear([a, b], [0.6, 0.4])
     for key in ("layer.0.query.bias", "layer.0.norm.weight", "embeddings.word.weight"):
         assert torch.equal(merged[key], linear[key])
-        assert log["params"][key]["method"] == "linear"
+        assert log.params[key]["method"] == "linear"
 
 
 def test_regmean_endpoints_are_exact():
@@ -197,8 +197,8 @@ def test_regmean_singular_gram_falls_back_to_linear_on_dead_inputs():
         [a, b], [0.5, 0.5], grams=[grams_a, grams_b], linear_weights=LINEAR, shrink=0.9, return_log=True
     )
     name = "layer.0.query.weight"
-    assert log["params"][name]["solver"] == "ridge"
-    assert log["params"]["layer.0.out.weight"]["solver"] == "cholesky"
+    assert log.params[name]["solver"] == "ridge"
+    assert log.params["layer.0.out.weight"]["solver"] == "cholesky"
     assert bool(torch.isfinite(merged[name]).all())
     torch.testing.assert_close(merged[name][:, 2], 0.5 * (a[name][:, 2] + b[name][:, 2]), rtol=1e-6, atol=1e-6)
 
@@ -249,10 +249,10 @@ def test_fisher_matches_numpy_and_ignores_overall_scale():
         nb = 0.3 * (fb[key].numpy().astype(np.float64) / mean_b + 1e-8)
         wa, wb = a[key].numpy().astype(np.float64), b[key].numpy().astype(np.float64)
         np.testing.assert_allclose(merged[key].numpy(), (na * wa + nb * wb) / (na + nb), rtol=1e-6, atol=1e-7)
-        assert log["params"][key]["method"] == "fisher"
+        assert log.params[key]["method"] == "fisher"
     norm = "layer.0.norm.weight"
     torch.testing.assert_close(merged[norm][:2], 0.7 * a[norm][:2] + 0.3 * b[norm][:2])
-    assert log["params"]["layer.0.key.weight"]["method"] == "linear"
+    assert log.params["layer.0.key.weight"]["method"] == "linear"
     scaled = merge_fisher([a, b], [0.7, 0.3], fishers=[{k: v * 1e6 for k, v in fa.items()}, fb])
     for key in a:
         torch.testing.assert_close(scaled[key], merged[key], rtol=1e-5, atol=1e-6)
@@ -329,7 +329,7 @@ def test_ties_matches_loops(density):
         expected = ties_reference(*(s[key].double().flatten().tolist() for s in (base, a, b)), density, 0.8)
         np.testing.assert_allclose(merged[key].flatten().numpy(), np.float32(expected), rtol=1e-6, atol=1e-6)
         kept = int(density * a[key].numel()) / a[key].numel()
-        assert log["params"][key]["kept_1"] <= kept and log["params"][key]["kept_2"] <= kept
+        assert log.params[key]["kept_1"] <= kept and log.params[key]["kept_2"] <= kept
     with pytest.raises(RaotError, match="density"):
         merge_ties([a, b], [0.5, 0.5], base=base, density=0.0)
 
@@ -418,25 +418,62 @@ def head_state(seed, labels=3):
 def test_head_policies():
     a, b = head_state(0), head_state(1)
     labels = {0: "neg", 1: "neu", 2: "pos"}
-    from_a = merge_heads(a, b, HEAD, "a")
-    from_b = merge_heads(a, b, HEAD, "b")
+    from_a = merge_heads([a, b], HEAD, [0.5, 0.5], "a")
+    from_b = merge_heads([a, b], HEAD, [0.5, 0.5], "b")
     for name in HEAD:
         assert torch.equal(from_a[name], a[name]) and torch.equal(from_b[name], b[name])
-    averaged = merge_heads(a, b, HEAD, "average", 3, 3, labels, {str(k): v for k, v in labels.items()})
+    spaces = [(3, labels), (3, {str(k): v for k, v in labels.items()})]
+    averaged, log = merge_heads([a, b], HEAD, [0.5, 0.5], "average", spaces, return_log=True)
     for name in HEAD:
         torch.testing.assert_close(averaged[name], 0.5 * (a[name] + b[name]))
+    assert log.rule == "heads" and log.counts == {"linear": 2} and log.settings["weights"] == [0.5, 0.5]
     other = head_state(2, labels=2)
-    assert merge_heads(a, other, HEAD, "b")["classifier.weight"].shape == (2, 6)
+    assert merge_heads([a, other], HEAD, [0.5, 0.5], "b")["classifier.weight"].shape == (2, 6)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.1, 0.3, 1 / 3, 0.7, 1.0])
+def test_two_model_head_average_is_the_alpha_formula_bit_for_bit(alpha):
+    """Weights (1 − α, α) sum to exactly 1: the average is (1 − α)·x_A + α·x_B′ in float64, as written."""
+    a, b = head_state(0), head_state(1)
+    averaged = merge_heads([a, b], HEAD, [1.0 - alpha, alpha], "average", [(3, None), (3, None)])
+    for name in HEAD:
+        if alpha in (0.0, 1.0):
+            expected = (a if alpha == 0.0 else b)[name]
+        else:
+            expected = ((1.0 - alpha) * a[name].double() + alpha * b[name].double()).float()
+        assert torch.equal(averaged[name], expected)
+
+
+def test_head_average_of_n_models_is_the_normalised_weighted_mean():
+    states = [head_state(seed) for seed in range(4)]
+    weights = [0.5, 0.0, 1.0, 0.5]
+    averaged, log = merge_heads(states, HEAD, weights, "average", [(3, None)] * 4, return_log=True)
+    for name in HEAD:
+        expected = sum(w / 2.0 * s[name].double() for w, s in zip(weights, states) if w)
+        torch.testing.assert_close(averaged[name], expected.float(), rtol=0, atol=1e-7)
+    assert log.settings == {"policy": "average", "weights": [0.25, 0.0, 0.5, 0.25]}
+    from_reference = merge_heads(states, HEAD, weights, "a")
+    assert all(torch.equal(from_reference[name], states[0][name]) for name in HEAD)
 
 
 def test_head_policy_errors():
     a, b = head_state(0), head_state(1)
     expected = r"--head average needs the same label space; A has 3 labels.*B has 3 labels.*use --head a or --head b"
+    swapped = [(3, {0: "a", 1: "b", 2: "c"}), (3, {0: "a", 1: "c", 2: "b"})]
     with pytest.raises(RaotError, match=expected):
-        merge_heads(a, b, HEAD, "average", 3, 3, {0: "a", 1: "b", 2: "c"}, {0: "a", 1: "c", 2: "b"})
+        merge_heads([a, b], HEAD, [0.5, 0.5], "average", swapped)
     with pytest.raises(RaotError, match="A has 3 labels.*B has 2 labels"):
-        merge_heads(a, head_state(1, 2), HEAD, "average", 3, 2, None, None)
+        merge_heads([a, head_state(1, 2)], HEAD, [0.5, 0.5], "average", [(3, None), (2, None)])
     with pytest.raises(RaotError, match="unknown head policy 'mean'"):
-        merge_heads(a, b, HEAD, "mean")
+        merge_heads([a, b], HEAD, [0.5, 0.5], "mean")
     with pytest.raises(RaotError, match="not in B′"):
-        merge_heads(a, {}, HEAD, "b")
+        merge_heads([a, {}], HEAD, [0.5, 0.5], "b")
+    with pytest.raises(RaotError, match="needs every model's label space"):
+        merge_heads([a, b], HEAD, [0.5, 0.5], "average")
+    c = head_state(2)
+    with pytest.raises(RaotError, match="model 1 has 3 labels.*model 3 has 2 labels.*use --head a$"):
+        merge_heads([a, b, c], HEAD, [1, 1, 1], "average", [(3, None), (3, None), (2, None)])
+    with pytest.raises(RaotError, match="--head b names one of two models"):
+        merge_heads([a, b, c], HEAD, [1, 1, 1], "b")
+    with pytest.raises(RaotError, match="not in model 3"):
+        merge_heads([a, b, {}], HEAD, [1, 1, 1], "average", [(3, None)] * 3)
