@@ -399,9 +399,6 @@ class CalibrationStatistics:
     grams: dict[str, Gram] = field(default_factory=dict)
     gram_keys: dict[str, str] = field(default_factory=dict)  # Linear weight name → gram key
     examples: int = 0
-    # layer → (candidates, logs), solved as soon as the layer's fit moments were complete (the
-    # layer-by-layer pass, docs/design.md §7.4), its MLP co-moment then freed; the solve reuses them
-    layer_candidates: dict[int, tuple] = field(default_factory=dict)
 
     def tensors(self) -> list[torch.Tensor]:
         out = []

@@ -85,10 +85,11 @@ def _layer_candidates(request: EstimationRequest, i: int) -> tuple[list[Transfor
     return parts, logs
 
 
-def solve_layer_early(stats, schema, config, i: int) -> None:
-    """Layer ``i``'s candidates from its complete fit moments, kept in ``stats.layer_candidates``;
-    its co-moments are then freed (the layer-by-layer calibration pass, docs/design.md §7.4)."""
-    stats.layer_candidates[i] = _layer_candidates(EstimationRequest(stats, schema, {}, {}, config, False), i)
+def solve_layer_early(stats, schema, config, i: int, solved: dict[int, tuple]) -> None:
+    """Layer ``i``'s candidates from its complete fit moments, kept in ``solved`` (the solve stage's
+    record, :attr:`EstimationRequest.solved_layers`); its co-moments are then freed (the
+    layer-by-layer calibration pass, docs/design.md §7.4)."""
+    solved[i] = _layer_candidates(EstimationRequest(stats, schema, {}, {}, config, False), i)
     fit = stats.fit
     for moments in (fit.mlp[i], fit.q[i], fit.k[i], fit.ctx[i]):
         moments.comoment = moments.comoment.new_zeros(0, 0)
@@ -106,7 +107,7 @@ def activation_candidates(request: EstimationRequest) -> tuple[list[Transform], 
             t, log = ResidualPermutation(torch.arange(schema.hidden_size)), SKIPPED
         parts.append(t)
         logs["residual"] = log
-    solved = request.stats.layer_candidates
+    solved = request.solved_layers
     for i in tqdm(range(schema.num_layers), desc="solving", disable=not request.progress):
         layer_parts, layer_logs = solved[i] if i in solved else _layer_candidates(request, i)
         parts += layer_parts

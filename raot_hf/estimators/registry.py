@@ -12,7 +12,7 @@ it and which :class:`raot_hf.RaotConfig` section holds its options.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +31,8 @@ class EstimationRequest:
     config: Any
     progress: bool = True
     options: Any = None  # the config section the registration names (e.g. ``config.weight``), if any
+    # layer → (candidates, logs) the layer-by-layer fit phase already solved (docs/design.md §7.4)
+    solved_layers: dict[int, tuple] = field(default_factory=dict)
 
     def scope(self, *allowed: str) -> tuple[str, ...]:
         """The configured scope restricted to what this estimator can estimate."""

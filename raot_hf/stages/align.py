@@ -20,11 +20,12 @@ def calibrate_and_solve(
     """The fit phase, the candidates (§7), then the held-out phase that scores them: the statistics
     (the fit moments freed), the run, the candidates and the logs; ``like``: another pair's run."""
     stats = run = None
+    solved: dict[int, tuple] = {}  # layers the layer-by-layer fit phase solves as it completes them (§7.4)
     if statistics_pass_needed(ctx.config, calibration):
         with ctx.timer.stage("calibration"):
             run = open_calibration(ctx, calibration, early, like)
-            stats = fit_phase(ctx, run)
-    parts, logs = solve(ctx, stats)
+            stats = fit_phase(ctx, run, solved)
+    parts, logs = solve(ctx, stats, solved)
     if stats is not None:
         stats.fit = None  # the estimators are done with the fit moments: free them before the held-out phase
         release_freed_memory(ctx.working_files)

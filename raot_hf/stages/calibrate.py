@@ -128,13 +128,14 @@ def moment_options(ctx: PairContext, run: CalibrationRun) -> dict:
     }
 
 
-def fit_phase(ctx: PairContext, run: CalibrationRun) -> CalibrationStatistics:
-    """A and B over the fit examples: the summed fit moments (and Grams)."""
+def fit_phase(ctx: PairContext, run: CalibrationRun, solved: dict | None = None) -> CalibrationStatistics:
+    """A and B over the fit examples: the summed fit moments (and Grams). ``solved``: the solve
+    stage's record of layers solved as soon as their moments are complete (layer by layer, §7.4)."""
     cfg, plan = ctx.config, ctx.plan
     # Σbᵀb of the stream is read only when a residual rotation is estimated
     rotation = "residual" in cfg.scope and residual_mode(ctx.schema, cfg.residual) in ("rotation", "orthogonal")
     stats = run_phase(ctx, run, "fit", forward=plan.fit_forward(), stream_full=rotation, moments=plan.fit_moments,
-                      moment_stride=run.config.moment_stride, **moment_options(ctx, run))  # fmt: skip
+                      moment_stride=run.config.moment_stride, solved=solved, **moment_options(ctx, run))  # fmt: skip
     run.fingerprint.update(
         fit_examples=stats.examples, fit_tokens=int(stats.fit.tokens), moment_tokens=int(stats.fit.moment_tokens),
         mlp_moment_tokens=[int(m.n_cross) for m in stats.fit.mlp], moment_precision=run.moment_precision,
@@ -189,23 +190,26 @@ def _solves_early(ctx: PairContext) -> bool:
     return estimator_spec(cfg.alignment).fn is activation_candidates
 
 
-def _early_solver(ctx: PairContext, stats: CalibrationStatistics):
-    """Solves a layer (and frees its MLP co-moment) after its last batch, when :func:`_solves_early`."""
+def _early_solver(ctx: PairContext, stats: CalibrationStatistics, solved: dict | None):
+    """Solves a layer into ``solved`` (and frees its MLP co-moment) after its last batch, when
+    :func:`_solves_early` and the caller keeps a record."""
     from raot_hf.estimators.builtin import solve_layer_early
     from raot_hf.stages.context import one_thread
 
     cfg = ctx.config
-    if not _solves_early(ctx):
+    if solved is None or not _solves_early(ctx):
         return None
 
     def solve(i: int) -> None:
         with ctx.timer.stage("solve"), one_thread():
-            solve_layer_early(stats, ctx.schema, cfg, i)
+            solve_layer_early(stats, ctx.schema, cfg, i, solved)
 
     return solve
 
 
-def _fold_batches(ctx: PairContext, run: CalibrationRun, collector, phase: str, shard: dict, total: int) -> None:
+def _fold_batches(
+    ctx: PairContext, run: CalibrationRun, collector, phase: str, shard: dict, total: int, solved: dict | None = None
+) -> None:
     """This process's batches of ``phase`` into ``collector``, batch by batch or :func:`layer_by_layer`
     (then the held-out phase keeps only the check's inputs)."""
     batches = run.batches(ctx.preprocessor, **shard)
@@ -215,7 +219,7 @@ def _fold_batches(ctx: PairContext, run: CalibrationRun, collector, phase: str, 
         from raot_hf.gate.fidelity import layer_module_names
 
         kept = list(batches)
-        solver = _early_solver(ctx, collector.stats) if phase == "fit" else None
+        solver = _early_solver(ctx, collector.stats, solved) if phase == "fit" else None
         names = layer_module_names(ctx.model_a, ctx.schema)
         observe_layer_by_layer(collector, kept, names, on_layer=solver, progress=not progress["disable"],
                                desc=progress["desc"])  # fmt: skip
@@ -231,10 +235,16 @@ def _fold_batches(ctx: PairContext, run: CalibrationRun, collector, phase: str, 
 
 
 def run_phase(
-    ctx: PairContext, run: CalibrationRun, phase: str, *, forward: bool = True, **collector_options
+    ctx: PairContext,
+    run: CalibrationRun,
+    phase: str,
+    *,
+    forward: bool = True,
+    solved: dict | None = None,
+    **collector_options,
 ) -> CalibrationStatistics:
     """Forward this process's shard of one split through A and B, then sum across processes
-    (``forward=False``: the sums stay zero)."""
+    (``forward=False``: the sums stay zero; ``solved``: see :func:`fit_phase`)."""
     home, device = next(ctx.model_a.parameters()).device, ctx.stats_device
     if device != home:  # forward passes on this process's accelerator (accelerate --multi_gpu), then back
         ctx.model_a.to(device)
@@ -244,13 +254,13 @@ def run_phase(
     total = count_calibration_batches(run.dataset, run.config, **shard) if forward else 0
     if phase == "heldout":
         run.check_inputs, run.check_reference = [], []
-    if phase == "fit" and forward and _solves_early(ctx):
+    if phase == "fit" and forward and solved is not None and _solves_early(ctx):
         collector_options["defer_mlp"] = True  # each layer's f × f sum lives only while its layer runs
     try:
         options = dict(phase=phase, grams=ctx.plan.grams, **collector_options)
         with StatisticsCollector(ctx.model_a, ctx.model_b, ctx.schema, **options) as collector:
             if forward:
-                _fold_batches(ctx, run, collector, phase, shard, total)
+                _fold_batches(ctx, run, collector, phase, shard, total, solved)
         stats = collector.stats
         if world > 1 and forward:  # shards never pad or repeat examples, so the sums are exact (§7)
             ctx.dist.all_reduce_statistics(stats)

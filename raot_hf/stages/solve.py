@@ -10,8 +10,9 @@ from raot_hf.stages.context import PairContext, one_thread
 from raot_hf.symmetry import Transform, model_state
 
 
-def solve(ctx: PairContext, stats) -> tuple[list[Transform], dict[str, Any]]:
-    """The candidates and the estimator's logs (empty without alignment or scope)."""
+def solve(ctx: PairContext, stats, solved: dict | None = None) -> tuple[list[Transform], dict[str, Any]]:
+    """The candidates and the estimator's logs (empty without alignment or scope); ``solved``: the
+    layers a layer-by-layer fit phase already solved (:func:`raot_hf.stages.calibrate.fit_phase`)."""
     cfg = ctx.config
     if cfg.alignment == "none" or not cfg.scope:
         return [], {}
@@ -23,7 +24,7 @@ def solve(ctx: PairContext, stats) -> tuple[list[Transform], dict[str, Any]]:
         if ctx.dist.is_main or not shared:
             states = model_state(ctx.model_a), model_state(ctx.model_b)
             options = cfg.lookup(spec.options) if spec.options else None
-            request = EstimationRequest(stats, ctx.schema, *states, cfg, ctx.dist.is_main, options)
+            request = EstimationRequest(stats, ctx.schema, *states, cfg, ctx.dist.is_main, options, solved or {})
             with one_thread():
                 parts, logs = spec.fn(request)
         if shared:

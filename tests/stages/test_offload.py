@@ -332,23 +332,23 @@ def test_layer_by_layer_calibration_sums_and_early_solves_match_the_batch_by_bat
     stats = layered.stats
     fit = stats.fit
     assert all(m.comoment.numel() == 0 for m in fit.mlp + fit.q + fit.k + fit.ctx)
-    alive = []
+    alive, solved = [], {}
 
     def solve(i):
         alive.append([j for j in range(4) if all(g[j].comoment.numel() for g in (fit.mlp, fit.q, fit.k, fit.ctx))])
         assert not any(g[j].comoment.numel() for g in (fit.mlp, fit.q, fit.k, fit.ctx) for j in range(4) if j != i)
-        solve_layer_early(stats, schema, config, i)
+        solve_layer_early(stats, schema, config, i, solved)
 
     folded = observe_layer_by_layer(layered, batches, layer_module_names(a, schema), on_layer=solve)
     assert alive == [[0], [1], [2], [3]]  # one layer's f × f sum at a time
     assert folded == len(batches) and stats.examples == whole.stats.examples
-    assert all(m.comoment.numel() == 0 for m in fit.mlp) and set(stats.layer_candidates) == {0, 1, 2, 3}
+    assert all(m.comoment.numel() == 0 for m in fit.mlp) and set(solved) == {0, 1, 2, 3}
     for got, want in zip(fit.q + fit.ctx + [fit.stream], whole.stats.fit.q + whole.stats.fit.ctx
                          + [whole.stats.fit.stream], strict=True):  # fmt: skip
         for x, y in zip(got.tensors(), want.tensors(), strict=True):  # per-coordinate sums (co-moments freed)
             if x.numel():
                 assert torch.allclose(x.double(), y.double(), rtol=1e-9, atol=1e-9)
-    early, _ = activation_candidates(EstimationRequest(stats, schema, {}, {}, config, False))
+    early, _ = activation_candidates(EstimationRequest(stats, schema, {}, {}, config, False, solved_layers=solved))
     late, _ = activation_candidates(EstimationRequest(whole.stats, schema, {}, {}, config, False))
     assert [type(t) for t in early] == [type(t) for t in late]
     for t, u in zip(early, late, strict=True):
