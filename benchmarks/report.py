@@ -388,6 +388,7 @@ def write_report(results: dict[str, Any], out: Path, markdown_only: bool = False
     from benchmarks.report_corrections import sections as correction_sections
     from benchmarks.report_mergekit import sections as mergekit_sections
     from benchmarks.report_siblings import sections as sibling_sections
+    from benchmarks.row_history import history_lines
     from benchmarks.update import contributing, live_notes
 
     grouped = _by_pair(results)
@@ -492,6 +493,11 @@ def write_report(results: dict[str, Any], out: Path, markdown_only: bool = False
     md += ["## All methods per pair", ""]
     for pair, runs in grouped.items():
         md += [f"### {pair}", ""] + pair_table(runs, methods, labels) + [""]
+    md += history_lines(
+        results.get("history", []),
+        [(title, lambda row, key=key: row.get(key), 3) for key, title, _ in METRICS],
+        "`results.json` (`history`)",
+    )
     if plots:
         md += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     text = "\n".join(md)

@@ -3,10 +3,13 @@
 ``python -m benchmarks.run --update --pairs siblings --methods average,raot`` reruns only what it
 names and keeps every other number of the results it updates. Each update is recorded in
 ``meta["updates"]`` (date, arguments, pairs, methods, time), and where a rerun method replaces a
-number of the previous results, the headline values it had before its first rerun stay beside it
-in ``run["previous"][method]``, so the report can show what changed and by how much. When a run's
-parents are not the previous ones (retrained on another machine, whose float kernels differ), rows
-of the two are never mixed in one run: the rows not rerun are dropped (kept under ``previous``).
+number of the previous results, the row it replaces is appended to ``results["history"]`` with the
+invocation that produced it (``benchmarks.row_history``): reruns append, nothing is lost, and the
+report lists the earlier runs below the tables, which show the latest. The headline values a RaOT
+row had before its first rerun also stay beside it in ``run["previous"][method]`` (the gate
+comparison reads them). When a run's parents are not the previous ones (retrained on another
+machine, whose float kernels differ), rows of the two are never mixed in one run: the rows not rerun
+are dropped (kept in the history and under ``previous``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import copy
 import datetime
 import re
 from typing import Any
+
+from benchmarks.row_history import replaced_rows
 
 #: Values of a replaced method row that are kept under ``run["previous"]``.
 PREVIOUS_KEYS = ("acc_head_a", "acc_head_b", "probe_a", "probe_b", "barrier_a", "barrier_b", "shares_basis")
@@ -60,13 +65,18 @@ def _parents_differ(old: dict[str, Any], new: dict[str, Any]) -> bool:
     return False
 
 
-def _merge_run(old: dict[str, Any], new: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+def _merge_run(
+    old: dict[str, Any], new: dict[str, Any], notes: list[str], replaced: list[str] | None = None
+) -> dict[str, Any]:
     """``new`` with the methods of ``old`` that it did not rerun — unless the parents differ: then
     paired comparisons across the two would compare different models, so only ``new``'s methods
-    stay, and every replaced or dropped row's values are kept under ``previous``."""
+    stay, and every replaced or dropped row's values are kept under ``previous``. The names of the
+    rows of ``old`` replaced or dropped are appended to ``replaced``."""
     merged = copy.deepcopy(new)
     differ = _parents_differ(old, new)
     merged["methods"] = dict(new["methods"]) if differ else {**old["methods"], **new["methods"]}
+    if replaced is not None:
+        replaced += [name for name in old["methods"] if differ or name in new["methods"]]
     previous = dict(old.get("previous", {}))
     for name, row in old["methods"].items():
         if (differ or name in new["methods"]) and "error" not in row:
@@ -126,14 +136,37 @@ def contributing(updates: list[dict[str, Any]]) -> list[bool]:
     return out[::-1]
 
 
+def invocation_of(updates: list[dict[str, Any]], pair: str, run: int, method: str) -> dict[str, Any]:
+    """The recorded invocation (date, command, source digest) whose row (pair, run, method) the
+    results hold: the last of ``updates`` that ran it."""
+    for update in reversed(updates):
+        if method in update["methods"] and (pair, run) in _runs_of(update):
+            return {
+                "date": update["date"],
+                "command": " ".join(["python -m benchmarks.run", *update.get("argv", [])]),
+                "source_digest": update.get("source_digest"),
+            }
+    return {}
+
+
 def merge_results(old: dict[str, Any], new: dict[str, Any], order: list[str]) -> dict[str, Any]:
-    """``old`` with ``new``'s runs folded in (per pair, run and method); ``order``: pair names in
-    the order of the suite (pairs not in it go last)."""
+    """``old`` with ``new``'s runs folded in (per pair, run and method); every row it replaces goes
+    to the history with the invocation that produced it; ``order``: pair names in the order of the
+    suite (pairs not in it go last)."""
     notes: list[str] = []
+    old_updates = old["meta"].get("updates") or [update_record(old)]
+    history = list(old.get("history", []))
     runs = {(r["pair"], r["run"]): r for r in old["runs"]}
     for run in new["runs"]:
         key = (run["pair"], run["run"])
-        runs[key] = _merge_run(runs[key], run, notes) if key in runs else run
+        if key not in runs:
+            runs[key] = run
+            continue
+        replaced: list[str] = []
+        previous, runs[key] = runs[key], _merge_run(runs[key], run, notes, replaced)
+        history += replaced_rows(
+            *key, previous["methods"], replaced, lambda method, key=key: invocation_of(old_updates, *key, method)
+        )
     method_rows = {m["name"]: m for m in old["methods"]}
     method_rows.update({m["name"]: m for m in new["methods"]})
     from benchmarks.methods import BY_NAME
@@ -144,15 +177,18 @@ def merge_results(old: dict[str, Any], new: dict[str, Any], order: list[str]) ->
     pair_rank = {name: i for i, name in enumerate(order)}
     record = update_record(new)
     record["notes"] = record["notes"] + notes
-    meta = {**new["meta"], "updates": [*(old["meta"].get("updates") or [update_record(old)]), record]}
+    meta = {**new["meta"], "updates": [*old_updates, record]}
     meta["seconds"] = sum(u["seconds"] or 0.0 for u in meta["updates"])
     meta["notes"] = [n for u in meta["updates"] for n in u["notes"] if not _superseded(n, runs)]
-    return {
+    merged = {
         "meta": meta,
         "methods": sorted(method_rows.values(), key=lambda m: rank.get(m["name"], len(rank))),
         "pairs": sorted(pair_rows.values(), key=lambda p: pair_rank.get(p["name"], len(pair_rank))),
         "runs": sorted(runs.values(), key=lambda r: (r["pair"], r["run"])),
     }
+    if history:
+        merged["history"] = history
+    return merged
 
 
 def today() -> str:
