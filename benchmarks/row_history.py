@@ -80,29 +80,39 @@ def earlier_runs(history: list[dict[str, Any]]) -> dict[tuple[str, str], dict[tu
 
 def history_lines(history: list[dict[str, Any]], columns: list[Column], where: str) -> list[str]:
     """A "history" section: per (pair, method) row with earlier runs, one table row per earlier
-    invocation with its date, command, runs and values (mean ± std over its runs); ``where``: where
-    the history is kept (the results file and its key). Empty without history."""
+    invocation with the runs it holds and their values (mean ± std over those runs), then the
+    invocations (date, command) the table numbers; ``where``: where the history is kept (the
+    results file and its key). Empty without history."""
     if not history:
         return []
     grouped = earlier_runs(history)
     rows = [entry["row"] for entry in history]
     shown = [c for c in columns if any(_number(c[1](row)) is not None for row in rows)]
-    lines = [
-        "## History: earlier runs of rerun rows",
-        "",
-        f"The tables above show the latest run of each row. {len(grouped)} (pair, method) row(s) have earlier "
-        f"runs, kept in {where}; each earlier invocation's values (mean ± std over its runs), oldest first:",
-        "",
-        "| pair | method | runs | invocation | " + " | ".join(title for title, _, _ in shown) + " |",
-        "|" + "---|" * (4 + len(shown)),
-    ]
-    for (pair, method), invocations in grouped.items():
-        for (date, command), entries in invocations.items():
-            runs = ", ".join(str(e["run"]) for e in entries)
+    invocations: dict[str, int] = {}  # an invocation's line in the list below the table → its number
+    table = []
+    for (pair, method), by_invocation in grouped.items():
+        for (date, command), entries in by_invocation.items():
+            source = f" ({entries[0]['source']})" if entries[0].get("source") else ""
+            number = invocations.setdefault(f"{date}: `{command}`{source}", len(invocations) + 1)
             cells = []
             for _, value, digits in shown:
                 values = [v for v in (_number(value(e["row"])) for e in entries) if v is not None]
                 cells.append(_fmt(values, digits))
-            label = f"{date}: `{command}`" + (f" ({entries[0]['source']})" if entries[0].get("source") else "")
-            lines.append(f"| {pair} | `{method}` | {runs} | {label} | " + " | ".join(cells) + " |")
-    return lines + [""]
+            runs = ", ".join(str(e["run"]) for e in entries)
+            table.append(f"| {pair} | `{method}` | ({number}) | {runs} | " + " | ".join(cells) + " |")
+    return [
+        "## History: earlier runs of rerun rows",
+        "",
+        f"The tables above show the latest run of each row. {len(grouped)} (pair, method) row(s) have earlier "
+        f"runs, kept in {where}; each earlier invocation's values (mean ± std over its runs), oldest first "
+        "within a row:",
+        "",
+        "| pair | method | invocation | runs | " + " | ".join(title for title, _, _ in shown) + " |",
+        "|" + "---|" * (4 + len(shown)),
+        *table,
+        "",
+        "Invocations:",
+        "",
+        *(f"{number}. {line}" for line, number in invocations.items()),
+        "",
+    ]

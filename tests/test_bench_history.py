@@ -31,7 +31,9 @@ def _results(acc: float, date: str, argv: list[str]) -> dict:
             "notes": [],
         },
         "methods": [{"name": "ties", "label": "TIES", "options": {}, "group": "rules"}],
-        "pairs": [{"name": PAIR, "family": "(c)", "description": "d", "width": 8, "tasks": ["x", "y"], "seeds": [[0, 1]]}],
+        "pairs": [
+            {"name": PAIR, "family": "(c)", "description": "d", "width": 8, "tasks": ["x", "y"], "seeds": [[0, 1]]}
+        ],
         "runs": [
             {
                 "pair": PAIR,
@@ -62,9 +64,56 @@ def test_two_folds_keep_both_earlier_runs_and_the_table_shows_the_latest(tmp_pat
     tables, earlier = text.split("## History: earlier runs of rerun rows")
     assert "| `ties` | 0.333 | 0.167 |" in tables and "0.111" not in tables and "0.222" not in tables
     rows = [line for line in earlier.splitlines() if line.startswith(f"| {PAIR} |")]
-    assert rows == [
-        f"| {PAIR} | `ties` | 0 | 2026-01-01 00:00 UTC: `python -m benchmarks.run --methods ties` | 0.111 | 0.056 |",
-        f"| {PAIR} | `ties` | 0 | 2026-01-02 00:00 UTC: `python -m benchmarks.run --methods ties --update` "
-        "| 0.222 | 0.111 |",
-    ]
+    assert rows == [f"| {PAIR} | `ties` | (1) | 0 | 0.111 | 0.056 |", f"| {PAIR} | `ties` | (2) | 0 | 0.222 | 0.111 |"]
+    assert "1. 2026-01-01 00:00 UTC: `python -m benchmarks.run --methods ties`\n" in earlier
+    assert "2. 2026-01-02 00:00 UTC: `python -m benchmarks.run --methods ties --update`\n" in earlier
     assert "1 (pair, method) row(s) have earlier runs" in earlier
+
+
+def _decoder_run(ppl: float) -> dict:
+    row = {"ppl": {"reviews": ppl}, "loss": {"reviews": 1.0}, "exact": True, "deviation": 0.0}
+    row.update(applied=0, candidates=0, shares_basis=False, verdict=None)
+    parents = {"a": {"reviews": 3.0}, "b": {"reviews": 3.1}}
+    return {"pair": "llama-siblings", "run": 0, "models": {}, "parents": parents, "methods": {"ties": row}}
+
+
+def test_decoder_reruns_keep_the_rows_they_replace(tmp_path):
+    full = "python -m benchmarks.decoders.run --workers 1"
+    rerun = "python -m benchmarks.decoders.run --pairs llama-siblings --methods ties"
+    results = {"runs": [_decoder_run(30.0)], "command": full, "commands": [full], "dates": ["2026-01-01"]}
+    for ppl, date in ((20.0, "2026-01-02"), (10.0, "2026-01-03")):
+        assert fold_run(results, _decoder_run(ppl), ("ties",)) is None
+        results["commands"].append(rerun)
+        results["dates"].append(date)
+    assert [r["methods"]["ties"]["ppl"]["reviews"] for r in results["runs"]] == [10.0]
+    assert [(e["date"], e["command"], e["row"]["ppl"]["reviews"]) for e in results["history"]] == [
+        ("2026-01-01", full, 30.0),
+        ("2026-01-02", rerun, 20.0),
+    ]
+    tables, earlier = write_decoder_report(results, tmp_path, markdown_only=True).split("## History")
+    assert "| ties | 10.00 |" in tables and "30.00" not in tables
+    assert "| llama-siblings | `ties` | (1) | 0 | 30.00 |" in earlier
+    assert f"2. 2026-01-02: `{rerun}`" in earlier
+    # retrained parents: the rerun is not folded, nothing is replaced
+    moved = _decoder_run(5.0)
+    moved["parents"]["a"]["reviews"] = 2.0
+    assert "parents differ" in fold_run(results, moved, ("ties",))
+    assert len(results["history"]) == 2
+
+
+def test_three_model_reruns_keep_the_rows_they_replace(tmp_path):
+    def run(accuracy: float, date: str) -> dict:
+        row = {"accuracy": accuracy, "applied": [0, 0], "seconds": 1.0, "date": date, "command": "cmd " + date}
+        return {"family": "vit-seeds-d64", "run": 0, "parents": [0.9, 0.9, 0.9], "methods": {"raot3": row}}
+
+    stored, history = [run(0.5, "d1")], []
+    for accuracy, date in ((0.6, "d2"), (0.7, "d3")):
+        stored, replaced = fold_runs(stored, [run(accuracy, date)])
+        history += replaced
+    assert [r["methods"]["raot3"]["accuracy"] for r in stored] == [0.7]
+    assert [(e["date"], e["row"]["accuracy"]) for e in history] == [("d1", 0.5), ("d2", 0.6)]
+    tables, earlier = write_three_model_report(stored, tmp_path, markdown_only=True, history=history).split(
+        "## History"
+    )
+    assert "| raot3 | 0.700 |" in tables and "0.500" not in tables
+    assert "| vit-seeds-d64 | `raot3` | (1) | 0 | 0.500 |" in earlier and "2. d2: `cmd d2`" in earlier

@@ -10,6 +10,7 @@ import numpy as np
 from benchmarks.methods import BY_NAME
 from benchmarks.report import _by_pair as by_pair
 from benchmarks.report import _fmt as fmt
+from benchmarks.row_history import history_lines
 
 
 def _by_pair(results: dict) -> dict[str, list[dict]]:
@@ -195,6 +196,7 @@ def write_report(results: dict[str, Any], out: Path, markdown_only: bool = False
         lines.append("")
     for name, runs in grouped.items():
         lines += [f"## {name}", "", *pair_table(runs), *_notes(runs), ""]
+    lines += _history(results.get("history", []))
     if markdown_only:
         plots = [out / name for name in ("decoder_barriers.png", "decoder_widths.png") if (out / name).is_file()]
     else:
@@ -205,6 +207,14 @@ def write_report(results: dict[str, Any], out: Path, markdown_only: bool = False
     if not markdown_only:
         (out / "RESULTS.md").write_text(text)
     return text
+
+
+def _history(history: list[dict]) -> list[str]:
+    """The earlier runs of rerun rows (``results["history"]``): perplexity and barrier per corpus."""
+    corpora = list(dict.fromkeys(c for entry in history for c in entry["row"].get("ppl", {})))
+    columns = [(f"ppl {c} @ α=½", lambda row, c=c: row.get("ppl", {}).get(c), 2) for c in corpora]
+    columns += [(f"barrier {c} (nats)", lambda row, c=c: row.get("barrier", {}).get(c), 3) for c in corpora]
+    return history_lines(history, columns, "`results.json` (`history`)")
 
 
 #: The rows compared, paired by run, with RaOT and with RaOT + RegMean.

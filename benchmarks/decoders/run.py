@@ -19,11 +19,15 @@ import gc
 import json
 import logging
 import math
+import shlex
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from benchmarks.row_history import replaced_rows
+from benchmarks.update import today
 
 HERE = Path(__file__).resolve().parent
 ALPHAS = [0.0, 0.25, 0.5, 0.75, 1.0]
@@ -186,6 +190,54 @@ def _parents_differ(old: dict[str, Any], new: dict[str, Any]) -> bool:
     return set(old["parents"]) != set(new["parents"])
 
 
+def _ran(command: str, pair: str, run: int, method: str) -> bool:
+    """Whether ``command`` (a recorded ``benchmarks.decoders.run`` invocation) ran (pair, run, method)."""
+    args = shlex.split(command)
+
+    def named(flag: str, value: str, default: str | None) -> bool:
+        listed = args[args.index(flag) + 1] if flag in args and args.index(flag) + 1 < len(args) else default
+        return listed is None or value in listed.split(",")
+
+    return named("--pairs", pair, None) and named("--methods", method, None) and named("--runs", str(run), "0,1,2")
+
+
+def invocation_of(results: dict[str, Any], pair: str, run: int, method: str) -> dict[str, Any]:
+    """The recorded invocation (command and, where recorded, date) whose row (pair, run, method) the
+    results hold: the last of ``results["commands"]`` that ran it."""
+    commands = results.get("commands", [results.get("command", "")])
+    dates = results.get("dates", [])
+    for index in reversed(range(len(commands))):
+        if commands[index] and _ran(commands[index], pair, run, method):
+            return {"command": commands[index], "date": dates[index] if index < len(dates) else None}
+    return {}
+
+
+def fold_run(results: dict[str, Any], row: dict[str, Any], only: tuple[str, ...]) -> str | None:
+    """Put one evaluated run into ``results``: with ``only`` (a partial rerun) its methods replace
+    those of the stored run and the others stay; every stored row it replaces is appended to
+    ``results["history"]`` (``benchmarks.row_history``). Returns a note instead when the rerun's
+    parents differ from the stored run's (nothing is folded then)."""
+    key = (row["pair"], row["run"])
+    old = next((r for r in results["runs"] if (r["pair"], r["run"]) == key), None)
+    if only and old is not None and _parents_differ(old, row):
+        note = (
+            f"{row['pair']} run {row['run']}: not folded, its parents differ from the stored run's "
+            f"(held-out loss {row['parents']} against {old['parents']}); rerun every method of it instead"
+        )
+        results.setdefault("notes", []).append(note)
+        return note
+    if old is not None:
+        replaced = [m for m in old["methods"] if m in row["methods"] or not only]
+        history = replaced_rows(*key, old["methods"], replaced, lambda m: invocation_of(results, *key, m))
+        if history:
+            results["history"] = [*results.get("history", []), *history]
+    if only and old is not None:  # fold the rerun methods into the run's row, keep the others
+        row = {**old, "methods": {**old["methods"], **row["methods"]}}
+    results["runs"] = [r for r in results["runs"] if (r["pair"], r["run"]) != key]
+    results["runs"].append(row)
+    return None
+
+
 def _worker_init() -> None:
     from benchmarks.run import _quiet_worker
 
@@ -228,26 +280,20 @@ def main(argv: list[str] | None = None) -> int:
         specs = sorted({spec for p in pairs for spec in pretrained_specs(p)}, key=lambda s: -s[1])  # widest first
         list(pool.map(_build, specs, [args.cache_dir] * len(specs)))  # train every parent once (cached)
         for row in pool.map(evaluate_run, *zip(*jobs), [args.cache_dir] * len(jobs), [only] * len(jobs)):
-            old = next((r for r in results["runs"] if (r["pair"], r["run"]) == (row["pair"], row["run"])), None)
-            if only and old is not None and _parents_differ(old, row):
-                note = (
-                    f"{row['pair']} run {row['run']}: not folded, its parents differ from the stored run's "
-                    f"(held-out loss {row['parents']} against {old['parents']}); rerun every method of it instead"
-                )
+            note = fold_run(results, row, only)
+            if note:
                 print(note, flush=True)
-                results.setdefault("notes", []).append(note)
                 continue
-            if only and old is not None:  # fold the rerun methods into the run's row, keep the others
-                row = {**old, "methods": {**old["methods"], **row["methods"]}}
-            results["runs"] = [r for r in results["runs"] if (r["pair"], r["run"]) != (row["pair"], row["run"])]
-            results["runs"].append(row)
             path.write_text(json.dumps(results, indent=1))
             print(f"{row['pair']} run {row['run']}: done ({time.perf_counter() - started:.0f} s)", flush=True)
     command = " ".join(["python -m benchmarks.decoders.run", *(sys.argv[1:] if argv is None else argv)])
+    dates = results.get("dates", [])
     if only:  # a partial rerun: the commands that produced the table
-        results["commands"] = [*results.get("commands", [results.get("command", "")]), command]
+        commands = results.get("commands", [results.get("command", "")])
+        results["commands"] = [*commands, command]
+        results["dates"] = [*dates, *[None] * (len(commands) - len(dates)), today()]
     else:
-        results["command"], results["commands"] = command, [command]
+        results["command"], results["commands"], results["dates"] = command, [command], [today()]
     path.write_text(json.dumps(results, indent=1))
     write_report(results, out)
     return 0
