@@ -5,7 +5,8 @@ For each run: build (or reuse) A, B and the siblings' base; merge with every met
 and, for the linear rule, the test loss along (1 − α)·A + α·B′ (α ∈ {0, ¼, ½, ¾, 1}) and its
 barrier. B′ ≡ B is checked by the product; its deviation and the exactness flag are recorded.
 Writes ``results.json``, ``RESULTS.md`` and plots into ``--out`` (default
-``benchmarks/decoders/results``)::
+``benchmarks/decoders/results``); ``--methods`` folds its rows into the stored runs, and every stored
+row a rerun replaces goes to ``results.json``'s history (``benchmarks.row_history``)::
 
     python -m benchmarks.decoders.run --cache-dir benchmarks/.cache --workers 2
     python -m benchmarks.decoders.run --pairs llama-siblings --workers 1
