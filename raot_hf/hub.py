@@ -21,13 +21,6 @@ REQUIRED_FILES = ("config.json", "raot_report.json")
 
 DEFAULT_BRANCH = "main"
 
-_AUTH_FAILURE_CODES = (401, 403)
-
-
-def default_commit_message() -> str:
-    """Return the commit message used when the caller gives none (it names raot-hf)."""
-    return f"Upload RaOT-merged model with raot-hf {__version__}"
-
 
 def validate_merged_folder(folder: str | Path) -> Path:
     """``folder`` as a ``Path`` if it is a merged model directory (``config.json``, a
@@ -68,36 +61,6 @@ def _validate_push_arguments(repo_id: str, revision: str | None, create_pr: bool
         )
 
 
-def _folder_summary(folder: Path) -> tuple[int, int]:
-    """Return (number of files, total bytes) under ``folder``, skipping hidden cache folders."""
-    count = 0
-    total = 0
-    for item in folder.rglob("*"):
-        if item.is_file() and ".git" not in item.parts and ".cache" not in item.parts:
-            count += 1
-            total += item.stat().st_size
-    return count, total
-
-
-def _needs_branch(revision: str | None) -> bool:
-    """True when ``revision`` names a branch that may have to be created first."""
-    if revision is None or revision == DEFAULT_BRANCH:
-        return False
-    # Pull-request refs exist already and cannot be created as branches.
-    return not revision.startswith("refs/")
-
-
-def _auth_error(exc: HfHubHTTPError, repo_id: str) -> RaotError | None:
-    """Turn a 401/403 from the Hub into a one-line RaotError (never quoting the token)."""
-    status = exc.response.status_code if exc.response is not None else None
-    if status not in _AUTH_FAILURE_CODES:
-        return None
-    return RaotError(
-        f"the Hub refused write access to {repo_id!r} (HTTP {status}); use a token with write "
-        "permission: pass --token, set HF_TOKEN, or run `hf auth login`"
-    )
-
-
 def push_to_hub(
     folder: str | Path,
     repo_id: str,
@@ -122,61 +85,33 @@ def push_to_hub(
     _validate_push_arguments(repo_id, revision, create_pr)
     if constants.is_offline_mode():
         raise RaotError("Hugging Face offline mode is on (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE); unset it to push")
-    message = commit_message if commit_message else default_commit_message()
-
+    message = commit_message or f"Upload RaOT-merged model with raot-hf {__version__}"
     api = HfApi(endpoint=endpoint, token=token)
-    summary = _folder_summary(path)
+    files = [f for f in path.rglob("*") if f.is_file() and ".git" not in f.parts and ".cache" not in f.parts]
+    n_bytes = sum(f.stat().st_size for f in files)
     try:
-        commit = _create_and_upload(
-            api,
-            path,
-            repo_id,
-            private=private,
-            revision=revision,
-            create_pr=create_pr,
-            commit_message=message,
-            summary=summary,
+        logger.info("Creating (or reusing) model repo %s on %s (private=%s)", repo_id, api.endpoint, private)
+        full_repo_id = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id or repo_id
+        # a pull-request ref (refs/...) exists already and cannot be created as a branch
+        if revision not in (None, DEFAULT_BRANCH) and not revision.startswith("refs/"):
+            logger.info("Ensuring branch %r exists in %s", revision, full_repo_id)
+            api.create_branch(full_repo_id, branch=revision, exist_ok=True, repo_type="model")
+        target = "a pull request against main" if create_pr else repr(revision or DEFAULT_BRANCH)
+        logger.info(
+            "Uploading %d file(s) (%.1f MB) from %s to %s, %s", len(files), n_bytes / 1e6, path, full_repo_id, target
         )
+        commit = api.upload_folder(
+            repo_id=full_repo_id, folder_path=path, repo_type="model", revision=revision, create_pr=create_pr,
+            commit_message=message,
+        )  # fmt: skip
     except HfHubHTTPError as exc:
-        auth_error = _auth_error(exc, repo_id)
-        if auth_error is not None:
-            raise auth_error from None
+        status = exc.response.status_code if exc.response is not None else None
+        if status in (401, 403):  # one line, never quoting the token
+            raise RaotError(
+                f"the Hub refused write access to {repo_id!r} (HTTP {status}); use a token with write "
+                "permission: pass --token, set HF_TOKEN, or run `hf auth login`"
+            ) from None
         raise
-
     url = commit.pr_url if create_pr and commit.pr_url else commit.commit_url
     logger.info("Pushed %s to %s", path, url)
     return url
-
-
-def _create_and_upload(
-    api: HfApi,
-    path: Path,
-    repo_id: str,
-    *,
-    private: bool,
-    revision: str | None,
-    create_pr: bool,
-    commit_message: str,
-    summary: tuple[int, int],
-):
-    """Create (or reuse) the repository and the target branch, then upload ``path`` in one commit
-    (``summary``: files and bytes, for the log); Hub errors propagate."""
-    logger.info("Creating (or reusing) model repo %s on %s (private=%s)", repo_id, api.endpoint, private)
-    repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    full_repo_id = repo_url.repo_id or repo_id
-
-    if _needs_branch(revision):
-        logger.info("Ensuring branch %r exists in %s", revision, full_repo_id)
-        api.create_branch(full_repo_id, branch=revision, exist_ok=True, repo_type="model")
-
-    target = "a pull request against main" if create_pr else repr(revision or DEFAULT_BRANCH)
-    n_files, n_bytes = summary
-    logger.info("Uploading %d file(s) (%.1f MB) from %s to %s, %s", n_files, n_bytes / 1e6, path, full_repo_id, target)
-    return api.upload_folder(
-        repo_id=full_repo_id,
-        folder_path=path,
-        repo_type="model",
-        revision=revision,
-        create_pr=create_pr,
-        commit_message=commit_message,
-    )

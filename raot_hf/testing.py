@@ -18,28 +18,19 @@ from raot_hf.errors import RaotError
 from raot_hf.hooks import Hooks
 from raot_hf.symmetry.equivalence import example_inputs, output_deviation  # noqa: F401 (re-exported for tests and selfcheck)
 
+_DEBERTA = {"relative_attention": True, "pos_att_type": ["c2p", "p2c"], "max_relative_positions": -1}
+_DEBERTA_V2 = {
+    "position_biased_input": False,
+    "position_buckets": 8,
+    "norm_rel_ebd": "layer_norm",
+    "share_att_key": True,
+}
 _CONFIGS = {
     "bert": ("BertConfig", "Bert", {}),
     "roberta": ("RobertaConfig", "Roberta", {"pad_token_id": 1}),
     "xlm-roberta": ("XLMRobertaConfig", "XLMRoberta", {"pad_token_id": 1}),
-    "deberta-v2": (
-        "DebertaV2Config",
-        "DebertaV2",
-        {
-            "relative_attention": True,
-            "pos_att_type": ["c2p", "p2c"],
-            "position_biased_input": False,
-            "max_relative_positions": -1,
-            "position_buckets": 8,
-            "norm_rel_ebd": "layer_norm",
-            "share_att_key": True,
-        },
-    ),
-    "deberta": (
-        "DebertaConfig",
-        "Deberta",
-        {"relative_attention": True, "pos_att_type": ["c2p", "p2c"], "max_relative_positions": -1},
-    ),
+    "deberta-v2": ("DebertaV2Config", "DebertaV2", {**_DEBERTA, **_DEBERTA_V2}),
+    "deberta": ("DebertaConfig", "Deberta", _DEBERTA),
     "vit": ("ViTConfig", "ViT", {"image_size": 8, "patch_size": 4, "num_channels": 3}),
     "deit": ("DeiTConfig", "DeiT", {"image_size": 8, "patch_size": 4, "num_channels": 3}),
 }
@@ -102,11 +93,6 @@ def register_tiny_architecture(architecture: TinyArchitecture) -> TinyArchitectu
         raise RaotError(f"{architecture.model_type}: heads must be among {', '.join(HEADS)} and hold the task head")
     _ARCHITECTURES[architecture.model_type] = architecture
     return architecture
-
-
-def unregister_tiny_architecture(model_type: str) -> TinyArchitecture:
-    """Remove ``model_type``'s tiny architecture (a test's cleanup); returns it."""
-    return _ARCHITECTURES.pop(model_type)
 
 
 def tiny_architecture(model_type: str) -> TinyArchitecture:
@@ -175,14 +161,8 @@ def tiny_config(model_type: str, *, hidden_size=16, num_heads=4, num_layers=2, i
     if model_type not in _CONFIGS:
         raise RaotError(f"no tiny config for {model_type!r}; choose from {', '.join(_CONFIGS)}")
     cfg_name, _, extra = _CONFIGS[model_type]
-    kw = dict(
-        hidden_size=hidden_size,
-        num_attention_heads=num_heads,
-        num_hidden_layers=num_layers,
-        intermediate_size=intermediate_size,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    kw = dict(hidden_size=hidden_size, num_attention_heads=num_heads, num_hidden_layers=num_layers)
+    kw.update(intermediate_size=intermediate_size, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     kw["num_labels"] = overrides.pop("num_labels", 3)
     if model_type not in ("vit", "deit"):
         kw.update(vocab_size=40, max_position_embeddings=32, type_vocab_size=2)
@@ -318,11 +298,8 @@ def trained_like(
     for name, p in model.named_parameters():
         if p.ndim != 2:
             continue
-        if (
-            isinstance(model.get_submodule(name.rsplit(".", 1)[0]), torch.nn.Embedding)
-            or p.ndim == 2
-            and ("position_embeddings" in name or "cls_token" in name)
-        ):
+        embedding = isinstance(model.get_submodule(name.rsplit(".", 1)[0]), torch.nn.Embedding)
+        if embedding or "position_embeddings" in name or "cls_token" in name:
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
             continue
         fan_in = p.shape[0] if name in stored_in_out else p.shape[1]

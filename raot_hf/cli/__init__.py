@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
 import click
 
+from raot_hf.cli.demo import demo
 from raot_hf.cli.errors import friendly_errors
+from raot_hf.cli.push import push
 from raot_hf.config import RaotConfig
 from raot_hf.config.options import CliOption, cli_options
 from raot_hf.errors import RaotError
@@ -34,12 +37,6 @@ def _config_option(option: CliOption):
     return click.option(option.flag, option.dest, type=kind, help=option.help)
 
 
-def config_cli_options() -> list[CliOption]:
-    """The RaotConfig fields as command-line options, generated from the dataclasses (field
-    metadata gives flags, help and choices; the merge-rule choices come from the live registry)."""
-    return cli_options(RaotConfig)
-
-
 def merge_options(fn):
     """Options shared by ``merge`` and ``inspect``: every field of RaotConfig (generated from
     its dataclasses), then the options that are not part of the config."""
@@ -52,7 +49,7 @@ def merge_options(fn):
             help="A merge file (mergekit-style YAML/JSON: models, merge_method, raot:) or a RaotConfig JSON; "
             "flags override it.",
         ),
-        *(_config_option(option) for option in config_cli_options()),
+        *(_config_option(option) for option in cli_options(RaotConfig)),
         click.option("--revision", help="Revision of A (and of B unless --revision-b)."),
         click.option("--revision-b", help="Revision of B."),
         click.option("--token", help="Hub token (default: HF_TOKEN or the login cache)."),
@@ -120,7 +117,7 @@ def build_config(options: dict, base: RaotConfig | None = None) -> RaotConfig:
         base = _read_config_file(options["config_file"]) if options.get("config_file") else RaotConfig()
         base = getattr(base, "config", base)
     data = base.to_dict()
-    for option in config_cli_options():
+    for option in cli_options(RaotConfig):
         value = options.get(option.dest)
         if value is None:
             continue
@@ -133,8 +130,8 @@ def build_config(options: dict, base: RaotConfig | None = None) -> RaotConfig:
 
 
 def _merger(options: dict, resolved: tuple | None = None, memory: dict | None = None):
-    """The RaotMerger the options describe; ``resolved``: their (config, models, base), when the
-    caller has already read them; ``memory``: the offload options (:meth:`RaotMerger.from_pretrained`)."""
+    """The RaotMerger the options describe; ``resolved``: their (config, models, base) if already read;
+    ``memory``: the offload options (:meth:`RaotMerger.from_pretrained`)."""
     from raot_hf.merger import RaotMerger
 
     config, models, base = resolved or _config_and_models(options)
@@ -156,9 +153,8 @@ def _merger(options: dict, resolved: tuple | None = None, memory: dict | None = 
 
 
 class _LiveCommands(click.Group):
-    """The ``raot-hf`` command and its subcommands: ``merge`` and ``inspect`` are built when they are invoked, from the
-    registries as they are then — a merge rule or estimator registered after import (with its
-    own options section) has its choice and its flags."""
+    """``merge`` and ``inspect`` are built when invoked, from the registries as they are then: a merge
+    rule or estimator registered after import (with its own options section) has its choice and flags."""
 
     def get_command(self, ctx, name):
         builder = _LIVE_COMMANDS.get(name)
@@ -325,8 +321,6 @@ _LIVE_COMMANDS = {"merge": _merge_command, "inspect": _inspect_command}
 
 def _finite_json(value):
     """``value`` with every non-finite float replaced by None (JSON has no NaN)."""
-    import math
-
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
@@ -372,17 +366,7 @@ def _selfcheck_one(mt: str) -> tuple[float, float, float]:
     from raot_hf.adapters import is_decoder, modality_of, schema_for
     from raot_hf.merger import RaotMerger
     from raot_hf.symmetry import random_group_element, transform_model
-    from raot_hf.testing import (
-        clone,
-        exact_rmsnorm,
-        example_inputs,
-        output_deviation,
-        tiny_image_dataset,
-        tiny_image_processor,
-        tiny_model,
-        tiny_text_dataset,
-        tiny_tokenizer,
-    )
+    from raot_hf.testing import clone, exact_rmsnorm, example_inputs, output_deviation, tiny_data, tiny_model
 
     decoder = is_decoder(mt)
     head = "image" if modality_of(mt) == "image" else "causal" if decoder else "sequence"
@@ -395,14 +379,7 @@ def _selfcheck_one(mt: str) -> tuple[float, float, float]:
     a = tiny_model(mt, head, dtype=torch.float32)
     b = clone(a)
     scramble(b, seed=1)
-    if modality_of(mt) == "image":
-        pre, data = tiny_image_processor(), tiny_image_dataset(96)
-    else:
-        pre, data = (
-            (tiny_tokenizer(100), tiny_text_dataset(192, vocab_size=100))
-            if decoder
-            else (tiny_tokenizer(), tiny_text_dataset(96))
-        )
+    pre, data = tiny_data(mt, 192, vocab_size=100) if decoder else tiny_data(mt, 96)
     ref = clone(a)
     result = RaotMerger.from_models(a, b, preprocessor=pre).merge(calibration=data)
     rec = output_deviation(ref, result.model, example_inputs(ref), relative=True)
@@ -410,15 +387,5 @@ def _selfcheck_one(mt: str) -> tuple[float, float, float]:
     return dev, 1e-6 if mt == "deberta" else 1e-9, rec
 
 
-def _register_optional_commands() -> None:
-    from raot_hf.cli.push import push
-
-    main.add_command(push)
-    try:
-        from raot_hf.cli.demo import demo
-    except ImportError:  # pragma: no cover - the demo ships with the package
-        return
-    main.add_command(demo)
-
-
-_register_optional_commands()
+main.add_command(push)
+main.add_command(demo)

@@ -58,8 +58,7 @@ def demo(dataset, hidden_size, layers, heads, seeds, out, overwrite, cache_dir, 
     merge_rows, raot_result = _merge_rows(path_a, path_b, calibration, test, processor)
     _print_results(raot_result, rows + merge_rows, len(test), time.perf_counter() - start)
     if out:
-        out_result = copy.copy(raot_result)
-        path = out_result.save_pretrained(out, overwrite=overwrite)
+        path = copy.copy(raot_result).save_pretrained(out, overwrite=overwrite)
         click.echo(f"wrote the RaOT merge to {path}")
 
 
@@ -103,14 +102,9 @@ def _merge_rows(path_a, path_b, calibration, test, processor):
         cfg.calibration.num_samples = len(calibration)
         merger = RaotMerger.from_pretrained(path_a, path_b, config=cfg)
         result = merger.merge(calibration=calibration)
-        applied = sum(d.applied for d in result.alignment.decisions)
-        rows.append(
-            (
-                label,
-                evaluate_accuracy(result.model, test, processor),
-                f"{applied}/{len(result.alignment.decisions)}" if result.alignment.decisions else "-",
-            )
-        )
+        decisions = result.alignment.decisions
+        applied = f"{sum(d.applied for d in decisions)}/{len(decisions)}" if decisions else "-"
+        rows.append((label, evaluate_accuracy(result.model, test, processor), applied))
         if options == {"alignment": "activation"}:
             raot_result = result
     return rows, raot_result

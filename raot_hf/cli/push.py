@@ -18,10 +18,10 @@ _TOKEN_HELP = (
 @click.command("push")
 @click.argument("folder", metavar="DIR", type=click.Path(path_type=Path))
 @click.argument("repo_id", metavar="REPO_ID")
-@click.option("--private", is_flag=True, default=False, help="Create the repository as private.")
-@click.option("--revision", default=None, help="Branch to push to (created from main when missing).")
-@click.option("--create-pr", is_flag=True, default=False, help="Open a pull request against main.")
-@click.option("--commit-message", default=None, help="Commit title (default names raot-hf).")
+@click.option("--private", is_flag=True, help="Create the repository as private.")
+@click.option("--revision", help="Branch to push to (created from main when missing).")
+@click.option("--create-pr", is_flag=True, help="Open a pull request against main.")
+@click.option("--commit-message", help="Commit title (default names raot-hf).")
 @click.option(
     "--token",
     default=None,
@@ -32,22 +32,8 @@ _TOKEN_HELP = (
     hide_input=True,
     help=_TOKEN_HELP,
 )
-@click.option(
-    "--endpoint",
-    envvar="HF_ENDPOINT",
-    default=None,
-    help="Hub URL (default: $HF_ENDPOINT, else https://huggingface.co).",
-)
-def push(
-    folder: Path,
-    repo_id: str,
-    private: bool,
-    revision: str | None,
-    create_pr: bool,
-    commit_message: str | None,
-    token: str | None,
-    endpoint: str | None,
-) -> None:
+@click.option("--endpoint", envvar="HF_ENDPOINT", help="Hub URL (default: $HF_ENDPOINT, else https://huggingface.co).")
+def push(folder: Path, repo_id: str, private: bool, revision, create_pr: bool, commit_message, token, endpoint) -> None:
     """Upload the merged model in DIR to the Hub repository REPO_ID and print the commit or PR URL."""
     try:
         url = push_to_hub(
