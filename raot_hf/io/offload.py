@@ -41,29 +41,19 @@ _MADV_DONTNEED = 4
 DISK_MARGIN = 256 << 20
 
 
-def _madvise():
-    """libc's madvise (None where there is none: release is then a no-op)."""
+def _libc_function(name: str):
+    """glibc's function ``name``, or None (not Linux, musl or another libc): its callers then do nothing."""
     if not sys.platform.startswith("linux"):
         return None
     with contextlib.suppress(OSError, AttributeError):
-        fn = ctypes.CDLL("libc.so.6", use_errno=True).madvise
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return fn
+        return getattr(ctypes.CDLL("libc.so.6", use_errno=True), name)
     return None
 
 
-_MADVISE = _madvise()
-
-
-def _malloc_trim():
-    if not sys.platform.startswith("linux"):
-        return None
-    with contextlib.suppress(OSError, AttributeError):  # musl or another libc: nothing to trim with
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    return None
-
-
-_TRIM = _malloc_trim()
+_MADVISE = _libc_function("madvise")
+if _MADVISE is not None:
+    _MADVISE.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_TRIM = _libc_function("malloc_trim")
 
 
 def trim_heap() -> None:
@@ -106,6 +96,11 @@ class OffloadedWeights:
             self.spans[prefix] = _merged([r for n, r in self.ranges.items() if n.startswith(dotted)])
         for start, stop in self.spans[prefix]:
             self._drop(start, stop)
+
+    def view(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """Parameter ``name``'s bytes in the mapping, as a tensor of ``like``'s dtype and shape."""
+        start, stop = self.ranges[name]
+        return self.mapping[start:stop].view(like.dtype).view(like.shape)
 
     def owns(self, tensor: torch.Tensor) -> tuple[int, int] | None:
         """``tensor``'s byte range in the working file, or None if it lies elsewhere."""
@@ -172,11 +167,8 @@ def offload_model(
     params = [(n, p) for n, p in model.named_parameters() if p.device.type == "cpu"]
     weights = _mapped_file(params, directory, label)
     for name, p in params:
-        start, stop = weights.ranges[name]
-        view = weights.mapping[start:stop].view(p.dtype).view(p.shape)
-        view.copy_(p.detach())
-        p.data = view
-        weights._drop(start, stop)
+        p.data = weights.view(name, p).copy_(p.detach())
+        weights._drop(*weights.ranges[name])
     files.add(model, weights)
     logger.info("model %s offloaded: %.1f MiB of parameters in a working file", label, weights.nbytes / 2**20)
     return weights
@@ -316,8 +308,7 @@ def load_offloaded(
     directory = Path(directory or tempfile.gettempdir())
     weights = _mapped_file(params, directory, label)
     for name, param in params:
-        start, stop = weights.ranges[name]
-        view = weights.mapping[start:stop].view(param.dtype).view(param.shape)
+        view = weights.view(name, param)
         value = ckpt.get(keys[name])
         if value.shape != view.shape:
             raise RaotError(
@@ -328,7 +319,7 @@ def load_offloaded(
                 f"model {label} has NaN/Inf in {name}; the checkpoint is corrupt — re-train or re-download it"
             )
         view.copy_(value)
-        weights._drop(start, stop)
+        weights._drop(*weights.ranges[name])
         del value
         ckpt.release()  # the checkpoint's mapped pages would otherwise count as this process's memory
         new = torch.nn.Parameter(view)

@@ -94,9 +94,8 @@ def model_sources(
 ) -> tuple[list[ModelSource], ModelSource | None]:
     """The sources of ``models`` (the first at ``revision``, the others at ``revision_b`` or else
     ``revision``) and of the base; ``access``: (token, trust_remote_code, allow_pickle)."""
-    sources = [
-        ModelSource(str(m), revision if i == 0 else revision_b or revision, *access) for i, m in enumerate(models)
-    ]
+    revisions = [revision] + [revision_b or revision] * (len(models) - 1)
+    sources = [ModelSource(str(m), r, *access) for m, r in zip(models, revisions)]
     return sources, (ModelSource(str(base), base_revision, *access) if base else None)
 
 
@@ -127,9 +126,8 @@ def load_pair(
     with timer.stage("load"):
         memory = {"offload": offload, "max_memory": max_memory}
         (configs, cfg_base), pre_a, early = _check_before_weights(config, sources, src_base, memory)
-        stage = {"stage": True}  # a line the CLI shows by default (raot_hf.cli.verbosity)
         names = ", ".join(f"{_label(i)} ({s.name_or_path})" for i, s in enumerate(sources))
-        logger.info("loading %s", names, extra=stage)
+        logger.info("loading %s", names, extra={"stage": True})  # a line the CLI shows by default
         models, files = [], WorkingFiles()
         for i, (src, cfg) in enumerate(zip(sources, configs, strict=True)):
             if memory["layerwise"]:  # each model goes to its working file before the next is read

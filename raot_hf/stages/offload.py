@@ -33,15 +33,22 @@ _GIB = 2**30
 _CHOICES = ("auto", "always", "never")
 
 
+def _local_safetensors(source) -> Path | None:
+    """The directory of ``source`` if it is a local safetensors checkpoint, else None."""
+    from raot_hf.io.checkpoint import weight_files
+
+    path = Path(source.name_or_path)
+    return path if source.is_local and weight_files(path) else None
+
+
 def _tensor_sizes(source, dtype: str = "auto") -> list[int] | None:
     """Every tensor's bytes of a local safetensors checkpoint in the merge's dtype, from the
     headers (None: not a local safetensors checkpoint)."""
-    from raot_hf.io.checkpoint import Checkpoint, weight_files
+    from raot_hf.io.checkpoint import Checkpoint
     from raot_hf.io.loading import LOAD_DTYPES
 
-    if not source.is_local or not weight_files(Path(source.name_or_path)):
-        return None
-    return Checkpoint(Path(source.name_or_path)).sizes(LOAD_DTYPES.get(dtype))
+    path = _local_safetensors(source)
+    return None if path is None else Checkpoint(path).sizes(LOAD_DTYPES.get(dtype))
 
 
 def checkpoint_bytes(source, dtype: str = "auto") -> int | None:
@@ -71,15 +78,16 @@ def statistics_bytes(hf_config, dtype: str = "auto", per_layer: bool = False) ->
 def reads_tensorwise(source, hf_config) -> bool:
     """Whether a layer-wise merge reads ``source`` tensor by tensor into its working file (a local
     safetensors checkpoint storing the model's own parameter names), rather than loading it whole."""
-    from raot_hf.io.checkpoint import Checkpoint, weight_files
+    from raot_hf.io.checkpoint import Checkpoint
     from raot_hf.io.loading import meta_model
     from raot_hf.io.offload import checkpoint_keys
 
-    if not source.is_local or not weight_files(Path(source.name_or_path)):
+    path = _local_safetensors(source)
+    if path is None:
         return False
     model = meta_model(hf_config)
     names = [n for n, _ in model.named_parameters()]
-    return checkpoint_keys(model, names, set(Checkpoint(Path(source.name_or_path)).keys())) is not None
+    return checkpoint_keys(model, names, set(Checkpoint(path).keys())) is not None
 
 
 def layerwise_bytes(
@@ -143,12 +151,8 @@ def choose_offload(
         )
     if mode == "auto":
         why = f"--max-memory {cap / _GIB:.1f} GiB" if cap is not None else f"{limit / _GIB:.1f} GiB available"
-        logger.info(
-            "an in-memory merge needs about %.1f GiB (%s): the models are offloaded and run layer by layer",
-            in_memory / _GIB,
-            why,
-            extra={"stage": True},
-        )
+        message = "an in-memory merge needs about %.1f GiB (%s): the models are offloaded and run layer by layer"
+        logger.info(message, in_memory / _GIB, why, extra={"stage": True})
     return True
 
 
@@ -172,13 +176,11 @@ def load_layerwise(source, label: str, hf_config, dtype: str, directory, files: 
     ``files``."""
     from raot_hf.adapters import schema_for
     from raot_hf.gate.fidelity import layer_module_names
-    from raot_hf.io.checkpoint import weight_files
     from raot_hf.io.loading import load_model, model_class
 
-    model = None
-    if source.is_local and weight_files(Path(source.name_or_path)):
+    model, path = None, _local_safetensors(source)
+    if path is not None:
         load_model_checks(source, label, hf_config)
-        path = Path(source.name_or_path)
         model = load_offloaded(model_class(hf_config), path, hf_config, dtype, directory, label, files)
     if model is None:
         model = load_model(source, label, dtype=dtype, config=hf_config)
