@@ -154,69 +154,26 @@ def apply_rule(spec: MergeRuleSpec, states: list, weights: list[float], **inputs
     return merged, log if isinstance(log, RuleLog) else RuleLog.from_dict(log)
 
 
+_TASK = {"needs_base": True, "per_tensor": True, "config": BaseRuleOptions}
+_MERGEKIT = {"per_tensor": True, "layered": True, "config": MergekitOptions}
+_TIES = {"density": "base_rules.density", "scale": "base_rules.task_scale"}
 register_merge_rule("linear", merge_linear, per_tensor=True)
 register_merge_rule("regmean", merge_regmean, needs_grams=True, config=RegMeanOptions)
 register_merge_rule("fisher", merge_fisher, needs_fisher=True, config=FisherOptions, options={})
+register_merge_rule("task_arithmetic", merge_task_arithmetic, **_TASK, options={"scale": "base_rules.task_scale"})
+register_merge_rule("ties", merge_ties, **_TASK, options=_TIES)
+register_merge_rule("dare_ties", merge_dare_ties, **_TASK, options={**_TIES, "seed": "seed"})
+register_merge_rule("slerp", slerp, **_MERGEKIT, max_models=2, options={"t": "mergekit.t"})
+_NUSLERP = {"row_wise": "mergekit.row_wise", "flatten": "mergekit.flatten"}
+register_merge_rule("nuslerp", nuslerp, **_MERGEKIT, max_models=2, absolute_weights=True, options=_NUSLERP)
 register_merge_rule(
-    "task_arithmetic",
-    merge_task_arithmetic,
-    needs_base=True,
-    per_tensor=True,
-    config=BaseRuleOptions,
-    options={"scale": "base_rules.task_scale"},
-)
-for _name, _rule in (("ties", merge_ties), ("dare_ties", merge_dare_ties)):
-    register_merge_rule(
-        _name,
-        _rule,
-        needs_base=True,
-        per_tensor=True,
-        config=BaseRuleOptions,
-        options={
-            "density": "base_rules.density",
-            "scale": "base_rules.task_scale",
-            **({"seed": "seed"} if _name == "dare_ties" else {}),
-        },
-    )
-register_merge_rule(
-    "slerp", slerp, per_tensor=True, max_models=2, layered=True, config=MergekitOptions, options={"t": "mergekit.t"}
-)
-register_merge_rule(
-    "nuslerp",
-    nuslerp,
-    per_tensor=True,
-    max_models=2,
-    layered=True,
-    absolute_weights=True,
-    config=MergekitOptions,
-    options={"row_wise": "mergekit.row_wise", "flatten": "mergekit.flatten"},
-)
-register_merge_rule(
-    "model_stock",
-    model_stock,
-    needs_base=True,
-    per_tensor=True,
-    layered=True,
-    config=MergekitOptions,
-    options={"filter_wise": "mergekit.filter_wise"},
+    "model_stock", model_stock, **_MERGEKIT, needs_base=True, options={"filter_wise": "mergekit.filter_wise"}
 )
 for _name, _rule in zip(TASK_RULES, (della, della_linear, breadcrumbs, breadcrumbs_ties), strict=True):
     _extra = "epsilon" if TASK_RULES[_name][0] == "della" else "gamma"
-    register_merge_rule(
-        _name,
-        _rule,
-        needs_base=True,
-        per_tensor=True,
-        layered=True,
-        absolute_weights=True,
-        config=MergekitOptions,
-        options={
-            "density": "mergekit.density",
-            _extra: f"mergekit.{_extra}",
-            "scale": "mergekit.scale",
-            **({"seed": "seed"} if _extra == "epsilon" else {}),
-        },
-    )
+    _options = {"density": "mergekit.density", _extra: f"mergekit.{_extra}", "scale": "mergekit.scale"}
+    _options.update({"seed": "seed"} if _extra == "epsilon" else {})
+    register_merge_rule(_name, _rule, **_MERGEKIT, needs_base=True, absolute_weights=True, options=_options)
 
 __all__ = [
     "HEAD_POLICIES",

@@ -145,20 +145,3 @@ def evaluate_setting(value: Setting, name: str, layer_count: int) -> Any:
                 return _at(chosen, position)
         return _at(value[DEFAULT_KEY], position) if DEFAULT_KEY in value else None
     return _at(value, position)
-
-
-def varies(value: Setting) -> bool:
-    """Whether the setting depends on the tensor (a gradient or filters)."""
-    return isinstance(value, (list, dict))
-
-
-__all__ = [
-    "DEFAULT_KEY",
-    "check_setting",
-    "count_layers",
-    "evaluate_setting",
-    "filters_to_mapping",
-    "layer_index",
-    "parse_setting",
-    "varies",
-]

@@ -352,23 +352,3 @@ class MergekitOptions(OptionSection):
         for name in ("filter_wise", "row_wise", "flatten"):
             if not isinstance(getattr(self, name), bool):
                 raise RaotError(f"mergekit.{name}={getattr(self, name)!r} must be true or false")
-
-
-__all__ = [
-    "DEFAULTS",
-    "MergekitOptions",
-    "TASK_RULES",
-    "breadcrumbs",
-    "breadcrumbs_keep",
-    "breadcrumbs_ties",
-    "della",
-    "della_keep",
-    "della_linear",
-    "model_stock",
-    "model_stock_tensor",
-    "nuslerp",
-    "nuslerp_rows",
-    "slerp",
-    "slerp_vectors",
-    "task_vector_rule",
-]
