@@ -32,17 +32,13 @@ CHUNK_BYTES = 16 << 20
 
 def _finite_gram_keys(gram_keys: dict[str, str], grams_a, grams_b) -> dict[str, str]:
     """The RegMean weights whose Grams are finite; the others merge linearly (with a warning)."""
-    usable = {
-        w: key
-        for w, key in gram_keys.items()
-        if bool(torch.isfinite(grams_a[key]).all()) and bool(torch.isfinite(grams_b[key]).all())
+    finite = {
+        key for key in set(gram_keys.values()) if all(bool(torch.isfinite(g[key]).all()) for g in (grams_a, grams_b))
     }
+    usable = {w: key for w, key in gram_keys.items() if key in finite}
     if len(usable) < len(gram_keys):
-        logger.warning(
-            "NaN/Inf in the calibration activations: %d of %d RegMean weights fall back to the linear merge",
-            len(gram_keys) - len(usable),
-            len(gram_keys),
-        )
+        message = "NaN/Inf in the calibration activations: %d of %d RegMean weights fall back to the linear merge"
+        logger.warning(message, len(gram_keys) - len(usable), len(gram_keys))
     return usable
 
 
@@ -131,19 +127,6 @@ def merge_by_chunks(spec: MergeRuleSpec, chunks, read, weights: list, inputs: di
     return log
 
 
-def merge_in_place(ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weights: list, inputs: dict) -> RuleLog:
-    """:func:`merge_by_chunks` over the trunks in memory, written into the reference's parameters."""
-
-    def write(part: dict) -> None:
-        load_state(ctx.model_a, part, working_files=ctx.working_files)
-        ctx.working_files.release_all()  # the chunk's offloaded pages of every model (§7.4)
-
-    sizes = {name: t.numel() * t.element_size() for name, t in trunks[0].items()}
-    return merge_by_chunks(
-        spec, chunks_of(sizes), lambda names: [{k: t[k] for k in names} for t in trunks], weights, inputs, write
-    )
-
-
 def merge_trunks(
     ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weights: list, inputs: dict, run, method: str,
     parents: dict,
@@ -154,8 +137,15 @@ def merge_trunks(
     whole. Returns the rule's log."""
     if method != "none":
         return corrected_merge(ctx, spec, trunks, weights, inputs, run, method, parents)
-    if spec.per_tensor:
-        return merge_in_place(ctx, spec, trunks, weights, inputs)
+    if spec.per_tensor:  # into the reference's parameters a chunk at a time
+
+        def write(part: dict) -> None:
+            load_state(ctx.model_a, part, working_files=ctx.working_files)
+            ctx.working_files.release_all()  # the chunk's offloaded pages of every model (§7.4)
+
+        sizes = {name: t.numel() * t.element_size() for name, t in trunks[0].items()}
+        read = lambda names: [{k: t[k] for k in names} for t in trunks]  # noqa: E731
+        return merge_by_chunks(spec, chunks_of(sizes), read, weights, inputs, write)
     merged, log = apply_rule(spec, trunks, weights, **inputs)
     load_state(ctx.model_a, merged, working_files=ctx.working_files)
     return log

@@ -33,7 +33,7 @@ _GIB = 2**30
 _CHOICES = ("auto", "always", "never")
 
 
-def _local_safetensors(source) -> Path | None:
+def local_safetensors(source) -> Path | None:
     """The directory of ``source`` if it is a local safetensors checkpoint, else None."""
     from raot_hf.io.checkpoint import weight_files
 
@@ -47,7 +47,7 @@ def _tensor_sizes(source, dtype: str = "auto") -> list[int] | None:
     from raot_hf.io.checkpoint import Checkpoint
     from raot_hf.io.loading import LOAD_DTYPES
 
-    path = _local_safetensors(source)
+    path = local_safetensors(source)
     return None if path is None else Checkpoint(path).sizes(LOAD_DTYPES.get(dtype))
 
 
@@ -82,7 +82,7 @@ def reads_tensorwise(source, hf_config) -> bool:
     from raot_hf.io.loading import meta_model
     from raot_hf.io.offload import checkpoint_keys
 
-    path = _local_safetensors(source)
+    path = local_safetensors(source)
     if path is None:
         return False
     model = meta_model(hf_config)
@@ -178,7 +178,7 @@ def load_layerwise(source, label: str, hf_config, dtype: str, directory, files: 
     from raot_hf.gate.fidelity import layer_module_names
     from raot_hf.io.loading import load_model, model_class
 
-    model, path = None, _local_safetensors(source)
+    model, path = None, local_safetensors(source)
     if path is not None:
         load_model_checks(source, label, hf_config)
         model = load_offloaded(model_class(hf_config), path, hf_config, dtype, directory, label, files)

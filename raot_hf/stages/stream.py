@@ -19,14 +19,14 @@ import safetensors.torch
 import torch
 
 from raot_hf.errors import RaotError
-from raot_hf.io.checkpoint import Checkpoint, prefix_variants, weight_files
+from raot_hf.io.checkpoint import Checkpoint, prefix_variants
 from raot_hf.io.loading import LOAD_DTYPES
 from raot_hf.merging import merge_heads, merge_rule_spec, rule_options
 from raot_hf.merging.base_rules import median_ratio, task_norm_ratio
 from raot_hf.merging.siblings import refuse_unrelated
 from raot_hf.plan import plan_for
 from raot_hf.stages.combine import chunks_of, merge_by_chunks
-from raot_hf.stages.offload import RUNTIME_BYTES
+from raot_hf.stages.offload import RUNTIME_BYTES, local_safetensors
 
 logger = logging.getLogger("raot_hf.stages.stream")
 _STAGE = {"stage": True}
@@ -44,10 +44,8 @@ def stream_blocker(config, sources: list, base=None) -> str | None:
         return f"merge_rule={config.merge_rule!r} merges whole layers"
     if config.head == "b":
         return "--head b adopts B's head module"
-    for src in [*sources, *([base] if base is not None else [])]:
-        if not src.is_local or not weight_files(Path(src.name_or_path)):
-            return f"{src.name_or_path} is not a local safetensors checkpoint"
-    return None
+    not_local = (src for src in [*sources, *([base] if base is not None else [])] if local_safetensors(src) is None)
+    return next((f"{src.name_or_path} is not a local safetensors checkpoint" for src in not_local), None)
 
 
 class _ShardWriter:
@@ -254,9 +252,8 @@ def shard_bytes_within(cap: int, sources, base_source, max_shard_bytes: int) -> 
     """The output shard size a streamed merge keeps under the memory cap ``cap`` (bytes), refusing before
     any work a cap it cannot keep: one tensor of every model (and the base) in float64 beside the
     runtime and one output shard."""
-    every = [*sources, *([base_source] if base_source else [])]
-    local = [s for s in every if s.is_local and weight_files(Path(s.name_or_path))]
-    if len(local) < len(sources) + (base_source is not None):
+    local = [*sources, *([base_source] if base_source else [])]
+    if any(local_safetensors(s) is None for s in local):
         raise RaotError("--max-memory needs local safetensors checkpoints (their sizes are read from the files)")
     sizes = [_checkpoint_sizes(s) for s in local]
     gib = 2**30
