@@ -215,14 +215,7 @@ def elect_signs(tasks: Sequence[torch.Tensor], weights: Sequence[float]) -> tupl
 # ----------------------------------------------------------------------------- the rules
 
 
-def merge_task_arithmetic(
-    states: Sequence[StateDict],
-    weights: Sequence[float],
-    base: StateDict | None = None,
-    *,
-    scale: float = 1.0,
-    return_log: bool = False,
-):
+def merge_task_arithmetic(states, weights, base=None, *, scale: float = 1.0, return_log: bool = False):
     """Task arithmetic (mergekit): ``W = base + λ·Σ wᵢτᵢ`` with ``τᵢ = Wᵢ − base``."""
     weights = check_weights(weights, len(states), normalise=False)
     scale = _check_finite("scale", scale)
@@ -238,16 +231,7 @@ def merge_task_arithmetic(
 
 
 def ties_rule(
-    rule: str,
-    states: Sequence[StateDict],
-    weights: Sequence[float],
-    base: StateDict | None = None,
-    *,
-    density: float = 0.2,
-    densities: Sequence[float] | None = None,
-    scale: float = 1.0,
-    seed: int = 0,
-    return_log: bool = False,
+    rule: str, states, weights, base=None, *, density=0.2, densities=None, scale=1.0, seed=0, return_log=False
 ):
     """mergekit's ``ties`` or ``dare_ties``: sparsify each task vector to ``densityᵢ``, elect signs,
     combine the agreeing weighted entries; ``W = base + λ·combined``."""

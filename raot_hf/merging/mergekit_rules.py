@@ -114,16 +114,7 @@ def nuslerp_rows(t: float, v0: torch.Tensor, v1: torch.Tensor, *, row_wise: bool
     return out.reshape(shape)
 
 
-def nuslerp(
-    states: Sequence[StateDict],
-    weights: Sequence[float],
-    base: StateDict | None = None,
-    *,
-    row_wise: bool = False,
-    flatten: bool = True,
-    layer_count: int | None = None,
-    return_log: bool = False,
-):
+def nuslerp(states, weights, base=None, *, row_wise=False, flatten=True, layer_count=None, return_log=False):
     """mergekit's ``nuslerp`` of two models with ``t = w₂/(w₁ + w₂)`` (½ when the sum is ~0); with
     ``base``, ``base + nuslerp`` of the two task vectors."""
     _two("nuslerp", states)
@@ -159,9 +150,8 @@ def model_stock_tensor(origin: torch.Tensor, tensors: list[torch.Tensor], *, fil
     cosines = []
     for i in range(len(tasks)):
         for j in range(i + 1, len(tasks)):
-            norms = (torch.linalg.norm(tasks[i], dim=-1) * torch.linalg.norm(tasks[j], dim=-1)).clamp(
-                min=MODEL_STOCK_EPS
-            )
+            norms = torch.linalg.norm(tasks[i], dim=-1) * torch.linalg.norm(tasks[j], dim=-1)
+            norms = norms.clamp(min=MODEL_STOCK_EPS)
             cosines.append(((tasks[i] * tasks[j]).sum(-1) / norms).clamp(-1.0, 1.0))
     cosine = torch.stack(cosines).mean(0).unsqueeze(-1)
     n = len(ws)
@@ -169,15 +159,7 @@ def model_stock_tensor(origin: torch.Tensor, tensors: list[torch.Tensor], *, fil
     return (t * (sum(ws) / n) + (1 - t) * w0).reshape(shape)
 
 
-def model_stock(
-    states: Sequence[StateDict],
-    weights: Sequence[float] = (),
-    base: StateDict | None = None,
-    *,
-    filter_wise: bool = False,
-    layer_count: int | None = None,
-    return_log: bool = False,
-):
+def model_stock(states, weights=(), base=None, *, filter_wise=False, layer_count=None, return_log=False):
     """mergekit's ``model_stock`` (Jang et al. 2024): :func:`model_stock_tensor` per tensor."""
     weights = list(weights) or [1.0] * len(states)
 

@@ -173,9 +173,7 @@ def _endpoint_state(states: Sequence[StateDict], weights: Sequence[float], log: 
 # ----------------------------------------------------------------------------- linear
 
 
-def merge_linear(
-    states: Sequence[StateDict], weights: Sequence[float], base: StateDict | None = None, *, return_log: bool = False
-):
+def merge_linear(states: Sequence[StateDict], weights: Sequence[float], base=None, *, return_log: bool = False):
     """Linear interpolation ``W = Σ wᵢWᵢ / Σ wᵢ`` of every floating-point tensor."""
     _check_states(states)
     weights = check_weights(weights, len(states), normalise=True)
@@ -343,15 +341,7 @@ def _fisher_mean(fisher: Mapping[str, torch.Tensor], state: StateDict, side: str
     return mean
 
 
-def merge_fisher(
-    states: Sequence[StateDict],
-    weights: Sequence[float],
-    base: StateDict | None = None,
-    *,
-    fishers: Sequence[Mapping[str, torch.Tensor]],
-    eps: float = 1e-8,
-    return_log: bool = False,
-):
+def merge_fisher(states, weights, base=None, *, fishers: Sequence[Mapping], eps: float = 1e-8, return_log=False):
     """Fisher-weighted averaging with one diagonal Fisher per model (the parameters' keys and shapes)::
 
         F̂ᵢ = Fᵢ / mean(Fᵢ) + eps;   W = Σ wᵢF̂ᵢWᵢ / Σ wᵢF̂ᵢ

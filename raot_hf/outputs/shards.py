@@ -33,30 +33,9 @@ logger = logging.getLogger("raot_hf.outputs.shards")
 SINGLE_WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 _SHARD_PATTERN = "model-{index:05d}-of-{count:05d}.safetensors"
-_SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-
-__all__ = [
-    "INDEX_NAME",
-    "SINGLE_WEIGHTS_NAME",
-    "parse_size",
-    "plan_shards",
-    "shard_name",
-    "verify_written_weights",
-    "weights_to_save",
-    "write_index",
-    "write_safetensors_shards",
-]
+#: Size suffixes: decimal (KB = 10³) and binary (KiB = 2¹⁰), any case.
+_SIZE_UNITS = {"": 1, "B": 1, **{f"{p}B": 1000**i for i, p in enumerate("KMGT", 1)}}
+_SIZE_UNITS.update({f"{p}IB": 1024**i for i, p in enumerate("KMGT", 1)})
 
 
 def parse_size(size: int | str) -> int:
@@ -136,9 +115,7 @@ def _tensor_nbytes(tensor: torch.Tensor) -> int:
 def plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
     """Split tensor names, in order, into shards of at most ``max_shard_bytes`` (a tensor larger
     than the limit gets a shard of its own)."""
-    shards: list[list[str]] = []
-    current: list[str] = []
-    current_bytes = 0
+    shards, current, current_bytes = [], [], 0
     for name, tensor in tensors.items():
         size = _tensor_nbytes(tensor)
         if current and current_bytes + size > max_shard_bytes:
@@ -190,13 +167,7 @@ def _shard_header(tensors: dict[str, torch.Tensor], names: list[str], metadata: 
     return text + b" " * (-len(text) % 8)
 
 
-def _write_shard(
-    path: Path,
-    tensors: dict[str, torch.Tensor],
-    names: list[str],
-    metadata: dict[str, str],
-    working_files: WorkingFiles | None = None,
-) -> None:
+def _write_shard(path: Path, tensors: dict, names: list[str], metadata: dict, working_files=None) -> None:
     """Write one shard's safetensors file, one tensor at a time; each written tensor's offloaded
     pages are dropped (:meth:`raot_hf.io.offload.WorkingFiles.release_tensor`)."""
     names = _layout(tensors, names)

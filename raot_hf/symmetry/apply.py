@@ -29,10 +29,8 @@ def _contract(t: torch.Tensor, member: Member, action: SpaceAction) -> torch.Ten
         x = t.to(_F64).movedim(member.axis, -1)
         sub = x if idx is None else x[..., idx]
         moved = sub @ action.matrix.to(_F64)
-    if idx is None:
-        y = moved
-    else:
-        y = x.clone()
+    y = moved if idx is None else x.clone()
+    if idx is not None:
         y[..., idx] = moved
     return y.movedim(-1, member.axis).to(t.dtype)
 
@@ -52,13 +50,7 @@ def _norm_weight(gamma: torch.Tensor, action: SpaceAction, second_moment: torch.
     return (torch.diagonal(s @ a) / torch.diagonal(s).clamp_min(1e-12)).to(gamma.dtype)
 
 
-def apply_transform(
-    state: dict[str, torch.Tensor],
-    schema: ModelSchema,
-    transform: Transform,
-    *,
-    norm_second_moments: Mapping[str, torch.Tensor] | None = None,
-) -> dict[str, torch.Tensor]:
+def apply_transform(state: dict, schema: ModelSchema, transform: Transform, *, norm_second_moments=None) -> dict:
     """Apply ``transform`` to the parameters in ``state`` (updated in place and returned; absent
     members are skipped). A residual rotation of a pre-LN schema needs folded LayerNorms;
     ``norm_second_moments`` (norm weight → second moment of its input) refines post-LN γ′."""
@@ -184,12 +176,7 @@ class _WriteThrough(dict):
                 self.working_files.release_tensor(target)
 
 
-def _fold_parameters(
-    model: torch.nn.Module,
-    schema: ModelSchema,
-    names: set[str] = frozenset(),
-    working_files: WorkingFiles | None = None,
-) -> _WriteThrough:
+def _fold_parameters(model, schema: ModelSchema, names: set[str] = frozenset(), working_files=None) -> _WriteThrough:
     """``names`` and every parameter a LayerNorm fold touches, written through to ``model``
     (``working_files``: the model's when it is offloaded, docs/design.md §7.4)."""
     names = set(names) | {n for f in schema.folds for n in (f.norm_weight, f.norm_bias) if n}
@@ -198,14 +185,7 @@ def _fold_parameters(
 
 
 @torch.no_grad()
-def transform_model(
-    model: torch.nn.Module,
-    schema: ModelSchema,
-    transform: Transform,
-    *,
-    working_files: WorkingFiles | None = None,
-    **kw,
-) -> torch.nn.Module:
+def transform_model(model: torch.nn.Module, schema: ModelSchema, transform: Transform, *, working_files=None, **kw):
     """Apply ``transform`` to ``model`` in place, parameter by parameter; pre-LN LayerNorms are
     folded first if a residual rotation needs it. Returns the model."""
     state = _fold_parameters(model, schema, schema.parameter_names(), working_files)
