@@ -1,16 +1,11 @@
 """Layer-wise execution: parameters kept in disk-backed working files (docs/design.md §7.4).
 
 A model is *offloaded* by writing its parameters, in the merge's dtype, into one working file and
-making every parameter a view of that file mapped shared into memory. From then on the weights
-are not held by the process: the operating system reads a layer's pages when a stage touches
-them and may drop them again at any time, writing modified pages back to the file (the stages
-transform and merge the parameters in place, as ever). Each layer's pages are released as soon as
-its forward returns, the transform and merge stages release each parameter after writing it, and
-every stage boundary releases everything, so the resident weights are about one layer of each
-model, while the computation is the in-memory path's, operation for operation.
-
-The working file is unlinked as soon as it is mapped: nothing is left on disk, even after a
-crash, and its space is freed when the model is.
+making every parameter a view of that file mapped shared into memory: the OS reads a layer's pages
+when a stage touches them and may drop them (writing modified pages back) at any time. Pages are
+released after each layer's forward, after each parameter a stage writes and at every stage
+boundary, so about one layer of each model is resident; the computation is the in-memory path's,
+operation for operation. The file is unlinked as soon as it is mapped: nothing is left on disk.
 """
 
 from __future__ import annotations
@@ -176,13 +171,9 @@ def offload_model(
 
 class WorkingFiles:
     """The working files behind one merge's offloaded models (docs/design.md §7.4): each model →
-    its :class:`OffloadedWeights`.
-
-    Made where the models are offloaded (:mod:`raot_hf.stages.offload`), carried by the pipeline
-    (``PairContext.working_files``, then the :class:`~raot_hf.results.MergeResult`) and passed to
-    every loop that releases pages. An in-memory merge carries an empty one: each release is then a
-    no-op. Nothing is kept on the model (it may be the user's object), and an entry goes with its
-    model (weak keys)."""
+    its :class:`OffloadedWeights` (weak keys: nothing is kept on the model, which may be the user's).
+    Carried by ``PairContext.working_files`` and the :class:`~raot_hf.results.MergeResult`; an
+    in-memory merge carries an empty one, whose releases do nothing."""
 
     def __init__(self):
         self._by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -213,10 +204,9 @@ class WorkingFiles:
             weights.hooks.on_output(modules[name], lambda *_args, n=name: weights.release(n))
 
     def release_tensor(self, tensor: torch.Tensor, *, trim: bool = True) -> None:
-        """Drop the resident pages of ``tensor`` if it is a view of a working file (else nothing), and
-        (``trim``) hand the heap's free pages back: the temporaries of a parameter-by-parameter
-        transform (under glibc's 32 MB mmap threshold) otherwise pile up as fragmented heap — 11 GB
-        for a 3.4 B model."""
+        """Drop the resident pages of ``tensor`` if it is a view of a working file, and (``trim``) hand
+        the heap's free pages back: a parameter-by-parameter transform's temporaries (under glibc's
+        32 MB mmap threshold) otherwise pile up as fragmented heap — 11 GB for a 3.4 B model."""
         for weights in list(self._by_model.values()):
             span = weights.owns(tensor)
             if span is not None:
@@ -286,10 +276,8 @@ def load_offloaded(
     cls: type, path: Path, config, dtype: str, directory: str | Path | None, label: str, files: WorkingFiles
 ):
     """``cls`` built empty and filled tensor by tensor from the safetensors checkpoint at ``path``
-    straight into a working file (:func:`offload_model`'s layout): no whole copy of the model is
-    ever in memory; its working file is recorded in ``files``. Returns None when a parameter is not
-    found in the checkpoint under its own or its saved name: the caller then loads the model and
-    offloads it."""
+    straight into a working file recorded in ``files`` (no whole copy ever in memory). None when a
+    parameter is not in the checkpoint under its own or its saved name (the caller loads and offloads)."""
     from accelerate import init_empty_weights
 
     from raot_hf.io.checkpoint import Checkpoint

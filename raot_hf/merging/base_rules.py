@@ -107,18 +107,9 @@ def median_ratio(ratios: list[float]) -> float:
 
 
 def per_tensor_merge(
-    rule: str,
-    states: Sequence[StateDict],
-    weights: Sequence[float],
-    base: StateDict | None,
-    settings: dict[str, Any],
-    merge_one: TensorMerge,
-    *,
-    needs_base: bool,
-    layer_count: int | None = None,
-    logged: dict[str, Any] | None = None,
-    return_log: bool = False,
-):
+    rule: str, states, weights, base, settings: dict[str, Any], merge_one: TensorMerge, *, needs_base: bool,
+    layer_count: int | None = None, logged: dict[str, Any] | None = None, return_log: bool = False,
+):  # fmt: skip
     """Run ``merge_one`` on every float tensor with ``settings`` evaluated for it (per layer or
     module, :mod:`raot_hf.merging.layered`); ``logged``: settings recorded as they are."""
     _check_states(states)

@@ -230,20 +230,9 @@ def _densities(density: Any, densities: Sequence[float] | None, n: int) -> list[
 
 
 def task_vector_rule(
-    rule: str,
-    states: Sequence[StateDict],
-    weights: Sequence[float],
-    base: StateDict | None,
-    *,
-    density: Any = None,
-    densities: Sequence[float] | None = None,
-    epsilon: Any = None,
-    gamma: Any = None,
-    scale: Any = None,
-    seed: int = 0,
-    layer_count: int | None = None,
-    return_log: bool = False,
-):
+    rule: str, states, weights, base, *, density=None, densities: Sequence[float] | None = None, epsilon=None,
+    gamma=None, scale=None, seed: int = 0, layer_count: int | None = None, return_log: bool = False,
+):  # fmt: skip
     """Generalized task arithmetic with DELLA's or Breadcrumbs' sparsification (:data:`TASK_RULES`):
     ``W = base + λ·mixed`` of the sparse weighted τᵢ (sign-elected, normalised as registered)."""
     sparsify, elect, normalise = TASK_RULES[rule]

@@ -253,16 +253,9 @@ def _solve_symmetric(
 
 
 def merge_regmean(
-    states: Sequence[StateDict],
-    weights: Sequence[float],
-    base: StateDict | None = None,
-    *,
-    grams: Sequence[Mapping[str, torch.Tensor]],
-    linear_weights: Mapping[str, str],
-    shrink: float = 0.9,
-    transposed_weights: Collection[str] = (),
-    return_log: bool = False,
-):
+    states, weights, base=None, *, grams: Sequence[Mapping], linear_weights: Mapping[str, str], shrink: float = 0.9,
+    transposed_weights: Collection[str] = (), return_log: bool = False,
+):  # fmt: skip
     """RegMean: per Linear layer, the weight that best reproduces every model's outputs.
 
     ``linear_weights`` maps weight name → gram key (q, k, v may share one); ``grams`` holds each
@@ -422,15 +415,7 @@ def _check_label_spaces(labels: Sequence[tuple[int | None, Mapping | None]] | No
             )
 
 
-def merge_heads(
-    states: Sequence[StateDict],
-    head_params: Sequence[str],
-    weights: Sequence[float],
-    policy: str = "a",
-    labels: Sequence[tuple[int | None, Mapping | None]] | None = None,
-    *,
-    return_log: bool = False,
-):
+def merge_heads(states, head_params: Sequence[str], weights, policy: str = "a", labels=None, *, return_log=False):
     """The head parameters ``head_params`` of N ≥ 2 models (``states``, the reference first), cast to
     the reference's dtype: the reference's (``"a"``); B′'s (``"b"``, two models only: the receiving
     model first takes B's head shapes, :func:`raot_hf.io.loading.adopt_head`); or (``"average"``) the

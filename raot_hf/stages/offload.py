@@ -1,13 +1,11 @@
 """Stage: choosing between the in-memory merge and the layer-wise one, before any weights are read
 (docs/design.md §7.4).
 
-An aligned merge holds both models in memory (about :data:`IN_MEMORY_FACTOR` × the checkpoints
-with the statistics and the stages' temporaries). When that would not fit — in ``--max-memory``
-when it is given, else in the memory the system has available — the models are *offloaded*
-(:mod:`raot_hf.io.offload`): each is read tensor by tensor into a disk-backed working file (or,
-when its stored names are not the model's, loaded whole and then moved there), and from then on
-only about one layer of each is resident at a time. The layer-wise merge still holds the
-calibration statistics: a cap below what it needs is refused in one line.
+An aligned merge holds about :data:`IN_MEMORY_FACTOR` × the checkpoints. When that would not fit
+in ``--max-memory`` (else in the memory available), the models are *offloaded*
+(:mod:`raot_hf.io.offload`): read tensor by tensor into disk-backed working files (or loaded whole,
+then moved there), with about one layer of each resident. The statistics stay in memory: a cap
+below what the layer-wise merge needs is refused in one line.
 """
 
 from __future__ import annotations
@@ -93,10 +91,9 @@ def reads_tensorwise(source, hf_config) -> bool:
 def layerwise_bytes(
     sizes: list[int], hf_config, dtype: str = "auto", largest: int | None = None, per_layer: bool = True
 ) -> int:
-    """What the layer-wise merge keeps resident: the runtime, the statistics (``per_layer``: the
-    MLP's solved and freed layer by layer), a few copies of one layer, and what loading needs —
-    two copies of the ``largest`` tensor when the checkpoints are read tensor by tensor, else
-    (None) the largest model, loaded whole before it is offloaded."""
+    """What the layer-wise merge keeps resident: the runtime, the statistics (``per_layer``: solved
+    and freed layer by layer), a few copies of one layer, and for loading two copies of the
+    ``largest`` tensor (None: the largest model, loaded whole before it is offloaded)."""
     layers = getattr(getattr(hf_config, "get_text_config", lambda: hf_config)(), "num_hidden_layers", None) or 1
     layer = max(sizes) // max(layers, 1)
     loading = max(sizes) if largest is None else 2 * largest
@@ -117,10 +114,9 @@ def available_memory() -> int | None:
 def choose_offload(
     offload, sources, hf_config, dtype: str = "auto", cap: int | None = None, per_layer: bool = True
 ) -> bool:
-    """Whether the models are offloaded (``offload``: "auto", "always" or "never"; True / False
-    mean always / never). ``auto`` offloads when the in-memory merge would exceed ``cap`` (bytes;
-    None: the available memory). A cap the chosen path cannot keep is refused in one line.
-    ``per_layer``: the estimator solves each layer as the layer-by-layer pass completes it."""
+    """Whether the models are offloaded (``offload``: "auto", "always"/True or "never"/False); ``auto``:
+    when the in-memory merge would exceed ``cap`` (bytes; None: the available memory). A cap the
+    chosen path cannot keep is refused. ``per_layer``: the estimator solves each layer as it completes."""
     mode = {True: "always", False: "never", None: "auto"}.get(offload, offload)
     if mode not in _CHOICES:
         raise RaotError(f"offload must be one of {', '.join(_CHOICES)}, got {offload!r}")
@@ -170,10 +166,9 @@ def offload_models(models, labels, schema, directory) -> WorkingFiles:
 
 
 def load_layerwise(source, label: str, hf_config, dtype: str, directory, files: WorkingFiles):
-    """One model for a layer-wise merge: a local safetensors checkpoint is read tensor by tensor
-    straight into its working file (:func:`raot_hf.io.offload.load_offloaded`); anything else (a
-    Hub id, renamed keys) is loaded whole, then offloaded. Its working file is recorded in
-    ``files``."""
+    """One model for a layer-wise merge, its working file recorded in ``files``: a local safetensors
+    checkpoint read tensor by tensor into it (:func:`raot_hf.io.offload.load_offloaded`), anything
+    else (a Hub id, renamed keys) loaded whole, then offloaded."""
     from raot_hf.adapters import schema_for
     from raot_hf.gate.fidelity import layer_module_names
     from raot_hf.io.loading import load_model, model_class
