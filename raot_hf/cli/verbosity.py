@@ -58,22 +58,17 @@ def _silence_libraries(quiet: bool) -> Callable[[], None]:
     from huggingface_hub import utils as hub_utils
 
     tf_logging, ds_logging = transformers.utils.logging, datasets.utils.logging
-    before = (
-        tf_logging.get_verbosity(),
-        tf_logging.is_progress_bar_enabled(),
-        ds_logging.get_verbosity(),
-        datasets.utils.are_progress_bars_disabled(),
-        hub_utils.are_progress_bars_disabled(),
-    )
+    tf_verbosity, tf_bars = tf_logging.get_verbosity(), tf_logging.is_progress_bar_enabled()
+    ds_verbosity, ds_bars_off = ds_logging.get_verbosity(), datasets.utils.are_progress_bars_disabled()
+    hub_bars_off = hub_utils.are_progress_bars_disabled()
     tf_logging.set_verbosity_error()
     ds_logging.set_verbosity_error()
     tf_logging.disable_progress_bar()  # also switches huggingface_hub's bars off: ours use them
     datasets.disable_progress_bars()
-    if not quiet and not before[4]:
+    if not quiet and not hub_bars_off:
         hub_utils.enable_progress_bars()
 
     def restore() -> None:
-        tf_verbosity, tf_bars, ds_verbosity, ds_bars_off, hub_bars_off = before
         tf_logging.set_verbosity(tf_verbosity)
         ds_logging.set_verbosity(ds_verbosity)
         tf_logging.enable_progress_bar() if tf_bars else tf_logging.disable_progress_bar()

@@ -44,15 +44,11 @@ REFUSED_METHODS = {
 }
 #: mergekit's defaults of the methods' normalize and rescale switches (the definitions implemented here).
 _DEFAULTS = {
-    "linear": {"normalize": True},
-    "task_arithmetic": {"normalize": False, "rescale": False},
-    "ties": {"normalize": True, "rescale": False},
-    "dare_ties": {"normalize": False, "rescale": True},
-    "della": {"normalize": True, "rescale": True},
-    "della_linear": {"normalize": False, "rescale": True},
-    "breadcrumbs": {"normalize": False, "rescale": False},
-    "breadcrumbs_ties": {"normalize": False, "rescale": False},
-}
+    "linear": {"normalize": True}, "task_arithmetic": {"normalize": False, "rescale": False},
+    "ties": {"normalize": True, "rescale": False}, "dare_ties": {"normalize": False, "rescale": True},
+    "della": {"normalize": True, "rescale": True}, "della_linear": {"normalize": False, "rescale": True},
+    "breadcrumbs": {"normalize": False, "rescale": False}, "breadcrumbs_ties": {"normalize": False, "rescale": False},
+}  # fmt: skip
 #: The mergekit rules' parameters → their mergekit-section option (settings may vary by layer or module).
 _MERGEKIT_PARAMETERS = {
     "t": "t", "density": "density", "lambda": "scale", "epsilon": "epsilon", "gamma": "gamma",

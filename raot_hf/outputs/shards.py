@@ -191,13 +191,9 @@ def _streamable(tensors: dict[str, torch.Tensor], names: list[str]) -> bool:
 
 
 def write_safetensors_shards(
-    directory: Path,
-    tensors: dict[str, torch.Tensor],
-    max_shard_bytes: int,
-    *,
-    total_parameters: int | None = None,
+    directory: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int, *, total_parameters: int | None = None,
     working_files: WorkingFiles | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any]:  # fmt: skip
     """Stream ``tensors`` into safetensors shards in ``directory`` and write the index (always,
     even for one shard). Returns the index dict. ``working_files``: those behind the tensors when
     they are an offloaded model's (each tensor's pages are dropped once written)."""
