@@ -43,32 +43,22 @@ _DECODERS = {
     "qwen2": ("Qwen2Config", "Qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
 }
 
+#: Each head's transformers class suffix (``Bert`` + ``ForMaskedLM``).
 HEADS = {
-    "causal": "ForCausalLM",
-    "base": "Model",
-    "sequence": "ForSequenceClassification",
-    "token": "ForTokenClassification",
-    "mlm": "ForMaskedLM",
-    "qa": "ForQuestionAnswering",
-    "image": "ForImageClassification",
-    "teacher": "ForImageClassificationWithTeacher",
-}
+    "causal": "ForCausalLM", "base": "Model", "sequence": "ForSequenceClassification",
+    "token": "ForTokenClassification", "mlm": "ForMaskedLM", "qa": "ForQuestionAnswering",
+    "image": "ForImageClassification", "teacher": "ForImageClassificationWithTeacher",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class TinyArchitecture:
-    """How the tests build tiny models of one registered architecture (``config.model_type``).
-
-    * ``config``: the tiny config builder, ``config(model_type, **shape_and_overrides)``;
-    * ``model_class``: ``model_class(model_type, head)``, the transformers class of a head of :data:`HEADS`;
-    * ``heads``: the heads the symmetry tests run (each an exact-symmetry case);
-    * ``task_head``: the head merge tests use (a classifier, or the LM head of a decoder);
-    * ``rope``: rotary positions with grouped-query attention (``num_kv_heads``) and RMSNorm;
-    * ``variant_of``: another registered architecture whose modeling code this one's copies
-      (transformers' "Copied from"): the per-architecture merge tests run that one only.
-
-    Whether it is a decoder and what it reads (text, images) come from its adapter
-    (:func:`raot_hf.adapters.is_decoder`, :func:`raot_hf.adapters.modality_of`)."""
+    """How the tests build tiny models of one registered architecture (``config.model_type``):
+    ``config(model_type, **shape_and_overrides)``; ``model_class(model_type, head)``, the class of a
+    head of :data:`HEADS`; the ``heads`` the symmetry tests run; the ``task_head`` merge tests use;
+    ``rope``: rotary positions with grouped-query attention and RMSNorm; ``variant_of``: a registered
+    architecture whose modeling code this one copies (the per-architecture merge tests run that one
+    only). Decoder or not, and the modality, come from its adapter."""
 
     model_type: str
     config: Callable[..., transformers.PretrainedConfig]
@@ -172,17 +162,9 @@ def tiny_config(model_type: str, *, hidden_size=16, num_heads=4, num_layers=2, i
 
 
 def tiny_decoder_config(
-    model_type: str,
-    *,
-    hidden_size=32,
-    num_heads=8,
-    num_kv_heads=2,
-    num_layers=2,
-    intermediate_size=48,
-    vocab_size=100,
-    tie_word_embeddings=False,
-    **overrides,
-):
+    model_type: str, *, hidden_size=32, num_heads=8, num_kv_heads=2, num_layers=2, intermediate_size=48,
+    vocab_size=100, tie_word_embeddings=False, **overrides,
+):  # fmt: skip
     """A small decoder config (``gpt2``, ``llama``, ``mistral``, ``qwen2``): grouped-query
     attention where the family has it, pad token 0, bos 1, eos 2."""
     if model_type not in _DECODERS:
@@ -282,15 +264,13 @@ def trained_like(
     twins: float | None = None,
     twin_layer: int | None = None,
 ) -> torch.nn.Module:
-    """Make a tiny random model compute like a trained one, in place, and return it.
-
-    Every matrix gets unit gain (N(0, 1/fan-in); embeddings N(0, 1)); queries and keys are scaled by
-    ``qk_gain`` so attention is peaked. ``massive`` (decoders): layer 1's MLP unit 0 writes that
-    value into two stream dimensions on the ``triggers`` tokens only (the **massive activations**
-    of pretrained LLMs). ``twins``: in layer ``twin_layer`` (default the middle one) MLP units 0 and
-    1 are **near-twin massive units** (about ``twins`` and 0.35 × as much on the first token,
-    correlating at ~0.999, writing along different directions), their correlation margin below
-    bf16 rounding (docs/design.md §4.3)."""
+    """Make a tiny random model compute like a trained one, in place, and return it: unit-gain
+    matrices (N(0, 1/fan-in); embeddings N(0, 1)), queries and keys scaled by ``qk_gain``.
+    ``massive`` (decoders): layer 1's MLP unit 0 writes that value into two stream dimensions on the
+    ``triggers`` tokens only (LLMs' massive activations). ``twins``: MLP units 0 and 1 of
+    ``twin_layer`` (default the middle one) are near-twin massive units (about ``twins`` and 0.35 ×
+    as much on the first token, correlating at ~0.999 along different directions), their margin
+    below bf16 rounding (docs/design.md §4.3)."""
     from transformers.pytorch_utils import Conv1D
 
     g = torch.Generator().manual_seed(int(seed) + 7919)

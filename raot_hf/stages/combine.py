@@ -1,10 +1,9 @@
 """Stage: merge the reference and every aligned model with the configured rule, dispatched through
 the merge-rule registry (docs/design.md §6, §6.9): two models are the case N = 2.
 
-A rule's registration (:class:`raot_hf.merging.MergeRuleSpec`) says what it reads besides the
-models and their weights — Grams, Fishers, a base model, options from the config — and whether it
-is per-tensor; this stage gathers exactly that. A per-tensor rule writes the trunk straight into A's parameters
-a few tensors at a time, so no merged copy of the whole model is held.
+This stage gathers what the rule's :class:`raot_hf.merging.MergeRuleSpec` says it reads (Grams,
+Fishers, a base, options); a per-tensor rule writes the trunk into A's parameters a few tensors at
+a time, so no merged copy of the whole model is held.
 """
 
 from __future__ import annotations
@@ -108,12 +107,10 @@ def chunks_of(sizes: dict[str, int]) -> list[list[str]]:
 
 
 def merge_by_chunks(spec: MergeRuleSpec, chunks, read, weights: list, inputs: dict, write) -> RuleLog:
-    """Run a per-tensor rule a chunk of names at a time (``weights``: one per model, see
-    :func:`raot_hf.merging.apply_rule`): ``read(names)`` gives every model's tensors of the chunk
-    (the reference's first), ``write(merged)`` stores the merged ones — into the reference's
-    parameters in memory, into output shards when streamed from the files (§7.3) — so float64
-    temporaries stay ~100 MB; ``inputs["base"]`` may be any mapping, read after ``read``. Returns the
-    chunks' logs added up."""
+    """Run a per-tensor rule a chunk of names at a time, so float64 temporaries stay ~100 MB:
+    ``read(names)`` gives every model's tensors of the chunk (the reference's first), ``write(merged)``
+    stores the merged ones (into the reference's parameters, or output shards when streamed, §7.3);
+    ``inputs["base"]`` may be any mapping, read after ``read``. Returns the chunks' logs added up."""
     base = inputs.pop("base", None)
     log = RuleLog(spec.name)
     for names in chunks:
