@@ -119,14 +119,8 @@ def registries_restored():
     import raot_hf.estimators.registry as estimators
     import raot_hf.merging as merging
 
-    tables = (
-        merging._RULES,
-        estimators._ESTIMATORS,
-        corrections._CORRECTIONS,
-        adapters._REGISTRY,
-        sections._SECTIONS,
-        _ARCHITECTURES,
-    )
+    tables = (merging._RULES, estimators._ESTIMATORS, corrections._CORRECTIONS, adapters._REGISTRY, sections._SECTIONS)
+    tables += (_ARCHITECTURES,)
     saved = [dict(table) for table in tables]
     try:
         yield
@@ -255,15 +249,9 @@ def _unit_rows(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
 
 @torch.no_grad()
 def trained_like(
-    model: torch.nn.Module,
-    *,
-    seed: int = 0,
-    qk_gain: float = 2.0,
-    massive: float | None = None,
-    triggers: tuple[int, ...] = (2, 3),
-    twins: float | None = None,
-    twin_layer: int | None = None,
-) -> torch.nn.Module:
+    model: torch.nn.Module, *, seed: int = 0, qk_gain: float = 2.0, massive: float | None = None,
+    triggers: tuple[int, ...] = (2, 3), twins: float | None = None, twin_layer: int | None = None,
+) -> torch.nn.Module:  # fmt: skip
     """Make a tiny random model compute like a trained one, in place, and return it: unit-gain
     matrices (N(0, 1/fan-in); embeddings N(0, 1)), queries and keys scaled by ``qk_gain``.
     ``massive`` (decoders): layer 1's MLP unit 0 writes that value into two stream dimensions on the

@@ -97,11 +97,10 @@ def base_relative_rules() -> list[str]:
 def register_merge_rule(
     name: str, fn: Callable, *, options: Mapping[str, str] | None = None, config: type | None = None, **flags: Any
 ) -> Callable:
-    """Register ``fn`` as the merge rule ``name``; ``flags`` are :class:`MergeRuleSpec`'s booleans
-    and ``max_models``. ``config``: the rule's own options section (an
-    :class:`~raot_hf.config.sections.OptionSection`), registered with it so that ``RaotConfig``, its
-    JSON and the CLI's ``--<section>-<field>`` flags know it; unless ``options`` says otherwise, the
-    rule is called with every field of it. Refuses non-callables and duplicate names."""
+    """Register ``fn`` as the merge rule ``name``; ``flags``: :class:`MergeRuleSpec`'s booleans and
+    ``max_models``. ``config``: the rule's :class:`~raot_hf.config.sections.OptionSection`, registered
+    with it (``RaotConfig``, its JSON and the CLI's flags know it); the rule gets every field of it
+    unless ``options`` says otherwise. Refuses non-callables and duplicate names."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"a merge rule name must be a non-empty string, got {name!r}")
     if not callable(fn):
@@ -148,8 +147,8 @@ def rule_options(spec: MergeRuleSpec, config, models: int = 2, names=None) -> di
 
 
 def apply_rule(spec: MergeRuleSpec, states: list, weights: list[float], **inputs) -> tuple[dict, RuleLog]:
-    """Call the rule on ``states`` with one weight per model; returns ``(merged, log)``, a log given as
-    a plain dict (a rule registered from outside may return one) read by :meth:`RuleLog.from_dict`."""
+    """Call the rule on ``states`` with one weight per model; returns ``(merged, log)`` (a plain-dict
+    log, as a rule registered from outside may return, read by :meth:`RuleLog.from_dict`)."""
     merged, log = spec.fn(list(states), list(weights), return_log=True, **inputs)
     return merged, log if isinstance(log, RuleLog) else RuleLog.from_dict(log)
 

@@ -15,16 +15,11 @@ from typing import Any
 
 @dataclass
 class RuleLog:
-    """One merge rule's record.
-
-    * ``rule``: the rule's name; ``settings``: what it ran with (JSON-serialisable values; a list
-      is a per-entry record that chunks extend, a tuple a setting given once).
-    * ``counts``: method → number of tensors it merged.
-    * ``params``: tensor name → ``{"method", **details}``, per-tensor notes for callers of the rule
-      (never reported, and not carried by :meth:`add`).
-    * ``totals``: entry counts over all tensors (the base-relative rules'), None when not kept.
-    * ``correction``: the post-merge correction's record (docs/design.md §6.7), set by the stages.
-    """
+    """One merge rule's record: ``settings`` it ran with (JSON-serialisable; a list is a per-entry
+    record that chunks extend, a tuple a setting given once); ``counts``: method → tensors merged;
+    ``params``: tensor name → ``{"method", **details}`` for the rule's callers (never reported, not
+    carried by :meth:`add`); ``totals``: entry counts (base-relative rules; None when not kept);
+    ``correction``: the post-merge correction's record (docs/design.md §6.7), set by the stages."""
 
     rule: str
     settings: dict[str, Any] = field(default_factory=dict)

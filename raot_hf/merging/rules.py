@@ -416,12 +416,10 @@ def _check_label_spaces(labels: Sequence[tuple[int | None, Mapping | None]] | No
 
 
 def merge_heads(states, head_params: Sequence[str], weights, policy: str = "a", labels=None, *, return_log=False):
-    """The head parameters ``head_params`` of N ≥ 2 models (``states``, the reference first), cast to
-    the reference's dtype: the reference's (``"a"``); B′'s (``"b"``, two models only: the receiving
-    model first takes B's head shapes, :func:`raot_hf.io.loading.adopt_head`); or (``"average"``) the
-    weighted average of every model's, as :func:`merge_linear` computes it (weights normalised; two
-    models' ``(1 − α, α)`` sum to exactly 1, so the average is ``(1 − α)·x_A + α·x_B′`` as written).
-    Averaging needs ``labels``, one ``(num_labels, id2label)`` per model, all the reference's."""
+    """The head parameters ``head_params`` of N ≥ 2 models (``states``, the reference first), in the
+    reference's dtype: the reference's (``"a"``); B′'s (``"b"``, two models only, after
+    :func:`raot_hf.io.loading.adopt_head`); or (``"average"``) :func:`merge_linear`'s weighted average,
+    which needs ``labels``, one ``(num_labels, id2label)`` per model, all the reference's."""
     if policy not in HEAD_POLICIES:
         raise RaotError(f"unknown head policy {policy!r}; use one of: {', '.join(HEAD_POLICIES)}.")
     n = len(states)

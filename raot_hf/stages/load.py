@@ -43,9 +43,8 @@ def check_base_matches_rule(config, has_base: bool) -> None:
 
 @dataclass
 class LoadedPair:
-    """What :func:`load_pair` read: the models, A's preprocessor, the sources, the base (if any),
-    the early-loaded calibration sample, the load time and the models' working files (empty when
-    they are in memory)."""
+    """What :func:`load_pair` read: models, A's preprocessor, sources, the base (if any), the early
+    calibration sample, load time and the models' working files (empty when in memory)."""
 
     model_a: torch.nn.Module
     model_b: torch.nn.Module
@@ -100,21 +99,11 @@ def model_sources(
 
 
 def load_pair(
-    a: str | Path,
-    b: str | Path,
-    config,
-    *more: str | Path,
-    revision: str | None = None,
-    revision_b: str | None = None,
-    token: str | bool | None = None,
-    trust_remote_code: bool = False,
-    allow_pickle: bool = False,
-    base: str | Path | None = None,
-    base_revision: str | None = None,
-    offload: str | bool = "auto",
-    offload_dir: str | Path | None = None,
-    max_memory: str | int | None = None,
-) -> LoadedPair:
+    a: str | Path, b: str | Path, config, *more: str | Path, revision: str | None = None, revision_b: str | None = None,
+    token: str | bool | None = None, trust_remote_code: bool = False, allow_pickle: bool = False,
+    base: str | Path | None = None, base_revision: str | None = None, offload: str | bool = "auto",
+    offload_dir: str | Path | None = None, max_memory: str | int | None = None,
+) -> LoadedPair:  # fmt: skip
     """Load A and B (and ``more`` models: every one after A takes ``revision_b``, else
     ``revision``) from Hub ids or local directories, and the base, after every cheap check.
     ``offload`` ("auto", "always", "never"), ``offload_dir`` and ``max_memory``: whether the models

@@ -112,9 +112,8 @@ class _NotStreamable(Exception):
 
 
 class _BaseTensors(Mapping):
-    """The base's tensors of the chunk being merged, under A's names (same name, or across A's
-    ``base_model_prefix``): :meth:`read_chunk` reads every model's and the base's tensors of a
-    chunk from the files and measures each model's distance from the base (§6.6)."""
+    """The base's tensors of the chunk being merged, under A's names (across A's ``base_model_prefix``);
+    :meth:`read_chunk` reads a chunk of every model and the base and measures their distance (§6.6)."""
 
     def __init__(self, reading: _Reading, read, ratios: list[list[float]]):
         prefix = getattr(reading.skeleton, "base_model_prefix", "") or ""
@@ -249,9 +248,8 @@ def _checkpoint_sizes(source) -> tuple[int, int]:
 
 
 def shard_bytes_within(cap: int, sources, base_source, max_shard_bytes: int) -> int:
-    """The output shard size a streamed merge keeps under the memory cap ``cap`` (bytes), refusing before
-    any work a cap it cannot keep: one tensor of every model (and the base) in float64 beside the
-    runtime and one output shard."""
+    """The output shard size that keeps a streamed merge under ``cap`` bytes (one float64 tensor of
+    every model and the base, the runtime and one shard); a cap it cannot keep is refused."""
     local = [*sources, *([base_source] if base_source else [])]
     if any(local_safetensors(s) is None for s in local):
         raise RaotError("--max-memory needs local safetensors checkpoints (their sizes are read from the files)")
@@ -273,8 +271,8 @@ def shard_bytes_within(cap: int, sources, base_source, max_shard_bytes: int) -> 
 def run_streamed(sources, base_source, config, out, *, stream=True, overwrite=False, max_shard_size="2GB",
                  max_memory=None, command=None):  # fmt: skip
     """The merge streamed from the files when it can be (and ``stream``): ``((path, report),
-    shard_bytes)``, or ``(None, shard_bytes)`` when the in-memory path must run (the reason is logged).
-    ``max_memory`` (bytes or a size string) caps memory: too small is refused, streamed shards shrink."""
+    shard_bytes)``, else ``(None, shard_bytes)`` (the reason logged). ``max_memory`` (bytes or a size
+    string): too small is refused, streamed shards shrink to fit."""
     from raot_hf.outputs.shards import parse_size
 
     why = stream_blocker(config, sources, base_source) if stream else "--no-stream"

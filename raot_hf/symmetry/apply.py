@@ -145,9 +145,7 @@ def model_state(model: torch.nn.Module, names: set[str] | None = None) -> dict[s
 
 
 @torch.no_grad()
-def load_state(
-    model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, working_files: WorkingFiles | None = None
-) -> None:
+def load_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, working_files=None) -> None:
     """Copy ``state`` into the model's parameters in place (casting to each parameter's dtype);
     ``working_files``: the model's when it is offloaded (each written parameter's pages go back to
     its file, docs/design.md §7.4)."""
@@ -197,9 +195,7 @@ def transform_model(model: torch.nn.Module, schema: ModelSchema, transform: Tran
 
 
 @torch.no_grad()
-def fold_model(
-    model: torch.nn.Module, schema: ModelSchema, *, working_files: WorkingFiles | None = None
-) -> torch.nn.Module:
+def fold_model(model: torch.nn.Module, schema: ModelSchema, *, working_files=None) -> torch.nn.Module:
     """Fold a pre-LN model's LayerNorms into their readers in place (exact)."""
     fold_layernorms(_fold_parameters(model, schema, working_files=working_files), schema)
     return model
