@@ -16,8 +16,8 @@ from raot_hf.version import __version__
 
 logger = logging.getLogger("raot_hf.hub")
 
+#: Files a merged model directory must hold at its top level (besides the weights).
 REQUIRED_FILES = ("config.json", "raot_report.json")
-"""Files a merged model directory must hold at its top level (besides the weights)."""
 
 DEFAULT_BRANCH = "main"
 
@@ -44,23 +44,6 @@ def validate_merged_folder(folder: str | Path) -> Path:
     return path
 
 
-def _validate_push_arguments(repo_id: str, revision: str | None, create_pr: bool) -> None:
-    """Reject argument combinations the Hub client would refuse, before any HTTP request."""
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as exc:
-        raise RaotError(
-            f"invalid repo id {repo_id!r}; use 'namespace/name' with letters, digits, '-', '_' or '.'"
-        ) from exc
-    if revision is not None and not revision.strip():
-        raise RaotError("empty --revision; pass a branch name or leave it out to push to main")
-    if create_pr and revision not in (None, DEFAULT_BRANCH):
-        raise RaotError(
-            f"--create-pr always opens a pull request against {DEFAULT_BRANCH!r}; "
-            f"drop --revision {revision!r} or drop --create-pr"
-        )
-
-
 def push_to_hub(
     folder: str | Path,
     repo_id: str,
@@ -82,7 +65,19 @@ def push_to_hub(
     refused token.
     """
     path = validate_merged_folder(folder)
-    _validate_push_arguments(repo_id, revision, create_pr)
+    try:  # argument combinations the Hub client would refuse, before any HTTP request
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise RaotError(
+            f"invalid repo id {repo_id!r}; use 'namespace/name' with letters, digits, '-', '_' or '.'"
+        ) from exc
+    if revision is not None and not revision.strip():
+        raise RaotError("empty --revision; pass a branch name or leave it out to push to main")
+    if create_pr and revision not in (None, DEFAULT_BRANCH):
+        raise RaotError(
+            f"--create-pr always opens a pull request against {DEFAULT_BRANCH!r}; "
+            f"drop --revision {revision!r} or drop --create-pr"
+        )
     if constants.is_offline_mode():
         raise RaotError("Hugging Face offline mode is on (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE); unset it to push")
     message = commit_message or f"Upload RaOT-merged model with raot-hf {__version__}"

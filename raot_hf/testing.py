@@ -93,10 +93,9 @@ def tiny_architecture(model_type: str) -> TinyArchitecture:
 
 
 def architectures(*, decoders: bool | None = None, rope: bool | None = None, variants: bool = False) -> list[str]:
-    """The model types of every registered tiny architecture, in registration order — the one list
-    the per-architecture tests parametrize over. ``decoders``: only decoders (True) or only
-    encoders (False); ``rope``: only the RoPE family (True) or none of it (False); ``variants``:
-    include the architectures that copy another's modeling code."""
+    """The registered tiny architectures' model types in registration order (the per-architecture tests'
+    one list): only decoders / encoders (``decoders`` True / False), only / no RoPE family (``rope``),
+    and with ``variants`` those that copy another's modeling code."""
     from raot_hf.adapters import is_decoder
 
     return [
@@ -111,8 +110,7 @@ def architectures(*, decoders: bool | None = None, rope: bool | None = None, var
 @contextlib.contextmanager
 def registries_restored():
     """Within the block, merge rules, estimators, corrections, adapters, options sections and tiny
-    architectures may be registered freely: on exit every registry holds what it held before (a
-    test's fixture around an extension registered from outside the package)."""
+    architectures may be registered freely: on exit every registry holds what it held before."""
     import raot_hf.adapters as adapters
     import raot_hf.config.sections as sections
     import raot_hf.correction.registry as corrections

@@ -123,23 +123,17 @@ def _layout(params: list[tuple[str, torch.Tensor]]) -> tuple[dict[str, tuple[int
     return ranges, max(offset, _ALIGN)
 
 
-def check_disk_space(directory: Path, need: int, what: str) -> None:
-    """Refuse, in one line, a working directory without room for ``need`` bytes."""
-    free = shutil.disk_usage(directory).free
-    if free < need + DISK_MARGIN:
-        gib = 2**30
-        raise RaotError(
-            f"the offload directory {directory} has {free / gib:.1f} GiB free, {what} needs "
-            f"{(need + DISK_MARGIN) / gib:.1f} GiB; pass --offload-dir on a larger disk"
-        )
-
-
 def _mapped_file(params: list[tuple[str, torch.Tensor]], directory: Path, label: str) -> OffloadedWeights:
     """A zeroed working file laid out for ``params`` in ``directory``, mapped shared and unlinked."""
     if not directory.is_dir():
         raise RaotError(f"the offload directory {directory} does not exist; create it or pass another --offload-dir")
     ranges, total = _layout(params)
-    check_disk_space(directory, total, f"model {label}'s working file")
+    free = shutil.disk_usage(directory).free
+    if free < total + DISK_MARGIN:
+        raise RaotError(
+            f"the offload directory {directory} has {free / 2**30:.1f} GiB free, model {label}'s working file needs "
+            f"{(total + DISK_MARGIN) / 2**30:.1f} GiB; pass --offload-dir on a larger disk"
+        )
     fd, path = tempfile.mkstemp(dir=directory, prefix=f"raot-offload-{label}-", suffix=".bin")
     try:
         os.ftruncate(fd, total)

@@ -66,7 +66,6 @@ class MergeRuleSpec:
     * ``max_models``: the most models the rule merges (SLERP's two); None: any number.
     * ``layered``: options may vary by layer or module; called with ``layer_count=``.
     * ``absolute_weights``: reads the weights as given (mergekit's); gets ``models.densities`` for two models too.
-
     """
 
     name: str

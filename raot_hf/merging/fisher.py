@@ -29,13 +29,9 @@ def _log_prob_of_sample(logits: torch.Tensor, mask: torch.Tensor | None, generat
 
 
 def diagonal_fisher(
-    model: torch.nn.Module,
-    batches: Iterable[dict[str, torch.Tensor]],
-    *,
-    names: set[str] | None = None,
-    max_examples: int = 64,
-    seed: int = 0,
-) -> dict[str, torch.Tensor]:
+    model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]], *, names: set[str] | None = None,
+    max_examples: int = 64, seed: int = 0,
+) -> dict[str, torch.Tensor]:  # fmt: skip
     """Diagonal Fisher of ``model``'s parameters (restricted to ``names``) over up to
     ``max_examples`` examples drawn from ``batches`` (dicts of model inputs)."""
     params = {n: p for n, p in model.named_parameters() if names is None or n in names}

@@ -28,12 +28,7 @@ def transposed_weights(model: torch.nn.Module, weights) -> set[str]:
     """The names among ``weights`` whose module stores its weight (in, out) (``Conv1D``)."""
     from transformers.pytorch_utils import Conv1D
 
-    out = set()
-    for name in weights:
-        module = model.get_submodule(name.rsplit(".", 1)[0])
-        if isinstance(module, Conv1D):
-            out.add(name)
-    return out
+    return {name for name in weights if isinstance(model.get_submodule(name.rsplit(".", 1)[0]), Conv1D)}
 
 
 def _unfold(g: torch.Tensor, s: torch.Tensor, n: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor):
@@ -45,16 +40,10 @@ def _unfold(g: torch.Tensor, s: torch.Tensor, n: torch.Tensor, gamma: torch.Tens
 
 
 def aligned_grams(
-    stats: CalibrationStatistics,
-    schema: ModelSchema,
-    applied: TransformSequence,
-    model_a: torch.nn.Module,
-    model_b: torch.nn.Module,
-    *,
-    folded: bool | None = None,
-    transposed: set[str] | None = None,
+    stats: CalibrationStatistics, schema: ModelSchema, applied: TransformSequence, model_a: torch.nn.Module,
+    model_b: torch.nn.Module, *, folded: bool | None = None, transposed: set[str] | None = None,
     unfolded_norms: tuple[dict, dict] | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:  # fmt: skip
     """Grams of A and of B′ keyed like ``stats.grams``.
 
     Inputs were recorded before any folding. If the models are now folded (a pre-LN residual
@@ -69,13 +58,9 @@ def aligned_grams(
         transposed = transposed_weights(model_a, stats.gram_keys)
     if folded is None:
         folded = needs_folding(schema, actions)
-    fold_of: dict[str, tuple[str, str]] = {}
-    if folded:
-        for fold in schema.folds:
-            for w, _ in fold.readers:
-                fold_of[w] = (fold.norm_weight, fold.norm_bias)
-    grams_a: dict[str, torch.Tensor] = {}
-    grams_b: dict[str, torch.Tensor] = {}
+    folds = schema.folds if folded else ()
+    fold_of = {w: (fold.norm_weight, fold.norm_bias) for fold in folds for w, _ in fold.readers}
+    grams_a, grams_b = {}, {}
     for weight, key in stats.gram_keys.items():
         gram: Gram = stats.grams[key]
         ga, gb = gram.a.to(torch.float64, copy=True), gram.b.to(torch.float64, copy=True)

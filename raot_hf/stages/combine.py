@@ -128,10 +128,9 @@ def merge_trunks(
     ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weights: list, inputs: dict, run, method: str,
     parents: dict,
 ) -> RuleLog:  # fmt: skip
-    """The rule's merge of the trunks (the reference's first), written into the reference's module:
-    corrected layer by layer when ``method`` is not ``none`` (docs/design.md §6.7; ``parents``:
-    side → model, ``"a"`` the reference), a few tensors at a time for a per-tensor rule, else
-    whole. Returns the rule's log."""
+    """The rule's merge of the trunks (the reference's first) written into the reference's module, and
+    its log: corrected layer by layer unless ``method`` is ``none`` (§6.7; ``parents``: side → model,
+    ``"a"`` the reference), a few tensors at a time for a per-tensor rule, else whole."""
     if method != "none":
         return corrected_merge(ctx, spec, trunks, weights, inputs, run, method, parents)
     if spec.per_tensor:  # into the reference's parameters a chunk at a time
@@ -159,10 +158,9 @@ def merged_heads(members: list[Member], states: list[dict], head: list[str], wei
 
 
 def correction_method(ctx: PairContext, alignment: Alignment, spec: MergeRuleSpec, run) -> tuple[str, str]:
-    """The post-merge correction this merge runs (docs/design.md §6.7), and why: ``auto`` is
-    ``lsq`` when the gate moved B (the parents differ in basis) and there is calibration data,
-    ``none`` when they share a basis (siblings keep the merge their rule defines) or the rule
-    measures task vectors against a base."""
+    """The post-merge correction this merge runs (docs/design.md §6.7), and why: ``auto`` is ``lsq``
+    when the gate moved B and there is calibration data, ``none`` when they share a basis (siblings
+    keep their rule's merge) or the rule measures task vectors against a base."""
     requested = ctx.config.correction.method
     if requested != "auto":
         return requested, "requested"

@@ -87,10 +87,9 @@ def on_device_of(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dic
 
 @contextmanager
 def one_thread():
-    """Run the solve on one intra-op thread: its work is many small operations (k×k
-    correlations, batched h×h SVDs, assignments in scipy), where a parallel region mostly
-    waits for its slowest thread — measured 5.6–8 s with one thread vs 26–78 s with two for
-    BERT-base on a loaded 2-core machine (1.5 s either way when it is quiet)."""
+    """Run the solve on one intra-op thread: its many small operations (k×k correlations, batched h×h
+    SVDs, scipy assignments) mostly wait for the slowest thread in parallel — BERT-base on a loaded
+    2-core machine: 5.6–8 s with one thread vs 26–78 s with two (1.5 s either way when quiet)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -103,12 +103,10 @@ def layerwise_bytes(
 def available_memory() -> int | None:
     """The memory the system can give this process now (Linux's MemAvailable; None elsewhere)."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+        lines = Path("/proc/meminfo").read_text().splitlines()
     except OSError:
         return None
-    return None
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")), None)
 
 
 def choose_offload(

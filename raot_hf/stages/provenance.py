@@ -95,8 +95,8 @@ def report_of(
     verdict: str = "", summary: str = "",
 ) -> dict[str, Any]:  # fmt: skip
     """The report dict (docs/design.md §6.4). ``records``: one :func:`alignment_record` per aligned model
-    (none for a merge of the checkpoints as stored: ``verdict`` and ``summary`` say so). With two models
-    the sections are model 2's; with more, ``models`` lists each and the top-level sections gather all."""
+    (none for checkpoints merged as stored: ``verdict`` and ``summary`` say so); with more than one,
+    ``models`` lists each and the top-level sections gather all."""
     first = records[0] if records else {
         "calibration": None, "decisions": [], "shares_basis": False, "verdict": verdict, "model_fidelity": {},
         "summary": summary, "applied_transform": {"file": None, "transforms": []}, "applied_exact": True,

@@ -1,10 +1,9 @@
 """Execution mode: a merge that reads no data, streamed from the checkpoints' files (docs/design.md §7.3).
 
-With no alignment and a per-tensor rule each output tensor depends only on the same-named input
-tensors, so a merge of local safetensors checkpoints is read, merged
-(:func:`raot_hf.stages.combine.merge_by_chunks`) and written a few tensors at a time; no model is
-built beyond a meta-device skeleton. Memory holds one chunk of every model plus one output shard;
-the result is the in-memory merge's, bit for bit. :func:`stream_blocker` says why a merge cannot stream.
+With no alignment and a per-tensor rule each output tensor depends only on the same-named inputs,
+so local safetensors checkpoints are read, merged (:func:`raot_hf.stages.combine.merge_by_chunks`)
+and written a few tensors at a time, beside a meta-device skeleton: memory holds one chunk of every
+model and one output shard, and the result is the in-memory merge's, bit for bit.
 """
 
 from __future__ import annotations
