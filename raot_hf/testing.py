@@ -398,6 +398,35 @@ def clone(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
 
 
+def scrambled_near_copy(model: torch.nn.Module, seed: int, noise: float = 0.02) -> torch.nn.Module:
+    """A copy of ``model`` under a random exact symmetry, every parameter then moved by ``noise``
+    times its mean magnitude (Gaussian): a pair that differs in basis and a little in function."""
+    from raot_hf.symmetry import scramble
+
+    other = clone(model)
+    scramble(other, seed=seed)
+    g = torch.Generator().manual_seed(seed + 10)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(noise * p.abs().mean() * torch.randn(p.shape, generator=g))
+    return other
+
+
+def fine_tune(model: torch.nn.Module, seed: int, steps: int = 30, num_labels: int = 3) -> torch.nn.Module:
+    """``steps`` of SGD (lr 0.05) on random inputs and labels, seeded: a sibling of ``model`` for
+    tests of base-relative merges. Returns the model in eval mode."""
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model.train()
+    for _ in range(steps):
+        x = example_inputs(model, batch=8, seq=10, seed=int(torch.randint(0, 10**6, (1,), generator=g)))
+        loss = model(**x, labels=torch.randint(0, num_labels, (8,), generator=g)).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
 def tiny_tokenizer(vocab_size: int = 40):
     """A WordPiece tokenizer over ``vocab_size`` tokens: [PAD] [UNK] [CLS] [SEP] [MASK] w5 w6 …"""
     from transformers import BertTokenizerFast

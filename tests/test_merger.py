@@ -11,6 +11,7 @@ from raot_hf import RaotConfig, RaotError, RaotMerger, schema_for, scramble
 from raot_hf.testing import (
     clone,
     example_inputs,
+    fine_tune,
     output_deviation,
     tiny_image_dataset,
     tiny_image_processor,
@@ -90,16 +91,7 @@ def test_recovery_with_regmean(model_type, head):
 
 
 def _train(model, seed, steps=30):
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    model.train()
-    for _ in range(steps):
-        x = example_inputs(model, batch=8, seq=10, seed=int(torch.randint(0, 10**6, (1,), generator=g)))
-        loss = model(**x, labels=torch.randint(0, 3, (8,), generator=g)).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
+    return fine_tune(model, seed, steps)
 
 
 @pytest.mark.parametrize("model_type", ["bert", "vit"])

@@ -21,7 +21,7 @@ from raot_hf.merging import (
     relative_task_norm,
 )
 from raot_hf.outputs import render_model_card
-from raot_hf.testing import example_inputs, tiny_model, tiny_text_dataset, tiny_tokenizer
+from raot_hf.testing import fine_tune, tiny_model, tiny_text_dataset, tiny_tokenizer
 
 
 def _t(*values):
@@ -208,16 +208,7 @@ def test_card_front_matter_lists_a_b_and_the_base():
 def _train(root, seed, steps=30):
     torch.manual_seed(seed)
     model = transformers.BertForSequenceClassification.from_pretrained(root / "base", num_labels=3)
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    model.train()
-    for _ in range(steps):
-        x = example_inputs(model, batch=8, seq=10, seed=int(torch.randint(0, 10**6, (1,), generator=g)))
-        loss = model(**x, labels=torch.randint(0, 3, (8,), generator=g)).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
+    return fine_tune(model, seed, steps)
 
 
 @pytest.fixture(scope="module")

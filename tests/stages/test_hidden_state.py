@@ -7,9 +7,9 @@ copies, no attribute set): that is the documented contract and is not an attribu
 
 import torch
 
-from raot_hf import RaotMerger, scramble
+from raot_hf import RaotMerger
 from raot_hf.io.loading import HEAD_MODULE_KEYS, LABEL_KEYS
-from raot_hf.testing import clone, tiny_model, tiny_text_dataset, tiny_tokenizer, trained_like
+from raot_hf.testing import scrambled_near_copy, tiny_model, tiny_text_dataset, tiny_tokenizer, trained_like
 
 VOCAB = 100
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_forward_hooks_with_kwargs")
@@ -22,12 +22,7 @@ def _pair(model_type="llama", head="causal", seed=1, **config):
     if head == "causal":
         shape.update(vocab_size=VOCAB, num_kv_heads=2)
     a = trained_like(tiny_model(model_type, head, **shape)).float()
-    b = clone(a)
-    scramble(b, seed=seed)
-    g = torch.Generator().manual_seed(seed + 10)
-    with torch.no_grad():
-        for p in b.parameters():
-            p.add_(0.02 * p.abs().mean() * torch.randn(p.shape, generator=g))
+    b = scrambled_near_copy(a, seed)
     return a, b
 
 

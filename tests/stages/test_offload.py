@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from raot_hf import RaotError, RaotMerger, merge_checkpoints, scramble
+from raot_hf import RaotError, RaotMerger, merge_checkpoints
 from raot_hf.adapters import is_decoder
 from raot_hf.cli import main
 from raot_hf.io.offload import WorkingFiles, offload_model
@@ -21,6 +21,7 @@ from raot_hf.testing import (
     clone,
     example_inputs,
     output_deviation,
+    scrambled_near_copy,
     tiny_architecture,
     tiny_data,
     tiny_model,
@@ -42,12 +43,7 @@ def _pair(model_type, seed=1):
     else:
         a = trained_like(tiny_model(model_type, head, **shape)).float()
         pre, data = tiny_data(model_type, 128)
-    b = clone(a)
-    scramble(b, seed=seed)
-    g = torch.Generator().manual_seed(seed + 10)
-    with torch.no_grad():
-        for p in b.parameters():
-            p.add_(0.02 * p.abs().mean() * torch.randn(p.shape, generator=g))
+    b = scrambled_near_copy(a, seed)
     return a, b, pre, data
 
 
