@@ -169,6 +169,7 @@ class MergedParameters:
         self.other_b = {k: state_b[k] for k in other}
         self._cache: tuple[int, dict, dict] | None = None
         self._last: tuple[int | None, list, dict] | None = None
+        self._merged: tuple[tuple, tuple, dict] | None = None
 
     def _reuse(self, index, transforms: list[Transform], base: dict) -> tuple[int, dict]:
         """B's state under the longest prefix of ``transforms`` already computed for this layer
@@ -199,7 +200,18 @@ class MergedParameters:
         return a, b
 
     def merged(self, index: int | None, transforms: list[Transform] = (), *, aligned: bool = True) -> dict:
-        """Full parameter names → merged values for layer ``index`` (None: the non-layer trunk)."""
+        """Full parameter names → merged values for layer ``index`` (None: the non-layer trunk). The
+        last call's result is kept: the gate's model-level check asks again for the set a layer's
+        decisions scored last (the callers only read the values)."""
+        transforms = tuple(transforms)  # held with the result, so that no id below is reused
+        key = (index, aligned, [id(t) for t in transforms])
+        if self._merged is not None and self._merged[0] == key:
+            return self._merged[2]
+        merged = self._merge(index, transforms, aligned)
+        self._merged = (key, transforms, merged)
+        return merged
+
+    def _merge(self, index: int | None, transforms, aligned: bool) -> dict:
         if aligned:
             a, b = self._base(index)
             done, b = self._reuse(index, list(transforms), b)
