@@ -99,13 +99,7 @@ def relative_squared_error(
     """Per-example squared error of ``out`` to ``ref`` over real tokens, in float64, relative to
     ``‖ref‖²`` — or, for one layer, to ``‖ref − start‖²``, the part of the output the layer
     computes (its input passes through the residual connection and would swamp the score)."""
-    ref = ref.to(torch.float64)
-    # each real token weighs by 1/‖ref_t‖²: the next norm reads every token at its own scale, so a
-    # handful of massive-activation tokens must not swamp the score (docs/design.md §5.3)
-    m = mask.to(out.device, torch.float64)[..., None] / ref.pow(2).mean(-1, keepdim=True).clamp_min(1e-30)
-    num = ((out.to(torch.float64) - ref) ** 2 * m).sum(dim=(1, 2))
-    scale = ref if start is None else ref - start.to(torch.float64)
-    return num / (scale**2 * m).sum(dim=(1, 2)).clamp_min(1e-30)
+    return Reference(ref, mask, start).relative_squared_error(out)
 
 
 def worst_token_deviation(
@@ -118,18 +112,56 @@ def worst_token_deviation(
     Unweighted, unlike the fidelity (docs/design.md §5.3): the fidelity weighs tokens by 1/rms²
     so that massive-activation tokens do not swamp it, and so it hardly sees an error confined to
     them — a swap of two massive MLP units leaves a fidelity of 0.997. This measure sees it."""
-    ref = ref.to(torch.float64)
-    err = (out.to(torch.float64) - ref).norm(dim=-1)
-    size = (ref if start is None else ref - start.to(torch.float64)).norm(dim=-1)
-    real = mask.to(out.device).bool()
-    worst = []
-    for e, s, m in zip(err, size, real, strict=True):
-        if not m.any():
-            worst.append(torch.zeros((), dtype=torch.float64, device=out.device))
-            continue
-        s_real = s[m]
-        worst.append((e[m] / torch.maximum(s_real, s_real.median()).clamp_min(1e-30)).max())
-    return torch.stack(worst).cpu()
+    return Reference(ref, mask, start).worst_token_deviation(out)
+
+
+class Reference:
+    """A parent's output ``ref`` on a chunk (real tokens ``mask``, the block's input ``start``)
+    as the gate's two measures read it: what depends on the reference alone — float64 copies,
+    the per-token weights 1/rms², the scale and the per-token sizes — is made once, for every
+    merged output scored against it (a layer's candidate sets)."""
+
+    def __init__(self, ref: torch.Tensor, mask: torch.Tensor, start: torch.Tensor | None = None):
+        self.ref = ref.to(torch.float64)
+        self.mask = mask
+        self.start = None if start is None else start.to(torch.float64)
+        self._weights: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._scale: torch.Tensor | None = None
+        self._sizes: torch.Tensor | None = None
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """``ref``, or ``ref − start``: what the block computes."""
+        if self._scale is None:
+            self._scale = self.ref if self.start is None else self.ref - self.start
+        return self._scale
+
+    def relative_squared_error(self, out: torch.Tensor, diff: torch.Tensor | None = None) -> torch.Tensor:
+        """:func:`relative_squared_error` of ``out`` (``diff``: out − ref in float64, if at hand)."""
+        if self._weights is None:
+            # each real token weighs by 1/‖ref_t‖²: the next norm reads every token at its own scale, so a
+            # handful of massive-activation tokens must not swamp the score (docs/design.md §5.3)
+            rms = self.ref.pow(2).mean(-1, keepdim=True).clamp_min(1e-30)
+            m = self.mask.to(out.device, torch.float64)[..., None] / rms
+            self._weights = m, (self.scale**2 * m).sum(dim=(1, 2)).clamp_min(1e-30)
+        m, denominator = self._weights
+        diff = out.to(torch.float64) - self.ref if diff is None else diff
+        return (diff**2 * m).sum(dim=(1, 2)) / denominator
+
+    def worst_token_deviation(self, out: torch.Tensor, diff: torch.Tensor | None = None) -> torch.Tensor:
+        """:func:`worst_token_deviation` of ``out`` (``diff``: out − ref in float64, if at hand)."""
+        err = (out.to(torch.float64) - self.ref if diff is None else diff).norm(dim=-1)
+        if self._sizes is None:
+            self._sizes = self.scale.norm(dim=-1)
+        real = self.mask.to(out.device).bool()
+        worst = []
+        for e, s, m in zip(err, self._sizes, real, strict=True):
+            if not m.any():
+                worst.append(torch.zeros((), dtype=torch.float64, device=out.device))
+                continue
+            s_real = s[m]
+            worst.append((e[m] / torch.maximum(s_real, s_real.median()).clamp_min(1e-30)).max())
+        return torch.stack(worst).cpu()
 
 
 @dataclass(frozen=True)
@@ -169,6 +201,7 @@ class MergedParameters:
         self.other_b = {k: state_b[k] for k in other}
         self._cache: tuple[int, dict, dict] | None = None
         self._last: tuple[int | None, list, dict] | None = None
+        self._merged: tuple[tuple, tuple, dict] | None = None
 
     def _reuse(self, index, transforms: list[Transform], base: dict) -> tuple[int, dict]:
         """B's state under the longest prefix of ``transforms`` already computed for this layer
@@ -199,7 +232,18 @@ class MergedParameters:
         return a, b
 
     def merged(self, index: int | None, transforms: list[Transform] = (), *, aligned: bool = True) -> dict:
-        """Full parameter names → merged values for layer ``index`` (None: the non-layer trunk)."""
+        """Full parameter names → merged values for layer ``index`` (None: the non-layer trunk). The
+        last call's result is kept: the gate's model-level check asks again for the set a layer's
+        decisions scored last (the callers only read the values)."""
+        transforms = tuple(transforms)  # held with the result, so that no id below is reused
+        key = (index, aligned, [id(t) for t in transforms])
+        if self._merged is not None and self._merged[0] == key:
+            return self._merged[2]
+        merged = self._merge(index, transforms, aligned)
+        self._merged = (key, transforms, merged)
+        return merged
+
+    def _merge(self, index: int | None, transforms, aligned: bool) -> dict:
         if aligned:
             a, b = self._base(index)
             done, b = self._reuse(index, list(transforms), b)
@@ -237,34 +281,48 @@ def _b_prime_call(a: _Capture, b: _Capture, stream: torch.Tensor | None, hidden:
     return args, kwargs
 
 
-@torch.no_grad()
-def layer_fidelity(
-    module: torch.nn.Module,
-    prefix: str,
-    params: dict,
-    chunks: list[GateChunk],
-    index: int,
-    stream: torch.Tensor | None,
-    alpha: float,
-    hidden: int,
-) -> LayerFidelity:
-    """Per-example fidelity of the merged layer ``index`` (block-local): on an "a" chunk to A's
-    output at A's call, on a "b" chunk to B′'s at B′'s call, the error weighted 2(1−α) and 2α so
-    that the mean over a balanced gate set is the (1−α, α) mix of both; with each example's
-    worst-token deviation from the parent it is scored against."""
-    rel = _relative(params, prefix)
-    scores, worst = [], []
+@dataclass(frozen=True)
+class ScoredCall:
+    """One gate chunk's call of a layer as the merged layer is scored at it: A's captured call on an
+    "a" chunk, B′'s (B's stream tensors mapped into A's basis) on a "b" chunk; the parent's output
+    there as a :class:`Reference`, and the error's weight (2(1−α) or 2α)."""
+
+    args: tuple
+    kwargs: dict
+    reference: Reference
+    weight: float
+
+
+def scored_calls(chunks: list[GateChunk], index: int, stream: torch.Tensor | None, alpha: float, hidden: int):
+    """Layer ``index``'s :class:`ScoredCall` on every chunk: made once per layer, for every candidate
+    set :func:`layer_fidelity` scores there."""
+    calls = []
     for c in chunks:
         ca, cb = c.a[index], c.b[index]
         if c.side == "a":
-            out = first_tensor(functional_call(module, rel, ca.args, ca.kwargs))
-            ref, start, weight = ca.output, _hidden_in(ca.args, ca.kwargs), 2 * (1 - alpha)
+            ref = Reference(ca.output, c.mask, _hidden_in(ca.args, ca.kwargs))
+            calls.append(ScoredCall(ca.args, ca.kwargs, ref, 2 * (1 - alpha)))
         else:
             args_b, kwargs_b = _b_prime_call(ca, cb, stream, hidden)
-            out = first_tensor(functional_call(module, rel, args_b, kwargs_b))
-            ref, start, weight = _map_stream(cb.output, stream), _hidden_in(args_b, kwargs_b), 2 * alpha
-        scores.append(1 - weight * relative_squared_error(out, ref, c.mask, start))
-        worst.append(worst_token_deviation(out, ref, c.mask, start))
+            ref = Reference(_map_stream(cb.output, stream), c.mask, _hidden_in(args_b, kwargs_b))
+            calls.append(ScoredCall(args_b, kwargs_b, ref, 2 * alpha))
+    return calls
+
+
+@torch.no_grad()
+def layer_fidelity(module: torch.nn.Module, prefix: str, params: dict, calls: list[ScoredCall]) -> LayerFidelity:
+    """Per-example fidelity of a merged layer (block-local) at its :func:`scored_calls`: on an "a"
+    chunk to A's output at A's call, on a "b" chunk to B′'s at B′'s call, the error weighted 2(1−α)
+    and 2α so that the mean over a balanced gate set is the (1−α, α) mix of both; with each
+    example's worst-token deviation from the parent it is scored against."""
+    rel = _relative(params, prefix)
+    scores, worst = [], []
+    for call in calls:
+        out = first_tensor(functional_call(module, rel, call.args, call.kwargs))
+        ref = call.reference
+        diff = out.to(torch.float64) - ref.ref
+        scores.append(1 - call.weight * ref.relative_squared_error(out, diff))
+        worst.append(ref.worst_token_deviation(out, diff))
     return LayerFidelity(torch.cat(scores).cpu(), torch.cat(worst))
 
 

@@ -45,6 +45,7 @@ from raot_hf.gate.fidelity import (
     gate_chunks,
     layer_fidelity,
     layer_module_names,
+    scored_calls,
     stream_matrix,
 )
 from raot_hf.gate.lineage import LineageEvidence, detect_siblings
@@ -161,13 +162,12 @@ class _GateRun:
         name = self.layer_names[i]
         module = self.model_a.get_submodule(name)
         scores: dict[tuple, LayerFidelity] = {}
+        calls = scored_calls(self.chunks, i, self.stream, self.alpha, self.merged.schema.hidden_size)
 
         def score(chosen: tuple) -> LayerFidelity:
             if chosen not in scores:
                 transforms = [t for key in chosen for t in per_layer[key]]
-                params = self.merged.merged(i, transforms)
-                hidden = self.merged.schema.hidden_size
-                scores[chosen] = layer_fidelity(module, name, params, self.chunks, i, self.stream, self.alpha, hidden)
+                scores[chosen] = layer_fidelity(module, name, self.merged.merged(i, transforms), calls)
             return scores[chosen]
 
         chosen, decided = tuple(keys), {}

@@ -50,6 +50,13 @@ def final_readers(parents: dict, schema: ModelSchema, rest: dict):
     return None
 
 
+def same_parameters(rule: dict, corrected: dict) -> bool:
+    """Whether a correction returned the rule's merged tensors themselves (it refitted nothing):
+    M's layer then computes with them exactly what it computes with the rule's, so a run of it is
+    not repeated."""
+    return rule.keys() == corrected.keys() and all(corrected[k] is v for k, v in rule.items())
+
+
 def _rule(spec: MergeRuleSpec, inputs: dict, trunks: list[dict], merged_all: dict | None, weights: list):
     """The rule's merge of a subset of the trunk: per tensor (:func:`raot_hf.merging.apply_rule`),
     or sliced from a whole-trunk merge."""
@@ -129,9 +136,12 @@ class HeldoutPaths:
         layer = LayerPass(self.chunks, name, {side: m.get_submodule(name) for side, m in self.parents.items()})
         layer.parents([], lambda *_: None)
         out_rule = layer.merged(rule, [], lambda *_: None)
-        out_corrected = layer.merged(corrected, [], lambda *_: None)
         score_rule = self.fidelity(out_rule, layer.outs)
-        test = paired_test(self.fidelity(out_corrected, layer.outs) - score_rule, z=self.z, sign_test=True)
+        out_corrected = out_rule  # nothing refitted: the corrected layer computes exactly what the rule's does
+        if not same_parameters(rule, corrected):
+            out_corrected = layer.merged(corrected, [], lambda *_: None)
+        score = score_rule if out_corrected is out_rule else self.fidelity(out_corrected, layer.outs)
+        test = paired_test(score - score_rule, z=self.z, sign_test=True)
         if self.rule_states is not None:  # the rule path has left the written one: its own layer run
             rel = {k[len(name) + 1 :]: v for k, v in rule.items()}
             self.rule_states = [
@@ -207,9 +217,10 @@ def _corrected(
         merged, outputs, fits = spec.fn(request)
         entry: dict[str, Any] = {"layer": i, "sites": fits}
         if held is not None:
+            unchanged = same_parameters(rule, merged)  # then ``outputs`` are already the rule's layer's
             kept, merged, test = held.decide(name, rule, merged)
             entry.update(kept=kept, heldout_gain=test.mean, heldout_stderr=test.stderr, reason=test.reason)
-            if not kept:  # the fit examples' merged states follow the layer as written
+            if not kept and not unchanged:  # the fit examples' merged states follow the layer as written
                 outputs = layer.merged(rule, [], lambda *_: None)
         layer.advance(outputs)
         load_state(ctx.model_a, merged, working_files=ctx.working_files)

@@ -448,17 +448,19 @@ class TransformSequence(Transform):
         for t in self.transforms:
             for name in t.actions(schema):
                 touching.setdefault(name, []).append(t)
+        made: dict[int, dict[str, SpaceAction]] = {}  # the actions of the transforms touching this space
         for name, parts in touching.items():
-            yield name, self._composed(schema, name, parts)
+            made = {id(t): made.get(id(t)) or t.actions(schema) for t in parts}  # each made once for its spaces
+            yield name, self._composed(schema, name, parts, made)
 
     def space_action(self, schema, name):
         return self._composed(schema, name, self.transforms)
 
     @staticmethod
-    def _composed(schema, name: str, parts: list[Transform]) -> SpaceAction | None:
+    def _composed(schema, name: str, parts: list[Transform], made: dict | None = None) -> SpaceAction | None:
         out = None
         for t in parts:
-            act = t.space_action(schema, name)
+            act = t.space_action(schema, name) if made is None else made[id(t)].get(name)
             if act is not None:
                 out = act if out is None else out.then(act, schema.space(name).size)
         return out

@@ -321,6 +321,35 @@ def test_a_correction_that_does_not_help_on_held_out_examples_is_dropped():
     assert all(torch.equal(state_lsq[k], state_none[k]) for k in state_none)
 
 
+def test_a_correction_that_refitted_nothing_is_not_run_again():
+    """A correction that returns the rule's tensors themselves computes what the rule's layer does:
+    the held-out competition runs M's layer once per chunk (not once more as the "corrected"
+    layer), the gains are exact zeros, and the rule's merge stays."""
+    from raot_hf.gate.fidelity import layer_module_names
+    from raot_hf.stages.calibrate import open_calibration
+    from raot_hf.stages.correct import HeldoutPaths
+    from raot_hf.symmetry import model_state
+
+    a = _model("llama", "causal")
+    b = clone(a)
+    scramble(b, seed=1)
+    pre, data = _data("llama")
+    merger = RaotMerger.from_models(a, b, preprocessor=pre)
+    run = open_calibration(merger.pair, data)
+    names = layer_module_names(a, merger.pair.schema)
+    state = model_state(a)
+    rest = {k: v for k, v in state.items() if not k.startswith(tuple(n + "." for n in names))}
+    heldout = run.batches(pre, split="heldout")
+    held = HeldoutPaths({"a": a, "b": b}, names, heldout, rest, 16, {"a": 0.5, "b": 0.5}, 2.0)
+    rule = {k: v for k, v in state.items() if k.startswith(names[0] + ".")}
+    runs = []
+    hook = a.get_submodule(names[0]).register_forward_pre_hook(lambda *_: runs.append(1))
+    kept, written, test = held.decide(names[0], rule, dict(rule))
+    hook.remove()
+    assert len(runs) == 2 * len(held.chunks)  # A's own layer and M's, once per chunk
+    assert not kept and written is rule and test.mean == 0.0
+
+
 def test_a_correction_that_helps_is_kept_and_the_merge_is_no_worse_than_the_rule_alone():
     """Independent parents: the refit layers that make the merge follow its parents more closely on
     held-out examples are kept, and the written merge's held-out fidelity is at least the rule's."""
