@@ -84,17 +84,19 @@ class RaotMerger:
 
     def _set_pairs(self, schema, config, preprocessor, dist) -> None:
         """One pair context (reference, model i) per model after the reference, sharing one clock."""
-        self.pairs, timer = [], self.pair.timer if hasattr(self, "pair") else StageTimer()
+        timer = self.pairs[0].timer if getattr(self, "pairs", None) else StageTimer()
+        self.pairs = []
         base_model, source_base, base_missing = self._base
         for other in self.models[1:]:
             pair = PairContext(self.models[0], other, schema, config, preprocessor, dist, timer)
             pair.working_files = self.working_files  # one set for every pair: the models are shared
             pair.base = base_for(self.models[0], other, schema, base_model, source_base, base_missing)
             self.pairs.append(pair)
-        self.pair = self.pairs[0]
-        self.source_a, self.source_b = self.sources[0], self.sources[1]
 
     # -- the pair, as the stages see it --------------------------------------------------------
+    pair = property(lambda self: self.pairs[0], doc="The context of the reference and model 2.")
+    source_a = property(lambda self: self.sources[0], doc="Where model A (the reference) came from.")
+    source_b = property(lambda self: self.sources[1], doc="Where model B came from.")
     model_a = property(lambda self: self.pair.model_a, doc="Model A, the reference (receives the merged weights).")
     model_b = property(lambda self: self.pair.model_b, doc="Model B (moved into A's basis by merge()).")
     schema = property(lambda self: self.pair.schema, doc="The architecture's symmetry schema.")

@@ -17,7 +17,6 @@ from raot_hf.errors import RaotError
 from raot_hf.io.loading import adopt_head
 from raot_hf.merging import MergeRuleSpec, RuleLog, apply_rule, merge_heads, merge_rule_spec, rule_options
 from raot_hf.merging.grams import aligned_grams, transposed_weights
-from raot_hf.results import Alignment
 from raot_hf.stages.context import PairContext
 from raot_hf.stages.correct import corrected_merge
 from raot_hf.stages.members import Member, member_models, model_weights
@@ -29,11 +28,9 @@ logger = logging.getLogger("raot_hf.stages.combine")
 CHUNK_BYTES = 16 << 20
 
 
-def _finite_gram_keys(gram_keys: dict[str, str], grams_a, grams_b) -> dict[str, str]:
-    """The RegMean weights whose Grams are finite; the others merge linearly (with a warning)."""
-    finite = {
-        key for key in set(gram_keys.values()) if all(bool(torch.isfinite(g[key]).all()) for g in (grams_a, grams_b))
-    }
+def _finite_gram_keys(gram_keys: dict[str, str], grams: list[dict]) -> dict[str, str]:
+    """The RegMean weights whose Grams are finite in every model; the others merge linearly (with a warning)."""
+    finite = {key for key in set(gram_keys.values()) if all(bool(torch.isfinite(g[key]).all()) for g in grams)}
     usable = {w: key for w, key in gram_keys.items() if key in finite}
     if len(usable) < len(gram_keys):
         message = "NaN/Inf in the calibration activations: %d of %d RegMean weights fall back to the linear merge"
@@ -56,10 +53,7 @@ def _grams(members: list[Member], folded: bool) -> tuple[list[dict], dict[str, s
             folded=folded, transposed=transposed, unfolded_norms=m.norms,
         )  # fmt: skip
         grams += [g_a, g_b] if i == 0 else [g_b]
-    usable = dict(keys)
-    for g in grams[1:]:
-        usable = _finite_gram_keys(usable, grams[0], g)
-    return grams, usable, transposed
+    return grams, _finite_gram_keys(keys, grams), transposed
 
 
 def _fishers(members: list[Member], names: set[str]) -> list[dict]:
@@ -157,10 +151,10 @@ def merged_heads(members: list[Member], states: list[dict], head: list[str], wei
     return merge_heads(states, head, weights, policy=ref.config.head, labels=labels)
 
 
-def correction_method(ctx: PairContext, alignment: Alignment, spec: MergeRuleSpec, run) -> tuple[str, str]:
+def correction_method(ctx: PairContext, moved: bool, spec: MergeRuleSpec, run) -> tuple[str, str]:
     """The post-merge correction this merge runs (docs/design.md §6.7), and why: ``auto`` is ``lsq``
-    when the gate moved B and there is calibration data, ``none`` when they share a basis (siblings
-    keep their rule's merge) or the rule measures task vectors against a base."""
+    when the gate moved a model (``moved``) and there is calibration data, ``none`` when they share a
+    basis (siblings keep their rule's merge) or the rule measures task vectors against a base."""
     requested = ctx.config.correction.method
     if requested != "auto":
         return requested, "requested"
@@ -168,7 +162,7 @@ def correction_method(ctx: PairContext, alignment: Alignment, spec: MergeRuleSpe
         return "none", "auto: a base-relative rule merges siblings; no correction"
     if run is None:
         return "none", "auto: no calibration data"
-    if not any(d.applied for d in alignment.decisions):
+    if not moved:
         return "none", "auto: A and B share a basis (nothing applied); no correction"
     return "lsq", "auto: the gate moved B (the parents differ in basis)"
 
@@ -180,7 +174,7 @@ def merge_weights(members: list[Member], folded: bool) -> RuleLog:
     spec = merge_rule_spec(cfg.merge_rule)
     models = member_models(members)
     weights = model_weights(cfg, len(models))
-    moved = Alignment([d for m in members for d in m.alignment.decisions], members[0].alignment.applied, True)
+    moved = any(d.applied for m in members for d in m.alignment.decisions)
     method, why = correction_method(ref, moved, spec, members[0].run)
     with ref.timer.stage("correction" if method != "none" else "merge"):
         states = [model_state(m) for m in models]

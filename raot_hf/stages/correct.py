@@ -137,10 +137,10 @@ class HeldoutPaths:
         layer.parents([], lambda *_: None)
         out_rule = layer.merged(rule, [], lambda *_: None)
         score_rule = self.fidelity(out_rule, layer.outs)
-        out_corrected = out_rule  # nothing refitted: the corrected layer computes exactly what the rule's does
+        out_corrected, score = out_rule, score_rule  # nothing refitted: the corrected layer computes the rule's
         if not same_parameters(rule, corrected):
             out_corrected = layer.merged(corrected, [], lambda *_: None)
-        score = score_rule if out_corrected is out_rule else self.fidelity(out_corrected, layer.outs)
+            score = self.fidelity(out_corrected, layer.outs)
         test = paired_test(score - score_rule, z=self.z, sign_test=True)
         if self.rule_states is not None:  # the rule path has left the written one: its own layer run
             rel = {k[len(name) + 1 :]: v for k, v in rule.items()}
