@@ -9,10 +9,13 @@ written into A's module (A's own layer serves A's forward until then, so no copy
 from __future__ import annotations
 
 import logging
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 from huggingface_hub.utils import tqdm
+from safetensors.torch import load_file, save_file
 from torch.func import functional_call
 
 from raot_hf.adapters.schema import ModelSchema
@@ -173,12 +176,47 @@ class HeldoutPaths:
         test = paired_test(gains.cpu(), z=self.z, sign_test=True)
         return test.passed, test
 
-    def final(self) -> dict[str, float]:
-        """The last layer's fidelity, as written and with the rule alone (the report's evidence)."""
+    def final(self) -> tuple[dict[str, float], PairedTest | None]:
+        """The last layer's fidelity, as written and with the rule alone (the report's evidence), and
+        the model-level test of the written merge against the rule's (None: the paths never parted)."""
         targets = {side: [c.hidden[side] for c in self.chunks] for side in self.parents}
         written = self.fidelity([c.hidden["m"] for c in self.chunks], targets)
         rule = written if self.rule_states is None else self.fidelity(self.rule_states, targets)
-        return {"written": float(written.mean()), "rule": float(rule.mean()), "examples": int(written.numel())}
+        test = None if self.rule_states is None else paired_test(written - rule, z=self.z, sign_test=True)
+        figures = {"written": float(written.mean()), "rule": float(rule.mean()), "examples": int(written.numel())}
+        return figures, test
+
+
+class RuleStash:
+    """The rule's merge of each layer whose correction was kept, until the model-level check
+    (docs/design.md §6.7) has decided: the merge written over A's layers can only be undone from
+    it. Held in memory, or — for offloaded models (§7.4) — in a temporary file, read back only to
+    restore; ``drop`` frees it."""
+
+    def __init__(self, offloaded: bool):
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.directory = tempfile.TemporaryDirectory(prefix="raot-rule-") if offloaded else None
+        self.files: list[Path] = []
+
+    def keep(self, rule: dict[str, torch.Tensor], corrected: dict[str, torch.Tensor]) -> None:
+        """Keep the rule's tensors that the correction replaced."""
+        replaced = {k: v for k, v in rule.items() if corrected[k] is not v}
+        if self.directory is None:
+            self.tensors.update(replaced)
+        elif replaced:
+            self.files.append(Path(self.directory.name) / f"{len(self.files)}.safetensors")
+            save_file({k: v.contiguous() for k, v in replaced.items()}, self.files[-1])
+
+    def restore(self, model: torch.nn.Module, working_files) -> None:
+        """Write the kept rule tensors back into ``model`` (the merge becomes the rule's everywhere)."""
+        load_state(model, self.tensors, working_files=working_files)
+        for file in self.files:
+            load_state(model, load_file(file), working_files=working_files)
+
+    def drop(self) -> None:
+        self.tensors = {}
+        if self.directory is not None:
+            self.directory.cleanup()
 
 
 def _corrected(
@@ -209,6 +247,7 @@ def _corrected(
             held = None
     layers, skipped = [], []
     memo: dict[str, Any] = {}  # what the correction keeps over the layers of this merge
+    stash = RuleStash(offloaded=len(ctx.working_files) > 0) if held is not None else None
     for i, name in enumerate(tqdm(names, desc=f"correction ({method})", disable=not ctx.dist.is_main)):
         rule, part = merge([k for k in names_all if k.startswith(name + ".")])
         log.add(part)
@@ -220,13 +259,26 @@ def _corrected(
             unchanged = same_parameters(rule, merged)  # then ``outputs`` are already the rule's layer's
             kept, merged, test = held.decide(name, rule, merged)
             entry.update(kept=kept, heldout_gain=test.mean, heldout_stderr=test.stderr, reason=test.reason)
+            if kept:
+                stash.keep(rule, merged)
             if not kept and not unchanged:  # the fit examples' merged states follow the layer as written
                 outputs = layer.merged(rule, [], lambda *_: None)
         layer.advance(outputs)
         load_state(ctx.model_a, merged, working_files=ctx.working_files)
         layers.append(entry)
         ctx.working_files.release_all()  # the layer's offloaded pages, read by the parents and the merge (§7.4)
-    readers = final_readers(parents, ctx.schema, rest) if spec.readers is not None else None
+    model_test = None
+    if held is not None:  # the whole correction against the rule's merge alone, on the final states
+        figures, model_test = held.final()
+        if model_test is not None and not model_test.passed:
+            stash.restore(ctx.model_a, ctx.working_files)
+            why = f"dropped with the whole correction: the model-level check {model_test.reason}"
+            for entry in layers:
+                if entry.get("kept"):
+                    entry.update(kept=False, reason=why)
+        stash.drop()
+    dropped = model_test is not None and not model_test.passed
+    readers = final_readers(parents, ctx.schema, rest) if spec.readers is not None and not dropped else None
     if readers is not None:  # an untied LM head reads the final stream: refitted like the layers' Linears
         norms, sites = readers
         refit, fits = spec.readers(chunks, norms, rest, sites, mix=mix, options=cfg.correction)
@@ -251,7 +303,13 @@ def _corrected(
     }
     if held is not None:
         kept = sum(1 for e in layers if e.get("kept") and e["layer"] != "final")
-        competition = log.correction["competition"] = {**held.final(), "layers_kept": kept, "layers": len(names)}
+        competition = {**figures, "layers_kept": kept, "layers": len(names), "model_check": None}
+        if model_test is not None:
+            competition["model_check"] = {"kept": model_test.passed, "gain": model_test.mean,
+                                          "stderr": model_test.stderr, "reason": model_test.reason}  # fmt: skip
+            if dropped:  # the rule's merge is what was written; the corrected merge's figure stays as evidence
+                competition.update(corrected=competition["written"], written=competition["rule"])
+        log.correction["competition"] = competition
         logger.info("correction %s: kept in %d of %d layers (held-out fidelity %.4f, rule alone %.4f)", method,
                     kept, len(names), competition["written"], competition["rule"])  # fmt: skip
     logger.info("correction %s: %d layers on %d tokens", method, len(layers), tokens)

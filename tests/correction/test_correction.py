@@ -359,3 +359,40 @@ def test_a_correction_that_helps_is_kept_and_the_merge_is_no_worse_than_the_rule
     competition = result.report["merge"]["correction"]["competition"]
     assert competition["layers_kept"] >= 1 and competition["examples"] >= 4
     assert competition["written"] >= competition["rule"]
+
+
+def test_a_correction_whose_layers_leave_the_merge_further_from_its_parents_is_dropped_whole():
+    """The model-level check (docs/design.md §6.7): independent tiny ViTs under REPAIR, where a layer
+    kept by its own held-out test leaves the last layer's states further from the parents' mix than
+    the rule's merge alone. The whole correction is dropped: every layer is written as the rule
+    merged it, bit for bit the uncorrected merge, and the report says why with both fidelities."""
+    results = {}
+    for method in ("repair", "none"):
+        a, b = _model("vit", "image", seed=2), _model("vit", "image", seed=3)
+        pre, data = _data("vit")
+        results[method] = RaotMerger.from_models(a, b, preprocessor=pre, correction={"method": method}).merge(
+            calibration=data
+        )
+    tried = results["repair"].report["merge"]["correction"]
+    check = tried["competition"]["model_check"]
+    assert check is not None and not check["kept"] and check["gain"] < 0
+    assert tried["competition"]["corrected"] < tried["competition"]["rule"] == tried["competition"]["written"]
+    assert not any(layer["kept"] for layer in tried["layers"])
+    assert any("model-level check" in layer["reason"] for layer in tried["layers"])
+    repaired, plain = results["repair"].model.state_dict(), results["none"].model.state_dict()
+    assert all(torch.equal(repaired[k], plain[k]) for k in plain)
+
+
+def test_the_model_level_check_restores_offloaded_layers_from_their_file(tmp_path):
+    """The same dropped correction with the models offloaded to working files (§7.4): the rule's
+    layers come back from the temporary file and the merge equals the in-memory uncorrected one."""
+    from raot_hf.stages.offload import offload_models
+
+    merged = {}
+    for method, offload in (("repair", True), ("none", False)):
+        a, b = _model("vit", "image", seed=2), _model("vit", "image", seed=3)
+        pre, data = _data("vit")
+        files = offload_models([a, b], ["a", "b"], schema_for(a), tmp_path) if offload else None
+        merger = RaotMerger.from_models(a, b, preprocessor=pre, correction={"method": method}, working_files=files)
+        merged[method] = {k: v.clone() for k, v in merger.merge(calibration=data).model.state_dict().items()}
+    assert all(torch.equal(merged["repair"][k], merged["none"][k]) for k in merged["none"])
