@@ -27,7 +27,7 @@ from typing import Any
 
 from benchmarks.methods import available_methods
 from benchmarks.pairs import ModelSpec, PairSpec, build_model, missing_packages, suite
-from benchmarks.update import merge_results, today
+from benchmarks.update import merge_results, superseded_history, today
 
 logger = logging.getLogger("benchmarks.run")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -308,10 +308,14 @@ def run_benchmarks(
     }
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    if update and (out / "results.json").is_file():
+    if (out / "results.json").is_file():
         previous = json.loads((out / "results.json").read_text())
-        results = merge_results(previous, results, [p.name for p in suite("full", cache_dir)])
-        echo(f"folded {len(runs)} runs into the {len(previous['runs'])} of {out / 'results.json'}")
+        if update:
+            results = merge_results(previous, results, [p.name for p in suite("full", cache_dir)])
+            echo(f"folded {len(runs)} runs into the {len(previous['runs'])} of {out / 'results.json'}")
+        elif history := superseded_history(previous):  # a fresh run replaces the rows; they stay as history
+            results["history"] = history
+            echo(f"replaced {out / 'results.json'}; its {len(previous['runs'])} runs are kept in its history")
     (out / "results.json").write_text(json.dumps(results, indent=1, sort_keys=True, default=str))
     write_report(results, out)
     echo(f"wrote {out / 'RESULTS.md'}, results.json and plots in {time.perf_counter() - started:.0f} s")

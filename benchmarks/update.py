@@ -191,6 +191,20 @@ def merge_results(old: dict[str, Any], new: dict[str, Any], order: list[str]) ->
     return merged
 
 
+def superseded_history(old: dict[str, Any]) -> list[dict[str, Any]]:
+    """The history a plain (not folded) run keeps when it replaces ``old`` whole: ``old``'s own
+    history, then every row of ``old`` with the invocation that produced it (a rerun appends, it
+    does not overwrite, whatever the flags)."""
+    updates = old["meta"].get("updates") or [update_record(old)]
+    history = list(old.get("history", []))
+    for run in old["runs"]:
+        key = (run["pair"], run["run"])
+        history += replaced_rows(
+            *key, run["methods"], list(run["methods"]), lambda method, key=key: invocation_of(updates, *key, method)
+        )
+    return history
+
+
 def today() -> str:
     """The date (UTC) recorded with each invocation."""
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

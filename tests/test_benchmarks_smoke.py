@@ -152,3 +152,20 @@ def test_a_dropped_rows_note_goes_once_they_are_rerun_and_replaced_invocations_a
     text = (tmp_path / "RESULTS.md").read_text()
     assert "2 earlier invocation(s) whose rows have all been rerun since" in text
     assert "rows not rerun were dropped" not in text
+
+
+def test_a_plain_rerun_into_existing_results_keeps_the_replaced_rows_as_history(tiny_results, tmp_path):
+    """Without --update a run replaces the results, but every row it replaces stays in the history
+    with the invocation that produced it: nothing measured is overwritten."""
+    out, first, _ = tiny_results
+    (tmp_path / "results.json").write_text((out / "results.json").read_text())
+    second = run_benchmarks(
+        suite_name="tiny", out=tmp_path, workers=1, alphas=3, method_names=["average"],
+        cache_dir=str(out / "cache"), echo=lambda *_: None,
+    )  # fmt: skip
+    assert [set(r["methods"]) for r in second["runs"]] == [{"average"}] * len(first["runs"])
+    kept = {(e["pair"], e["run"], e["method"]): e for e in second["history"]}
+    for run in first["runs"]:
+        for method, row in run["methods"].items():
+            entry = kept[(run["pair"], run["run"], method)]
+            assert entry["row"] == json.loads(json.dumps(row, default=str)) and entry["date"] == first["meta"]["date"]
