@@ -146,7 +146,8 @@ def build_lm(params: dict[str, Any], out: Path, base: Path | None = None) -> dic
     started = time.perf_counter()
     with deterministic_torch(params["seed"]):
         if base is None:
-            model = transformers.AutoModelForCausalLM.from_config(model_config(params["arch"], params["width"]))
+            config = model_config(params["arch"], params["width"], params.get("layers", 2))
+            model = transformers.AutoModelForCausalLM.from_config(config)
         else:
             model = transformers.AutoModelForCausalLM.from_pretrained(base)
         metrics = train_lm(model, corpus_split(params["corpus"], "train"), params)

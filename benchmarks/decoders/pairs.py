@@ -4,6 +4,8 @@
   trained from scratch on the review corpus, differing only in seed (initialization and data
   order); three runs per width (every pair of seeds {0, 1, 2}). 2 layers, 4 query heads (Llama:
   2 KV heads, RoPE, untied embeddings; GPT-2: tied embeddings, learned positions).
+* **Deeper** — ``{gpt2,llama}-seeds-d128-l4``: the same recipe with 4 layers at d = 128 (the
+  2-layer families are shallower than any real decoder; these show whether the figures hold with depth).
 * **Siblings** — ``llama-siblings``: one Llama (d = 64) trained on both corpora (the *base*),
   fine-tuned once on reviews (A) and once on speeches (B) with the base's seed; three runs, one
   per base seed. The gate must say "shares a basis".
@@ -33,6 +35,7 @@ class DecoderPair:
     width: int
     runs: tuple[tuple[int, int], ...]
     siblings: bool = False
+    layers: int = 2
 
     @property
     def corpora(self) -> tuple[str, ...]:
@@ -48,11 +51,12 @@ def decoder_pairs() -> list[DecoderPair]:
     """Every family, width series first."""
     pairs = [DecoderPair(f"{arch}-seeds-d{w}", arch, w, SEED_PAIRS) for arch in ("gpt2", "llama") for w in WIDTHS]
     pairs.append(DecoderPair("llama-siblings", "llama", SIBLING_WIDTH, ((0, 0), (1, 1), (2, 2)), siblings=True))
+    pairs += [DecoderPair(f"{arch}-seeds-d128-l4", arch, 128, SEED_PAIRS, layers=4) for arch in ("gpt2", "llama")]
     return pairs
 
 
-def pretrained(arch: str, width: int, seed: int, corpus: str, cache_dir: str | None) -> Path:
-    """A decoder trained from scratch on ``corpus`` (cached by every setting)."""
+def pretrained(arch: str, width: int, seed: int, corpus: str, cache_dir: str | None, layers: int = 2) -> Path:
+    """A decoder of ``layers`` layers trained from scratch on ``corpus`` (cached by every setting)."""
     from benchmarks.decoders.lm import VOCAB_SIZE, build_lm
     from raot_hf.demo import cached_build
 
@@ -64,9 +68,11 @@ def pretrained(arch: str, width: int, seed: int, corpus: str, cache_dir: str | N
         "corpus": corpus,
         "vocab_size": VOCAB_SIZE,
         **PRETRAIN,
+        **({"layers": layers} if layers != 2 else {}),  # the 2-layer models keep their cache keys
     }
+    depth = f"-l{layers}" if layers != 2 else ""
     return cached_build(
-        f"bench-{arch}-d{width}-{corpus}-seed{seed}", params, lambda out: build_lm(params, out), cache_dir
+        f"bench-{arch}-d{width}{depth}-{corpus}-seed{seed}", params, lambda out: build_lm(params, out), cache_dir
     )
 
 
@@ -81,11 +87,11 @@ def finetuned(base: Path, seed: int, corpus: str, cache_dir: str | None) -> Path
     )
 
 
-def pretrained_specs(pair: DecoderPair) -> list[tuple[str, int, int, str]]:
-    """(arch, width, seed, corpus) of every from-scratch model the pair's runs need."""
+def pretrained_specs(pair: DecoderPair) -> list[tuple[str, int, int, str, int]]:
+    """(arch, width, seed, corpus, layers) of every from-scratch model the pair's runs need."""
     corpus = "mixed" if pair.siblings else "reviews"
     seeds = sorted({s for run in pair.runs for s in (run[:1] if pair.siblings else run)})
-    return [(pair.arch, pair.width, seed, corpus) for seed in seeds]
+    return [(pair.arch, pair.width, seed, corpus, pair.layers) for seed in seeds]
 
 
 def run_models(pair: DecoderPair, run: int, cache_dir: str | None) -> dict[str, Path | None]:
@@ -93,8 +99,8 @@ def run_models(pair: DecoderPair, run: int, cache_dir: str | None) -> dict[str, 
     seed_a, seed_b = pair.runs[run]
     if not pair.siblings:
         return {
-            "a": pretrained(pair.arch, pair.width, seed_a, "reviews", cache_dir),
-            "b": pretrained(pair.arch, pair.width, seed_b, "reviews", cache_dir),
+            "a": pretrained(pair.arch, pair.width, seed_a, "reviews", cache_dir, pair.layers),
+            "b": pretrained(pair.arch, pair.width, seed_b, "reviews", cache_dir, pair.layers),
             "base": None,
         }
     base = pretrained(pair.arch, pair.width, seed_a, "mixed", cache_dir)

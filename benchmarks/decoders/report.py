@@ -145,7 +145,8 @@ def _plot_widths(grouped: dict[str, list[dict]], out: Path) -> Path | None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for ax, arch in zip(axes, ("gpt2", "llama"), strict=True):
-        names = sorted((n for n in grouped if n.startswith(f"{arch}-seeds-d")), key=lambda n: int(n.rsplit("d", 1)[1]))
+        series = (n for n in grouped if n.startswith(f"{arch}-seeds-d") and n.rsplit("d", 1)[1].isdigit())  # 2 layers
+        names = sorted(series, key=lambda n: int(n.rsplit("d", 1)[1]))
         widths = [int(n.rsplit("d", 1)[1]) for n in names]
         for m in ("average", "wm-rot", "act-perm", "raot", "regmean"):
             means = [np.mean(_method_values(grouped[n], m, lambda r: r["ppl"]["reviews"]) or [np.nan]) for n in names]

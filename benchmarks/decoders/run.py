@@ -245,7 +245,7 @@ def _worker_init() -> None:
     _quiet_worker(1)
 
 
-def _build(spec: tuple[str, int, int, str], cache_dir: str | None) -> str:
+def _build(spec: tuple[str, int, int, str, int], cache_dir: str | None) -> str:
     from benchmarks.decoders.pairs import pretrained
 
     return str(pretrained(*spec, cache_dir))
