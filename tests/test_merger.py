@@ -226,6 +226,7 @@ def test_post_ln_rotation_is_reported_approximate_with_measured_deviation():
     assert result.alignment.decisions[0].applied
     assert not result.alignment.exact and not check["exact"] and check["passed"]
     assert check["value"] > 1e-4  # the approximation is measured and reported, not hidden
+    assert check["norm_value"] > 1e-4  # and in norm, ‖Δ‖ / ‖B‖, beside the max form
 
 
 def test_broken_exact_transform_raises(monkeypatch):

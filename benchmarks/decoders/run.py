@@ -139,7 +139,8 @@ def _evaluate_method(pair, method, dirs, model_a, parents) -> dict[str, Any]:
         "merge_seconds": seconds,
         "loss": _losses(result.model, pair.corpora),
         "exact": bool(result.alignment.exact),
-        "deviation": checks[0].get("value"),
+        "deviation": checks[0].get("value"),  # max|Δ| / max|B| (B′ ≡ B)
+        "deviation_norm": checks[0].get("norm_value"),  # ‖Δ‖ / ‖B‖
         "applied": sum(int(d.applied) for d in decisions),
         "candidates": len(decisions),
         "shares_basis": bool(result.alignment.shares_basis),
@@ -248,7 +249,8 @@ def _worker_init() -> None:
 def _build(spec: tuple[str, int, int, str, int], cache_dir: str | None) -> str:
     from benchmarks.decoders.pairs import pretrained
 
-    return str(pretrained(*spec, cache_dir))
+    arch, width, seed, corpus, layers = spec
+    return str(pretrained(arch, width, seed, corpus, cache_dir, layers))
 
 
 def main(argv: list[str] | None = None) -> int:

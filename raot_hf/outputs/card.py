@@ -201,7 +201,7 @@ def _placeholder_values(card: dict) -> dict[str, str]:
     gate_summary, gate_table = _gate_markdown(list(card.get("gate_rows") or []))
     alpha, checks = card.get("alpha"), list(card.get("checks") or [])
     names = [str(card["model_a"]), str(card["model_b"]), *(str(m["id"]) for m in card.get("more_models") or [])]
-    check_keys = ["name", "kind", "value", "threshold", "passed"]
+    check_keys = ["name", "kind", "value", "norm_value", "threshold", "passed"]
     return {
         "front_matter": _front_matter(card),
         "title": f"RaOT merge of {', '.join(names[:-1])} and {names[-1]}",
@@ -218,7 +218,10 @@ def _placeholder_values(card: dict) -> dict[str, str]:
         "gate_summary": gate_summary,
         "gate_table": gate_table,
         "checks_table": (
-            _table(["check", *check_keys[1:]], [[r.get(k) for k in check_keys] for r in checks])
+            _table(
+                ["check", "kind", "max relative", "norm relative", "threshold (max)", "passed"],
+                [[r.get(k) for k in check_keys] for r in checks],
+            )  # fmt: skip
             if checks
             else "No functional checks were recorded."
         ),

@@ -24,14 +24,16 @@ __all__ = ["REPORT_NAME", "Check", "model_card_context", "report_to_json"]
 @dataclass(frozen=True)
 class Check:
     """One functional check (B′ ≡ B, docs/design.md §5.5): the largest relative deviation of B′'s outputs
-    from B's on held-out inputs against the threshold an exact transform meets in the model's dtype
-    (``exact``: above it is a bug, raised before a check is recorded)."""
+    from B's on held-out inputs (max|Δ| / max|B|) against the threshold an exact transform meets in the
+    model's dtype (``exact``: above it is a bug, raised before a check is recorded); ``norm_value``:
+    the same deviation in norm, ‖Δ‖ / ‖B‖ over the real tokens (None where it was not measured)."""
 
     name: str
     value: float
     threshold: float
     exact: bool
     passed: bool
+    norm_value: float | None = None
 
     kind = property(lambda self: "exact" if self.exact else "approximate", doc="The kind the model card lists.")
 
@@ -41,7 +43,8 @@ class Check:
     @classmethod
     def from_dict(cls, entry: dict[str, Any]) -> Check:
         """A check from its report entry (``exact`` absent: approximate)."""
-        return cls(entry["name"], entry["value"], entry["threshold"], bool(entry.get("exact")), entry["passed"])
+        fields = (entry["name"], entry["value"], entry["threshold"], bool(entry.get("exact")), entry["passed"])
+        return cls(*fields, entry.get("norm_value"))
 
 
 _PIPELINE_TAGS = {

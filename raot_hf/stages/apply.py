@@ -49,22 +49,26 @@ def _check_inputs(ctx: PairContext, run) -> tuple[list[dict], list[dict]]:
     return inputs, reference
 
 
-def checked_deviation(ctx: PairContext, reference, inputs, actions, exact: bool, what: str) -> tuple[float, float]:
+def checked_deviation(
+    ctx: PairContext, reference, inputs, actions, exact: bool, what: str
+) -> tuple[float, float, float]:
     """(max |r − c| / max |r| over B′'s primary outputs c against B's r — padding masked, the stream
-    output mapped by the residual action —, the dtype's exactness threshold); an ``exact`` alignment
-    above the threshold raises, naming ``what`` changed B."""
+    output mapped by the residual action —, the dtype's exactness threshold, ‖r − c‖ / ‖r‖ over the
+    same entries); an ``exact`` alignment above the threshold raises, naming ``what`` changed B."""
     stream = actions["residual"].dense(ctx.schema.hidden_size) if "residual" in actions else None
-    value = 0.0
+    value = norm_value = 0.0
     for ref, x in zip(reference, inputs, strict=True):
         cand = primary_outputs(ctx.model_b, on_device_of(ctx.model_b, x))
-        value = max(value, compare_outputs(ref, cand, x.get("attention_mask"), stream, relative=True))
+        mask = x.get("attention_mask")
+        value = max(value, compare_outputs(ref, cand, mask, stream, relative=True))
+        norm_value = max(norm_value, compare_outputs(ref, cand, mask, stream, relative=True, form="norm"))
     threshold = exactness_threshold(next(ctx.model_b.parameters()).dtype, ctx.schema.norm_dtype)
     if exact and value > threshold:
         raise EquivalenceError(
             f"{what} changed B's function (relative deviation {value:.3g} > {threshold}); "
             "this is a bug in raot_hf — please report it with raot_report.json"
         )
-    return value, threshold
+    return value, threshold, norm_value
 
 
 def apply_and_check(ctx: PairContext, alignment: Alignment, run) -> list[Check]:
@@ -80,9 +84,9 @@ def apply_and_check(ctx: PairContext, alignment: Alignment, run) -> list[Check]:
             if needs_folding(ctx.schema, actions):
                 fold_model(ctx.model_a, ctx.schema, working_files=ctx.working_files)
         exact = alignment.exact
-        value, threshold = checked_deviation(ctx, reference, inputs, actions, exact, "an exact transform")
+        value, threshold, norm_value = checked_deviation(ctx, reference, inputs, actions, exact, "an exact transform")
         name = "B′ ≡ B on held-out inputs (max relative deviation)"
-        check = Check(name, value, threshold, exact, passed=value <= threshold or not exact)
+        check = Check(name, value, threshold, exact, passed=value <= threshold or not exact, norm_value=norm_value)
         if not exact:
             logger.warning(
                 "approximate alignment (post-LN rotation, soft transport or RoPE-unrestricted heads): "

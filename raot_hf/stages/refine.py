@@ -28,6 +28,8 @@ def refine_and_check(ctx: PairContext, alignment: Alignment, run) -> list[Check]
         alignment.applied = TransformSequence([*alignment.applied.transforms, *delta])
         inputs, reference = _check_inputs(ctx, run)
         actions = stream_actions(alignment.applied, ctx.schema)
-        value, threshold = checked_deviation(ctx, reference, inputs, actions, alignment.exact, "the learned alignment")
+        value, threshold, norm_value = checked_deviation(
+            ctx, reference, inputs, actions, alignment.exact, "the learned alignment"
+        )
         name = "B″ ≡ B after the learned alignment (max relative deviation)"
-        return [Check(name, value, threshold, alignment.exact, passed=True)]
+        return [Check(name, value, threshold, alignment.exact, passed=True, norm_value=norm_value)]

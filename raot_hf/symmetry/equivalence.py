@@ -59,11 +59,14 @@ def compare_outputs(
     mask: torch.Tensor | None = None,
     stream_map: torch.Tensor | None = None,
     relative: bool = False,
+    form: str = "max",
 ) -> float:
     """Max abs (or relative: over the reference's largest real entry) difference between two sets
-    of primary outputs, padding positions ignored; ``stream_map`` (d×d) maps the reference's
-    ``last_hidden_state`` into the candidate's basis (base models' output lives in the stream).
-    The one comparison behind the B′ ≡ B check and :func:`output_deviation`."""
+    of primary outputs, padding positions ignored; ``form="norm"``: the Frobenius norm of the
+    difference instead (relative: over the reference's norm), which one massive entry does not
+    dominate. ``stream_map`` (d×d) maps the reference's ``last_hidden_state`` into the candidate's
+    basis (base models' output lives in the stream). The one comparison behind the B′ ≡ B check
+    and :func:`output_deviation`; the worst over the outputs."""
     worst = 0.0
     for key, r in reference.items():
         r = r.detach().to("cpu", torch.float64)
@@ -74,11 +77,12 @@ def compare_outputs(
         if mask is not None and diff.ndim >= 2 and diff.shape[:2] == tuple(mask.shape):
             m = mask.to("cpu", torch.float64)
             m = m[..., None] if diff.ndim == 3 else m
-            diff, scale = diff * m, (r.abs() * m).max()
+            diff, r = diff * m, r.abs() * m
+        if form == "norm":
+            d, scale = float(diff.norm()), float(r.norm())
         else:
-            scale = r.abs().max()
-        d = float(diff.max())
-        worst = max(worst, d / max(float(scale), 1e-30) if relative else d)
+            d, scale = float(diff.max()), float(r.abs().max())
+        worst = max(worst, d / max(scale, 1e-30) if relative else d)
     return worst
 
 

@@ -299,3 +299,26 @@ def test_composing_with_a_diagonal_action_equals_the_dense_product(n):
         assert torch.equal(composed.matrix, first.dense(n) @ second.dense(n))
         assert torch.equal(composed.contra, first.inverse_transpose().dense(n) @ second.inverse_transpose().dense(n))
     assert torch.equal(rotation.then(rotation, n).matrix, dense @ dense)
+
+
+def test_the_norm_deviation_weighs_every_real_entry_not_the_largest():
+    """‖Δ‖ / ‖r‖ over the real tokens (padding ignored). With one massive entry (a massive-activation
+    token) at 100× the typical size, the max form max|Δ| / max|r| divides a typical error by the
+    massive entry; the norm form divides it by the norm of every real entry, so it reads the error
+    on the ordinary tokens several times larger."""
+    from raot_hf.symmetry.equivalence import compare_outputs
+
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(2, 32, 64, generator=g, dtype=torch.float64)
+    mask = torch.ones(2, 32, dtype=torch.long)
+    mask[1, 20:] = 0
+    c = r + 1e-2 * torch.randn(r.shape, generator=g, dtype=torch.float64)
+    c[1, 20:] += 1e3  # padding: ignored
+    real = mask.bool()
+    expected = float((c - r)[real].norm() / r[real].norm())
+    assert compare_outputs({"x": r}, {"x": c}, mask, relative=True, form="norm") == pytest.approx(expected, rel=1e-12)
+    r[0, 0, 0] = c[0, 0, 0] = 100.0
+    by_max = compare_outputs({"x": r}, {"x": c}, mask, relative=True)
+    by_norm = compare_outputs({"x": r}, {"x": c}, mask, relative=True, form="norm")
+    assert by_norm == pytest.approx(float((c - r)[real].norm() / r[real].norm()), rel=1e-12)
+    assert 5 * by_max < by_norm
