@@ -34,12 +34,14 @@ HERE = Path(__file__).resolve().parent
 ALPHAS = [0.0, 0.25, 0.5, 0.75, 1.0]
 CALIBRATION_TEXTS = 256
 SEED_METHODS = (
+    "default",
     "average",
     "wm-perm",
     "wm-rot",
     "act-perm",
     "raot",
     "raot-norope",
+    "raot-budget16",
     "regmean",
     "raot+regmean",
     "raot+lsq",
