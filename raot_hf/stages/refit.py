@@ -169,14 +169,12 @@ class _Refit:
                 p.copy_(self.masters[n].to(p.dtype))
 
 
-def _descend(refit: _Refit, targets: RefitTargets, cfg) -> tuple[dict, int, float, list, int]:
+def _descend(refit: _Refit, targets: RefitTargets, cfg, best_loss: float) -> tuple[dict, int, list, int]:
     """Adam on the fit chunks (one per step, in turn), scored on the held-out ones every
-    ``eval_every`` steps; returns the best values, their step (0: none beat the merge), their
-    held-out loss, the curve and the steps run."""
+    ``eval_every`` steps against the merge's held-out loss ``best_loss``; returns the best values,
+    their step (0: none beat the merge), the curve and the steps run."""
     leaves = list(refit.masters.values())
     optimizer = torch.optim.Adam(leaves, lr=cfg.lr)
-    with torch.no_grad():
-        best_loss = float(refit.errors(targets.heldout, merged=True).mean())
     best, best_step, curve, waited, step = refit.snapshot(), 0, [], 0, 0
     while step < cfg.steps:
         loss = refit.errors([targets.fit[step % len(targets.fit)]]).mean()
@@ -198,7 +196,7 @@ def _descend(refit: _Refit, targets: RefitTargets, cfg) -> tuple[dict, int, floa
             waited += 1
             if waited >= cfg.patience:
                 break
-    return best, best_step, best_loss, curve, step
+    return best, best_step, curve, step
 
 
 def refit_merged(members: list[Member], targets: RefitTargets | None) -> dict[str, Any] | None:
@@ -218,7 +216,7 @@ def refit_merged(members: list[Member], targets: RefitTargets | None) -> dict[st
             logger.warning("refit: fewer than %d held-out examples; not run", MIN_GATE_EXAMPLES)
             best, best_step, curve, steps = {}, 0, [], 0
         else:
-            best, best_step, _, curve, steps = _descend(refit, targets, cfg)
+            best, best_step, curve, steps = _descend(refit, targets, cfg, float(before.mean()))
         after, test = before, None
         if best_step:
             refit.restore(best)

@@ -73,6 +73,18 @@ def test_a_refit_that_cannot_help_is_dropped_and_the_merge_is_unchanged():
     assert _equal_states(plain.model, refit.model)
 
 
+def test_too_few_heldout_examples_leave_the_merge_alone():
+    """Three held-out examples cannot judge a refit: it does not run, and the merge is unchanged."""
+    a = _bert()
+    b = scrambled_near_copy(a, seed=1, noise=0.3)
+    plain = _merge(clone(a), clone(b), n=12)
+    refit = _merge(clone(a), clone(b), n=12, refit={"steps": 20})
+    record = refit.report["refit"]
+    assert record["heldout_examples"] == 3 and record["steps"] == 0 and not record["kept"]
+    assert "held-out examples" in record["reason"]
+    assert _equal_states(plain.model, refit.model)
+
+
 @pytest.mark.parametrize(
     "options, name",
     [
