@@ -237,6 +237,12 @@ def _pinned(method: Method) -> Method:
 
 METHODS = (
     Method("default", "the product's defaults (RaOT, linear, correction auto)", {}, "rules"),
+    Method(
+        "default+refit",
+        "the product's defaults, then the refit of the merged model's norms and biases (200 label-free steps)",
+        {"refit": {"steps": 200}},
+        "rules",
+    ),
     *(_pinned(m) for m in METHODS),
 )
 BY_NAME = {m.name: m for m in METHODS}

@@ -5,7 +5,7 @@
 >>> result.save_pretrained("merged")  # doctest: +SKIP
 
 Data flows one way: load → per model after the reference: calibrate (fit) → solve → calibrate
-(held-out) → gate → apply + check; then merge → report, each a function of :mod:`raot_hf.stages`.
+(held-out) → gate → apply + check; then merge → refit (opt-in) → report, each a function of :mod:`raot_hf.stages`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from raot_hf.stages.members import (
     prepare_config,
 )
 from raot_hf.stages.provenance import build_report, transform_file
+from raot_hf.stages.refit import refit_merged, refit_targets, refuse_offloaded_refit
 from raot_hf.symmetry import Transform
 
 __all__ = ["Alignment", "MergeResult", "RaotMerger"]
@@ -196,14 +197,19 @@ class RaotMerger:
         """Estimate, gate, apply to B, check B′ ≡ B, merge into model A's object (no third copy), and
         return a :class:`MergeResult`; with more models each is aligned to the reference (docs/design.md §6.9)."""
         self._refuse_after_merge()
+        refuse_offloaded_refit(self.pair)
         central = len(self.models) > 2 and self.config.models.reference == "central"
         run = self._reference_to_center(calibration) if central else None
         self.merged = True  # from here on the models change
         members = align_all(self.pairs, calibration, self.early_calibration, run)
         quality_sets, parents = parents_before_merge(members)  # A before the merge writes into it; B′
+        targets = refit_targets(members, calibration, self.early_calibration)  # likewise (None: refit off)
         merge_log = merge_weights(members, members_folded(members))
+        refit = refit_merged(members, targets)  # docs/design.md §6.11
         quality = merged_quality(members, quality_sets, parents)
         report = build_report(members, self.sources, merge_log, quality, self.reference_log)
+        if refit is not None:
+            report["refit"] = refit
         source_a, files = self.source_a.name_or_path, self.working_files
         result = MergeResult(
             self.model_a, report, members[0].alignment, self.preprocessor, source_a, working_files=files

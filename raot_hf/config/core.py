@@ -18,6 +18,7 @@ from typing import Any
 
 from raot_hf.calibration.settings import CalibrationConfig
 from raot_hf.config.options import check_choice, check_field_types, check_non_negative_int, option_keywords
+from raot_hf.config.refit import RefitOptions
 from raot_hf.config.sections import registered_sections
 from raot_hf.correction import CorrectionOptions
 from raot_hf.errors import RaotError
@@ -80,8 +81,8 @@ class RaotConfig:
       ``rope_restricted`` off: free Q/K maps on RoPE models, inexact (an ablation).
     * ``merge_rule``: a rule of :mod:`raot_hf.merging`'s registry (the base-relative ones need a base,
       docs/design.md §6); ``alpha``: weight of B′ (0 gives A; base-relative: of B's task vector).
-    * ``correction`` (docs/design.md §6.7), ``models`` (a merge of several models, §6.9), ``refine`` (§5.6), ``gate``,
-      ``calibration`` and each method's options: their sections.
+    * ``correction`` (docs/design.md §6.7), ``models`` (a merge of several models, §6.9), ``refine`` (§5.6),
+      ``refit`` (§6.11), ``gate``, ``calibration`` and each method's options: their sections.
     """
 
     alignment: str = field(default="activation", metadata=_help("Estimator (default activation).", choices=alignments))
@@ -118,6 +119,7 @@ class RaotConfig:
     models: ModelsOptions = field(default_factory=ModelsOptions)
     correction: CorrectionOptions = field(default_factory=CorrectionOptions)
     refine: RefineOptions = field(default_factory=RefineOptions)
+    refit: RefitOptions = field(default_factory=RefitOptions)
     dtype: str = field(default="auto", metadata=_help("Dtype the models load in (default auto).", choices=DTYPES))
     seed: int = field(
         default=0, metadata=_help("Seed of dare_ties' masks, the Fisher's examples and the check inputs (default 0).")

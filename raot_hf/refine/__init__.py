@@ -38,7 +38,9 @@ def _what_to_refine(alignment, schema) -> tuple[list[int], bool]:
     return layers, stream
 
 
-def _examples(ctx, run, split: str, count: int) -> list[dict]:
+def calibration_examples(ctx, run, split: str, count: int) -> list[dict]:
+    """At most ``count`` examples of ``split``, by calibration batch: ``{"inputs", "mask"}`` (the
+    real tokens, None where every position is one)."""
     out, taken = [], 0
     for batch in run.batches(ctx.preprocessor, split=split):
         keep = min(count - taken, len(batch))
@@ -115,8 +117,8 @@ def refine_alignment(ctx, alignment, run) -> tuple[list[Transform], dict[str, An
         return [], {"applied": False, "reason": "no applied rotation or head map to refine"}
     started = time.perf_counter()
     names = layer_module_names(ctx.model_a, ctx.schema)
-    fit = _examples(ctx, run, "fit", cfg.examples)
-    heldout = _examples(ctx, run, "heldout", ctx.config.gate.examples)
+    fit = calibration_examples(ctx, run, "fit", cfg.examples)
+    heldout = calibration_examples(ctx, run, "heldout", ctx.config.gate.examples)
     with torch.no_grad():
         _targets(ctx, names, fit + heldout)
     p = RefineParameters.zeros(ctx.schema, layers, stream)
@@ -158,7 +160,7 @@ def refine_alignment(ctx, alignment, run) -> tuple[list[Transform], dict[str, An
     return (as_transforms(p) if verdict.passed else []), log
 
 
-__all__ = ["RefineParameters", "refine_alignment"]
+__all__ = ["RefineParameters", "calibration_examples", "refine_alignment"]
 
 
 @register_section

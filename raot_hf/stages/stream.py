@@ -37,8 +37,8 @@ def stream_blocker(config, sources: list, base=None) -> str | None:
     spec = merge_rule_spec(config.merge_rule)
     if plan.estimator is not None:
         return "an alignment reads the models' activations"
-    if plan.needs_data or config.refine.steps:
-        return "the rule or the correction reads calibration data"
+    if plan.needs_data or config.refine.steps or config.refit.steps:
+        return "the rule, the correction or a refit reads calibration data"
     if not spec.per_tensor:
         return f"merge_rule={config.merge_rule!r} merges whole layers"
     if config.head == "b":
