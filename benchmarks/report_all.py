@@ -73,6 +73,13 @@ def _recovery_real() -> str:
     return render_markdown(read_records(BENCH / "perf/results_recovery_real.json"))
 
 
+def _real_pair() -> str:
+    from benchmarks.real_pair import RECORD, TITLE, render
+    from benchmarks.records import read_history
+
+    return render(read_history(RECORD, TITLE))
+
+
 def _if_present(record: str) -> tuple[str, ...]:
     return (record,) if (BENCH / record).is_file() else ()
 
@@ -102,6 +109,7 @@ GENERATED: tuple[Generated, ...] = (
         ("results/results_three_models.json", *_if_present("results/results_three_models_history.json")),
         _group,
     ),
+    Generated("results/RESULTS_real_pair.md", ("results/results_real_pair.json",), _real_pair),
     Generated("decoders/results/RESULTS.md", ("decoders/results/results.json",), _decoders),
     Generated("perf/results_recovery_real.md", ("perf/results_recovery_real.json",), _recovery_real),
     *(Generated(f"perf/{name}.md", (f"perf/{name}.json",), _perf(f"perf/{name}.json")) for name in _PERF),
