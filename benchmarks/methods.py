@@ -121,6 +121,18 @@ METHODS: tuple[Method, ...] = (
         "rules",
     ),
     Method(
+        "raot+lsq-z3",
+        "RaOT, then least squares, each layer's correction held to the gate's z = 3 on held-out examples",
+        {"alignment": "activation", "correction": {"method": "lsq", "z": 3.0}},
+        "rules",
+    ),
+    Method(
+        "raot+lsq-nocompete",
+        "RaOT, then least squares in every layer, untested on held-out examples (no competition)",
+        {"alignment": "activation", "correction": {"method": "lsq", "compete": False}},
+        "rules",
+    ),
+    Method(
         "raot+repair",
         "RaOT, then REPAIR statistics layer by layer (post-merge correction)",
         {"alignment": "activation", "correction": {"method": "repair"}},

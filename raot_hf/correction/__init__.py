@@ -90,9 +90,21 @@ class CorrectionOptions(OptionSection):
         ),
     )
 
+    z: float = field(
+        default=0.0,
+        metadata=meta(
+            "Standard errors by which a correction's mean held-out gain must exceed zero to be kept, per layer "
+            "and for the whole merge (default 0: kept wherever the merge follows its parents more closely with "
+            "it on average; the correction is fitted to exactly that, so it is not held to the gate's z).",
+            "correction_z",
+        ),
+    )
+
     def __post_init__(self) -> None:
         check_field_types(self)
         check_choice("correction_method", self.method, tuple(available_corrections()))
+        if self.z < 0:
+            raise RaotError(f"correction_z={self.z} must be ≥ 0 (standard errors of the held-out gain)")
         if self.examples < 1:
             raise RaotError(f"correction_examples={self.examples} must be ≥ 1 (fit examples the correction runs on)")
         if self.batch_size < 1:

@@ -240,7 +240,7 @@ def _corrected(
     held = None
     if cfg.gate.enabled and cfg.correction.compete:
         heldout = run.batches(ctx.preprocessor, batch_size=cfg.correction.batch_size, split="heldout")
-        held = HeldoutPaths(parents, names, heldout, rest, cfg.gate.examples, mix, cfg.gate.z)
+        held = HeldoutPaths(parents, names, heldout, rest, cfg.gate.examples, mix, cfg.correction.z)
         if sum(c.mask.shape[0] for c in held.chunks) < MIN_GATE_EXAMPLES:
             logger.warning("correction: fewer than %d held-out examples; every layer's correction is kept untested",
                            MIN_GATE_EXAMPLES)  # fmt: skip
