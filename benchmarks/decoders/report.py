@@ -42,8 +42,8 @@ def _exact_cell(runs: list[dict], method: str) -> str:
         return "exact"
     worst = max(r["deviation"] or 0.0 for r in rows)
     norms = [r["deviation_norm"] for r in rows if r.get("deviation_norm") is not None]
-    norm = f", ‖Δ‖/‖B‖ ≤ {max(norms):.2g}" if norms else ""
-    return f"**inexact** (B′ dev. max|Δ|/max|B| ≤ {worst:.2g}{norm})"
+    norm = f"; in norm ≤ {max(norms):.2g}" if norms else ""
+    return f"**inexact** (B′ dev. ≤ {worst:.2g}{norm})"
 
 
 def _gate_cell(runs: list[dict], method: str) -> str:
