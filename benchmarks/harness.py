@@ -20,6 +20,7 @@ from benchmarks.methods import Method, base_keyword
 from benchmarks.metrics import (
     barrier,
     canonical_state,
+    correction_summary,
     encode_split,
     evaluate,
     features_of,
@@ -244,6 +245,7 @@ def _evaluate_method(method: Method, ctx: _RunContext) -> dict[str, Any]:
     verdict = getattr(result.alignment, "verdict", None)
     row["verdict"] = None if verdict is None else str(verdict)
     row["model_fidelity"] = _jsonable(getattr(result.alignment, "model_fidelity", None) or {})
+    row["correction"] = correction_summary(result.report)
     state = merged.state_dict()
     if method.name == "average":
         ctx.average_state = {k: v.detach().clone() for k, v in state.items()}

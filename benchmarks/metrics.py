@@ -217,3 +217,18 @@ def max_abs_difference(state: dict[str, torch.Tensor], reference: dict[str, torc
         if value.is_floating_point():
             worst = max(worst, float((value.double() - other.double()).abs().max()) if value.numel() else 0.0)
     return worst
+
+
+def correction_summary(report: dict) -> dict | None:
+    """What the post-merge correction did in a merge's report: the method, the layers kept and the
+    held-out competition's figures with the model-level check (None: no correction ran)."""
+    correction = (report.get("merge") or {}).get("correction") or {}
+    if correction.get("method", "none") == "none":
+        return None
+    layers = [layer for layer in correction.get("layers", []) if layer.get("layer") != "final"]
+    return {
+        "method": correction["method"],
+        "layers_kept": [layer["layer"] for layer in layers if layer.get("kept", True)],
+        "layers": len(layers),
+        "competition": correction.get("competition"),
+    }

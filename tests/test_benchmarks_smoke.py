@@ -169,3 +169,33 @@ def test_a_plain_rerun_into_existing_results_keeps_the_replaced_rows_as_history(
         for method, row in run["methods"].items():
             entry = kept[(run["pair"], run["run"], method)]
             assert entry["row"] == json.loads(json.dumps(row, default=str)) and entry["date"] == first["meta"]["date"]
+
+
+def test_rows_record_what_the_correction_did(tiny_results):
+    """Each row says whether a correction ran and, when it did, which layers kept it and the
+    held-out competition's figures, so a table can be traced to the correction's decisions."""
+    _, results, _ = tiny_results
+    for run in results["runs"]:
+        for method, row in run["methods"].items():
+            assert "correction" in row, method
+            if row["correction"] is not None:
+                assert set(row["correction"]) == {"method", "layers_kept", "layers", "competition"}
+
+
+def test_the_correction_summary_reads_a_corrected_merge():
+    """On independent tiny decoders the least-squares correction runs: the summary names it, the
+    layers that kept it (of the three) and the model-level check."""
+    from benchmarks.metrics import correction_summary
+    from raot_hf.testing import tiny_data, tiny_model, trained_like
+
+    shape = dict(hidden_size=32, num_heads=4, num_layers=3, intermediate_size=64, vocab_size=100)
+    pre, data = tiny_data("llama", 96, vocab_size=100)
+
+    def report(correction: str) -> dict:
+        a, b = (trained_like(tiny_model("llama", "causal", seed=s, **shape), seed=s).float() for s in (0, 1))
+        return RaotMerger.from_models(a, b, preprocessor=pre, correction=correction).merge(calibration=data).report
+
+    summary = correction_summary(report("lsq"))
+    assert summary["method"] == "lsq" and summary["layers"] == 3
+    assert set(summary["layers_kept"]) <= {0, 1, 2} and summary["competition"]["model_check"] is not None
+    assert correction_summary(report("none")) is None

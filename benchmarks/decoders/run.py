@@ -27,6 +27,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from benchmarks.metrics import correction_summary
 from benchmarks.row_history import replaced_rows
 from benchmarks.update import today
 
@@ -147,6 +148,7 @@ def _evaluate_method(pair, method, dirs, model_a, parents) -> dict[str, Any]:
         "candidates": len(decisions),
         "shares_basis": bool(result.alignment.shares_basis),
         "verdict": None if result.alignment.verdict is None else str(result.alignment.verdict),
+        "correction": correction_summary(result.report),
     }
     row["ppl"] = {c: math.exp(v) for c, v in row["loss"].items()}
     if method.linear:
@@ -172,9 +174,7 @@ def evaluate_run(pair_name: str, run: int, cache_dir: str | None, only: tuple[st
         "parents": parents,
         "methods": {},
     }
-    for name in _methods_for(pair):
-        if only and name not in only:
-            continue
+    for name in list(only) or _methods_for(pair):  # named methods run even outside the family's list
         try:
             out["methods"][name] = _evaluate_method(pair, BY_NAME[name], dirs, models["a"], parents)
         except Exception as exc:  # one failing method must not hide the others
@@ -269,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", help="comma list: run only these, folding them into --out's results.json")
     args = parser.parse_args(argv)
     only = tuple(m for m in (args.methods or "").split(",") if m)
+    from benchmarks.methods import BY_NAME
+
+    unknown = [m for m in only if m not in BY_NAME]
+    if unknown:
+        parser.error(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(BY_NAME)}")
     if args.report_only:
         write_report(json.loads((Path(args.out) / "results.json").read_text()), Path(args.out))
         return 0
