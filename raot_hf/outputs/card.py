@@ -238,7 +238,7 @@ def render_model_card(card: dict, *, template: str | None = None) -> str:
     ``revision_a``, ``revision_b``, ``base_model``, ``revision_base``, ``more_models`` (``{"id",
     "revision"}`` of models 3, 4, …), ``method``, ``scope``, ``merge_rule``, ``alpha``, ``gate_rows``
     (``transform``, ``layer``, ``identity``, ``estimate``, ``margin``, ``applied``), ``checks``
-    (``name``, ``value``, ``threshold``, ``passed``, ``kind``), ``summary``, ``command``,
+    (``name``, ``value``, ``norm_value``, ``threshold``, ``passed``, ``kind``), ``summary``, ``command``,
     ``pipeline_tag``, ``version``.
     """
     missing = [key for key in ("model_a", "model_b") if not card.get(key)]

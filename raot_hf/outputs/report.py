@@ -103,7 +103,9 @@ def model_card_context(report: dict[str, Any]) -> dict[str, Any]:
             for d in report.get("decisions", [])
         ],
         "checks": [
-            dict(name=c.name, value=c.value, threshold=c.threshold, passed=c.passed, kind=c.kind)
+            dict(
+                name=c.name, value=c.value, norm_value=c.norm_value, threshold=c.threshold, passed=c.passed, kind=c.kind
+            )  # fmt: skip
             for c in map(Check.from_dict, report.get("checks", []))
         ],
         "summary": summary_with_verdict(

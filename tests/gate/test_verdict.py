@@ -102,12 +102,14 @@ def test_statuses_are_their_strings_in_every_rendering():
 
 
 def test_a_check_is_its_report_entry():
-    check = Check("B′ ≡ B on held-out inputs (max relative deviation)", 3e-7, 1e-4, exact=True, passed=True)
+    check = Check("B′ ≡ B on held-out inputs (max relative deviation)", 3e-7, 1e-4, True, True, norm_value=1e-8)
     entry = check.to_dict()
-    assert entry == {"name": check.name, "value": 3e-7, "threshold": 1e-4, "exact": True, "passed": True}
-    assert list(entry) == ["name", "value", "threshold", "exact", "passed"]
+    expected = {"name": check.name, "value": 3e-7, "threshold": 1e-4, "exact": True, "passed": True, "norm_value": 1e-8}
+    assert entry == expected
+    assert list(entry) == ["name", "value", "threshold", "exact", "passed", "norm_value"]
     assert Check.from_dict(json.loads(json.dumps(entry))) == check and check.kind == "exact"
     approximate = Check.from_dict({"name": "n", "value": 0.2, "threshold": 1e-4, "passed": True})
     assert approximate.kind == "approximate" and not approximate.exact
     card = model_card_context({"inputs": {"a": {"id": "a"}, "b": {"id": "b"}}, "checks": [entry]})
-    assert card["checks"] == [{"name": check.name, "value": 3e-7, "threshold": 1e-4, "passed": True, "kind": "exact"}]
+    row = {"name": check.name, "value": 3e-7, "norm_value": 1e-8, "threshold": 1e-4, "passed": True, "kind": "exact"}
+    assert card["checks"] == [row]
