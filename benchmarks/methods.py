@@ -255,6 +255,12 @@ METHODS = (
         {"refit": {"steps": 200}},
         "rules",
     ),
+    Method(
+        "default+refit-all",
+        "the product's defaults, then the refit of every trunk parameter (300 label-free steps, lr 1e-4)",
+        {"refit": {"steps": 300, "lr": 1e-4, "parameters": "all"}},
+        "rules",
+    ),
     *(_pinned(m) for m in METHODS),
 )
 BY_NAME = {m.name: m for m in METHODS}

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from raot_hf.config.options import check_field_types, check_non_negative_int, meta
+from raot_hf.config.options import check_choice, check_field_types, check_non_negative_int, meta
 from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
+
+#: What the refit may fit (:func:`raot_hf.stages.refit.refit_parameter_names`).
+REFIT_PARAMETERS = ("norms_biases", "all")
 
 
 @register_section
@@ -44,9 +47,16 @@ class RefitOptions(OptionSection):
         default=256, metadata=meta("Refit of the merged model: fit examples it descends on, and held-out examples "
                                    "it is scored on, at most (default 256).", "refit_examples")
     )  # fmt: skip
+    parameters: str = field(
+        default="norms_biases",
+        metadata=meta("Refit of the merged model: what it fits — norms_biases (every norm's weight and bias and "
+                      "every Linear's bias) or all (every trunk parameter, weight matrices included; a smaller "
+                      "lr suits it, e.g. 1e-4).", "refit_parameters", choices=REFIT_PARAMETERS),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        check_choice("refit_parameters", self.parameters, REFIT_PARAMETERS)
         check_non_negative_int("refit_steps", self.steps)
         if not self.lr > 0:
             raise RaotError(f"refit_lr={self.lr} must be > 0 (Adam's learning rate)")

@@ -108,9 +108,12 @@ def refit_targets(members: list[Member], calibration=None, early=None) -> RefitT
     return RefitTargets(fit, heldout, last, time.perf_counter() - started)
 
 
-def refit_parameter_names(model: torch.nn.Module, head: set[str]) -> list[str]:
-    """The refit's parameters: every norm's weight and bias and every Linear's (or GPT-2
-    ``Conv1D``'s) bias outside the task head — no weight matrix."""
+def refit_parameter_names(model: torch.nn.Module, head: set[str], parameters: str = "norms_biases") -> list[str]:
+    """The refit's parameters outside the task head: every norm's weight and bias and every
+    Linear's (or GPT-2 ``Conv1D``'s) bias — no weight matrix — or (``parameters="all"``) every
+    trunk parameter."""
+    if parameters == "all":
+        return [n for n, p in model.named_parameters() if n not in head and p.is_floating_point()]
     names = []
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
@@ -138,7 +141,7 @@ class _Refit:
     def __init__(self, ctx: PairContext, targets: RefitTargets):
         self.model, self.last = ctx.model_a, targets.last_layer
         present = dict(self.model.named_parameters())
-        names = refit_parameter_names(self.model, set(ctx.schema.head_params))
+        names = refit_parameter_names(self.model, set(ctx.schema.head_params), ctx.config.refit.parameters)
         self.params = {n: present[n] for n in names}
         self.masters = {
             n: p.detach().to(torch.promote_types(p.dtype, torch.float32)).clone().requires_grad_(True)

@@ -59,6 +59,22 @@ def test_refit_of_a_pair_that_differs_lowers_the_heldout_loss_and_is_reported():
     assert not any(k.endswith("weight") and after[k].ndim == 2 for k in moved)  # no weight matrix
 
 
+def test_a_refit_of_every_trunk_parameter_moves_weight_matrices_too():
+    """``refit.parameters="all"``: the weight matrices are fitted with the norms and biases (the
+    task head still not); the held-out loss falls and the refit is kept."""
+    a = _bert()
+    b = scrambled_near_copy(a, seed=1, noise=0.3)
+    plain = _merge(clone(a), clone(b))
+    refit = _merge(clone(a), clone(b), refit={"steps": 40, "lr": 1e-3, "eval_every": 10, "parameters": "all"})
+    record = refit.report["refit"]
+    assert record["kept"], record["reason"]
+    assert record["heldout_loss_after"] < record["heldout_loss_before"]
+    head = set(schema_for(refit.model).head_params)
+    before, after = plain.model.state_dict(), refit.model.state_dict()
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert any(after[k].ndim == 2 for k in moved) and not moved & head
+
+
 def test_a_refit_that_cannot_help_is_dropped_and_the_merge_is_unchanged():
     """B = scramble(A): the merge is A, already the parents' mix (loss ~0); no refit can beat it on
     held-out examples, so it is dropped and the weights are the no-refit merge's, bit for bit."""
@@ -95,6 +111,7 @@ def test_too_few_heldout_examples_leave_the_merge_alone():
         ({"refit": {"patience": 0}}, "refit_patience"),
         ({"refit": {"examples": 0}}, "refit_examples"),
         ({"refit": {"steps": 1.5}}, "refit_steps"),
+        ({"refit": {"parameters": "weights"}}, "refit_parameters"),
     ],
 )
 def test_invalid_refit_options_are_one_line_errors(options, name):
