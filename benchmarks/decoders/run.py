@@ -174,7 +174,9 @@ def evaluate_run(pair_name: str, run: int, cache_dir: str | None, only: tuple[st
         "parents": parents,
         "methods": {},
     }
-    for name in list(only) or _methods_for(pair):  # named methods run even outside the family's list
+    # named methods run even outside the family's list, unless they need a base it does not have
+    names = [m for m in only if pair.siblings or not BY_NAME[m].needs_base] if only else _methods_for(pair)
+    for name in names:
         try:
             out["methods"][name] = _evaluate_method(pair, BY_NAME[name], dirs, models["a"], parents)
         except Exception as exc:  # one failing method must not hide the others

@@ -12,7 +12,7 @@ from raot_hf.outputs import Check
 from raot_hf.results import Alignment
 from raot_hf.stages.context import PairContext, on_device_of
 from raot_hf.symmetry import fold_model, needs_folding, norm_affines, stream_actions, transform_model
-from raot_hf.symmetry.equivalence import compare_outputs, example_inputs, primary_outputs
+from raot_hf.symmetry.equivalence import deviation_forms, example_inputs, primary_outputs
 
 logger = logging.getLogger("raot_hf.stages.apply")
 
@@ -59,9 +59,8 @@ def checked_deviation(
     value = norm_value = 0.0
     for ref, x in zip(reference, inputs, strict=True):
         cand = primary_outputs(ctx.model_b, on_device_of(ctx.model_b, x))
-        mask = x.get("attention_mask")
-        value = max(value, compare_outputs(ref, cand, mask, stream, relative=True))
-        norm_value = max(norm_value, compare_outputs(ref, cand, mask, stream, relative=True, form="norm"))
+        forms = deviation_forms(ref, cand, x.get("attention_mask"), stream, relative=True)
+        value, norm_value = max(value, forms["max"]), max(norm_value, forms["norm"])
     threshold = exactness_threshold(next(ctx.model_b.parameters()).dtype, ctx.schema.norm_dtype)
     if exact and value > threshold:
         raise EquivalenceError(

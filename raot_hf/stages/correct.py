@@ -27,6 +27,7 @@ from raot_hf.gate.fidelity import layer_module_names, relative_squared_error
 from raot_hf.gate.merge import MIN_GATE_EXAMPLES
 from raot_hf.merging import MergeRuleSpec, RuleLog, apply_rule
 from raot_hf.stages.context import PairContext
+from raot_hf.stages.members import target_mix
 from raot_hf.symmetry import load_state
 
 logger = logging.getLogger("raot_hf.stages.correct")
@@ -75,13 +76,6 @@ def _rule(spec: MergeRuleSpec, inputs: dict, trunks: list[dict], merged_all: dic
     return merge
 
 
-def _mix(parents: dict, weights: list) -> dict[str, float]:
-    """Each parent's weight in the correction's target: the per-model weights normalised to sum 1
-    ((1 − α, α) for two models)."""
-    total = sum(weights)
-    return {side: w / total for side, w in zip(parents, weights, strict=True)}
-
-
 @torch.no_grad()
 def corrected_merge(
     ctx: PairContext, spec: MergeRuleSpec, trunks: list[dict], weights: list, inputs: dict, run, method: str,
@@ -98,7 +92,8 @@ def corrected_merge(
         merged_all, rule_log = apply_rule(spec, trunks, weights, **inputs)
         log.add(rule_log)
     merge = _rule(spec, inputs, trunks, merged_all, weights)
-    return _corrected(ctx, parents, _mix(parents, weights), merge, list(trunks[0]), run, method, log)
+    mix = dict(zip(parents, target_mix(weights), strict=True))  # each parent's weight in the target
+    return _corrected(ctx, parents, mix, merge, list(trunks[0]), run, method, log)
 
 
 class HeldoutPaths:

@@ -57,6 +57,13 @@ def model_weights(config, n: int) -> list[float]:
     return weights
 
 
+def target_mix(weights: list[float]) -> list[float]:
+    """Each model's weight in the target of a post-merge step (the correction §6.7, the refit §6.11):
+    the per-model weights normalised to sum 1 ((1 − α, α) for two models)."""
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
 def check_models(config, n: int, distributed: bool = False) -> None:
     """Everything a merge of ``n`` ≥ 3 models refuses, checked before any weights are read."""
     spec = merge_rule_spec(config.merge_rule)

@@ -29,7 +29,7 @@ from raot_hf.hooks import capture_calls
 from raot_hf.refine import calibration_examples
 from raot_hf.stages.calibrate import open_calibration
 from raot_hf.stages.context import PairContext, on_device_of
-from raot_hf.stages.members import Member, member_models, model_weights
+from raot_hf.stages.members import Member, member_models, model_weights, target_mix
 
 logger = logging.getLogger("raot_hf.stages.refit")
 
@@ -88,16 +88,15 @@ def _chunks(ctx: PairContext, run, split: str, count: int, parents: list, mix: l
 
 def refit_targets(members: list[Member], calibration=None, early=None) -> RefitTargets | None:
     """The refit's fit and held-out targets (None when ``refit.steps`` is 0): call after every model is
-    aligned and before the merge writes into the reference, whose outputs are one parent's."""
+    aligned and before the merge writes into the reference, whose outputs are one parent's (the
+    merge refused an offloaded refit before any work, :func:`refuse_offloaded_refit`)."""
     ctx = members[0].ctx
     cfg = ctx.config.refit
     if cfg.steps == 0:
         return None
-    refuse_offloaded_refit(ctx)
     run = members[0].run or open_calibration(ctx, calibration, early)
     parents = member_models(members)  # the reference before the merge, then every aligned model
-    weights = model_weights(ctx.config, len(parents))
-    mix = [w / sum(weights) for w in weights]  # the correction's target weights (§6.7)
+    mix = target_mix(model_weights(ctx.config, len(parents)))  # the correction's target weights (§6.7)
     last = layer_module_names(ctx.model_a, ctx.schema)[-1]
     started = time.perf_counter()
     with ctx.timer.stage("refit"):

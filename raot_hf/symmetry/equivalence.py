@@ -53,6 +53,36 @@ def example_inputs(model: torch.nn.Module, batch: int = 3, seq: int = 9, seed: i
     return out
 
 
+def deviation_forms(
+    reference: dict[str, torch.Tensor],
+    candidate: dict[str, torch.Tensor],
+    mask: torch.Tensor | None = None,
+    stream_map: torch.Tensor | None = None,
+    relative: bool = False,
+) -> dict[str, float]:
+    """Both forms of the difference between two sets of primary outputs, from one float64 pass,
+    padding positions ignored, the worst over the outputs: ``"max"`` — max abs (or relative: over the
+    reference's largest real entry) — and ``"norm"`` — the Frobenius norm of the difference (relative:
+    over the reference's norm), which one massive entry does not dominate. ``stream_map`` (d×d) maps
+    the reference's ``last_hidden_state`` into the candidate's basis (base models' output lives in the
+    stream). The one comparison behind the B′ ≡ B check and :func:`output_deviation`."""
+    worst = {"max": 0.0, "norm": 0.0}
+    for key, r in reference.items():
+        r = r.detach().to("cpu", torch.float64)
+        c = candidate[key].detach().to("cpu", torch.float64)
+        if key == "last_hidden_state" and stream_map is not None:
+            r = r @ stream_map.to("cpu", torch.float64)
+        diff, r = (r - c).abs(), r.abs()
+        if mask is not None and diff.ndim >= 2 and diff.shape[:2] == tuple(mask.shape):
+            m = mask.to("cpu", torch.float64)
+            m = m[..., None] if diff.ndim == 3 else m
+            diff, r = diff * m, r * m
+        for form, (d, scale) in (("max", (diff.max(), r.max())), ("norm", (diff.norm(), r.norm()))):
+            d, scale = float(d), float(scale)
+            worst[form] = max(worst[form], d / max(scale, 1e-30) if relative else d)
+    return worst
+
+
 def compare_outputs(
     reference: dict[str, torch.Tensor],
     candidate: dict[str, torch.Tensor],
@@ -61,29 +91,8 @@ def compare_outputs(
     relative: bool = False,
     form: str = "max",
 ) -> float:
-    """Max abs (or relative: over the reference's largest real entry) difference between two sets
-    of primary outputs, padding positions ignored; ``form="norm"``: the Frobenius norm of the
-    difference instead (relative: over the reference's norm), which one massive entry does not
-    dominate. ``stream_map`` (d×d) maps the reference's ``last_hidden_state`` into the candidate's
-    basis (base models' output lives in the stream). The one comparison behind the B′ ≡ B check
-    and :func:`output_deviation`; the worst over the outputs."""
-    worst = 0.0
-    for key, r in reference.items():
-        r = r.detach().to("cpu", torch.float64)
-        c = candidate[key].detach().to("cpu", torch.float64)
-        if key == "last_hidden_state" and stream_map is not None:
-            r = r @ stream_map.to("cpu", torch.float64)
-        diff = (r - c).abs()
-        if mask is not None and diff.ndim >= 2 and diff.shape[:2] == tuple(mask.shape):
-            m = mask.to("cpu", torch.float64)
-            m = m[..., None] if diff.ndim == 3 else m
-            diff, r = diff * m, r.abs() * m
-        if form == "norm":
-            d, scale = float(diff.norm()), float(r.norm())
-        else:
-            d, scale = float(diff.max()), float(r.abs().max())
-        worst = max(worst, d / max(scale, 1e-30) if relative else d)
-    return worst
+    """One form (``"max"`` or ``"norm"``) of :func:`deviation_forms`."""
+    return deviation_forms(reference, candidate, mask, stream_map, relative)[form]
 
 
 def output_deviation(
