@@ -11,7 +11,7 @@ import torch
 from raot_hf.adapters.schema import Member, ModelSchema
 from raot_hf.errors import RaotError
 from raot_hf.io.offload import WorkingFiles
-from raot_hf.symmetry.transforms import SpaceAction, Transform
+from raot_hf.symmetry.transforms import SpaceAction, Transform, is_diagonal_matrix
 
 logger = logging.getLogger("raot_hf.symmetry")
 _F64 = torch.float64
@@ -28,11 +28,25 @@ def _contract(t: torch.Tensor, member: Member, action: SpaceAction) -> torch.Ten
     else:
         x = t.to(_F64).movedim(member.axis, -1)
         sub = x if idx is None else x[..., idx]
-        moved = sub @ action.matrix.to(_F64)
+        moved = _matrix_product(sub, action)
     y = moved if idx is None else x.clone()
     if idx is not None:
         y[..., idx] = moved
     return y.movedim(-1, member.axis).to(t.dtype)
+
+
+def _matrix_product(x: torch.Tensor, action: SpaceAction) -> torch.Tensor:
+    """x·M in float64 by M's structure: per head block (H·h³ instead of (H·h)³), per entry for a
+    diagonal M (a head rescale), else dense. The terms dropped are exact zeros of the dense sum."""
+    m = action.matrix.to(_F64)
+    if action.blocks is not None:
+        perm, blocks = action.blocks
+        heads, h = blocks.shape[0], blocks.shape[-1]
+        gathered = x.reshape(-1, heads, h)[:, perm].transpose(0, 1)  # (H, rows, h): head i reads head perm[i]
+        return (gathered @ blocks.to(_F64)).transpose(0, 1).reshape(x.shape)
+    if is_diagonal_matrix(m):
+        return x * torch.diagonal(m)
+    return x @ m
 
 
 def _norm_weight(gamma: torch.Tensor, action: SpaceAction, second_moment: torch.Tensor | None) -> torch.Tensor:

@@ -31,6 +31,10 @@ class SpaceAction:
     matrix: torch.Tensor | None = None
     orthogonal: bool = True
     contra: torch.Tensor | None = None
+    #: the matrix's head-block structure when it has one (head maps, §3.2): ``(perm, blocks)`` with
+    #: block (perm[i], i) = blocks[i] and zeros elsewhere, so a contraction costs H·h³, not (H·h)³
+    blocks: tuple[torch.Tensor, torch.Tensor] | None = None
+    contra_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def dense(self, n: int) -> torch.Tensor:
         if self.matrix is not None:
@@ -41,7 +45,7 @@ class SpaceAction:
 
     def inverse_transpose(self) -> SpaceAction:
         if self.contra is not None:
-            return SpaceAction(matrix=self.contra.to(_F64), orthogonal=False)
+            return SpaceAction(matrix=self.contra.to(_F64), orthogonal=False, blocks=self.contra_blocks)
         if self.perm is not None or self.orthogonal:
             return self
         return SpaceAction(matrix=torch.linalg.inv(self.matrix.to(_F64)).T, orthogonal=False)
@@ -50,26 +54,41 @@ class SpaceAction:
         """Apply ``self`` then ``other`` (contractions compose as M₁·M₂)."""
         if self.perm is not None and other.perm is not None:
             return SpaceAction(perm=self.perm[other.perm])
-        contra = None
+        contra = contra_blocks = None
         if self.contra is not None or other.contra is not None:
-            contra = _product(self.inverse_transpose().dense(n), other.inverse_transpose().dense(n))
+            first, second = self.inverse_transpose(), other.inverse_transpose()
+            contra = _product(first.dense(n), second.dense(n))
+            contra_blocks = _blocks_then_diagonal(first, second)
         return SpaceAction(
             matrix=_product(self.dense(n), other.dense(n)),
             orthogonal=self.orthogonal and other.orthogonal,
             contra=contra,
+            blocks=_blocks_then_diagonal(self, other),
+            contra_blocks=contra_blocks,
         )
 
 
-def _is_diagonal(m: torch.Tensor) -> bool:
+def _blocks_then_diagonal(first: SpaceAction, second: SpaceAction) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The head-block structure of first·second when ``first`` has one and ``second`` is diagonal
+    (a head rotation, then a head rescale): each block's columns scaled — the entries
+    :func:`_product` gives the dense matrix. None otherwise."""
+    if first.blocks is None or second.matrix is None or not is_diagonal_matrix(second.matrix):
+        return None
+    perm, blocks = first.blocks
+    return perm, blocks * torch.diagonal(second.matrix.to(_F64)).view(blocks.shape[0], 1, blocks.shape[-1])
+
+
+def is_diagonal_matrix(m: torch.Tensor) -> bool:
+    """Whether every non-zero entry of ``m`` is on its diagonal."""
     return bool(torch.count_nonzero(m) == torch.count_nonzero(torch.diagonal(m)))
 
 
 def _product(m1: torch.Tensor, m2: torch.Tensor) -> torch.Tensor:
     """M₁·M₂, with a diagonal factor (a head rescale) scaling columns or rows instead of an n³
     product: the same numbers, as every other term of each sum is an exact zero."""
-    if _is_diagonal(m2):
+    if is_diagonal_matrix(m2):
         return m1 * torch.diagonal(m2)
-    if _is_diagonal(m1):
+    if is_diagonal_matrix(m1):
         return torch.diagonal(m1)[:, None] * m2
     return m1 @ m2
 
@@ -92,6 +111,11 @@ def block_matrix(perm: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         j = int(perm[i])
         g[j * h : (j + 1) * h, i * h : (i + 1) * h] = blocks[i]
     return g
+
+
+def head_action(perm: torch.Tensor, blocks: torch.Tensor) -> SpaceAction:
+    """The action of per-head orthogonal maps after a head permutation, dense and by blocks."""
+    return SpaceAction(matrix=block_matrix(perm, blocks), blocks=(perm, blocks))
 
 
 def rope_blocks(angles: torch.Tensor) -> torch.Tensor:
@@ -256,13 +280,13 @@ class HeadAlignment(Transform):
             if r.shape != (H, h, h):
                 raise RaotError(f"layer {self.layer} {name} maps: expected shape {(H, h, h)}, got {tuple(r.shape)}")
         out = {
-            schema.qk_space(self.layer).name: SpaceAction(matrix=block_matrix(self.perm, self.qk)),
-            schema.vo_space(self.layer).name: SpaceAction(matrix=block_matrix(self.perm, self.vo)),
+            schema.qk_space(self.layer).name: head_action(self.perm, self.qk),
+            schema.vo_space(self.layer).name: head_action(self.perm, self.vo),
         }
         if schema.kv_space(self.layer, "k") is not None:
             kv_perm, qk_kv, vo_kv = shared_kv_blocks(schema, self.layer, self.perm, self.qk, self.vo, rope=self.exact)
-            out[schema.kv_space(self.layer, "k").name] = SpaceAction(matrix=block_matrix(kv_perm, qk_kv))
-            out[schema.kv_space(self.layer, "v").name] = SpaceAction(matrix=block_matrix(kv_perm, vo_kv))
+            out[schema.kv_space(self.layer, "k").name] = head_action(kv_perm, qk_kv)
+            out[schema.kv_space(self.layer, "v").name] = head_action(kv_perm, vo_kv)
         return out
 
     def describe(self):

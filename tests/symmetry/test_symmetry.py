@@ -301,6 +301,32 @@ def test_composing_with_a_diagonal_action_equals_the_dense_product(n):
     assert torch.equal(rotation.then(rotation, n).matrix, dense @ dense)
 
 
+@pytest.mark.parametrize("heads,h", [(3, 4), (9, 16)])
+def test_head_block_contraction_equals_the_dense_contraction(heads, h):
+    """A head map (and a head map then a head rescale) is applied block by block and a rescale entry
+    by entry; both must give the dense float64 contraction's numbers (to its own round-off)."""
+    from raot_hf.adapters.schema import Member
+    from raot_hf.symmetry.apply import _contract
+    from raot_hf.symmetry.transforms import SpaceAction, head_action
+
+    g = torch.Generator().manual_seed(heads * h)
+    perm = torch.randperm(heads, generator=g)
+    blocks = torch.linalg.qr(torch.randn(heads, h, h, dtype=torch.float64, generator=g)).Q
+    scale = torch.rand(heads * h, dtype=torch.float64, generator=g) + 0.5
+    rescale = SpaceAction(matrix=torch.diag(scale), orthogonal=False, contra=torch.diag(1 / scale))
+    heads_action = head_action(perm, blocks)
+    composed = heads_action.then(rescale, heads * h)
+    assert composed.blocks is not None and composed.contra_blocks is not None
+    weight = torch.randn(5, heads * h, 7, generator=g)
+    for action in (heads_action, rescale, composed, composed.inverse_transpose()):
+        for axis in (1,):
+            member = Member(name="w", role="weight", axis=axis, covariant=True)
+            got = _contract(weight, member, action)
+            dense = (weight.double().movedim(axis, -1) @ action.dense(heads * h)).movedim(-1, axis).float()
+            assert torch.allclose(got, dense, rtol=0, atol=1e-6)
+            assert not torch.allclose(got, weight, atol=1e-3)  # it did act
+
+
 def test_the_norm_deviation_weighs_every_real_entry_not_the_largest():
     """‖Δ‖ / ‖r‖ over the real tokens (padding ignored). With one massive entry (a massive-activation
     token) at 100× the typical size, the max form max|Δ| / max|r| divides a typical error by the
