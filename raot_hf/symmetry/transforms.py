@@ -198,7 +198,14 @@ class Transform:
 
     def space_action(self, schema: ModelSchema, name: str) -> SpaceAction | None:
         """The action on the space ``name`` alone (None: this transform does not touch it)."""
+        if not self.may_touch(schema, name):
+            return None
         return self.actions(schema).get(name)
+
+    def may_touch(self, schema: ModelSchema, name: str) -> bool:
+        """False when this transform surely leaves the space ``name`` alone, known without making
+        its actions (a layer's transform and the residual stream); True when it may act on it."""
+        return True
 
     def exact_for(self, schema: ModelSchema) -> bool:
         """Whether this transform leaves the function of a model with ``schema`` unchanged."""
@@ -244,6 +251,9 @@ class MLPPermutation(Transform):
     def __post_init__(self):
         self.perm = _tensor(self.perm, torch.long)
 
+    def may_touch(self, schema, name):
+        return name.startswith(f"layers.{self.layer}.")
+
     def actions(self, schema):
         space = schema.mlp_space(self.layer)
         _check_perm(self.perm, space.size, f"MLP permutation of layer {self.layer}")
@@ -273,7 +283,21 @@ class HeadAlignment(Transform):
         self.qk = _tensor(self.qk)
         self.vo = _tensor(self.vo)
 
+    def may_touch(self, schema, name):
+        return name.startswith(f"layers.{self.layer}.")
+
     def actions(self, schema):
+        # checking the maps (RoPE's commutant, one map per KV head) costs more than acting with them
+        # on a small layer, and a merge asks for a layer's actions once per candidate set it scores:
+        # made once per schema and state of the tensors
+        shape = (schema.num_heads, schema.head_size, schema.kv_heads, schema.qk_structure)
+        key = (id(schema), shape, *((t.data_ptr(), t._version) for t in (self.perm, self.qk, self.vo)))
+        made = self.__dict__.get("_made")
+        if made is None or made[0] != key:
+            made = self.__dict__["_made"] = (key, self._actions(schema))
+        return dict(made[1])
+
+    def _actions(self, schema):
         H, h = schema.num_heads, schema.head_size
         _check_perm(self.perm, H, f"head permutation of layer {self.layer}")
         for name, r in (("qk", self.qk), ("vo", self.vo)):
@@ -337,6 +361,9 @@ class HeadRescale(Transform):
     def per_dim(self, h: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The Q/K and V/O scales per dimension of the (query-head) spaces."""
         return _spread(self.qk_scale, h), _spread(self.vo_scale, h)
+
+    def may_touch(self, schema, name):
+        return name.startswith(f"layers.{self.layer}.")
 
     def actions(self, schema):
         h = schema.head_size
