@@ -327,6 +327,20 @@ def test_head_block_contraction_equals_the_dense_contraction(heads, h):
             assert not torch.allclose(got, weight, atol=1e-3)  # it did act
 
 
+def test_head_alignment_actions_follow_its_tensors_and_skip_the_stream():
+    """A head alignment's actions are made once, but an in-place change of its maps is seen; asking
+    for the residual action does not make the head maps at all."""
+    model = tiny_model("llama", "causal", seed=0)
+    schema = schema_for(model)
+    H, h = schema.num_heads, schema.head_size
+    t = HeadAlignment(0, torch.arange(H), torch.eye(h).repeat(H, 1, 1), torch.eye(h).repeat(H, 1, 1))
+    assert t.space_action(schema, "residual") is None and "_made" not in t.__dict__
+    qk = schema.qk_space(0).name
+    assert torch.equal(t.actions(schema)[qk].dense(H * h), torch.eye(H * h, dtype=torch.float64))
+    t.qk.neg_()  # −I in every head: a half turn of each rotary pair, still exact under RoPE
+    assert not torch.equal(t.actions(schema)[qk].dense(H * h), torch.eye(H * h, dtype=torch.float64))
+
+
 def test_the_norm_deviation_weighs_every_real_entry_not_the_largest():
     """‖Δ‖ / ‖r‖ over the real tokens (padding ignored). With one massive entry (a massive-activation
     token) at 100× the typical size, the max form max|Δ| / max|r| divides a typical error by the
