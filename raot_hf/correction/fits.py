@@ -159,21 +159,23 @@ SCREEN_ROWS = 512
 SCREEN_ABOVE = 1e-3
 
 
-def _rule_error(x: torch.Tensor, site: Site, weights: tuple, y_mix: torch.Tensor, target: float, n: _Normal) -> None:
-    """The rule's error at a site whose outputs M's forward has not computed (the readers of one
-    input refitted as the forward reaches them), taken from the rows in float64 wherever it may be
-    small enough to keep the Linear. It is screened first on :data:`SCREEN_ROWS` evenly spaced rows: when M's outputs
-    there miss the parents' mix by more than :data:`SCREEN_ABOVE` (relative), the rule's error —
-    which is at least that (docs/design.md §6.7) — is left to the summed products, and M's outputs
-    on the other rows, a product as large as the Linear's forward, are never computed. An exact
-    merge is still decided from every row."""
+def _rule_error(x: torch.Tensor, site: Site, weights: tuple, y_mix: torch.Tensor, target: float, n: _Normal) -> bool:
+    """The rule's error at a site whose outputs M's forward has not computed yet (the readers of
+    one input refitted as the forward reaches them), taken from the rows in float64 wherever it may
+    be small enough to keep the Linear. It is screened first on :data:`SCREEN_ROWS` evenly spaced
+    rows: when M's outputs there miss the parents' mix by more than :data:`SCREEN_ABOVE` (relative),
+    the rule's error — which is at least that (docs/design.md §6.7) — is left to the summed
+    products. When they do not, the error over every row is left to M's own outputs, once its
+    forward has computed them with the rule's weight (:func:`_checked_after`): they are never
+    computed twice. With no more rows than the screen takes, every row is measured here. Returns
+    whether the decision waits for M's outputs."""
     stride = max(1, x.shape[0] // SCREEN_ROWS)
-    if stride > 1:
-        rows_mix = y_mix[::stride].to(_F64)
-        miss = float((linear_out(x[::stride], site, weights).to(_F64) - rows_mix).pow(2).sum())
-        if miss > SCREEN_ABOVE * float(rows_mix.pow(2).sum()):
-            return
-    n.add_residual(linear_out(x, site, weights), y_mix, target)
+    if stride == 1:
+        n.add_residual(linear_out(x, site, weights), y_mix, target)
+        return False
+    rows_mix = y_mix[::stride].to(_F64)
+    miss = float((linear_out(x[::stride], site, weights).to(_F64) - rows_mix).pow(2).sum())
+    return miss <= SCREEN_ABOVE * float(rows_mix.pow(2).sum())
 
 
 def least_squares_layer(
@@ -205,27 +207,48 @@ def least_squares_layer(
             log[name] = _refit(params, by_module[name], normals[name], _prior(params, by_module[name]), shrink)
 
     if len(layer.chunks) == 1 and shared.once:  # one forward of M: each input's readers refitted as it is reached
+        waiting: dict[str, tuple[_Normal, dict]] = {}  # decided from M's outputs once they are computed
 
-        def fit(readers: list[str], x: torch.Tensor) -> dict[str, torch.Tensor]:
-            normals, inputs = {}, {}
+        def add_products(name: str, n: _Normal, x: torch.Tensor, inputs: dict) -> None:
+            biased = by_module[name].bias is not None
+            if biased not in inputs:  # q, k and v (gate and up) read one input: x̃ and its Gram made once
+                augmented = _augment(x, biased).to(_product_dtype(x))
+                inputs[biased] = augmented, _gram(augmented)
+            augmented, gram = inputs[biased]
+            n.add_products(augmented, mixed[(0, name)], gram=gram)
+
+        def written(names: list[str]) -> dict[str, torch.Tensor]:
+            for name in names:  # the mixed outputs are not read again
+                del mixed[(0, name)]
+            return {k: params[k] for name in names for k in (by_module[name].weight, by_module[name].bias) if k}
+
+        def fit(readers: list[str], x: torch.Tensor) -> tuple[dict[str, torch.Tensor], list[str]]:
+            normals, inputs, now = {}, {}, []
             for name in readers:
                 site, key = by_module[name], (0, name)
                 n = normals[name] = _Normal(target=energy[key], tokens=x.shape[0])
-                _rule_error(x, site, _weights(params, site), mixed[key], energy[key], n)
-                if n.kept:  # an exact merge: nothing to fit, no products made
+                if _rule_error(x, site, _weights(params, site), mixed[key], energy[key], n):
+                    waiting[name] = n, inputs
                     continue
-                biased = site.bias is not None
-                if biased not in inputs:  # q, k and v (gate and up) read one input: x̃ and its Gram made once
-                    augmented = _augment(x, biased).to(_product_dtype(x))
-                    inputs[biased] = augmented, _gram(augmented)
-                augmented, gram = inputs[biased]
-                n.add_products(augmented, mixed[key], gram=gram)
-            refit(readers, normals)
-            for name in readers:  # the readers' mixed outputs are not read again
-                del mixed[(0, name)]
-            return {k: params[k] for name in readers for k in (by_module[name].weight, by_module[name].bias) if k}
+                now.append(name)
+                if not n.kept:  # an exact merge: nothing to fit, no products made
+                    add_products(name, n, x, inputs)
+            refit(now, normals)
+            return written(now), list(waiting)
 
-        return params, layer.merged_fitting(params, shared.readers, fit), log
+        def check(name: str, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+            """A waiting reader, from M's outputs ``y`` with the rule's weight: kept, or refitted
+            (then M's forward computes it again with the new weight)."""
+            n, inputs = waiting.pop(name)
+            n.add_residual(y, mixed[(0, name)], energy[(0, name)])
+            if not n.kept:
+                add_products(name, n, x, inputs)
+            refit([name], {name: n})
+            new = written([name])
+            return {} if n.kept else new
+
+        outputs = layer.merged_fitting(params, shared.readers, fit, check)
+        return params, outputs, {name: log[name] for name in by_module if name in log}  # in call order
     for readers in shared.readers:
         normals = {name: _Normal() for name in readers}
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from raot_hf.correction.carry import Carried, recording, rows
-from raot_hf.hooks import Hooks
+from raot_hf.hooks import Hooks, first_tensor
 
 SiteCallback = Callable[[int, str, torch.Tensor, torch.Tensor], None]
 
@@ -87,31 +87,56 @@ class LayerPass:
         self,
         params: dict[str, torch.Tensor],
         readers_by_input: list[list[str]],
-        fit: Callable[[list[str], torch.Tensor], dict],
+        fit: Callable[[list[str], torch.Tensor], tuple[dict, list[str]]],
+        check: Callable[[str, torch.Tensor, torch.Tensor], dict],
     ) -> list[torch.Tensor]:
         """One forward of M's layer over the single chunk, refitting as it goes: when the forward
         reaches the first Linear reading an input (its one-row-per-position call), ``fit(readers,
         x)`` gets that input's rows (model precision) and returns its readers' new parameters (full
-        names), which the running layer then computes with. ``readers_by_input``: the Linears
-        reading each input (:class:`SharedInputs`). Returns M's layer output, every Linear
-        corrected. Only for one chunk: a fit needs every example's inputs before its readers run."""
+        names), which the running layer then computes with, and the readers whose decision waits
+        for their own outputs: after such a Linear has run, ``check(name, x, y)`` gets its input and
+        output rows and returns its new parameters (none: kept), with which it runs again.
+        ``readers_by_input``: the Linears reading each input (:class:`SharedInputs`). Returns M's
+        layer output, every Linear corrected. Only for one chunk: a fit needs every example's
+        inputs before its readers run."""
         (c,) = self.chunks
         rel = {k: v.clone() for k, v in _relative(params, self.prefix).items()}  # written in place
         first = {readers[0]: readers for readers in readers_by_input}
         done: set[str] = set()
+        waiting: set[str] = set()
         n = len(self.prefix) + 1
+
+        def write(new: dict) -> None:
+            for key, value in new.items():
+                rel[key[n:]].copy_(value)
 
         def before(name, args):
             x = args[0]
             if name in done or not _per_token(x, c):
                 return
             done.add(name)
-            for key, value in fit(first[name], rows(x, c.mask)).items():
-                rel[key[n:]].copy_(value)
+            new, wait = fit(first[name], rows(x, c.mask))
+            write(new)
+            waiting.update(wait)
+
+        def after(name, module, args, out):
+            x = args[0]
+            if name not in waiting or not _per_token(x, c):
+                return None
+            waiting.discard(name)
+            new = check(name, rows(x, c.mask), rows(first_tensor(out), c.mask))
+            if not new:
+                return None
+            write(new)  # the swapped-in parameters are rel's tensors: the module now computes with the new ones
+            return module(*args)
 
         with torch.no_grad(), Hooks() as hooks:
-            for name in first:
-                hooks.on_input(self.module_a.get_submodule(name), lambda args, name=name: before(name, args))
+            for readers in readers_by_input:
+                module = self.module_a.get_submodule(readers[0])
+                hooks.on_input(module, lambda args, name=readers[0]: before(name, args))
+                for name in readers:
+                    module = self.module_a.get_submodule(name)
+                    hooks.on_output(module, lambda args, out, name=name, m=module: after(name, m, args, out))
             out = c.calls["m"](self.module_a, c.hidden["m"], rel)
         return [out]
 
