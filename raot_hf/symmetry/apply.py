@@ -11,7 +11,7 @@ import torch
 from raot_hf.adapters.schema import Member, ModelSchema
 from raot_hf.errors import RaotError
 from raot_hf.io.offload import WorkingFiles
-from raot_hf.symmetry.transforms import SpaceAction, Transform, is_diagonal_matrix
+from raot_hf.symmetry.transforms import SpaceAction, Transform
 
 logger = logging.getLogger("raot_hf.symmetry")
 _F64 = torch.float64
@@ -38,14 +38,14 @@ def _contract(t: torch.Tensor, member: Member, action: SpaceAction) -> torch.Ten
 def _matrix_product(x: torch.Tensor, action: SpaceAction) -> torch.Tensor:
     """x·M in float64 by M's structure: per head block (H·h³ instead of (H·h)³), per entry for a
     diagonal M (a head rescale), else dense. The terms dropped are exact zeros of the dense sum."""
+    if action.diagonal is not None:
+        return x * action.diagonal.to(_F64)
     m = action.matrix.to(_F64)
     if action.blocks is not None:
         perm, blocks = action.blocks
         heads, h = blocks.shape[0], blocks.shape[-1]
         gathered = x.reshape(-1, heads, h)[:, perm].transpose(0, 1)  # (H, rows, h): head i reads head perm[i]
         return (gathered @ blocks.to(_F64)).transpose(0, 1).reshape(x.shape)
-    if is_diagonal_matrix(m):
-        return x * torch.diagonal(m)
     return x @ m
 
 

@@ -23,9 +23,10 @@ _F64 = torch.float64
 @dataclass
 class SpaceAction:
     """How a transform acts on one space: ``perm`` (new position j takes old ``perm[j]``,
-    ``P[perm[j], j] = 1``) or ``matrix`` (``new[..., j] = Σᵢ old[..., i]·M[i, j]``); ``orthogonal``
-    marks M⁻ᵀ = M; ``contra`` overrides the contravariant members' matrix (default M⁻ᵀ; a soft
-    transport plan acts with the same plan on both sides)."""
+    ``P[perm[j], j] = 1``), ``diagonal`` (M = diag(diagonal): a head rescale) or ``matrix``
+    (``new[..., j] = Σᵢ old[..., i]·M[i, j]``); ``orthogonal`` marks M⁻ᵀ = M; ``contra``
+    overrides the contravariant members' matrix (default M⁻ᵀ; a soft transport plan acts with the
+    same plan on both sides)."""
 
     perm: torch.Tensor | None = None
     matrix: torch.Tensor | None = None
@@ -35,10 +36,13 @@ class SpaceAction:
     #: block (perm[i], i) = blocks[i] and zeros elsewhere, so a contraction costs H·h³, not (H·h)³
     blocks: tuple[torch.Tensor, torch.Tensor] | None = None
     contra_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
+    diagonal: torch.Tensor | None = None
 
     def dense(self, n: int) -> torch.Tensor:
         if self.matrix is not None:
             return self.matrix.to(_F64)
+        if self.diagonal is not None:
+            return torch.diag(self.diagonal.to(_F64))
         m = torch.zeros(n, n, dtype=_F64)
         m[self.perm, torch.arange(n)] = 1.0
         return m
@@ -46,6 +50,8 @@ class SpaceAction:
     def inverse_transpose(self) -> SpaceAction:
         if self.contra is not None:
             return SpaceAction(matrix=self.contra.to(_F64), orthogonal=False, blocks=self.contra_blocks)
+        if self.diagonal is not None:
+            return SpaceAction(diagonal=1 / self.diagonal.to(_F64), orthogonal=False)
         if self.perm is not None or self.orthogonal:
             return self
         return SpaceAction(matrix=torch.linalg.inv(self.matrix.to(_F64)).T, orthogonal=False)
@@ -54,13 +60,15 @@ class SpaceAction:
         """Apply ``self`` then ``other`` (contractions compose as M₁·M₂)."""
         if self.perm is not None and other.perm is not None:
             return SpaceAction(perm=self.perm[other.perm])
+        if self.diagonal is not None and other.diagonal is not None:
+            return SpaceAction(diagonal=self.diagonal.to(_F64) * other.diagonal.to(_F64), orthogonal=False)
         contra = contra_blocks = None
-        if self.contra is not None or other.contra is not None:
+        if any(a.contra is not None or a.diagonal is not None for a in (self, other)):
             first, second = self.inverse_transpose(), other.inverse_transpose()
-            contra = _product(first.dense(n), second.dense(n))
+            contra = _product(first, second, n)
             contra_blocks = _blocks_then_diagonal(first, second)
         return SpaceAction(
-            matrix=_product(self.dense(n), other.dense(n)),
+            matrix=_product(self, other, n),
             orthogonal=self.orthogonal and other.orthogonal,
             contra=contra,
             blocks=_blocks_then_diagonal(self, other),
@@ -72,10 +80,10 @@ def _blocks_then_diagonal(first: SpaceAction, second: SpaceAction) -> tuple[torc
     """The head-block structure of first·second when ``first`` has one and ``second`` is diagonal
     (a head rotation, then a head rescale): each block's columns scaled — the entries
     :func:`_product` gives the dense matrix. None otherwise."""
-    if first.blocks is None or second.matrix is None or not is_diagonal_matrix(second.matrix):
+    if first.blocks is None or second.diagonal is None:
         return None
     perm, blocks = first.blocks
-    return perm, blocks * torch.diagonal(second.matrix.to(_F64)).view(blocks.shape[0], 1, blocks.shape[-1])
+    return perm, blocks * second.diagonal.to(_F64).view(blocks.shape[0], 1, blocks.shape[-1])
 
 
 def is_diagonal_matrix(m: torch.Tensor) -> bool:
@@ -83,9 +91,14 @@ def is_diagonal_matrix(m: torch.Tensor) -> bool:
     return bool(torch.count_nonzero(m) == torch.count_nonzero(torch.diagonal(m)))
 
 
-def _product(m1: torch.Tensor, m2: torch.Tensor) -> torch.Tensor:
-    """M₁·M₂, with a diagonal factor (a head rescale) scaling columns or rows instead of an n³
-    product: the same numbers, as every other term of each sum is an exact zero."""
+def _product(first: SpaceAction, second: SpaceAction, n: int) -> torch.Tensor:
+    """The dense M₁·M₂, with a diagonal factor (a head rescale) scaling columns or rows instead of
+    an n³ product: the same numbers, as every other term of each sum is an exact zero."""
+    if second.diagonal is not None:
+        return first.dense(n) * second.diagonal.to(_F64)
+    if first.diagonal is not None:
+        return first.diagonal.to(_F64)[:, None] * second.dense(n)
+    m1, m2 = first.dense(n), second.dense(n)
     if is_diagonal_matrix(m2):
         return m1 * torch.diagonal(m2)
     if is_diagonal_matrix(m1):
@@ -369,8 +382,7 @@ class HeadRescale(Transform):
         h = schema.head_size
 
         def diag(s):
-            d = _spread(s, h)
-            return SpaceAction(matrix=torch.diag(d), orthogonal=False, contra=torch.diag(1 / d))
+            return SpaceAction(diagonal=_spread(s, h), orthogonal=False)
 
         if self.qk_scale.ndim == 2 and self.qk_scale.shape[1:] != (h // 2,):
             raise RaotError(f"layer {self.layer} per-pair Q/K scales: expected (heads, {h // 2}) values")

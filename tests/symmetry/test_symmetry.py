@@ -292,9 +292,10 @@ def test_composing_with_a_diagonal_action_equals_the_dense_product(n):
     dense = torch.randn(n, n, dtype=torch.float64, generator=g)
     dense[0] = 0.0
     scale = torch.randn(n, dtype=torch.float64, generator=g)
-    diagonal = SpaceAction(matrix=torch.diag(scale), orthogonal=False, contra=torch.diag(1 / scale))
+    dense_diagonal = SpaceAction(matrix=torch.diag(scale), orthogonal=False, contra=torch.diag(1 / scale))
     rotation = SpaceAction(matrix=dense, orthogonal=True)
-    for first, second in ((rotation, diagonal), (diagonal, rotation)):
+    pairs = [(rotation, diagonal) for diagonal in (dense_diagonal, SpaceAction(diagonal=scale, orthogonal=False))]
+    for first, second in pairs + [(second, first) for first, second in pairs]:
         composed = first.then(second, n)
         assert torch.equal(composed.matrix, first.dense(n) @ second.dense(n))
         assert torch.equal(composed.contra, first.inverse_transpose().dense(n) @ second.inverse_transpose().dense(n))
@@ -313,7 +314,7 @@ def test_head_block_contraction_equals_the_dense_contraction(heads, h):
     perm = torch.randperm(heads, generator=g)
     blocks = torch.linalg.qr(torch.randn(heads, h, h, dtype=torch.float64, generator=g)).Q
     scale = torch.rand(heads * h, dtype=torch.float64, generator=g) + 0.5
-    rescale = SpaceAction(matrix=torch.diag(scale), orthogonal=False, contra=torch.diag(1 / scale))
+    rescale = SpaceAction(diagonal=scale, orthogonal=False)
     heads_action = head_action(perm, blocks)
     composed = heads_action.then(rescale, heads * h)
     assert composed.blocks is not None and composed.contra_blocks is not None
