@@ -1,8 +1,9 @@
 """Merged computations without a third model: the evaluation behind the merge gate (docs/design.md §5).
 
-* the **gate set**'s layer calls: A and B run once on a few held-out examples, every layer's
-  args, kwargs and output kept (forward hooks with kwargs, so attention masks, relative
-  positions and the like are whatever each architecture passes);
+* the **gate set**'s parent paths: A and B carried layer by layer over a few held-out examples,
+  each layer's call (attention masks, relative positions and the like, whatever each architecture
+  passes) taken from one forward in which no layer computes, each layer run once as the gate's
+  sweep reaches it (:class:`ParentPath`);
 * **merged parameters** ``(1−α)·θ_A + α·T(θ_B)`` of one layer (or of the non-layer trunk), with
   pre-LN LayerNorms folded when the residual map is a rotation, as the merge does (§3.3);
 * **block-local fidelity**: a merged layer run with ``functional_call`` on A's layer at A's
@@ -67,21 +68,60 @@ def layer_module_names(model: torch.nn.Module, schema: ModelSchema) -> list[str]
     return names
 
 
-_Capture = Call  # one layer's call on one chunk of gate examples: args, kwargs, output
+class ParentPath:
+    """One parent over one chunk of gate examples, carried layer by layer: its layer calls
+    without their hidden states (:func:`raot_hf.correction.carry.layer_calls`, from one forward in
+    which no layer computes) and the states entering the current layer. :meth:`at` runs the
+    current layer once and gives its call and output as a :class:`Call`; :meth:`advance` moves on.
+    Only one layer's states are held (besides layer 0's input and the last output, which the
+    model-level check reads): the gate set is not captured whole up front."""
+
+    def __init__(self, model: torch.nn.Module, layer_names: list[str], inputs: dict, tails: dict):
+        self.model, self.layer_names = model, layer_names
+        self.calls, self.start = layer_calls(model, layer_names, inputs, tails=tails)
+        self.layer, self.hidden = 0, self.start
+        self.current: Call | None = None
+        self.final: torch.Tensor | None = None  # the last layer's output, once it has run
+
+    @torch.no_grad()
+    def at(self, index: int) -> Call:
+        """Layer ``index``'s call (its hidden states included) and output; it must be the current layer."""
+        if index != self.layer:
+            raise RaotError(f"the gate's parent path is at layer {self.layer}, not {index}; report this")
+        if self.current is None:
+            call = self.calls[index]
+            args = call.args if call.hidden_in_kwargs else (self.hidden, *call.args)
+            kwargs = {**call.kwargs, "hidden_states": self.hidden} if call.hidden_in_kwargs else call.kwargs
+            module = self.model.get_submodule(self.layer_names[index])
+            self.current = Call(args, kwargs, call(module, self.hidden))
+        return self.current
+
+    def advance(self) -> None:
+        """Move on to the next layer (after :meth:`at` ran the current one)."""
+        self.hidden = self.at(self.layer).output
+        if self.layer == len(self.layer_names) - 1:
+            self.final = self.hidden
+        self.layer, self.current = self.layer + 1, None
 
 
 @dataclass
 class GateChunk:
-    """Gate examples of one calibration batch: inputs, real-token mask and A's and B's layer calls.
+    """Gate examples of one calibration batch: inputs, real-token mask and A's and B's paths
+    through their layers (:class:`ParentPath`).
 
     ``side``: the parent whose call a merged *layer* is scored at on these examples ("a" or "b");
     the gate set alternates halves, so each layer runs once per example, not twice."""
 
     inputs: dict[str, torch.Tensor]
     mask: torch.Tensor  # (rows, seq) bool
-    a: list[_Capture]
-    b: list[_Capture]
+    a: ParentPath
+    b: ParentPath
     side: str = "a"
+
+    def advance(self) -> None:
+        """Both parents move on to the next layer."""
+        self.a.advance()
+        self.b.advance()
 
 
 @torch.no_grad()
@@ -265,7 +305,7 @@ def _map_stream(x: torch.Tensor, stream: torch.Tensor | None) -> torch.Tensor:
     return x if stream is None else x @ stream.to(x.device, x.dtype)
 
 
-def _b_prime_call(a: _Capture, b: _Capture, stream: torch.Tensor | None, hidden: int) -> tuple[tuple, dict]:
+def _b_prime_call(a: Call, b: Call, stream: torch.Tensor | None, hidden: int) -> tuple[tuple, dict]:
     """B′'s layer call: B's tensors that live in the stream (they differ from A's and end in the
     hidden size — the hidden states, DeBERTa's relative embeddings) mapped into A's basis."""
 
@@ -298,7 +338,7 @@ def scored_calls(chunks: list[GateChunk], index: int, stream: torch.Tensor | Non
     set :func:`layer_fidelity` scores there."""
     calls = []
     for c in chunks:
-        ca, cb = c.a[index], c.b[index]
+        ca, cb = c.a.at(index), c.b.at(index)
         if c.side == "a":
             ref = Reference(ca.output, c.mask, _hidden_in(ca.args, ca.kwargs))
             calls.append(ScoredCall(ca.args, ca.kwargs, ref, 2 * (1 - alpha)))
@@ -368,8 +408,8 @@ class MergedModelRun:
         for c, item in zip(self.chunks, self.carried, strict=True):
             item[1] = item[0][i](module, item[1], rel)
             # where the merged model leaves the parents' path: its state against their mix at this layer
-            ref_b = _map_stream(c.b[i].output, self.stream).double()
-            ref = torch.lerp(c.a[i].output.to(torch.float64), ref_b, self.alpha)
+            ref_b = _map_stream(c.b.at(i).output, self.stream).double()
+            ref = torch.lerp(c.a.at(i).output.to(torch.float64), ref_b, self.alpha)
             worst = max(worst, float(worst_token_deviation(item[1], ref, c.mask).max()))
         self.worst_token.append(worst)
         self.next_layer += 1
@@ -381,10 +421,9 @@ class MergedModelRun:
             raise RaotError(f"the merged model ran {self.next_layer} of {len(self.layer_names)} layers")
         scores = []
         for c, (_, out) in zip(self.chunks, self.carried, strict=True):
-            ref_b = _map_stream(c.b[-1].output, self.stream)
-            start_a = _hidden_in(c.a[0].args, c.a[0].kwargs)
-            start_b = _map_stream(_hidden_in(c.b[0].args, c.b[0].kwargs), self.stream)
-            err_a = relative_squared_error(out, c.a[-1].output, c.mask, start_a)
+            ref_b = _map_stream(c.b.final, self.stream)
+            start_a, start_b = c.a.start, _map_stream(c.b.start, self.stream)
+            err_a = relative_squared_error(out, c.a.final, c.mask, start_a)
             err = (1 - alpha) * err_a + alpha * relative_squared_error(out, ref_b, c.mask, start_b)
             scores.append(1 - err)
         return torch.cat(scores).cpu()
@@ -408,6 +447,8 @@ def model_fidelity(
     run = MergedModelRun(model_a, layer_names, merged, chunks, aligned=aligned)
     for i in range(len(layer_names)):
         run.advance(merged.merged(i, (layer_transforms or {}).get(i, []), aligned=aligned))
+        for c in chunks:
+            c.advance()
         working_files.release_all()  # offloaded models: the layer's pages, read to merge it (docs/design.md §7.4)
     return run.scores(alpha)
 
@@ -424,31 +465,32 @@ def stream_matrix(residual: Transform | None, schema: ModelSchema) -> torch.Tens
 
 def gate_chunks(model_a, model_b, layer_names, batches, examples: int) -> list[GateChunk]:
     """The gate set — the first ``examples`` held-out examples of ``batches`` (the held-out split,
-    in id order: the same every run) — with A's and B's layer calls captured (one forward each,
-    stopped after the last layer), in chunks whose ``side`` alternates between halves of each
-    batch's rows."""
+    in id order: the same every run) — with A's and B's paths at layer 0 (:class:`ParentPath`: each
+    layer's call from one forward in which no layer computes), in chunks whose ``side`` alternates
+    between halves of each batch's rows. A chunk's parents run their layers as the gate reaches them."""
     chunks, taken = [], 0
+    tails: dict = {}  # layer 0's output structure, learnt once (raot_hf.correction.carry.layer_calls)
     for batch in batches:
         picked = batch.heldout.to(torch.bool).nonzero().squeeze(1)[: examples - taken]
         half = (picked.numel() + 1) // 2
         for side, rows in (("a", picked[:half]), ("b", picked[half:])):
             if rows.numel():
-                chunks.append(_capture_chunk(model_a, model_b, layer_names, batch, rows, side))
+                chunks.append(_chunk(model_a, model_b, layer_names, batch, rows, side, tails))
         taken += picked.numel()
         if taken >= examples:
             break
     return chunks
 
 
-def _capture_chunk(model_a, model_b, layer_names, batch, rows: torch.Tensor, side: str) -> GateChunk:
-    """Rows ``rows`` of ``batch`` through A and B, every layer call kept."""
+def _chunk(model_a, model_b, layer_names, batch, rows: torch.Tensor, side: str, tails: dict) -> GateChunk:
+    """Rows ``rows`` of ``batch``, with A's and B's paths through their layers."""
     inputs = {k: v.index_select(0, rows) for k, v in batch.inputs.items()}
-    captured = []
+    paths = []
     for model in (model_a, model_b):
         device = next(model.parameters()).device
-        captured.append(capture_layers(model, layer_names, {k: v.to(device) for k, v in inputs.items()}))
+        paths.append(ParentPath(model, layer_names, {k: v.to(device) for k, v in inputs.items()}, tails))
     if batch.token_mask is None:  # images: every position the model produces is real
-        mask = torch.ones(captured[0][-1].output.shape[:2], dtype=torch.bool)
+        mask = torch.ones(paths[0].start.shape[:2], dtype=torch.bool)
     else:
         mask = batch.token_mask.index_select(0, rows).to(torch.bool)
-    return GateChunk(inputs, mask, captured[0], captured[1], side)
+    return GateChunk(inputs, mask, paths[0], paths[1], side)

@@ -284,6 +284,8 @@ def run_merge_gate(
             decided.update(layer_decisions)
             every = [t for key in keys for t in per_layer[key]]
         run.advance_check(i, chosen, every)
+        for c in chunks:  # the parents move on to the next layer
+            c.advance()
         working_files.release_all()  # an offloaded layer's pages, read to merge it, go back to their files (§7.4)
     check, passed, worst = run.check()
     return _result(rows, decided, check, passed, residual is not None, worst)

@@ -218,17 +218,23 @@ def test_the_model_level_check_in_the_layer_sweep_equals_separate_sweeps(monkeyp
     from raot_hf.symmetry import ResidualPermutation, ResidualRotation
 
     seen = {}
-    real = gate_merge.run_merge_gate
+    real, real_chunks = gate_merge.run_merge_gate, gate_merge.gate_chunks
 
     def spy(*args, **kwargs):
         seen.update(args=args, kwargs=kwargs, result=real(*args, **kwargs))
         return seen["result"]
 
+    def chunks_spy(model_a, model_b, names, batches, examples):
+        batches = list(batches)  # kept, for fresh paths through the parents after the gate's sweep
+        seen["fresh"] = lambda: real_chunks(model_a, model_b, names, iter(batches), examples)
+        return real_chunks(model_a, model_b, names, iter(batches), examples)
+
     monkeypatch.setattr(gate_merge, "run_merge_gate", spy)
+    monkeypatch.setattr(gate_merge, "gate_chunks", chunks_spy)
     pre, data = _data("bert")
     a, b = _scrambled()
     RaotMerger.from_models(a, b, preprocessor=pre, alignment=alignment).align(data)
-    model_a, model_b, schema, parts, rows, chunks = seen["args"]
+    model_a, model_b, schema, parts, rows, _ = seen["args"]
     alpha, names, result = seen["kwargs"]["alpha"], seen["kwargs"]["layer_names"], seen["result"]
     per_layer = gate_merge._per_layer(parts)
     block_accepted = {Status.ACCEPTED, Status.VETOED}
@@ -242,8 +248,8 @@ def test_the_model_level_check_in_the_layer_sweep_equals_separate_sweeps(monkeyp
         residual = None
     assert (residual is not None) == (alignment == "activation") and accepted
     merged = MergedParameters(model_a, model_b, schema, names, residual, alpha)
-    identity = model_fidelity(model_a, names, merged, chunks, None, alpha)
-    aligned = model_fidelity(model_a, names, merged, chunks, accepted, alpha)
+    identity = model_fidelity(model_a, names, merged, seen["fresh"](), None, alpha)
+    aligned = model_fidelity(model_a, names, merged, seen["fresh"](), accepted, alpha)
     fid = result.model_fidelity
     assert fid["identity"] == float(identity.mean()) and fid["aligned"] == float(aligned.mean())
     assert fid["aligned"] != fid["identity"]
