@@ -64,8 +64,8 @@ def _accumulate_product(total: torch.Tensor, x: torch.Tensor, y: torch.Tensor, p
         x, y = x.to(product_dtype), y.to(product_dtype)
     if x.dtype == total.dtype:
         total.addmm_(x.T, y)
-    else:
-        total += (x.T @ y).to(total.dtype)
+    else:  # the add promotes the product exactly: no float32 copy of it
+        total.add_(x.T @ y)
 
 
 def _moved(obj, device):
@@ -180,7 +180,8 @@ class Moments:
             cd = self.comoment.dtype
             self.comoment.addr_(da.to(cd), db.to(cd), alpha=n0 * m / (n0 + m))
         for block in row_blocks(m, a.shape[1]):
-            xa, xb = (a[block].to(_F64) - ma).to(dt), (b[block].to(_F64) - mb).to(dt)
+            # the subtraction promotes the rows to float64 exactly, as a float64 copy of them would
+            xa, xb = torch.sub(a[block], ma).to(dt), torch.sub(b[block], mb).to(dt)
             _accumulate_product(self.comoment, xa, xb, self.product_dtype)
         self.n_cross += m
         self.xsum_a += sum_a
@@ -280,20 +281,20 @@ class PairedDiagonal:
         if a.shape[0] == 0:
             return
         self.n += a.shape[0]
+        same = t is b  # no candidate at this site: t's sums are b's, summed once
         for block in row_blocks(a.shape[0], a.shape[1]):
             # O(n·k) sums whose differences the gains take: float64, a block of rows at a time
-            a64, b64, t64 = a[block].to(_F64), b[block].to(_F64), t[block].to(_F64)
-            for total, value in (
-                (self.sum_a, a64),
-                (self.sq_a, a64 * a64),
-                (self.sum_b, b64),
-                (self.sq_b, b64 * b64),
-                (self.dot, a64 * b64),
-                (self.sum_t, t64),
-                (self.sq_t, t64 * t64),
-                (self.dot_t, a64 * t64),
+            a64, b64 = a[block].to(_F64), b[block].to(_F64)
+            sums = [a64.sum(0), (a64 * a64).sum(0), b64.sum(0), (b64 * b64).sum(0), (a64 * b64).sum(0)]
+            if same:
+                sums += sums[2:]
+            else:
+                t64 = t[block].to(_F64)
+                sums += [t64.sum(0), (t64 * t64).sum(0), (a64 * t64).sum(0)]
+            for total, value in zip(
+                (self.sum_a, self.sq_a, self.sum_b, self.sq_b, self.dot, self.sum_t, self.sq_t, self.dot_t), sums
             ):
-                total += value.sum(0)
+                total += value
 
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in fields(self)]
