@@ -20,7 +20,7 @@ from raot_hf.merging.grams import aligned_grams, transposed_weights
 from raot_hf.stages.context import PairContext
 from raot_hf.stages.correct import corrected_merge
 from raot_hf.stages.members import Member, member_models, model_weights
-from raot_hf.symmetry import load_state, model_state
+from raot_hf.symmetry import load_state, model_state, storage_of
 
 logger = logging.getLogger("raot_hf.stages.combine")
 
@@ -128,16 +128,19 @@ def merge_trunks(
     if method != "none":
         return corrected_merge(ctx, spec, trunks, weights, inputs, run, method, parents)
     if spec.per_tensor:  # into the reference's parameters a chunk at a time
+        keep = storage_of(t for trunk in trunks for t in trunk.values())  # copied, never taken
 
         def write(part: dict) -> None:
-            load_state(ctx.model_a, part, working_files=ctx.working_files)
+            load_state(ctx.model_a, part, working_files=ctx.working_files, keep=keep)
             ctx.working_files.release_all()  # the chunk's offloaded pages of every model (§7.4)
 
         sizes = {name: t.numel() * t.element_size() for name, t in trunks[0].items()}
-        read = lambda names: [{k: t[k] for k in names} for t in trunks]  # noqa: E731
+        read = lambda names: [{k: t.pop(k) for k in names} for t in trunks]  # noqa: E731  (each read once)
         return merge_by_chunks(spec, chunks_of(sizes), read, weights, inputs, write)
     merged, log = apply_rule(spec, trunks, weights, **inputs)
-    load_state(ctx.model_a, merged, working_files=ctx.working_files)
+    load_state(
+        ctx.model_a, merged, working_files=ctx.working_files, keep=storage_of(t for tr in trunks for t in tr.values())
+    )
     return log
 
 
@@ -180,6 +183,7 @@ def merge_weights(members: list[Member], folded: bool) -> RuleLog:
         states = [model_state(m) for m in models]
         head = sorted(ref.schema.head_params)
         trunks = [{k: v for k, v in s.items() if k not in head} for s in states]
+        states = [{k: s[k] for k in head if k in s} for s in states]  # the trunks' tensors are let go as merged
         inputs = rule_inputs(members, spec, folded, set(trunks[0]))
         sides = ["b"] if len(members) == 1 else [f"b{i}" for i in range(2, len(models) + 1)]
         parents = {"a": ref.model_a, **{side: m.ctx.model_b for side, m in zip(sides, members, strict=True)}}

@@ -28,7 +28,7 @@ from raot_hf.gate.merge import MIN_GATE_EXAMPLES
 from raot_hf.merging import MergeRuleSpec, RuleLog, apply_rule
 from raot_hf.stages.context import PairContext
 from raot_hf.stages.members import target_mix
-from raot_hf.symmetry import load_state
+from raot_hf.symmetry import load_state, storage_of
 
 logger = logging.getLogger("raot_hf.stages.correct")
 
@@ -71,7 +71,9 @@ def _rule(spec: MergeRuleSpec, inputs: dict, trunks: list[dict], merged_all: dic
         kw = dict(inputs)
         if "base" in kw:
             kw["base"] = {k: kw["base"][k] for k in keys if k in kw["base"]}
-        return apply_rule(spec, [{k: t[k] for k in keys} for t in trunks], weights, **kw)
+        # read once: the trunks let go of each tensor once merged, so that a parameter the merge
+        # replaces (load_state takes the merged tensor) no longer holds its old memory
+        return apply_rule(spec, [{k: t.pop(k) for k in keys} for t in trunks], weights, **kw)
 
     return merge
 
@@ -202,11 +204,12 @@ class RuleStash:
             self.files.append(Path(self.directory.name) / f"{len(self.files)}.safetensors")
             save_file({k: v.contiguous() for k, v in replaced.items()}, self.files[-1])
 
-    def restore(self, model: torch.nn.Module, working_files) -> None:
-        """Write the kept rule tensors back into ``model`` (the merge becomes the rule's everywhere)."""
-        load_state(model, self.tensors, working_files=working_files)
+    def restore(self, model: torch.nn.Module, working_files, keep: set[int]) -> None:
+        """Write the kept rule tensors back into ``model`` (the merge becomes the rule's everywhere);
+        ``keep``: the storages :func:`raot_hf.symmetry.load_state` copies from rather than takes."""
+        load_state(model, self.tensors, working_files=working_files, keep=keep)
         for file in self.files:
-            load_state(model, load_file(file), working_files=working_files)
+            load_state(model, load_file(file), working_files=working_files, keep=keep)
 
     def drop(self) -> None:
         self.tensors = {}
@@ -227,6 +230,7 @@ def _corrected(
     if run is None:
         raise RaotError(f"correction {method!r} needs calibration data; pass calibration=... (or --calibration)")
     names = layer_module_names(ctx.model_a, ctx.schema)
+    keep = storage_of(p for model in parents.values() for p in model.parameters())  # copied, never taken
     in_layer = tuple(n + "." for n in names)
     rest, part = merge([k for k in names_all if not k.startswith(in_layer)])
     log.add(part)
@@ -259,14 +263,14 @@ def _corrected(
             if not kept and not unchanged:  # the fit examples' merged states follow the layer as written
                 outputs = layer.merged(rule, [], lambda *_: None)
         layer.advance(outputs)
-        load_state(ctx.model_a, merged, working_files=ctx.working_files)
+        load_state(ctx.model_a, merged, working_files=ctx.working_files, keep=keep)
         layers.append(entry)
         ctx.working_files.release_all()  # the layer's offloaded pages, read by the parents and the merge (§7.4)
     model_test = None
     if held is not None:  # the whole correction against the rule's merge alone, on the final states
         figures, model_test = held.final()
         if model_test is not None and not model_test.passed:
-            stash.restore(ctx.model_a, ctx.working_files)
+            stash.restore(ctx.model_a, ctx.working_files, keep)
             why = f"dropped with the whole correction: the model-level check {model_test.reason}"
             for entry in layers:
                 if entry.get("kept"):
@@ -284,9 +288,8 @@ def _corrected(
             entry.update(kept=kept, heldout_gain=test.mean, heldout_stderr=test.stderr, reason=test.reason)
         rest = refit if kept else rest
         layers.append(entry)
-    load_state(
-        ctx.model_a, rest, working_files=ctx.working_files
-    )  # A's own non-layer parameters served its forward until now
+    # A's own non-layer parameters served its forward until now
+    load_state(ctx.model_a, rest, working_files=ctx.working_files, keep=keep)
     tokens = int(sum(int(c.mask.sum()) for c in chunks))
     log.correction = {
         "method": method,

@@ -9,6 +9,7 @@ from raot_hf.symmetry.apply import (
     model_state,
     needs_folding,
     norm_affines,
+    storage_of,
     stream_actions,
     transform_model,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "stream_actions",
     "norm_affines",
     "load_state",
+    "storage_of",
     "mean_axis_basis",
     "mean_fixing",
     "model_state",
