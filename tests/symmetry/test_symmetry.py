@@ -342,6 +342,28 @@ def test_head_alignment_actions_follow_its_tensors_and_skip_the_stream():
     assert not torch.equal(t.actions(schema)[qk].dense(H * h), torch.eye(H * h, dtype=torch.float64))
 
 
+def test_load_state_takes_new_tensors_and_copies_other_models_parameters():
+    """A model in memory takes a newly computed tensor (nothing is written into the loaded
+    parameter's pages), contiguous whatever the value's layout; a value that is another model's
+    parameter (``keep``) is copied, so no two models share memory."""
+    from raot_hf.symmetry import load_state, storage_of
+
+    a, b = tiny_model("bert", "sequence", seed=0), tiny_model("bert", "sequence", seed=1)
+    name = "bert.encoder.layer.0.attention.self.query.weight"
+    fresh = torch.randn_like(dict(a.named_parameters())[name]).T.contiguous().T  # a transposed layout
+    other = dict(b.named_parameters())["bert.encoder.layer.0.attention.self.key.weight"]
+    keep = storage_of(b.parameters())
+    load_state(a, {name: fresh}, keep=keep)
+    param = dict(a.named_parameters())[name]
+    assert torch.equal(param, fresh) and param.is_contiguous()
+    load_state(a, {name: other.detach()}, keep=keep)
+    param = dict(a.named_parameters())[name]
+    assert torch.equal(param, other) and param.untyped_storage().data_ptr() not in keep
+    value = torch.randn_like(param)
+    load_state(a, {name: value}, keep=keep)
+    assert dict(a.named_parameters())[name].untyped_storage().data_ptr() == value.untyped_storage().data_ptr()
+
+
 def test_the_norm_deviation_weighs_every_real_entry_not_the_largest():
     """‖Δ‖ / ‖r‖ over the real tokens (padding ignored). With one massive entry (a massive-activation
     token) at 100× the typical size, the max form max|Δ| / max|r| divides a typical error by the
