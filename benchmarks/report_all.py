@@ -90,6 +90,7 @@ _PERF = (
     "results_layerwise",
     "results_layerwise_0.5b",
     "results_llama",
+    "results_llama135m",
     "results_llama16",
     "results_precision",
     "results_recovery",

@@ -425,6 +425,11 @@ def render(results: dict, run: dict) -> list[str]:
             checks.append(_verdict("solve", m["timings"].get("solve", 0.0), TARGET_SOLVE_S, " s"))
         checks.append(_verdict("peak RSS / (A + B)", rss, TARGET_RSS, ""))
         lines.append(f"* {shape}: " + "; ".join(checks) + ".")
+        after_solve = sum(m["timings"].get(s, 0.0) for s in ("gate", "apply", "correction"))
+        lines.append(
+            f"  After the solve (gate, apply and correction): {after_solve:.1f} s = "
+            f"{after_solve / f['total_s']:.2f} × the floor."
+        )
         lines.append(
             f"  Merge: {m['applied']}/{m['decisions']} transforms applied, B′ ≡ B deviation {m['deviation']:.1e}, "
             f"merged vs A (relative, last hidden state) {m.get('recovery', float('nan')):.1e}, "
