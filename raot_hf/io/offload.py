@@ -51,6 +51,34 @@ if _MADVISE is not None:
 _TRIM = _libc_function("malloc_trim")
 
 
+def mapped_file_ranges() -> list[tuple[int, int]]:
+    """The address ranges of this process's mappings of files (from ``/proc/self/maps``; empty
+    where there is none to read)."""
+    ranges = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/"):
+                lo, hi = fields[0].split("-")
+                ranges.append((int(lo, 16), int(hi, 16)))
+    return ranges
+
+
+def drop_file_pages(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
+    """Drop the resident pages of a tensor that lies in a mapping of a file (``ranges``, from
+    :func:`mapped_file_ranges`) and that no parameter uses any longer — a loaded checkpoint's, whose
+    parameter took a new tensor (:func:`raot_hf.symmetry.load_state`). Only whole pages inside the
+    tensor are dropped; a read afterwards reads the file again. Nothing for memory that is not a
+    file's (zeroing it would lose data) or where ``madvise`` is not available."""
+    start = tensor.untyped_storage().data_ptr()
+    stop = start + tensor.untyped_storage().nbytes()
+    if _MADVISE is None or not any(lo <= start and stop <= hi for lo, hi in ranges):
+        return
+    lo, hi = -(-start // _PAGE) * _PAGE, stop // _PAGE * _PAGE  # inward: neighbours keep their pages
+    if hi > lo:
+        _MADVISE(lo, hi - lo, _MADV_DONTNEED)
+
+
 def trim_heap() -> None:
     """Return the C heap's free pages to the OS (glibc's ``malloc_trim``; a no-op elsewhere)."""
     if _TRIM is not None:

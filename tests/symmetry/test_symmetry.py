@@ -364,6 +364,27 @@ def test_load_state_takes_new_tensors_and_copies_other_models_parameters():
     assert dict(a.named_parameters())[name].untyped_storage().data_ptr() == value.untyped_storage().data_ptr()
 
 
+def test_a_taken_over_checkpoint_parameter_keeps_its_values_for_earlier_readers(tmp_path):
+    """A loaded parameter that takes a new tensor hands its memory-mapped pages back; a tensor that
+    still reads the old storage reads the checkpoint's values again, not zeros."""
+    from raot_hf.io.offload import mapped_file_ranges
+    from raot_hf.symmetry import load_state
+
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=2048
+    )
+    transformers.BertModel(config).save_pretrained(tmp_path / "m")
+    model = transformers.BertModel.from_pretrained(tmp_path / "m")
+    name = "encoder.layer.0.intermediate.dense.weight"  # 512 KiB: whole pages of the mapped file
+    old = dict(model.named_parameters())[name].detach()
+    original = old.clone()
+    start = old.untyped_storage().data_ptr()
+    assert any(lo <= start < hi for lo, hi in mapped_file_ranges())  # what this test is about
+    load_state(model, {name: torch.zeros_like(old)}, keep=set())
+    assert torch.equal(dict(model.named_parameters())[name], torch.zeros_like(old))
+    assert torch.equal(old, original)
+
+
 def test_the_norm_deviation_weighs_every_real_entry_not_the_largest():
     """‖Δ‖ / ‖r‖ over the real tokens (padding ignored). With one massive entry (a massive-activation
     token) at 100× the typical size, the max form max|Δ| / max|r| divides a typical error by the
