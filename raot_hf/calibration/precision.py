@@ -50,16 +50,18 @@ def resolve_moment_precision(requested: str, param_dtype: torch.dtype, device) -
     return torch.float32, "auto: this CPU has no bf16 matrix instructions (AMX or AVX-512 BF16)"
 
 
-#: Unit roundoff of a product's 16-bit inputs: bf16 keeps 8 significant bits, fp16 11.
+#: Unit roundoff of a 16-bit product's inputs and sums: bf16 keeps 8 significant bits, fp16 11.
 _INPUT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
 def correlation_error_bound(product_dtype: torch.dtype | None) -> float:
     """How far a correlation read from co-moments whose per-batch products take ``product_dtype``
-    may lie from the exact one (docs/design.md §4.3): rounding both inputs moves each x·y by at most
-    (2u + u²)·|x·y| (u the unit roundoff), so by Cauchy–Schwarz the correlation by at most that
-    (deterministic); float32 accumulation adds √k·u₃₂ ≤ 2⁻¹⁷ for k ≤ 2¹⁴ rows (Higham and Mary 2019)."""
+    may lie from the exact one (docs/design.md §4.3): rounding both inputs, and the block product
+    itself — a 16-bit matrix product returns its sums in its own format — moves each block's
+    Σx·y by at most ((1 + u)³ − 1)·Σ|x·y| (u the unit roundoff), so by Cauchy–Schwarz the
+    correlation by at most that (deterministic); float32 accumulation adds √k·u₃₂ ≤ 2⁻¹⁷ for
+    k ≤ 2¹⁴ rows (Higham and Mary 2019)."""
     if product_dtype == torch.float64:
         return 2.0**-40
-    u = _INPUT_ROUNDOFF.get(product_dtype, 0.0)  # float32 (or None: the float32 rows' own) inputs are exact
-    return 2 * u + u * u + 2.0**-17
+    u = _INPUT_ROUNDOFF.get(product_dtype, 0.0)  # float32 (or None: the float32 rows' own) products are exact
+    return (1 + u) ** 3 - 1 + 2.0**-17

@@ -45,6 +45,18 @@ def test_correlations_stay_within_the_error_bound_of_their_products(dtype):
         assert moved > 0.1 * twins_margin
 
 
+def test_the_bf16_bound_covers_the_rounding_of_the_products_sum():
+    """A bf16 matrix product returns its sum in bf16: with inputs that bf16 holds exactly, Σx² =
+    1 + 2⁻⁸ comes back as 1 — an error of nearly u relative to ‖x‖², on top of what rounding
+    the inputs may cost (2u + u²). The bound must hold both."""
+    x = torch.tensor([[1.0], [2.0**-4]], dtype=torch.bfloat16)
+    exact = 1 + 2.0**-8
+    moved = abs(float((x.T @ x).float()) - exact) / exact  # ‖x‖·‖y‖ = Σx² here (x = y)
+    u = 2.0**-8
+    assert moved > 0.9 * u  # the sum's rounding is there, and near its worst case
+    assert correlation_error_bound(torch.bfloat16) >= 2 * u + u * u + moved
+
+
 def test_bf16_moments_of_near_twins_recover_the_exact_permutation():
     """The estimator on bf16 moments of a permuted copy returns the permutation that float64
     moments give, the twins included."""
