@@ -169,7 +169,10 @@ def recording(module: torch.nn.Module, names: list[str], on_call: Callable[[str,
 
 
 def rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The real-token rows of an activation (…, seq, k) as (n, k), in x's precision."""
+    """The real-token rows of an activation (…, seq, k) as (n, k), in x's precision: a view when
+    every position is real (no padding, images), else a copy of the real rows. Read only."""
+    if bool(mask.all()):
+        return x.reshape(-1, x.shape[-1])
     return x.reshape(*mask.shape, x.shape[-1])[mask.to(x.device)]
 
 
