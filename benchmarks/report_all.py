@@ -86,6 +86,7 @@ def _if_present(record: str) -> tuple[str, ...]:
 
 _PERF = (
     "results",
+    "results_bertbase",
     "results_corrections",
     "results_layerwise",
     "results_layerwise_0.5b",
