@@ -29,12 +29,15 @@ class LayerCall:
     kwargs: dict
     hidden_in_kwargs: bool
 
+    def bind(self, hidden: torch.Tensor) -> tuple[tuple, dict]:
+        """The call's args and kwargs with ``hidden`` as its hidden states."""
+        if self.hidden_in_kwargs:
+            return self.args, {**self.kwargs, "hidden_states": hidden}
+        return (hidden, *self.args), self.kwargs
+
     def __call__(self, module: torch.nn.Module, hidden: torch.Tensor, params: dict | None = None) -> torch.Tensor:
         """Run ``module`` (with ``params`` swapped in, if given) on ``hidden``; returns the layer's output states."""
-        if self.hidden_in_kwargs:
-            args, kwargs = self.args, {**self.kwargs, "hidden_states": hidden}
-        else:
-            args, kwargs = (hidden, *self.args), self.kwargs
+        args, kwargs = self.bind(hidden)
         out = module(*args, **kwargs) if params is None else functional_call(module, params, args, kwargs)
         return first_tensor(out)
 

@@ -166,8 +166,8 @@ def _rule_error(x: torch.Tensor, site: Site, weights: tuple, y_mix: torch.Tensor
     rows: when M's outputs there miss the parents' mix by more than :data:`SCREEN_ABOVE` (relative),
     the rule's error — which is at least that (docs/design.md §6.7) — is left to the summed
     products. When they do not, the error over every row is left to M's own outputs, once its
-    forward has computed them with the rule's weight (:func:`_checked_after`): they are never
-    computed twice. With no more rows than the screen takes, every row is measured here. Returns
+    forward has computed them with the rule's weight (``check`` in :func:`least_squares_layer`):
+    they are never computed twice. With no more rows than the screen takes, every row is measured here. Returns
     whether the decision waits for M's outputs."""
     stride = max(1, x.shape[0] // SCREEN_ROWS)
     if stride == 1:

@@ -81,7 +81,6 @@ class ParentPath:
         self.calls, self.start = layer_calls(model, layer_names, inputs, tails=tails)
         self.layer, self.hidden = 0, self.start
         self.current: Call | None = None
-        self.final: torch.Tensor | None = None  # the last layer's output, once it has run
 
     @torch.no_grad()
     def at(self, index: int) -> Call:
@@ -90,17 +89,20 @@ class ParentPath:
             raise RaotError(f"the gate's parent path is at layer {self.layer}, not {index}; report this")
         if self.current is None:
             call = self.calls[index]
-            args = call.args if call.hidden_in_kwargs else (self.hidden, *call.args)
-            kwargs = {**call.kwargs, "hidden_states": self.hidden} if call.hidden_in_kwargs else call.kwargs
             module = self.model.get_submodule(self.layer_names[index])
-            self.current = Call(args, kwargs, call(module, self.hidden))
+            self.current = Call(*call.bind(self.hidden), call(module, self.hidden))
         return self.current
+
+    @property
+    def final(self) -> torch.Tensor:
+        """The last layer's output (once every layer has run)."""
+        if self.layer != len(self.layer_names):
+            raise RaotError(f"the gate's parent path ran {self.layer} of {len(self.layer_names)} layers; report this")
+        return self.hidden
 
     def advance(self) -> None:
         """Move on to the next layer (after :meth:`at` ran the current one)."""
         self.hidden = self.at(self.layer).output
-        if self.layer == len(self.layer_names) - 1:
-            self.final = self.hidden
         self.layer, self.current = self.layer + 1, None
 
 

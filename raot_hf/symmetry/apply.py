@@ -32,7 +32,12 @@ def _contract(t: torch.Tensor, member: Member, action: SpaceAction) -> torch.Ten
     y = moved if idx is None else x.clone()
     if idx is not None:
         y[..., idx] = moved
-    return y.movedim(-1, member.axis).to(t.dtype, memory_format=torch.contiguous_format).contiguous()
+    return _contiguous(y.movedim(-1, member.axis), t.dtype)
+
+
+def _contiguous(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``, contiguous: one copy at most (``to`` returns ``x`` itself when no cast is needed)."""
+    return x.to(dtype, memory_format=torch.contiguous_format).contiguous()
 
 
 def _matrix_product(x: torch.Tensor, action: SpaceAction) -> torch.Tensor:
@@ -40,13 +45,12 @@ def _matrix_product(x: torch.Tensor, action: SpaceAction) -> torch.Tensor:
     diagonal M (a head rescale), else dense. The terms dropped are exact zeros of the dense sum."""
     if action.diagonal is not None:
         return x * action.diagonal.to(_F64)
-    m = action.matrix.to(_F64)
     if action.blocks is not None:
         perm, blocks = action.blocks
         heads, h = blocks.shape[0], blocks.shape[-1]
         gathered = x.reshape(-1, heads, h)[:, perm].transpose(0, 1)  # (H, rows, h): head i reads head perm[i]
         return (gathered @ blocks.to(_F64)).transpose(0, 1).reshape(x.shape)
-    return x @ m
+    return x @ action.matrix.to(_F64)
 
 
 def _norm_weight(gamma: torch.Tensor, action: SpaceAction, second_moment: torch.Tensor | None) -> torch.Tensor:
@@ -173,7 +177,7 @@ def _write(param: torch.nn.Parameter, value: torch.Tensor, take: bool, files: li
     file's (``files``: :func:`raot_hf.io.offload.mapped_file_ranges`), are handed back."""
     if take and value.shape == param.shape and not value.requires_grad:
         old = param.data
-        param.data = value.to(param.dtype, memory_format=torch.contiguous_format).contiguous()
+        param.data = _contiguous(value, param.dtype)
         drop_file_pages(old, files)
     else:
         param.copy_(value)
