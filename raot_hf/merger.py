@@ -202,7 +202,7 @@ class RaotMerger:
         run = self._reference_to_center(calibration) if central else None
         self.merged = True  # from here on the models change
         members = align_all(self.pairs, calibration, self.early_calibration, run)
-        quality_sets, parents = parents_before_merge(members)  # A before the merge writes into it; B′
+        quality_sets, parents = parents_before_merge(members)  # A before the merge writes into it
         targets = refit_targets(members, calibration, self.early_calibration)  # likewise (None: refit off)
         merge_log = merge_weights(members, members_folded(members))
         refit = refit_merged(members, targets)  # docs/design.md §6.11

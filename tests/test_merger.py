@@ -256,7 +256,7 @@ def test_half_precision_scramble_passes_the_check_and_a_broken_transform_still_r
     (docs/design.md §5.5) — an exact scramble of a bf16 / fp16 Llama deviates by ~1 eps and
     merges back to A within rounding; a transform that breaks the function still raises."""
     from raot_hf import EquivalenceError
-    from raot_hf.stages import apply
+    from raot_hf.symmetry import apply as symmetry_apply
     from raot_hf.testing import output_deviation, tiny_text_dataset, tiny_tokenizer
 
     eps = torch.finfo(dtype).eps
@@ -269,14 +269,15 @@ def test_half_precision_scramble_passes_the_check_and_a_broken_transform_still_r
     assert check["threshold"] == 16 * eps and 0 < check["value"] < 4 * eps
     assert output_deviation(a, result.model, example_inputs(a), relative=True) < 8 * eps
 
-    real = apply.transform_model
+    real = symmetry_apply._contract
 
-    def forgets_a_writer(model, schema, transform, **kw):  # fault injection: the embedding's sign flips
-        real(model, schema, transform, **kw)
-        model.model.embed_tokens.weight.data.neg_()
+    def flips_the_head(t, member, action):  # fault injection: B′'s LM head comes out negated
+        out = real(t, member, action)
+        return -out if member.name == "lm_head.weight" else out
 
-    monkeypatch.setattr(apply, "transform_model", forgets_a_writer)
-    b = clone(a)
-    scramble(b, seed=1)
-    with pytest.raises(EquivalenceError, match="exact transform changed"):
-        RaotMerger.from_models(clone(a), b, preprocessor=pre).merge(calibration=data)
+    monkeypatch.setattr(symmetry_apply, "_contract", flips_the_head)
+    for sweep in (True, False):  # B′ written by the one sweep after the solve, and by the apply stage
+        b = clone(a)
+        scramble(b, seed=1)
+        with pytest.raises(EquivalenceError, match="exact transform changed"):
+            RaotMerger.from_models(clone(a), b, preprocessor=pre, gate={"sweep": sweep}).merge(calibration=data)

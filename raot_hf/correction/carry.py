@@ -180,11 +180,18 @@ def rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def capture(
-    parents: dict, layer_names: list[str], batches: Iterator, merged_rest: dict, examples: int
+    parents: dict,
+    layer_names: list[str],
+    batches: Iterator,
+    merged_rest: dict,
+    examples: int,
+    parent_params: dict[str, dict] | None = None,
 ) -> list[Carried]:
     """Every layer's calls and layer 0's input states of every parent (side → model; ``"a"`` the
     reference) and of M (A's module with the merged non-layer parameters ``merged_rest``) over the
-    first ``examples`` rows of ``batches``."""
+    first ``examples`` rows of ``batches``; ``parent_params``: side → parameters a parent computes
+    with instead of its own (the one sweep's B′ before its module holds them, docs/design.md §5.7)."""
+    parent_params = parent_params or {}
     chunks, taken = [], 0
     tails: dict = {}  # layer 0's output structure, learnt once for the pass (layer_calls)
     for batch in batches:
@@ -194,7 +201,8 @@ def capture(
         inputs = {k: v[:keep] for k, v in batch.inputs.items()}
         mask = batch.token_mask[:keep] if batch.token_mask is not None else None
         layers, hidden = {}, {}
-        runs = [(side, model, None) for side, model in parents.items()] + [("m", parents["a"], merged_rest)]
+        runs = [(side, model, parent_params.get(side)) for side, model in parents.items()]
+        runs.append(("m", parents["a"], merged_rest))
         for key, model, params in runs:
             device = next(model.parameters()).device
             layers[key], hidden[key] = layer_calls(

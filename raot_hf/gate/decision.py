@@ -211,6 +211,16 @@ class GateOptions(OptionSection):
         ),
     )
 
+    sweep: bool = field(
+        default=True,
+        metadata=meta(
+            "Decide, correct and apply in one sweep over the layers where the merge allows it (default on; "
+            "off: the gate, the apply and the correction as three passes).",
+            "gate_sweep",
+            flag="--gate-sweep",
+        ),
+    )
+
     def __post_init__(self) -> None:
         check_field_types(self)
         if not 0.0 <= self.min_gain <= 2.0:

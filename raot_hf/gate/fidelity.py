@@ -38,6 +38,7 @@ from raot_hf.hooks import Call, capture_calls, first_tensor
 from raot_hf.io.offload import WorkingFiles
 from raot_hf.symmetry import (
     Transform,
+    TransformSequence,
     apply_transform,
     fold_layernorms,
     model_state,
@@ -267,10 +268,40 @@ class MergedParameters:
             return self._cache[1], self._cache[2]
         a = self.other_a if index is None else self.layers_a[index]
         b = self.other_b if index is None else self.layers_b[index]
+        a, b = self.mapped(a, b)
+        self._cache = (index, a, b)
+        return a, b
+
+    def mapped(self, a: dict, b: dict) -> tuple[dict, dict]:
+        """A's and B's parameters ``a`` and ``b`` (any part of the models, full names) as the aligned
+        merge reads them: pre-LN norms folded where the residual map is a rotation (§3.3), B's
+        mapped by the residual candidate. New dicts; the given ones are not changed."""
         a, b = self._folded(a), self._folded(b)
         if self.residual is not None:
             apply_transform(b, self.schema, self.residual)
-        self._cache = (index, a, b)
+        return a, b
+
+    def parents(self, index: int, transforms: list[Transform] = ()) -> tuple[dict, dict]:
+        """Layer ``index`` of A (folded) and of B′ (B under the residual candidate and
+        ``transforms``), full names: what the aligned merge of that layer combines. Read only."""
+        a, b = self._base(index)
+        done, b = self._reuse(index, list(transforms), b)
+        for t in list(transforms)[done:]:
+            apply_transform(b, self.schema, t)
+        self._last = (index, list(transforms), b)
+        return a, b
+
+    def written(self, index: int, transforms: list[Transform]) -> tuple[dict, dict]:
+        """Layer ``index`` of A (folded) and of B′ as the apply writes them: B's own layer (folded)
+        under ``transforms`` — the residual candidate and the layer's accepted transforms, in the
+        order of the whole sequence — composed into one float64 contraction per tensor, bit for bit
+        what transforming the whole model gives (:func:`raot_hf.symmetry.transform_model`). The
+        gate's scored B′ (:meth:`parents`: the residual map first, then each candidate, each cast
+        back to B's dtype) differs from it by that rounding (docs/design.md §5.7). New dicts."""
+        a = self._folded(self.layers_a[index])
+        b = self._folded(self.layers_b[index])
+        if transforms:
+            apply_transform(b, self.schema, TransformSequence(list(transforms)))
         return a, b
 
     def merged(self, index: int | None, transforms: list[Transform] = (), *, aligned: bool = True) -> dict:
@@ -287,11 +318,7 @@ class MergedParameters:
 
     def _merge(self, index: int | None, transforms, aligned: bool) -> dict:
         if aligned:
-            a, b = self._base(index)
-            done, b = self._reuse(index, list(transforms), b)
-            for t in list(transforms)[done:]:
-                apply_transform(b, self.schema, t)
-            self._last = (index, list(transforms), b)
+            a, b = self.parents(index, transforms) if index is not None else self._base(index)
         else:
             a = self.other_a if index is None else self.layers_a[index]
             b = self.other_b if index is None else self.layers_b[index]

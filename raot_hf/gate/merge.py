@@ -121,12 +121,12 @@ class MergeGateResult:
     model_fidelity: dict
 
 
-def _eligible(d: GateDecision) -> bool:
+def gate_eligible(d: GateDecision) -> bool:
     """Alignment-gate rows the merge gate re-decides (the rest keep their reason: identity, NaN, tokens)."""
     return d.applied or d.scored
 
 
-def _per_layer(parts: list[Transform]) -> dict[tuple, list[Transform]]:
+def transforms_by_decision(parts: list[Transform]) -> dict[tuple, list[Transform]]:
     """("heads" | "mlp", layer) → the transforms that decision covers (a head rescale follows its heads)."""
     out: dict[tuple, list[Transform]] = {}
     for t in parts:
@@ -138,7 +138,7 @@ def _per_layer(parts: list[Transform]) -> dict[tuple, list[Transform]]:
 
 
 @dataclass
-class _GateRun:
+class LayerGate:
     model_a: torch.nn.Module
     layer_names: list[str]
     merged: MergedParameters
@@ -189,6 +189,15 @@ class _GateRun:
             chosen = tuple(k for k in chosen if k != worst)
         return decided, [t for key in chosen for t in per_layer[key]]
 
+    def decide_at(self, i: int, rows: dict, per_layer: dict) -> tuple[dict, list[Transform], list[Transform]]:
+        """Layer ``i``'s decisions (:meth:`decide_layer`) over its re-decidable estimates, the
+        accepted transforms and every re-decided estimate's (none: nothing to decide there)."""
+        keys = [k for k in (("heads", i), ("mlp", i)) if k in rows and k in per_layer and gate_eligible(rows[k])]
+        if not keys:
+            return {}, [], []
+        decided, chosen = self.decide_layer(i, keys, per_layer, rows)
+        return decided, chosen, [t for key in keys for t in per_layer[key]]
+
     def start_check(self) -> None:
         """The model-level check's merged models, carried through the layers as they are decided:
         the identity merge, the aligned merge with the accepted set (residual map included), and —
@@ -225,19 +234,30 @@ class _GateRun:
         identity = self.identity.scores(self.alpha)
         measured = self.accepted if self.accepted is not None else self.every
         aligned = identity if measured is None else measured.scores(self.alpha)
-        check = _paired(
-            "model",
-            None,
-            aligned,
-            identity,
-            z=self.z,
-            floor=self.floor,
-            description="merged model vs identity merge",
-            alignment=None,
-        )
         worst = [] if measured is None else measured.worst_token
-        check = dataclasses.replace(check, worst_token=max(worst, default=None))
+        check = model_check(aligned, identity, worst, z=self.z, floor=self.floor)
         return check, self.accepted is not None and check.applied, worst
+
+
+def model_check(
+    aligned: torch.Tensor, identity: torch.Tensor, worst: list[float], *, z: float, floor: float
+) -> GateDecision:
+    """The model-level check's paired test: per held-out example, the aligned merge's fidelity
+    against the identity merge's; ``worst``: the aligned merge's worst-token deviation per layer."""
+    check = _paired(
+        "model", None, aligned, identity, z=z, floor=floor, description="merged model vs identity merge", alignment=None
+    )
+    return dataclasses.replace(check, worst_token=max(worst, default=None))
+
+
+def residual_candidate(parts: list[Transform], rows: dict) -> Transform | None:
+    """The residual map the gate decides (at the model level), or None: none was estimated, or its
+    alignment-objective row left it out (identity, not finite, too few tokens)."""
+    residual = next((t for t in parts if isinstance(t, (ResidualPermutation, ResidualRotation))), None)
+    res_row = rows.get(("residual", None))
+    if residual is not None and (res_row is None or not gate_eligible(res_row)):
+        return None
+    return residual
 
 
 def run_merge_gate(
@@ -267,31 +287,24 @@ def run_merge_gate(
         logger.warning("merge gate: %s; keeping the identity for every transform", reason)
         verdict = BasisVerdict(Verdict.SHARES_BASIS_BY_DEFAULT, why=reason)
         return MergeGateResult([_reject(d, reason, Status.TOO_FEW_EXAMPLES) for d in alignment_rows], verdict, {})
-    residual = next((t for t in parts if isinstance(t, (ResidualPermutation, ResidualRotation))), None)
-    res_row = rows.get(("residual", None))
-    if residual is not None and (res_row is None or not _eligible(res_row)):
-        residual = None
+    residual = residual_candidate(parts, rows)
     merged = MergedParameters(model_a, model_b, schema, layer_names, residual, alpha)
-    run = _GateRun(model_a, layer_names, merged, chunks, alpha, z, floor)
-    per_layer = _per_layer(parts)
+    run = LayerGate(model_a, layer_names, merged, chunks, alpha, z, floor)
+    per_layer = transforms_by_decision(parts)
     decided: dict[tuple, GateDecision] = {}
     run.start_check()
     for i in tqdm(range(len(layer_names)), desc="gate", disable=not progress):
-        keys = [k for k in (("heads", i), ("mlp", i)) if k in rows and k in per_layer and _eligible(rows[k])]
-        chosen, every = [], []
-        if keys:
-            layer_decisions, chosen = run.decide_layer(i, keys, per_layer, rows)
-            decided.update(layer_decisions)
-            every = [t for key in keys for t in per_layer[key]]
+        layer_decisions, chosen, every = run.decide_at(i, rows, per_layer)
+        decided.update(layer_decisions)
         run.advance_check(i, chosen, every)
         for c in chunks:  # the parents move on to the next layer
             c.advance()
         working_files.release_all()  # an offloaded layer's pages, read to merge it, go back to their files (§7.4)
     check, passed, worst = run.check()
-    return _result(rows, decided, check, passed, residual is not None, worst)
+    return gate_result(rows, decided, check, passed, residual is not None, worst)
 
 
-def _result(
+def gate_result(
     rows: dict, decided: dict, check: GateDecision, passed: bool, has_residual: bool, worst: list[float]
 ) -> MergeGateResult:
     """Final decisions (the check decides the residual map and can veto the rest) and the verdict."""
@@ -360,7 +373,7 @@ def merge_gate(
         return MergeGateResult(decisions, _alignment_verdict(decisions, why, gated=False), {})
     if cfg.gate.objective != "merge":
         return MergeGateResult(decisions, _alignment_verdict(decisions, "alignment objective"), {})
-    if not any(_eligible(d) for d in decisions):
+    if not any(gate_eligible(d) for d in decisions):
         why = "every estimate is the identity or unusable"
         return MergeGateResult(decisions, _alignment_verdict(decisions, why), {})
     start = time.perf_counter()

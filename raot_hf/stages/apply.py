@@ -37,7 +37,7 @@ def exactness_threshold(dtype: torch.dtype, norm_dtype: str | None = None) -> fl
     return 1e-4
 
 
-def _check_inputs(ctx: PairContext, run) -> tuple[list[dict], list[dict]]:
+def check_inputs(ctx: PairContext, run) -> tuple[list[dict], list[dict]]:
     """The check's inputs and B's outputs on them: the held-out rows kept by the calibration
     pass, or synthetic inputs (B runs on them now, before it is transformed)."""
     inputs = list(run.check_inputs) if run is not None else []
@@ -74,7 +74,7 @@ def apply_and_check(ctx: PairContext, alignment: Alignment, run) -> list[Check]:
     """Transform B in place (and fold A's LayerNorms when a pre-LN stream rotates), measure
     B′ ≡ B, and return the report's checks; an exact alignment that fails raises."""
     with ctx.timer.stage("apply"):
-        inputs, reference = _check_inputs(ctx, run)
+        inputs, reference = check_inputs(ctx, run)
         actions = stream_actions(alignment.applied, ctx.schema) if len(alignment.applied) else {}
         if len(alignment.applied):
             if needs_folding(ctx.schema, actions):  # both parents fold: record what the fold removes
@@ -82,14 +82,21 @@ def apply_and_check(ctx: PairContext, alignment: Alignment, run) -> list[Check]:
             transform_model(ctx.model_b, ctx.schema, alignment.applied, working_files=ctx.working_files)
             if needs_folding(ctx.schema, actions):
                 fold_model(ctx.model_a, ctx.schema, working_files=ctx.working_files)
-        exact = alignment.exact
-        value, threshold, norm_value = checked_deviation(ctx, reference, inputs, actions, exact, "an exact transform")
-        name = "B′ ≡ B on held-out inputs (max relative deviation)"
-        check = Check(name, value, threshold, exact, passed=value <= threshold or not exact, norm_value=norm_value)
-        if not exact:
-            logger.warning(
-                "approximate alignment (post-LN rotation, soft transport or RoPE-unrestricted heads): "
-                "B′ deviates from B by %.3g",
-                value,
-            )
-    return [check]
+        return [equivalence_check(ctx, alignment, inputs, reference)]
+
+
+def equivalence_check(ctx: PairContext, alignment: Alignment, inputs: list[dict], reference: list) -> Check:
+    """The B′ ≡ B check of B as it now is (the alignment applied) on ``inputs``, against B's outputs
+    ``reference`` taken before (:func:`check_inputs`); an exact alignment that fails raises."""
+    actions = stream_actions(alignment.applied, ctx.schema) if len(alignment.applied) else {}
+    exact = alignment.exact
+    value, threshold, norm_value = checked_deviation(ctx, reference, inputs, actions, exact, "an exact transform")
+    name = "B′ ≡ B on held-out inputs (max relative deviation)"
+    check = Check(name, value, threshold, exact, passed=value <= threshold or not exact, norm_value=norm_value)
+    if not exact:
+        logger.warning(
+            "approximate alignment (post-LN rotation, soft transport or RoPE-unrestricted heads): "
+            "B′ deviates from B by %.3g",
+            value,
+        )
+    return check

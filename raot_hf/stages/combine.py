@@ -8,6 +8,7 @@ a time, so no merged copy of the whole model is held.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -17,9 +18,12 @@ from raot_hf.errors import RaotError
 from raot_hf.io.loading import adopt_head
 from raot_hf.merging import MergeRuleSpec, RuleLog, apply_rule, merge_heads, merge_rule_spec, rule_options
 from raot_hf.merging.grams import aligned_grams, transposed_weights
+from raot_hf.stages.apply import apply_and_check
 from raot_hf.stages.context import PairContext
 from raot_hf.stages.correct import corrected_merge
+from raot_hf.stages.decide import decide
 from raot_hf.stages.members import Member, member_models, model_weights
+from raot_hf.stages.sweep import sweep_merge
 from raot_hf.symmetry import load_state, model_state, storage_of
 
 logger = logging.getLogger("raot_hf.stages.combine")
@@ -170,6 +174,32 @@ def correction_method(ctx: PairContext, moved: bool, spec: MergeRuleSpec, run) -
     return "lsq", "auto: the gate moved B (the parents differ in basis)"
 
 
+def _swept(members: list[Member], spec: MergeRuleSpec, weights: list[float]) -> RuleLog | None:
+    """The one sweep (docs/design.md §5.7) of a model whose gate waited for it: the member gets its
+    alignment and checks; returns the rule's log of the merge it wrote, or None when the merge is
+    still to be written (the gate vetoed, or too few gate examples: then the gate and apply ran
+    as stages, and nothing of the sweep was written)."""
+    member = members[0]
+    ctx, pending = member.ctx, member.pending
+    requested = ctx.config.correction.method
+    with ctx.timer.stage("sweep"):
+        trunk = set(model_state(ctx.model_a)) - set(ctx.schema.head_params)
+        inputs = rule_options(spec, ctx.config, 2, names=trunk)
+        method = "lsq" if requested == "auto" else requested  # while the gate may still move B
+        swept = sweep_merge(ctx, pending, member.run, spec, weights, inputs, method)
+    if swept is None:
+        alignment = decide(ctx, pending.parts, pending.logs, pending.stats, member.run)
+        checks = apply_and_check(ctx, alignment, member.run)
+    else:
+        alignment, checks = swept.alignment, swept.checks
+    members[0] = dataclasses.replace(member, alignment=alignment, checks=checks, pending=None)
+    if swept is None or swept.vetoed:
+        return None
+    if requested == "auto":
+        swept.log.correction["auto"] = "auto: the gate moved B (the parents differ in basis)"
+    return swept.log
+
+
 def merge_weights(members: list[Member], folded: bool) -> RuleLog:
     """Merge the reference and every aligned model into the reference's module; returns the rule's log."""
     ref = members[0].ctx
@@ -177,25 +207,47 @@ def merge_weights(members: list[Member], folded: bool) -> RuleLog:
     spec = merge_rule_spec(cfg.merge_rule)
     models = member_models(members)
     weights = model_weights(cfg, len(models))
+    if members[0].pending is not None:
+        log = _swept(members, spec, weights)
+        if log is not None:
+            with ref.timer.stage("sweep"):
+                _write_heads(members, weights)
+            return _logged(members, log, spec, weights)
     moved = any(d.applied for m in members for d in m.alignment.decisions)
     method, why = correction_method(ref, moved, spec, members[0].run)
     with ref.timer.stage("correction" if method != "none" else "merge"):
         states = [model_state(m) for m in models]
         head = sorted(ref.schema.head_params)
         trunks = [{k: v for k, v in s.items() if k not in head} for s in states]
-        states = [{k: s[k] for k in head if k in s} for s in states]  # the trunks' tensors are let go as merged
+        del states  # the trunks' tensors are let go as merged; the heads are read again
         inputs = rule_inputs(members, spec, folded, set(trunks[0]))
         sides = ["b"] if len(members) == 1 else [f"b{i}" for i in range(2, len(models) + 1)]
         parents = {"a": ref.model_a, **{side: m.ctx.model_b for side, m in zip(sides, members, strict=True)}}
         log = merge_trunks(ref, spec, trunks, weights, inputs, members[0].run, method, parents)
-        if head:
-            load_state(ref.model_a, merged_heads(members, states, head, weights), working_files=ref.working_files)
-    if len(models) > 2:
-        log.settings["weights"] = weights
+        _write_heads(members, weights)
     if cfg.correction.method == "auto":
         if log.correction is None:
             log.correction = {"method": "none"}
         log.correction["auto"] = why
+    return _logged(members, log, spec, weights)
+
+
+def _write_heads(members: list[Member], weights: list[float]) -> None:
+    """The classifier heads merged by the head policy into the reference's module."""
+    ref = members[0].ctx
+    head = sorted(ref.schema.head_params)
+    if head:
+        states = [
+            {k: v for k, v in model_state(m).items() if k in ref.schema.head_params} for m in member_models(members)
+        ]
+        load_state(ref.model_a, merged_heads(members, states, head, weights), working_files=ref.working_files)
+
+
+def _logged(members: list[Member], log: RuleLog, spec: MergeRuleSpec, weights: list[float]) -> RuleLog:
+    cfg = members[0].ctx.config
+    models = member_models(members)
+    if len(models) > 2:
+        log.settings["weights"] = weights
     if len(models) == 2:
         counts = ", ".join(f"{n} {m}" for m, n in sorted(log.counts.items()))
         logger.info("%s merge (alpha=%g): %s; written into A", spec.name, cfg.alpha, counts)

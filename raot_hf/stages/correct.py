@@ -27,10 +27,16 @@ from raot_hf.gate.fidelity import layer_module_names, relative_squared_error
 from raot_hf.gate.merge import MIN_GATE_EXAMPLES
 from raot_hf.merging import MergeRuleSpec, RuleLog, apply_rule
 from raot_hf.stages.context import PairContext
-from raot_hf.stages.members import target_mix
 from raot_hf.symmetry import load_state, storage_of
 
 logger = logging.getLogger("raot_hf.stages.correct")
+
+
+def target_mix(weights: list[float]) -> list[float]:
+    """Each model's weight in the target of a post-merge step (the correction §6.7, the refit §6.11):
+    the per-model weights normalised to sum 1 ((1 − α, α) for two models)."""
+    total = sum(weights)
+    return [w / total for w in weights]
 
 
 def final_readers(parents: dict, schema: ModelSchema, rest: dict):
@@ -112,8 +118,8 @@ class HeldoutPaths:
     gate's paired test (z standard errors, or the sign test). The identity — the rule's merge —
     wins ties."""
 
-    def __init__(self, parents: dict, names: list[str], batches, rest: dict, examples: int, mix: dict, z: float):
-        self.chunks = capture(parents, names, batches, rest, examples)
+    def __init__(self, chunks: list, parents: dict, mix: dict, z: float):
+        self.chunks = chunks
         self.mix, self.z, self.parents = mix, z, parents
         self.starts = [{side: c.hidden[side] for side in parents} for c in self.chunks]
         # the rule's merge, never corrected; None while every layer so far kept the rule's merge,
@@ -131,10 +137,22 @@ class HeldoutPaths:
             scores.append(1 - err)
         return torch.cat(scores).cpu()
 
-    def decide(self, name: str, rule: dict, corrected: dict) -> tuple[bool, dict, PairedTest]:
-        """Layer ``name``: whether its correction is kept; moves every path on to the next layer."""
+    @classmethod
+    def captured(cls, parents: dict, names: list[str], batches, rest: dict, examples: int, mix: dict, z: float):
+        """The paths over the first ``examples`` rows of ``batches``, every parent running its own layers."""
+        return cls(capture(parents, names, batches, rest, examples), parents, mix, z)
+
+    def decide(
+        self, name: str, rule: dict, corrected: dict, parent_outs: dict | None = None
+    ) -> tuple[bool, dict, PairedTest]:
+        """Layer ``name``: whether its correction is kept; moves every path on to the next layer.
+        ``parent_outs``: the parents' outputs of the layer on the chunks (side → one per chunk),
+        when another pass computed them already (the one sweep, §5.7); else the parents run here."""
         layer = LayerPass(self.chunks, name, {side: m.get_submodule(name) for side, m in self.parents.items()})
-        layer.parents([], lambda *_: None)
+        if parent_outs is None:
+            layer.parents([], lambda *_: None)
+        else:
+            layer.outs = parent_outs
         out_rule = layer.merged(rule, [], lambda *_: None)
         score_rule = self.fidelity(out_rule, layer.outs)
         out_corrected, score = out_rule, score_rule  # nothing refitted: the corrected layer computes the rule's
@@ -176,12 +194,26 @@ class HeldoutPaths:
     def final(self) -> tuple[dict[str, float], PairedTest | None]:
         """The last layer's fidelity, as written and with the rule alone (the report's evidence), and
         the model-level test of the written merge against the rule's (None: the paths never parted)."""
-        targets = {side: [c.hidden[side] for c in self.chunks] for side in self.parents}
-        written = self.fidelity([c.hidden["m"] for c in self.chunks], targets)
-        rule = written if self.rule_states is None else self.fidelity(self.rule_states, targets)
+        written = self.written_scores()
+        rule = written if self.rule_states is None else self.fidelity(self.rule_states, self._finals())
         test = None if self.rule_states is None else paired_test(written - rule, z=self.z, sign_test=True)
         figures = {"written": float(written.mean()), "rule": float(rule.mean()), "examples": int(written.numel())}
         return figures, test
+
+    def _finals(self) -> dict[str, list[torch.Tensor]]:
+        return {side: [c.hidden[side] for c in self.chunks] for side in self.mix}
+
+    def written_scores(self) -> torch.Tensor:
+        """Per held-out example, the fidelity of the written path's current states (after the last
+        layer: the merge's output) to the parents'."""
+        return self.fidelity([c.hidden["m"] for c in self.chunks], self._finals())
+
+    def restore_rule(self) -> None:
+        """The written path becomes the rule path (the whole correction dropped)."""
+        if self.rule_states is not None:
+            for c, state in zip(self.chunks, self.rule_states, strict=True):
+                c.hidden = {**c.hidden, "m": state}
+            self.rule_states = None
 
 
 class RuleStash:
@@ -217,16 +249,118 @@ class RuleStash:
             self.directory.cleanup()
 
 
+class CorrectionPass:
+    """The layer-by-layer correction (``method``: a registered correction, :func:`raot_hf.correction.get_correction`)
+    over the fit ``chunks`` of the parents (side → model, ``"a"`` the reference, whose module M's
+    layers compute with) and M, each layer's correction competing with the rule's merge of that
+    layer on the held-out paths ``held`` (None: kept untested). Used by the correction stage and by
+    the one sweep (§5.7), which feed it each layer's rule merge in order (:meth:`layer`) and write
+    what it returns; :meth:`finish` decides the whole correction and the final readers."""
+
+    def __init__(
+        self, ctx: PairContext, method: str, parents: dict, mix: dict, chunks: list, held: HeldoutPaths | None
+    ):
+        self.ctx, self.method, self.parents, self.mix, self.chunks, self.held = ctx, method, parents, mix, chunks, held
+        self.spec = get_correction(method)
+        self.layers: list[dict] = []
+        self.skipped: list[str] = []
+        self.memo: dict[str, Any] = {}  # what the correction keeps over the layers of this merge
+        self.stash = RuleStash(offloaded=len(ctx.working_files) > 0) if held is not None else None
+        self.names = layer_module_names(ctx.model_a, ctx.schema)
+
+    def layer(self, i: int, rule: dict, parent_outs: dict | None = None) -> dict:
+        """Layer ``i``'s parameters to write (the correction's or the rule's ``rule``); every path
+        moves on. ``parent_outs``: the parents' held-out outputs, when computed already."""
+        ctx, name = self.ctx, self.names[i]
+        layer = LayerPass(self.chunks, name, {side: m.get_submodule(name) for side, m in self.parents.items()})
+        request = CorrectionRequest(
+            layer, rule, i, name, self.mix, ctx.model_a, ctx.schema, ctx.config.correction, self.memo, self.skipped
+        )
+        merged, outputs, fits = self.spec.fn(request)
+        entry: dict[str, Any] = {"layer": i, "sites": fits}
+        if self.held is not None:
+            unchanged = same_parameters(rule, merged)  # then ``outputs`` are already the rule's layer's
+            kept, merged, test = self.held.decide(name, rule, merged, parent_outs)
+            entry.update(kept=kept, heldout_gain=test.mean, heldout_stderr=test.stderr, reason=test.reason)
+            if kept:
+                self.stash.keep(rule, merged)
+            if not kept and not unchanged:  # the fit examples' merged states follow the layer as written
+                outputs = layer.merged(rule, [], lambda *_: None)
+        layer.advance(outputs)
+        self.layers.append(entry)
+        return merged
+
+    def finish(self, rest: dict, keep: set[int]) -> tuple[dict, dict]:
+        """After the last layer: the whole correction against the rule's merge alone (restored into
+        A's module if it loses), then the final readers' refit; returns the non-layer trunk to write
+        (``rest``, the rule's, or with refitted readers) and the correction's record."""
+        ctx, held, cfg = self.ctx, self.held, self.ctx.config
+        model_test = figures = None
+        if held is not None:  # the whole correction against the rule's merge alone, on the final states
+            figures, model_test = held.final()
+            if model_test is not None and not model_test.passed:
+                self.stash.restore(ctx.model_a, ctx.working_files, keep)
+                held.restore_rule()
+                why = f"dropped with the whole correction: the model-level check {model_test.reason}"
+                for entry in self.layers:
+                    if entry.get("kept"):
+                        entry.update(kept=False, reason=why)
+            self.stash.drop()
+        dropped = model_test is not None and not model_test.passed
+        spec = self.spec
+        readers = final_readers(self.parents, ctx.schema, rest) if spec.readers is not None and not dropped else None
+        if readers is not None:  # an untied LM head reads the final stream: refitted like the layers' Linears
+            norms, sites = readers
+            refit, fits = spec.readers(self.chunks, norms, rest, sites, mix=self.mix, options=cfg.correction)
+            entry = {"layer": "final", "sites": fits}
+            kept = True
+            if held is not None:
+                kept, test = held.decide_readers(norms, rest, refit, sites)
+                entry.update(kept=kept, heldout_gain=test.mean, heldout_stderr=test.stderr, reason=test.reason)
+            rest = refit if kept else rest
+            self.layers.append(entry)
+        tokens = int(sum(int(c.mask.sum()) for c in self.chunks))
+        record = {
+            "method": self.method,
+            "examples": int(sum(c.mask.shape[0] for c in self.chunks)),
+            "tokens": tokens,
+            "layers": self.layers,
+            "skipped": self.skipped,
+            **(spec.report(self.memo, cfg.correction) if spec.report is not None else {}),
+        }
+        if held is not None:
+            kept = sum(1 for e in self.layers if e.get("kept") and e["layer"] != "final")
+            competition = {**figures, "layers_kept": kept, "layers": len(self.names), "model_check": None}
+            if model_test is not None:
+                competition["model_check"] = {"kept": model_test.passed, "gain": model_test.mean,
+                                              "stderr": model_test.stderr, "reason": model_test.reason}  # fmt: skip
+                if dropped:  # the rule's merge is what was written; the corrected merge's figure stays as evidence
+                    competition.update(corrected=competition["written"], written=competition["rule"])
+            record["competition"] = competition
+            logger.info("correction %s: kept in %d of %d layers (held-out fidelity %.4f, rule alone %.4f)",
+                        self.method, kept, len(self.names), competition["written"], competition["rule"])  # fmt: skip
+        logger.info("correction %s: %d layers on %d tokens", self.method, len(self.layers), tokens)
+        return rest, record
+
+
+def fit_chunks(ctx: PairContext, run, parents: dict, rest: dict, parent_params: dict | None = None) -> list:
+    """The correction's fit examples: every parent (computing with ``parent_params[side]`` where
+    given) and M (A's module with the merged non-layer trunk ``rest``) captured at layer 0."""
+    cfg = ctx.config.correction
+    batches = run.batches(ctx.preprocessor, batch_size=cfg.batch_size, split="fit")
+    names = layer_module_names(ctx.model_a, ctx.schema)
+    return capture(parents, names, batches, rest, cfg.examples, parent_params)
+
+
 def _corrected(
     ctx: PairContext, parents: dict, mix: dict, merge, names_all: list[str], run, method: str, log: RuleLog
 ) -> RuleLog:
     """The layer-by-layer pass shared by two and N models: ``merge(keys)`` gives the rule's merge of
     those trunk tensors, ``parents`` the models (side → model, ``"a"`` the reference) and ``mix``
     their weights in the target. Each layer's correction competes with the rule's merge of that
-    layer on held-out examples (:class:`HeldoutPaths`) when the gate is on and there are enough.
-    ``method`` is looked up in the correction registry (:func:`raot_hf.correction.get_correction`)."""
+    layer on held-out examples (:class:`HeldoutPaths`) when the gate is on and there are enough."""
     cfg = ctx.config
-    spec = get_correction(method)
+    get_correction(method)  # an unknown name fails before any work
     if run is None:
         raise RaotError(f"correction {method!r} needs calibration data; pass calibration=... (or --calibration)")
     names = layer_module_names(ctx.model_a, ctx.schema)
@@ -234,81 +368,22 @@ def _corrected(
     in_layer = tuple(n + "." for n in names)
     rest, part = merge([k for k in names_all if not k.startswith(in_layer)])
     log.add(part)
-    batches = run.batches(ctx.preprocessor, batch_size=cfg.correction.batch_size, split="fit")
-    chunks = capture(parents, names, batches, rest, cfg.correction.examples)
+    chunks = fit_chunks(ctx, run, parents, rest)
     held = None
     if cfg.gate.enabled and cfg.correction.compete:
         heldout = run.batches(ctx.preprocessor, batch_size=cfg.correction.batch_size, split="heldout")
-        held = HeldoutPaths(parents, names, heldout, rest, cfg.gate.examples, mix, cfg.correction.z)
+        held = HeldoutPaths.captured(parents, names, heldout, rest, cfg.gate.examples, mix, cfg.correction.z)
         if sum(c.mask.shape[0] for c in held.chunks) < MIN_GATE_EXAMPLES:
             logger.warning("correction: fewer than %d held-out examples; every layer's correction is kept untested",
                            MIN_GATE_EXAMPLES)  # fmt: skip
             held = None
-    layers, skipped = [], []
-    memo: dict[str, Any] = {}  # what the correction keeps over the layers of this merge
-    stash = RuleStash(offloaded=len(ctx.working_files) > 0) if held is not None else None
+    correction = CorrectionPass(ctx, method, parents, mix, chunks, held)
     for i, name in enumerate(tqdm(names, desc=f"correction ({method})", disable=not ctx.dist.is_main)):
         rule, part = merge([k for k in names_all if k.startswith(name + ".")])
         log.add(part)
-        layer = LayerPass(chunks, name, {side: m.get_submodule(name) for side, m in parents.items()})
-        request = CorrectionRequest(layer, rule, i, name, mix, ctx.model_a, ctx.schema, cfg.correction, memo, skipped)
-        merged, outputs, fits = spec.fn(request)
-        entry: dict[str, Any] = {"layer": i, "sites": fits}
-        if held is not None:
-            unchanged = same_parameters(rule, merged)  # then ``outputs`` are already the rule's layer's
-            kept, merged, test = held.decide(name, rule, merged)
-            entry.update(kept=kept, heldout_gain=test.mean, heldout_stderr=test.stderr, reason=test.reason)
-            if kept:
-                stash.keep(rule, merged)
-            if not kept and not unchanged:  # the fit examples' merged states follow the layer as written
-                outputs = layer.merged(rule, [], lambda *_: None)
-        layer.advance(outputs)
-        load_state(ctx.model_a, merged, working_files=ctx.working_files, keep=keep)
-        layers.append(entry)
+        load_state(ctx.model_a, correction.layer(i, rule), working_files=ctx.working_files, keep=keep)
         ctx.working_files.release_all()  # the layer's offloaded pages, read by the parents and the merge (§7.4)
-    model_test = None
-    if held is not None:  # the whole correction against the rule's merge alone, on the final states
-        figures, model_test = held.final()
-        if model_test is not None and not model_test.passed:
-            stash.restore(ctx.model_a, ctx.working_files, keep)
-            why = f"dropped with the whole correction: the model-level check {model_test.reason}"
-            for entry in layers:
-                if entry.get("kept"):
-                    entry.update(kept=False, reason=why)
-        stash.drop()
-    dropped = model_test is not None and not model_test.passed
-    readers = final_readers(parents, ctx.schema, rest) if spec.readers is not None and not dropped else None
-    if readers is not None:  # an untied LM head reads the final stream: refitted like the layers' Linears
-        norms, sites = readers
-        refit, fits = spec.readers(chunks, norms, rest, sites, mix=mix, options=cfg.correction)
-        entry = {"layer": "final", "sites": fits}
-        kept = True
-        if held is not None:
-            kept, test = held.decide_readers(norms, rest, refit, sites)
-            entry.update(kept=kept, heldout_gain=test.mean, heldout_stderr=test.stderr, reason=test.reason)
-        rest = refit if kept else rest
-        layers.append(entry)
+    rest, log.correction = correction.finish(rest, keep)
     # A's own non-layer parameters served its forward until now
     load_state(ctx.model_a, rest, working_files=ctx.working_files, keep=keep)
-    tokens = int(sum(int(c.mask.sum()) for c in chunks))
-    log.correction = {
-        "method": method,
-        "examples": int(sum(c.mask.shape[0] for c in chunks)),
-        "tokens": tokens,
-        "layers": layers,
-        "skipped": skipped,
-        **(spec.report(memo, cfg.correction) if spec.report is not None else {}),
-    }
-    if held is not None:
-        kept = sum(1 for e in layers if e.get("kept") and e["layer"] != "final")
-        competition = {**figures, "layers_kept": kept, "layers": len(names), "model_check": None}
-        if model_test is not None:
-            competition["model_check"] = {"kept": model_test.passed, "gain": model_test.mean,
-                                          "stderr": model_test.stderr, "reason": model_test.reason}  # fmt: skip
-            if dropped:  # the rule's merge is what was written; the corrected merge's figure stays as evidence
-                competition.update(corrected=competition["written"], written=competition["rule"])
-        log.correction["competition"] = competition
-        logger.info("correction %s: kept in %d of %d layers (held-out fidelity %.4f, rule alone %.4f)", method,
-                    kept, len(names), competition["written"], competition["rule"])  # fmt: skip
-    logger.info("correction %s: %d layers on %d tokens", method, len(layers), tokens)
     return log

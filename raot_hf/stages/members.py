@@ -19,12 +19,14 @@ from raot_hf.merging import merge_rule_spec, nary_merge_rules
 from raot_hf.merging.siblings import refuse_moved_b
 from raot_hf.outputs import Check
 from raot_hf.results import Alignment
-from raot_hf.stages.align import calibrate_solve_decide
+from raot_hf.stages.align import calibrate_and_solve
 from raot_hf.stages.apply import apply_and_check
 from raot_hf.stages.calibrate import open_calibration
 from raot_hf.stages.context import PairContext
-from raot_hf.stages.quality import merge_quality, parent_outputs, quality_inputs
+from raot_hf.stages.decide import alignment_decisions, decide
+from raot_hf.stages.quality import merge_quality, quality_inputs, reference_outputs
 from raot_hf.stages.refine import refine_and_check
+from raot_hf.stages.sweep import PendingGate, sweep_applies
 from raot_hf.symmetry import fold_model, norm_affines
 
 logger = logging.getLogger("raot_hf.stages.members")
@@ -42,6 +44,9 @@ class Member:
     run: Any
     checks: list[Check]
     norms: tuple[dict, dict] | None
+    # the gate still to run, in the merge's one sweep (docs/design.md §5.7): then ``alignment`` is
+    # None and ``checks`` empty until the merge stage has run
+    pending: PendingGate | None = None
 
     fingerprint = property(lambda self: self.run.fingerprint if self.run is not None else None)
 
@@ -55,13 +60,6 @@ def model_weights(config, n: int) -> list[float]:
     if len(weights) != n:
         raise RaotError(f"--weights gives {len(weights)} weights for {n} models; give one weight per model, in order")
     return weights
-
-
-def target_mix(weights: list[float]) -> list[float]:
-    """Each model's weight in the target of a post-merge step (the correction §6.7, the refit §6.11):
-    the per-model weights normalised to sum 1 ((1 − α, α) for two models)."""
-    total = sum(weights)
-    return [w / total for w in weights]
 
 
 def check_models(config, n: int, distributed: bool = False) -> None:
@@ -81,10 +79,17 @@ def check_models(config, n: int, distributed: bool = False) -> None:
         raise RaotError(f"a merge of {n} models runs in one process; run it without accelerate launch")
 
 
-def align_member(ctx: PairContext, calibration, early, like=None) -> Member:
-    """Align one model to the reference, nothing merged; ``like``: an earlier member's calibration run."""
+def align_member(ctx: PairContext, calibration, early, like=None, alone: bool = False) -> Member:
+    """Align one model to the reference, nothing merged; ``like``: an earlier member's calibration
+    run; ``alone``: the only model besides the reference, whose gate may then run in the merge's
+    one sweep (:func:`raot_hf.stages.sweep.sweep_applies`) instead of here."""
     norms = (norm_affines(ctx.model_a, ctx.schema), norm_affines(ctx.model_b, ctx.schema)) if ctx.plan.grams else None
-    alignment, stats, run = calibrate_solve_decide(ctx, calibration, early, like)
+    stats, run, parts, logs = calibrate_and_solve(ctx, calibration, early, like)
+    rows = alignment_decisions(ctx, parts, stats) if stats is not None else []
+    if sweep_applies(ctx, parts, rows, stats, run, alone):
+        return Member(ctx, None, None, run, [], norms, pending=PendingGate(parts, logs, rows, stats))
+    alignment = decide(ctx, parts, logs, stats, run)
+    release_freed_memory(ctx.working_files)  # the gate's captured layer calls
     if not ctx.plan.grams:
         stats = None  # only RegMean reads statistics after the gate: free them before apply/merge
         release_freed_memory(ctx.working_files)
@@ -106,7 +111,7 @@ def align_all(pairs: list[PairContext], calibration, early, like=None) -> list[M
             logger.info("aligning model %d of %d to the reference", i, len(pairs) + 1, extra=_STAGE)
         if members_folded(members):
             fold_model(ctx.model_b, ctx.schema, working_files=ctx.working_files)
-        members.append(align_member(ctx, calibration, early, like))
+        members.append(align_member(ctx, calibration, early, like, alone=len(pairs) == 1))
         like = like or members[-1].run
     if members_folded(members):
         for m in members:
@@ -126,13 +131,14 @@ def member_models(members: list[Member]) -> list[torch.nn.Module]:
 
 
 def parents_before_merge(members: list[Member]) -> tuple[list, list]:
-    """Each pair's check rows and its parents' outputs on them (before the merge writes into the reference)."""
+    """Each pair's check rows and the reference's outputs on them (before the merge writes into it)."""
     sets = [quality_inputs(m.ctx, m.run) for m in members]
-    return sets, [parent_outputs(m.ctx, x) for m, x in zip(members, sets, strict=True)]
+    return sets, [reference_outputs(m.ctx, x) for m, x in zip(members, sets, strict=True)]
 
 
 def merged_quality(members: list[Member], sets: list, parents: list) -> list[dict | None]:
-    """The merged model against the reference and against each aligned model (one record per model)."""
+    """The merged model against the reference (``parents``: its outputs from before the merge) and
+    against each aligned model (one record per model)."""
     return [merge_quality(m.ctx, x, p) for m, x, p in zip(members, sets, parents, strict=True)]
 
 

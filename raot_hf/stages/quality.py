@@ -1,6 +1,6 @@
 """Stage: how closely the merged model follows its parents, without labels (docs/design.md §6.8).
 
-On the held-out rows the B′ ≡ B check replays, A and B′ run before the merge, the merged model after.
+On the held-out rows the B′ ≡ B check replays, A runs before the merge, B′ and the merged model after.
 For logits: the merged predictions' agreement with each parent's, the parents' with each other, and
 the mean KL(parent ‖ merged) per position; for hidden states, the relative squared error to each parent.
 """
@@ -30,15 +30,9 @@ def quality_inputs(ctx: PairContext, run) -> list[dict[str, torch.Tensor]]:
     return []
 
 
-def parent_outputs(ctx: PairContext, inputs: list[dict]) -> list[tuple[dict, dict]]:
-    """A's and B′'s primary outputs on ``inputs`` (call after B is aligned, before the merge)."""
-    return [
-        (
-            primary_outputs(ctx.model_a, on_device_of(ctx.model_a, x)),
-            primary_outputs(ctx.model_b, on_device_of(ctx.model_b, x)),
-        )
-        for x in inputs
-    ]
+def reference_outputs(ctx: PairContext, inputs: list[dict]) -> list[dict]:
+    """A's primary outputs on ``inputs`` (call before the merge writes into A's module)."""
+    return [primary_outputs(ctx.model_a, on_device_of(ctx.model_a, x)) for x in inputs]
 
 
 def _positions(x: dict, out: torch.Tensor) -> torch.Tensor:
@@ -66,9 +60,10 @@ def _logit_figures(logits: dict[str, list[torch.Tensor]], comparable: dict[str, 
     return out
 
 
-def merge_quality(ctx: PairContext, inputs: list[dict], parents: list[tuple[dict, dict]]) -> dict[str, Any] | None:
-    """The label-free figures of the merged model (A's module after the merge) against A and B′
-    (a parent whose label space is not the merged model's is left out)."""
+def merge_quality(ctx: PairContext, inputs: list[dict], outputs_a: list[dict]) -> dict[str, Any] | None:
+    """The label-free figures of the merged model (A's module after the merge) against A (its
+    outputs ``outputs_a`` from before the merge) and B′ (run now: the merge leaves it as aligned);
+    a parent whose label space is not the merged model's is left out."""
     if not inputs:
         return None
     logits: dict[str, list[torch.Tensor]] = {"a": [], "b": [], "m": []}
@@ -77,7 +72,8 @@ def merge_quality(ctx: PairContext, inputs: list[dict], parents: list[tuple[dict
     labels = [getattr(model.config, "id2label", None) for model in (ctx.model_a, ctx.model_b)]
     comparable = {"a": True, "b": labels[0] == labels[1]}
     examples = 0
-    for x, (out_a, out_b) in zip(inputs, parents, strict=True):
+    for x, out_a in zip(inputs, outputs_a, strict=True):
+        out_b = primary_outputs(ctx.model_b, on_device_of(ctx.model_b, x))
         out_m = primary_outputs(ctx.model_a, on_device_of(ctx.model_a, x))
         examples += int(next(iter(x.values())).shape[0])
         key = next((k for k in _LOGITS if k in out_m), None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from raot_hf.outputs import Check
 from raot_hf.refine import refine_alignment
 from raot_hf.results import Alignment
-from raot_hf.stages.apply import _check_inputs, checked_deviation
+from raot_hf.stages.apply import check_inputs, checked_deviation
 from raot_hf.stages.context import PairContext
 from raot_hf.symmetry import TransformSequence, stream_actions, transform_model
 
@@ -26,7 +26,7 @@ def refine_and_check(ctx: PairContext, alignment: Alignment, run) -> list[Check]
             return []
         transform_model(ctx.model_b, ctx.schema, TransformSequence(delta), working_files=ctx.working_files)
         alignment.applied = TransformSequence([*alignment.applied.transforms, *delta])
-        inputs, reference = _check_inputs(ctx, run)
+        inputs, reference = check_inputs(ctx, run)
         actions = stream_actions(alignment.applied, ctx.schema)
         value, threshold, norm_value = checked_deviation(
             ctx, reference, inputs, actions, alignment.exact, "the learned alignment"

@@ -29,7 +29,8 @@ from raot_hf.hooks import capture_calls
 from raot_hf.refine import calibration_examples
 from raot_hf.stages.calibrate import open_calibration
 from raot_hf.stages.context import PairContext, on_device_of
-from raot_hf.stages.members import Member, member_models, model_weights, target_mix
+from raot_hf.stages.correct import target_mix
+from raot_hf.stages.members import Member, member_models, model_weights
 
 logger = logging.getLogger("raot_hf.stages.refit")
 

@@ -51,7 +51,8 @@ def test_default_shows_stages_once_and_no_library_bars(pair, tmp_path):
     assert not [line for line in lines if line.startswith("INFO ")], res.stderr  # INFO needs -v
     if not before[-1]:  # our bars, unless the environment switched huggingface_hub's off
         assert sum("calibration (fit)" in line for line in lines) == 1, res.stderr
-        assert sum("\rgate:" in line for line in lines) == 1, res.stderr  # the gate, layer by layer
+        # the gate, layer by layer: in the one sweep after the solve (gate, merge and correction together)
+        assert sum("\rsweep (lsq):" in line for line in lines) == 1, res.stderr
     assert "transform" in res.stdout and f"wrote {tmp_path / 'out'}" in res.stdout
     assert _state() == before  # an in-process run leaves logging and bars as it found them
 

@@ -348,7 +348,7 @@ def test_a_correction_that_refitted_nothing_is_not_run_again():
     state = model_state(a)
     rest = {k: v for k, v in state.items() if not k.startswith(tuple(n + "." for n in names))}
     heldout = run.batches(pre, split="heldout")
-    held = HeldoutPaths({"a": a, "b": b}, names, heldout, rest, 16, {"a": 0.5, "b": 0.5}, 2.0)
+    held = HeldoutPaths.captured({"a": a, "b": b}, names, heldout, rest, 16, {"a": 0.5, "b": 0.5}, 2.0)
     rule = {k: v for k, v in state.items() if k.startswith(names[0] + ".")}
     runs = []
     hook = a.get_submodule(names[0]).register_forward_pre_hook(lambda *_: runs.append(1))

@@ -236,7 +236,7 @@ def test_the_model_level_check_in_the_layer_sweep_equals_separate_sweeps(monkeyp
     RaotMerger.from_models(a, b, preprocessor=pre, alignment=alignment).align(data)
     model_a, model_b, schema, parts, rows, _ = seen["args"]
     alpha, names, result = seen["kwargs"]["alpha"], seen["kwargs"]["layer_names"], seen["result"]
-    per_layer = gate_merge._per_layer(parts)
+    per_layer = gate_merge.transforms_by_decision(parts)
     block_accepted = {Status.ACCEPTED, Status.VETOED}
     accepted = {}
     for d in result.decisions:

@@ -1,0 +1,216 @@
+"""Stage: decide, correct and apply in one sweep over the layers (docs/design.md §5.7).
+
+After the solve, one pass over the layers does what the gate, the apply and the correction
+stages otherwise do in three. At layer l:
+
+1. A's and B's layer l run once on the gate's held-out examples (their own paths, §5.3);
+2. the gate decides the layer's estimates, block-local at those calls, as in the gate stage;
+3. B′'s layer l is built once, from the configuration that won, and written into B's module;
+4. the rule merges A's layer with it; the correction fits the merged layer on the inputs that the
+   corrected layers before it give, and competes with the rule's layer on the same held-out
+   examples, whose parent outputs step 1 computed (B's mapped into A's basis);
+5. the winner is written into A's module, and every path moves on.
+
+The model-level check then compares the merge as written — corrected upstream — with the identity
+merge. A veto (or nothing accepted) writes A's and B's original parameters, held since the start,
+back into their modules, and the merge runs as for a pair that shares a basis.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from huggingface_hub.utils import tqdm
+
+from raot_hf.correction import Carried
+from raot_hf.correction.carry import layer_calls
+from raot_hf.estimators import estimator_spec
+from raot_hf.gate import GateDecision
+from raot_hf.gate.fidelity import (
+    MergedModelRun,
+    MergedParameters,
+    gate_chunks,
+    layer_module_names,
+    worst_token_deviation,
+)
+from raot_hf.gate.lineage import detect_siblings
+from raot_hf.gate.merge import (
+    MIN_GATE_EXAMPLES,
+    LayerGate,
+    gate_eligible,
+    gate_result,
+    model_check,
+    residual_candidate,
+    transforms_by_decision,
+)
+from raot_hf.merging import MergeRuleSpec, RuleLog, apply_rule, merge_rule_spec
+from raot_hf.outputs import Check
+from raot_hf.results import Alignment
+from raot_hf.stages.apply import check_inputs, equivalence_check
+from raot_hf.stages.context import PairContext
+from raot_hf.stages.correct import CorrectionPass, HeldoutPaths, fit_chunks
+from raot_hf.stages.decide import applied_transforms
+from raot_hf.symmetry import Transform, TransformSequence, is_exact, load_state, model_state, norm_affines, storage_of
+
+logger = logging.getLogger("raot_hf.stages.sweep")
+
+
+@dataclass
+class PendingGate:
+    """A model whose gate runs in the merge's sweep: its candidates, the estimators' logs, the
+    alignment objective's decisions and the statistics (read only if the sweep cannot run)."""
+
+    parts: list[Transform]
+    logs: dict
+    rows: list[GateDecision]
+    stats: Any
+
+
+def sweep_applies(ctx: PairContext, parts: list[Transform], rows: list[GateDecision], stats, run, alone: bool) -> bool:
+    """Whether the one sweep serves this merge: two models merged in memory by a per-tensor rule
+    without a base, the merge gate on with a post-merge correction that competes, data, and no
+    step that reads B′ whole between the gate and the merge (the learned alignment, the refit).
+    Fine-tuned siblings keep the identity without a sweep (§5.4)."""
+    cfg = ctx.config
+    gate, correction = cfg.gate, cfg.correction
+    if not (alone and gate.sweep and gate.enabled and gate.objective == "merge"):
+        return False
+    if cfg.alignment == "none" or not cfg.scope or not estimator_spec(cfg.alignment).gated:
+        return False
+    if stats is None or run is None or len(ctx.working_files) or ctx.dist.is_distributed or ctx.base is not None:
+        return False
+    spec = merge_rule_spec(cfg.merge_rule)
+    if not spec.per_tensor or spec.needs_base or spec.needs_grams or spec.needs_fisher:
+        return False
+    if correction.method == "none" or not correction.compete or cfg.refit.steps or cfg.refine.steps:
+        return False
+    if gate.sibling_check and detect_siblings(parts).siblings:
+        return False
+    return any(gate_eligible(d) for d in rows)
+
+
+def _heldout_paths(ctx: PairContext, chunks, rest: dict, stream, mix: dict) -> HeldoutPaths:
+    """The correction's held-out paths over the gate's examples, chunk for chunk: M's layer calls
+    (A's module with the merged trunk ``rest``) and the parents' states entering layer 0 (B's
+    mapped into A's basis); the parents' layer outputs come from the gate's paths as the sweep
+    reaches each layer."""
+    model_a = ctx.model_a
+    names = layer_module_names(model_a, ctx.schema)
+    device = next(model_a.parameters()).device
+    carried, tails = [], {}
+    for c in chunks:
+        calls, hidden = layer_calls(model_a, names, {k: v.to(device) for k, v in c.inputs.items()}, rest, tails)
+        starts = {"a": c.a.start, "b": _mapped(c.b.start, stream), "m": hidden}
+        carried.append(Carried(c.mask, {"m": calls[0]}, starts, {"m": calls}))
+    return HeldoutPaths(carried, {"a": model_a, "b": ctx.model_b}, mix, ctx.config.correction.z)
+
+
+def _mapped(x: torch.Tensor, stream: torch.Tensor | None) -> torch.Tensor:
+    """B's stream states in A's basis (B′'s)."""
+    return x if stream is None else x @ stream.to(x.device, x.dtype)
+
+
+@dataclass
+class SweepResult:
+    """What the sweep decided and wrote: the alignment, the B′ ≡ B check, and the rule's log with
+    the correction's record (None: too few gate examples — nothing was written, the stages run)."""
+
+    alignment: Alignment
+    checks: list[Check]
+    log: RuleLog
+    vetoed: bool
+
+
+@torch.no_grad()
+def sweep_merge(
+    ctx: PairContext, pending: PendingGate, run, spec: MergeRuleSpec, weights: list[float], inputs: dict, method: str
+) -> SweepResult | None:
+    """Gate, apply and correct layer by layer (see the module docstring); ``method``: the correction
+    to run while the gate may still move B (``auto`` runs ``lsq``). Writes the merged trunk into A's
+    module and B′ into B's; returns None, having written nothing, when the gate set is too small."""
+    cfg = ctx.config
+    model_a, model_b, schema = ctx.model_a, ctx.model_b, ctx.schema
+    names = layer_module_names(model_a, schema)
+    rows = {(d.transform, d.layer): d for d in pending.rows}
+    residual = residual_candidate(pending.parts, rows)
+    alpha = weights[1] / sum(weights)
+    chunks = gate_chunks(model_a, model_b, names, run.batches(ctx.preprocessor, split="heldout"), cfg.gate.examples)
+    if sum(int(c.mask.shape[0]) for c in chunks) < MIN_GATE_EXAMPLES:
+        return None
+    merged = MergedParameters(model_a, model_b, schema, names, residual, alpha)
+    gate = LayerGate(model_a, names, merged, chunks, alpha, cfg.gate.z, cfg.gate.min_gain)
+    identity = MergedModelRun(model_a, names, merged, chunks, aligned=False)
+    check_rows, check_reference = check_inputs(ctx, run)  # B's outputs, before B changes
+    if merged.fold:  # both parents fold (§3.3): record what the fold removes
+        ctx.unfolded_norms = (norm_affines(model_a, schema), norm_affines(model_b, schema))
+    originals = {"a": model_state(model_a), "b": model_state(model_b)}  # written back on a veto
+    keep = storage_of(t for state in originals.values() for t in state.values())  # copied, never taken
+    in_layer = tuple(n + "." for n in names)
+    outside_a, outside_b = merged.mapped(
+        *({k: v for k, v in originals[side].items() if not k.startswith(in_layer)} for side in "ab")
+    )
+    # B′'s embeddings, final norm and head (and A's, folded) are written after the last layer: a
+    # parent path's layer calls may hold a non-layer parameter itself (DeBERTa's relative
+    # embeddings), which must read the parent's own until then; the fit examples compute with them
+    outside = {"b": outside_b, **({"a": outside_a} if merged.fold else {})}
+    head = set(schema.head_params)
+    trunk = [k for k in outside_a if k not in head]
+    rest, log = apply_rule(spec, [{k: s[k] for k in trunk} for s in (outside_a, outside_b)], weights, **inputs)
+    parents = {"a": model_a, "b": model_b}
+    mix = {"a": 1 - alpha, "b": alpha}
+    held = _heldout_paths(ctx, chunks, rest, gate.stream, mix)
+    correction = CorrectionPass(ctx, method, parents, mix, fit_chunks(ctx, run, parents, rest, outside), held)
+    per_layer = transforms_by_decision(pending.parts)
+    decided: dict[tuple, GateDecision] = {}
+    worst: list[float] = []
+    for i in tqdm(range(len(names)), desc=f"sweep ({method})", disable=not ctx.dist.is_main):
+        outs = {"a": [c.a.at(i).output for c in chunks], "b": [_mapped(c.b.at(i).output, gate.stream) for c in chunks]}
+        layer_decisions, chosen, _ = gate.decide_at(i, rows, per_layer)
+        decided.update(layer_decisions)
+        identity.advance(merged.merged(i, aligned=False))
+        taken = {id(t) for t in chosen}
+        layer_a, layer_b = merged.written(i, [t for t in pending.parts if t is residual or id(t) in taken])
+        if merged.fold:
+            load_state(model_a, layer_a, keep=keep)
+        load_state(model_b, layer_b, keep=keep)  # B′'s layer, built once
+        rule, part = apply_rule(spec, [layer_a, layer_b], weights, **inputs)
+        log.add(part)
+        load_state(model_a, correction.layer(i, rule, outs), keep=keep)
+        worst.append(_worst_token(held, outs, alpha))
+        for c in chunks:
+            c.advance()
+    for side, state in outside.items():  # the final readers' refit reads B′'s final norm
+        load_state(parents[side], state, keep=keep)
+    rest, record = correction.finish(rest, keep)
+    check = model_check(held.written_scores(), identity.scores(alpha), worst, z=cfg.gate.z, floor=cfg.gate.min_gain)
+    moved = residual is not None or any(d.applied for d in decided.values())
+    passed = moved and check.applied
+    gate_decided = gate_result(rows, decided, check, passed, residual is not None, worst)
+    if cfg.gate.sibling_check:
+        gate_decided.model_fidelity["siblings"] = detect_siblings(pending.parts).to_dict()
+    if not passed:  # the identity stands: A and B as they were
+        load_state(model_a, originals["a"], keep=keep)
+        load_state(model_b, originals["b"], keep=keep)
+        ctx.unfolded_norms = None
+        applied = TransformSequence([])
+    else:
+        load_state(model_a, rest, keep=keep)
+        log.correction = record
+        applied = applied_transforms(pending.parts, gate_decided.decisions)
+    alignment = Alignment(gate_decided.decisions, applied, is_exact(applied, schema), pending.logs,
+                          gate_decided.verdict, gate_decided.model_fidelity)  # fmt: skip
+    logger.info("merge gate (one sweep): %s", alignment.verdict)
+    checks = [equivalence_check(ctx, alignment, check_rows, check_reference)]
+    return SweepResult(alignment, checks, log, vetoed=not passed)
+
+
+def _worst_token(held: HeldoutPaths, outs: dict, alpha: float) -> float:
+    """The written merge's worst-token deviation from the parents' mix at the layer just run."""
+    worst = 0.0
+    for c, a, b in zip(held.chunks, outs["a"], outs["b"], strict=True):
+        ref = torch.lerp(a.to(torch.float64), b.to(torch.float64), alpha)
+        worst = max(worst, float(worst_token_deviation(c.hidden["m"], ref, c.mask).max()))
+    return worst

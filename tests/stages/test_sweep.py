@@ -1,0 +1,101 @@
+"""The one sweep after the solve (docs/design.md §5.7): the gate, the apply and the correction
+layer by layer in one pass, the model-level check reading the merge as written."""
+
+import pytest
+import torch
+
+from raot_hf import RaotMerger
+from raot_hf.gate import Status
+from raot_hf.testing import clone, tiny_data, tiny_model, trained_like
+
+SHAPE = dict(hidden_size=32, num_heads=4, num_layers=2, intermediate_size=64)
+
+
+def _pair(model_type: str, head: str):
+    a = trained_like(tiny_model(model_type, head, seed=1, **SHAPE), seed=1).float()
+    b = trained_like(tiny_model(model_type, head, seed=2, **SHAPE), seed=2).float()
+    return a, b
+
+
+def _merge(a, b, model_type: str, n: int = 96, **options):
+    pre, data = tiny_data(model_type, n)
+    return RaotMerger.from_models(clone(a), clone(b), preprocessor=pre, **options).merge(calibration=data)
+
+
+def _state(result) -> dict:
+    return {k: v.clone() for k, v in result.model.state_dict().items()}
+
+
+def _layer_rows(result) -> list[tuple]:
+    """Each layer decision as the layer decided it (accepted, or accepted and then vetoed by the
+    model-level check), with its figures."""
+    block = {Status.ACCEPTED, Status.VETOED}
+    return [
+        (d.transform, d.layer, d.status in block, d.gain, d.stderr, d.fidelity_estimate)
+        for d in result.alignment.decisions
+        if d.layer is not None
+    ]
+
+
+@pytest.mark.parametrize(("model_type", "head"), [("llama", "causal"), ("bert", "sequence")])
+def test_the_sweep_decides_every_layer_as_the_gate_stage_and_checks_the_merge_as_written(model_type, head):
+    """Independently trained pairs: the sweep's per-layer decisions are those of the gate stage, bit
+    for bit (block-local, at the parents' own calls); its model-level check reads the merge as
+    written — its aligned fidelity is the correction's held-out figure for the written merge, where
+    the gate stage reads an uncorrected merge that is never written."""
+    a, b = _pair(model_type, head)
+    swept = _merge(a, b, model_type)
+    staged = _merge(a, b, model_type, gate={"sweep": False})
+    assert "sweep" in swept.report["timings"] and "gate" not in swept.report["timings"]
+    assert "gate" in staged.report["timings"] and "sweep" not in staged.report["timings"]
+    assert _layer_rows(swept) == _layer_rows(staged)
+    competition = swept.report["merge"]["correction"]["competition"]
+    assert swept.alignment.model_fidelity["aligned"] == pytest.approx(competition["written"], abs=1e-12)
+    if competition["layers_kept"]:  # the correction changed the merge: the stage's figure is another merge's
+        assert staged.alignment.model_fidelity["aligned"] != swept.alignment.model_fidelity["aligned"]
+    assert swept.alignment.model_fidelity["identity"] == staged.alignment.model_fidelity["identity"]
+    assert [c["passed"] for c in swept.report["checks"]] == [True]  # B′ ≡ B: B as the sweep built it
+
+
+def test_a_veto_writes_the_plain_average_and_gives_b_back():
+    """A model-level check that cannot pass (a floor of 2, above any gain) vetoes after every layer
+    was written: A's module holds the plain average, bit for bit as the merge without alignment,
+    B's module its own parameters, and no correction ran."""
+    a, b = _pair("bert", "sequence")
+    b_before = {k: v.clone() for k, v in b.state_dict().items()}
+    pre, data = tiny_data("bert", 96)
+    model_b = clone(b)
+    vetoed = RaotMerger.from_models(clone(a), model_b, preprocessor=pre, gate={"min_gain": 2.0}).merge(data)
+    plain = _merge(a, b, "bert", alignment="none")
+    assert "sweep" in vetoed.report["timings"]
+    assert not any(d.applied for d in vetoed.alignment.decisions)
+    assert any(d.status == Status.VETOED for d in vetoed.alignment.decisions)
+    state, reference = _state(vetoed), _state(plain)
+    assert state.keys() == reference.keys() and all(torch.equal(state[k], reference[k]) for k in state)
+    assert all(torch.equal(v, b_before[k]) for k, v in model_b.state_dict().items())
+    assert vetoed.report["merge"]["correction"]["method"] == "none"
+
+
+def test_too_few_gate_examples_run_the_stages():
+    """Fewer held-out examples than the merge gate needs (3 < 4): the sweep writes nothing and the
+    stages run, giving the merge the stages give."""
+    a, b = _pair("bert", "sequence")
+    few = _merge(a, b, "bert", n=12, gate={"min_heldout_tokens": 1})
+    staged = _merge(a, b, "bert", n=12, gate={"min_heldout_tokens": 1, "sweep": False})
+    assert "sweep" in few.report["timings"] and "apply" in few.report["timings"]
+    statuses = {d.status for d in few.alignment.decisions}
+    assert statuses == {Status.TOO_FEW_EXAMPLES} == {d.status for d in staged.alignment.decisions}
+    state, reference = _state(few), _state(staged)
+    assert all(torch.equal(state[k], reference[k]) for k in state)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"merge_rule": "regmean"}, {"correction": "none"}, {"refine": {"steps": 2}}, {"gate": {"objective": "alignment"}}],
+)
+def test_merges_the_sweep_does_not_serve_run_the_stages(options):
+    """A rule that reads the aligned models whole (RegMean), no correction, the learned alignment,
+    the alignment objective: the gate, the apply and the merge run as stages."""
+    a, b = _pair("bert", "sequence")
+    result = _merge(a, b, "bert", **options)
+    assert "sweep" not in result.report["timings"]
