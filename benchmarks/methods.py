@@ -250,6 +250,12 @@ def _pinned(method: Method) -> Method:
 METHODS = (
     Method("default", "the product's defaults (RaOT, linear, correction auto)", {}, "rules"),
     Method(
+        "default-staged",
+        "the product's defaults with the gate, the apply and the correction as three passes (no one sweep)",
+        {"gate": {"sweep": False}},
+        "rules",
+    ),
+    Method(
         "default+refit",
         "the product's defaults, then the refit of the merged model's norms and biases (200 label-free steps)",
         {"refit": {"steps": 200}},

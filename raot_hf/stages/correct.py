@@ -216,35 +216,40 @@ class HeldoutPaths:
             self.rule_states = None
 
 
-class RuleStash:
-    """The rule's merge of each layer whose correction was kept, until the model-level check
-    (docs/design.md §6.7) has decided: the merge written over A's layers can only be undone from
-    it. Held in memory, or — for offloaded models (§7.4) — in a temporary file, read back only to
-    restore; ``drop`` frees it."""
+class ParameterStash:
+    """Parameters written over in a model, until a later check has decided whether they come back:
+    the rule's merge of each layer whose correction was kept, until the correction's model-level
+    check (docs/design.md §6.7); A's and B's own layers, until the one sweep's (§5.7). Held in
+    memory (references: a model in memory takes new tensors and leaves the old ones as they are),
+    or — for offloaded models (§7.4), written in place — copied to a temporary file, read back
+    only to restore; ``drop`` frees it."""
 
-    def __init__(self, offloaded: bool):
+    def __init__(self, offloaded: bool, prefix: str = "raot-stash-"):
         self.tensors: dict[str, torch.Tensor] = {}
-        self.directory = tempfile.TemporaryDirectory(prefix="raot-rule-") if offloaded else None
+        self.directory = tempfile.TemporaryDirectory(prefix=prefix) if offloaded else None
         self.files: list[Path] = []
+        self.names: set[str] = set()
 
-    def keep(self, rule: dict[str, torch.Tensor], corrected: dict[str, torch.Tensor]) -> None:
-        """Keep the rule's tensors that the correction replaced."""
-        replaced = {k: v for k, v in rule.items() if corrected[k] is not v}
+    def hold(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Hold ``tensors`` (full parameter names) as they are now; a name held already keeps the
+        value it was first held with."""
+        tensors = {k: v for k, v in tensors.items() if k not in self.names}
+        self.names.update(tensors)
         if self.directory is None:
-            self.tensors.update(replaced)
-        elif replaced:
+            self.tensors.update(tensors)
+        elif tensors:
             self.files.append(Path(self.directory.name) / f"{len(self.files)}.safetensors")
-            save_file({k: v.contiguous() for k, v in replaced.items()}, self.files[-1])
+            save_file({k: v.contiguous() for k, v in tensors.items()}, self.files[-1])
 
     def restore(self, model: torch.nn.Module, working_files, keep: set[int]) -> None:
-        """Write the kept rule tensors back into ``model`` (the merge becomes the rule's everywhere);
-        ``keep``: the storages :func:`raot_hf.symmetry.load_state` copies from rather than takes."""
+        """Write the held tensors back into ``model``; ``keep``: the storages
+        :func:`raot_hf.symmetry.load_state` copies from rather than takes."""
         load_state(model, self.tensors, working_files=working_files, keep=keep)
         for file in self.files:
             load_state(model, load_file(file), working_files=working_files, keep=keep)
 
     def drop(self) -> None:
-        self.tensors = {}
+        self.tensors, self.names = {}, set()
         if self.directory is not None:
             self.directory.cleanup()
 
@@ -265,7 +270,8 @@ class CorrectionPass:
         self.layers: list[dict] = []
         self.skipped: list[str] = []
         self.memo: dict[str, Any] = {}  # what the correction keeps over the layers of this merge
-        self.stash = RuleStash(offloaded=len(ctx.working_files) > 0) if held is not None else None
+        offloaded = len(ctx.working_files) > 0
+        self.stash = ParameterStash(offloaded, "raot-rule-") if held is not None else None
         self.names = layer_module_names(ctx.model_a, ctx.schema)
 
     def layer(self, i: int, rule: dict, parent_outs: dict | None = None) -> dict:
@@ -283,7 +289,7 @@ class CorrectionPass:
             kept, merged, test = self.held.decide(name, rule, merged, parent_outs)
             entry.update(kept=kept, heldout_gain=test.mean, heldout_stderr=test.stderr, reason=test.reason)
             if kept:
-                self.stash.keep(rule, merged)
+                self.stash.hold({k: v for k, v in rule.items() if merged[k] is not v})  # the rule's, replaced
             if not kept and not unchanged:  # the fit examples' merged states follow the layer as written
                 outputs = layer.merged(rule, [], lambda *_: None)
         layer.advance(outputs)

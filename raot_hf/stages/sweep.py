@@ -51,7 +51,7 @@ from raot_hf.outputs import Check
 from raot_hf.results import Alignment
 from raot_hf.stages.apply import check_inputs, equivalence_check
 from raot_hf.stages.context import PairContext
-from raot_hf.stages.correct import CorrectionPass, HeldoutPaths, fit_chunks
+from raot_hf.stages.correct import CorrectionPass, HeldoutPaths, ParameterStash, fit_chunks
 from raot_hf.stages.decide import applied_transforms
 from raot_hf.symmetry import Transform, TransformSequence, is_exact, load_state, model_state, norm_affines, storage_of
 
@@ -70,7 +70,7 @@ class PendingGate:
 
 
 def sweep_applies(ctx: PairContext, parts: list[Transform], rows: list[GateDecision], stats, run, alone: bool) -> bool:
-    """Whether the one sweep serves this merge: two models merged in memory by a per-tensor rule
+    """Whether the one sweep serves this merge: two models (in memory or layer by layer) merged by a per-tensor rule
     without a base, the merge gate on with a post-merge correction that competes, data, and no
     step that reads B′ whole between the gate and the merge (the learned alignment, the refit).
     Fine-tuned siblings keep the identity without a sweep (§5.4)."""
@@ -80,7 +80,7 @@ def sweep_applies(ctx: PairContext, parts: list[Transform], rows: list[GateDecis
         return False
     if cfg.alignment == "none" or not cfg.scope or not estimator_spec(cfg.alignment).gated:
         return False
-    if stats is None or run is None or len(ctx.working_files) or ctx.dist.is_distributed or ctx.base is not None:
+    if stats is None or run is None or ctx.dist.is_distributed or ctx.base is not None:
         return False
     spec = merge_rule_spec(cfg.merge_rule)
     if not spec.per_tensor or spec.needs_base or spec.needs_grams or spec.needs_fisher:
@@ -146,8 +146,18 @@ def sweep_merge(
     check_rows, check_reference = check_inputs(ctx, run)  # B's outputs, before B changes
     if merged.fold:  # both parents fold (§3.3): record what the fold removes
         ctx.unfolded_norms = (norm_affines(model_a, schema), norm_affines(model_b, schema))
-    originals = {"a": model_state(model_a), "b": model_state(model_b)}  # written back on a veto
+    files = ctx.working_files
+    originals = {"a": model_state(model_a), "b": model_state(model_b)}
     keep = storage_of(t for state in originals.values() for t in state.values())  # copied, never taken
+    parents = {"a": model_a, "b": model_b}
+    # A's and B's own parameters, held as each is first written over, for a veto to write back:
+    # references in memory (the models take new tensors), a file for offloaded models (in place)
+    stashes = {side: ParameterStash(len(files) > 0, "raot-sweep-") for side in parents}
+
+    def write(side: str, state: dict) -> None:
+        stashes[side].hold({k: originals[side][k] for k in state})
+        load_state(parents[side], state, working_files=files, keep=keep)
+
     in_layer = tuple(n + "." for n in names)
     outside_a, outside_b = merged.mapped(
         *({k: v for k, v in originals[side].items() if not k.startswith(in_layer)} for side in "ab")
@@ -159,7 +169,6 @@ def sweep_merge(
     head = set(schema.head_params)
     trunk = [k for k in outside_a if k not in head]
     rest, log = apply_rule(spec, [{k: s[k] for k in trunk} for s in (outside_a, outside_b)], weights, **inputs)
-    parents = {"a": model_a, "b": model_b}
     mix = {"a": 1 - alpha, "b": alpha}
     held = _heldout_paths(ctx, chunks, rest, gate.stream, mix)
     correction = CorrectionPass(ctx, method, parents, mix, fit_chunks(ctx, run, parents, rest, outside), held)
@@ -174,16 +183,17 @@ def sweep_merge(
         taken = {id(t) for t in chosen}
         layer_a, layer_b = merged.written(i, [t for t in pending.parts if t is residual or id(t) in taken])
         if merged.fold:
-            load_state(model_a, layer_a, keep=keep)
-        load_state(model_b, layer_b, keep=keep)  # B′'s layer, built once
+            write("a", layer_a)
+        write("b", layer_b)  # B′'s layer, built once
         rule, part = apply_rule(spec, [layer_a, layer_b], weights, **inputs)
         log.add(part)
-        load_state(model_a, correction.layer(i, rule, outs), keep=keep)
+        write("a", correction.layer(i, rule, outs))
         worst.append(_worst_token(held, outs, alpha))
         for c in chunks:
             c.advance()
+        files.release_all()  # the layer's offloaded pages, read and written (§7.4)
     for side, state in outside.items():  # the final readers' refit reads B′'s final norm
-        load_state(parents[side], state, keep=keep)
+        write(side, state)
     rest, record = correction.finish(rest, keep)
     check = model_check(held.written_scores(), identity.scores(alpha), worst, z=cfg.gate.z, floor=cfg.gate.min_gain)
     moved = residual is not None or any(d.applied for d in decided.values())
@@ -192,14 +202,17 @@ def sweep_merge(
     if cfg.gate.sibling_check:
         gate_decided.model_fidelity["siblings"] = detect_siblings(pending.parts).to_dict()
     if not passed:  # the identity stands: A and B as they were
-        load_state(model_a, originals["a"], keep=keep)
-        load_state(model_b, originals["b"], keep=keep)
+        for side, stash in stashes.items():
+            stash.restore(parents[side], files, keep)
         ctx.unfolded_norms = None
         applied = TransformSequence([])
     else:
-        load_state(model_a, rest, keep=keep)
+        write("a", rest)
         log.correction = record
         applied = applied_transforms(pending.parts, gate_decided.decisions)
+    for stash in stashes.values():
+        stash.drop()
+    files.release_all()
     alignment = Alignment(gate_decided.decisions, applied, is_exact(applied, schema), pending.logs,
                           gate_decided.verdict, gate_decided.model_fidelity)  # fmt: skip
     logger.info("merge gate (one sweep): %s", alignment.verdict)

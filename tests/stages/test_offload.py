@@ -66,6 +66,8 @@ def test_layerwise_merge_is_the_in_memory_merge(model_type, tmp_path):
     memory = _merge(a, b, pre, data, tmp_path, offload=False)
     layerwise = _merge(a, b, pre, data, tmp_path, offload=True)
     assert layerwise.report["execution"] == "layer-wise" and memory.report["execution"] == "in memory"
+    # both decided, applied and corrected in the one sweep after the solve (docs/design.md §5.7)
+    assert "sweep" in layerwise.report["timings"] and "sweep" in memory.report["timings"]
     decisions = [(d["transform"], d["layer"], d["applied"]) for d in memory.report["decisions"]]
     assert decisions == [(d["transform"], d["layer"], d["applied"]) for d in layerwise.report["decisions"]]
     assert any(applied for *_, applied in decisions)  # the gate moved B: apply, fold and correction all ran

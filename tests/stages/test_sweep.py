@@ -4,9 +4,19 @@ layer by layer in one pass, the model-level check reading the merge as written."
 import pytest
 import torch
 
-from raot_hf import RaotMerger
+from raot_hf import RaotMerger, schema_for
+from raot_hf.adapters import is_decoder
 from raot_hf.gate import Status
-from raot_hf.testing import clone, tiny_data, tiny_model, trained_like
+from raot_hf.stages.offload import offload_models
+from raot_hf.testing import (
+    architectures,
+    clone,
+    scrambled_near_copy,
+    tiny_architecture,
+    tiny_data,
+    tiny_model,
+    trained_like,
+)
 
 SHAPE = dict(hidden_size=32, num_heads=4, num_layers=2, intermediate_size=64)
 
@@ -15,6 +25,16 @@ def _pair(model_type: str, head: str):
     a = trained_like(tiny_model(model_type, head, seed=1, **SHAPE), seed=1).float()
     b = trained_like(tiny_model(model_type, head, seed=2, **SHAPE), seed=2).float()
     return a, b
+
+
+def drifted_pair(model_type: str):
+    """A trained-like model and a drifted scramble of it (the merge is neither A nor trivial)."""
+    head, decoder = tiny_architecture(model_type).task_head, is_decoder(model_type)
+    extra = dict(vocab_size=100, num_kv_heads=2) if decoder else {}
+    a = trained_like(tiny_model(model_type, head, num_layers=4, hidden_size=32, num_heads=4,
+                                intermediate_size=80, **extra)).float()  # fmt: skip
+    pre, data = tiny_data(model_type, 192 if decoder else 128, **({"vocab_size": 100} if decoder else {}))
+    return a, scrambled_near_copy(a, 1), pre, data
 
 
 def _merge(a, b, model_type: str, n: int = 96, **options):
@@ -57,16 +77,21 @@ def test_the_sweep_decides_every_layer_as_the_gate_stage_and_checks_the_merge_as
     assert [c["passed"] for c in swept.report["checks"]] == [True]  # B′ ≡ B: B as the sweep built it
 
 
-def test_a_veto_writes_the_plain_average_and_gives_b_back():
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_veto_writes_the_plain_average_and_gives_b_back(offload, tmp_path):
     """A model-level check that cannot pass (a floor of 2, above any gain) vetoes after every layer
     was written: A's module holds the plain average, bit for bit as the merge without alignment,
-    B's module its own parameters, and no correction ran."""
+    B's module its own parameters, and no correction ran — in memory, and layer by layer, where
+    the layers were written in place into the working files and come back from the sweep's stash."""
     a, b = _pair("bert", "sequence")
     b_before = {k: v.clone() for k, v in b.state_dict().items()}
     pre, data = tiny_data("bert", 96)
-    model_b = clone(b)
-    vetoed = RaotMerger.from_models(clone(a), model_b, preprocessor=pre, gate={"min_gain": 2.0}).merge(data)
+    model_a, model_b = clone(a), clone(b)
+    files = offload_models([model_a, model_b], ["A", "B"], schema_for(a), tmp_path) if offload else None
+    merger = RaotMerger.from_models(model_a, model_b, preprocessor=pre, gate={"min_gain": 2.0}, working_files=files)
+    vetoed = merger.merge(data)
     plain = _merge(a, b, "bert", alignment="none")
+    assert vetoed.report["execution"] == ("layer-wise" if offload else "in memory")
     assert "sweep" in vetoed.report["timings"]
     assert not any(d.applied for d in vetoed.alignment.decisions)
     assert any(d.status == Status.VETOED for d in vetoed.alignment.decisions)
@@ -99,3 +124,25 @@ def test_merges_the_sweep_does_not_serve_run_the_stages(options):
     a, b = _pair("bert", "sequence")
     result = _merge(a, b, "bert", **options)
     assert "sweep" not in result.report["timings"]
+
+
+@pytest.mark.parametrize("model_type", architectures())
+def test_the_sweep_writes_the_stages_merge_bit_for_bit(model_type):
+    """A drifted scramble on every architecture: the one sweep and the three stages decide alike,
+    keep the same layers' corrections, and write the same merged weights, bit for bit — B′'s layer
+    is the applied sequence composed as transforming the whole model composes it."""
+    a, b, pre, data = drifted_pair(model_type)
+    swept = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre).merge(calibration=data)
+    staged = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre, gate={"sweep": False}).merge(data)
+    assert "sweep" in swept.report["timings"] and "sweep" not in staged.report["timings"]
+    assert [(d.transform, d.layer, d.applied) for d in swept.alignment.decisions] == [
+        (d.transform, d.layer, d.applied) for d in staged.alignment.decisions
+    ]
+    assert any(d.applied for d in swept.alignment.decisions)
+
+    def kept(result):
+        return [e.get("kept") for e in result.report["merge"]["correction"]["layers"]]
+
+    assert kept(swept) == kept(staged)
+    state, reference = _state(swept), _state(staged)
+    assert state.keys() == reference.keys() and all(torch.equal(state[k], reference[k]) for k in state)
