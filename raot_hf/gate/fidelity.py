@@ -242,6 +242,9 @@ class MergedParameters:
                 other -= {f.norm_weight, f.norm_bias}
         self.other_a = {k: state_a[k] for k in other}
         self.other_b = {k: state_b[k] for k in other}
+        # candidates are scored from float32 products (float64 for a float64 model); only what is
+        # written — :meth:`written`, :meth:`mapped` — is composed in float64 (docs/design.md §5.7)
+        self.scoring = torch.float64 if any(v.dtype == torch.float64 for v in state_b.values()) else torch.float32
         self._cache: tuple[int, dict, dict] | None = None
         self._last: tuple[int | None, list, dict] | None = None
         self._merged: tuple[tuple, tuple, dict] | None = None
@@ -268,26 +271,28 @@ class MergedParameters:
             return self._cache[1], self._cache[2]
         a = self.other_a if index is None else self.layers_a[index]
         b = self.other_b if index is None else self.layers_b[index]
-        a, b = self.mapped(a, b)
+        a, b = self.mapped(a, b, self.scoring)
         self._cache = (index, a, b)
         return a, b
 
-    def mapped(self, a: dict, b: dict) -> tuple[dict, dict]:
+    def mapped(self, a: dict, b: dict, precision: torch.dtype = torch.float64) -> tuple[dict, dict]:
         """A's and B's parameters ``a`` and ``b`` (any part of the models, full names) as the aligned
         merge reads them: pre-LN norms folded where the residual map is a rotation (§3.3), B's
-        mapped by the residual candidate. New dicts; the given ones are not changed."""
+        mapped by the residual candidate, its products in ``precision`` (float64: what is written).
+        New dicts; the given ones are not changed."""
         a, b = self._folded(a), self._folded(b)
         if self.residual is not None:
-            apply_transform(b, self.schema, self.residual)
+            apply_transform(b, self.schema, self.residual, precision=precision)
         return a, b
 
     def parents(self, index: int, transforms: list[Transform] = ()) -> tuple[dict, dict]:
         """Layer ``index`` of A (folded) and of B′ (B under the residual candidate and
-        ``transforms``), full names: what the aligned merge of that layer combines. Read only."""
+        ``transforms``), full names: what the aligned merge of that layer combines, as scored (the
+        products in :attr:`scoring` precision). Read only."""
         a, b = self._base(index)
         done, b = self._reuse(index, list(transforms), b)
         for t in list(transforms)[done:]:
-            apply_transform(b, self.schema, t)
+            apply_transform(b, self.schema, t, precision=self.scoring)
         self._last = (index, list(transforms), b)
         return a, b
 

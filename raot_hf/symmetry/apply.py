@@ -17,16 +17,17 @@ logger = logging.getLogger("raot_hf.symmetry")
 _F64 = torch.float64
 
 
-def _contract(t: torch.Tensor, member: Member, action: SpaceAction) -> torch.Tensor:
+def _contract(t: torch.Tensor, member: Member, action: SpaceAction, precision: torch.dtype = _F64) -> torch.Tensor:
     """``t`` with ``member``'s axis contracted with the action (a new tensor of t's dtype): a
-    permutation only moves entries in t's dtype, a matrix is applied in float64."""
+    permutation only moves entries in t's dtype, a matrix is applied in ``precision`` (float64;
+    float32 where the result only scores a candidate, docs/design.md §5.7)."""
     idx = member.index_tensor()
     if action.perm is not None:
         x = t.movedim(member.axis, -1)
         src = action.perm if idx is None else idx[action.perm]
         moved = x[..., src]
     else:
-        x = t.to(_F64).movedim(member.axis, -1)
+        x = t.to(precision).movedim(member.axis, -1)
         sub = x if idx is None else x[..., idx]
         moved = _matrix_product(sub, action)
     y = moved if idx is None else x.clone()
@@ -41,16 +42,16 @@ def _contiguous(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _matrix_product(x: torch.Tensor, action: SpaceAction) -> torch.Tensor:
-    """x·M in float64 by M's structure: per head block (H·h³ instead of (H·h)³), per entry for a
+    """x·M in x's precision by M's structure: per head block (H·h³ instead of (H·h)³), per entry for a
     diagonal M (a head rescale), else dense. The terms dropped are exact zeros of the dense sum."""
     if action.diagonal is not None:
-        return x * action.diagonal.to(_F64)
+        return x * action.diagonal.to(x.dtype)
     if action.blocks is not None:
         perm, blocks = action.blocks
         heads, h = blocks.shape[0], blocks.shape[-1]
         gathered = x.reshape(-1, heads, h)[:, perm].transpose(0, 1)  # (H, rows, h): head i reads head perm[i]
-        return (gathered @ blocks.to(_F64)).transpose(0, 1).reshape(x.shape)
-    return x @ action.matrix.to(_F64)
+        return (gathered @ blocks.to(x.dtype)).transpose(0, 1).reshape(x.shape)
+    return x @ action.matrix.to(x.dtype)
 
 
 def _norm_weight(gamma: torch.Tensor, action: SpaceAction, second_moment: torch.Tensor | None) -> torch.Tensor:
@@ -68,10 +69,14 @@ def _norm_weight(gamma: torch.Tensor, action: SpaceAction, second_moment: torch.
     return (torch.diagonal(s @ a) / torch.diagonal(s).clamp_min(1e-12)).to(gamma.dtype)
 
 
-def apply_transform(state: dict, schema: ModelSchema, transform: Transform, *, norm_second_moments=None) -> dict:
+def apply_transform(
+    state: dict, schema: ModelSchema, transform: Transform, *, norm_second_moments=None, precision: torch.dtype = _F64
+) -> dict:
     """Apply ``transform`` to the parameters in ``state`` (updated in place and returned; absent
     members are skipped). A residual rotation of a pre-LN schema needs folded LayerNorms;
-    ``norm_second_moments`` (norm weight → second moment of its input) refines post-LN γ′."""
+    ``norm_second_moments`` (norm weight → second moment of its input) refines post-LN γ′;
+    ``precision``: the matrix products' (float64; float32 only where the result scores a
+    candidate and is never written, docs/design.md §5.7)."""
     if needs_folding(schema, stream_actions(transform, schema)):
         _require_folded(state, schema)
     for space_name, action in transform.space_actions(schema):
@@ -83,7 +88,8 @@ def apply_transform(state: dict, schema: ModelSchema, transform: Transform, *, n
                 sm = None if norm_second_moments is None else norm_second_moments.get(member.name)
                 state[member.name] = _norm_weight(state[member.name], action, sm)
             else:
-                state[member.name] = _contract(state[member.name], member, action if member.covariant else inverse_t)
+                act = action if member.covariant else inverse_t
+                state[member.name] = _contract(state[member.name], member, act, precision)
     return state
 
 
