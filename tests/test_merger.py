@@ -271,8 +271,8 @@ def test_half_precision_scramble_passes_the_check_and_a_broken_transform_still_r
 
     real = symmetry_apply._contract
 
-    def flips_the_head(t, member, action):  # fault injection: B′'s LM head comes out negated
-        out = real(t, member, action)
+    def flips_the_head(t, member, action, *rest):  # fault injection: B′'s LM head comes out negated
+        out = real(t, member, action, *rest)
         return -out if member.name == "lm_head.weight" else out
 
     monkeypatch.setattr(symmetry_apply, "_contract", flips_the_head)
