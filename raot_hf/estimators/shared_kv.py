@@ -24,21 +24,25 @@ def _trace(n: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return torch.einsum("...ij,ji->...", n, r)
 
 
-def _rope_fit(n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Best per-pair rotations for cross blocks ``n`` (…, h, h): the objective and the maps."""
+# Each fit takes cross blocks ``n`` (…, h, h) and returns the objective's optimum and, with
+# ``maps``, the maps that reach it (None without: the pair scores need the values only).
+
+
+def _rope_fit(n: torch.Tensor, maps: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Best per-pair rotations: the objective and the maps."""
     half = n.shape[-1] // 2
     p = torch.arange(half)
     a = n[..., p, p] + n[..., p + half, p + half]
     b = n[..., p + half, p] - n[..., p, p + half]
-    return torch.hypot(a, b).sum(-1), rope_blocks(torch.atan2(b, a))
+    return torch.hypot(a, b).sum(-1), rope_blocks(torch.atan2(b, a)) if maps else None
 
 
-def _orthogonal_fit(n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.linalg.svdvals(n).sum(-1), procrustes(n)
+def _orthogonal_fit(n: torch.Tensor, maps: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return torch.linalg.svdvals(n).sum(-1), procrustes(n) if maps else None
 
 
-def _identity_fit(n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    eye = torch.eye(n.shape[-1], dtype=_F64).expand(n.shape).clone()
+def _identity_fit(n: torch.Tensor, maps: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    eye = torch.eye(n.shape[-1], dtype=_F64).expand(n.shape).clone() if maps else None
     return n.diagonal(dim1=-2, dim2=-1).sum(-1), eye
 
 
@@ -46,7 +50,7 @@ def _match_query_heads(c_qk, c_vo, fit_qk, fit_vo, rows, cols):
     """Query heads ``rows`` of A against ``cols`` of B (one KV head each): the matching τ, the
     two maps they share and their objective values Σᵢ tr(C_iτ(i)·R), alternating an assignment under
     fixed maps with the Procrustes fit of the summed blocks under a fixed matching."""
-    pair = 0.5 * (fit_qk(c_qk[rows][:, cols])[0] + fit_vo(c_vo[rows][:, cols])[0])
+    pair = 0.5 * (fit_qk(c_qk[rows][:, cols], maps=False)[0] + fit_vo(c_vo[rows][:, cols], maps=False)[0])
     tau = assign(pair)
     for _ in range(_REFINE_STEPS):
         v_qk, r_qk = fit_qk(c_qk[rows, cols[tau]].sum(0))
