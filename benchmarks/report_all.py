@@ -80,6 +80,13 @@ def _real_pair() -> str:
     return render(read_history(RECORD, TITLE))
 
 
+def _sweep() -> str:
+    from benchmarks.records import read_history
+    from benchmarks.sweep_decisions import RECORD, TITLE, render
+
+    return render(read_history(RECORD, TITLE))
+
+
 def _if_present(record: str) -> tuple[str, ...]:
     return (record,) if (BENCH / record).is_file() else ()
 
@@ -112,6 +119,7 @@ GENERATED: tuple[Generated, ...] = (
         _group,
     ),
     Generated("results/RESULTS_real_pair.md", ("results/results_real_pair.json",), _real_pair),
+    Generated("results/RESULTS_sweep.md", ("results/results_sweep.json",), _sweep),
     Generated("decoders/results/RESULTS.md", ("decoders/results/results.json",), _decoders),
     Generated("perf/results_recovery_real.md", ("perf/results_recovery_real.json",), _recovery_real),
     *(Generated(f"perf/{name}.md", (f"perf/{name}.json",), _perf(f"perf/{name}.json")) for name in _PERF),

@@ -117,3 +117,37 @@ def test_three_model_reruns_keep_the_rows_they_replace(tmp_path):
     )
     assert "| raot3 | 0.700 |" in tables and "0.500" not in tables
     assert "| vit-seeds-d64 | `raot3` | (1) | 0 | 0.500 |" in earlier and "2. d2: `cmd d2`" in earlier
+
+
+def _encoder_row(acc: float, applied: bool, kept: list[int]) -> dict:
+    decision = {"transform": "mlp", "layer": 0, "applied": applied}
+    return {
+        "acc_head_a": acc,
+        "gate": {"applied": int(applied), "decisions": [decision]},
+        "correction": {"layers_kept": kept, "competition": {"model_check": {"kept": True}}},
+    }
+
+
+def test_sweep_record_marks_where_decisions_or_kept_corrections_differ(tmp_path):
+    """The sweep's decision record: rows of two runner results (two code versions) side by side;
+    equal decisions read "equal", a differing gate decision or kept-layer list reads "differ", and
+    a rerun of one label replaces that label's rows, not the other's."""
+    from benchmarks.records import read_history
+    from benchmarks.sweep_decisions import record, render
+
+    def results(rows: dict[str, dict], run: int = 0) -> dict:
+        return {"meta": {"argv": ["--pairs", PAIR], "date": "d"}, "runs": [{"pair": PAIR, "run": run, "methods": rows}]}
+
+    log = tmp_path / "sweep.json"
+    before, after = tmp_path / "before.json", tmp_path / "after.json"
+    before.write_text(json.dumps(results({"default": _encoder_row(0.8, True, [0])})))
+    after.write_text(json.dumps(results({"default": _encoder_row(0.8, True, [0]), "x": _encoder_row(0.7, False, [0])})))
+    record(before, "before", "c1", log)
+    record(after, "after", "c2", log)
+    text = render(read_history(log))
+    assert "| tiny-pair | 0 | 0.8000 | 0.8000 | 0.7000 | differ: applied 1 / 1 / 0 | equal ([0]) |" in text
+    after.write_text(json.dumps(results({"default": _encoder_row(0.9, True, [1]), "x": _encoder_row(0.7, True, [0])})))
+    record(after, "after", "c3", log)
+    text = render(read_history(log))
+    assert "| tiny-pair | 0 | 0.8000 | 0.9000 | 0.7000 | equal | differ: [0] / [1] / [0] |" in text
+    assert "c1" in text and "c3" in text
