@@ -358,6 +358,8 @@ def _run_worker(kind: str, args, workdir: Path) -> dict:
     cmd += ["--offload", args.offload, "--gate-sweep", args.gate_sweep]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    if args.malloc_mmap_threshold:  # glibc: blocks this large are mapped and unmapped, never kept in its heap
+        env["MALLOC_MMAP_THRESHOLD_"] = env["MALLOC_TRIM_THRESHOLD_"] = str(args.malloc_mmap_threshold)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr)
@@ -537,6 +539,13 @@ def main(argv=None) -> None:
         help="run the merge layer by layer with the models in working files (always), in memory (never), or "
         "whichever fits (auto)",
     )
+    parser.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=0,
+        help="bytes: run floor and merge with glibc's MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ set to "
+        "this (allocations this large go back to the system when freed; 0: glibc's own adaptive threshold)",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="runs of each kind; the fastest is reported")
     parser.add_argument("--workdir", help="where models and data go (default: a temporary directory)")
     parser.add_argument("--out", default=str(HERE / "results.md"))
@@ -603,6 +612,7 @@ def main(argv=None) -> None:
                 details += [f"correction {correction}"] if correction != "auto" else []
                 details += ["gate, apply and correction as three passes"] if sweep == "off" else []
                 details += [f"offload {args.offload}"] if args.offload != "auto" else []
+                details += [f"malloc threshold {args.malloc_mmap_threshold:,} B"] if args.malloc_mmap_threshold else []
                 label = ", ".join([shape, *details])
                 results[label] = {
                     "floor": best["floor"],
@@ -621,6 +631,7 @@ def main(argv=None) -> None:
         seq=args.seq,
         batch_size=args.batch_size,
         repeat=args.repeat,
+        malloc_mmap_threshold=args.malloc_mmap_threshold,
         load=results["_load"],
         results=results,
     )
