@@ -186,7 +186,7 @@ def offload_model(
     for name, p in params:
         p.data = weights.view(name, p).copy_(p.detach())
         weights._drop(*weights.ranges[name])
-    files.add(model, weights)
+    files.add(model, weights, directory)
     logger.info("model %s offloaded: %.1f MiB of parameters in a working file", label, weights.nbytes / 2**20)
     return weights
 
@@ -199,10 +199,29 @@ class WorkingFiles:
 
     def __init__(self):
         self._by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.directory: Path | None = None  # where the offloaded models' working files lie
 
-    def add(self, model: torch.nn.Module, weights: OffloadedWeights) -> OffloadedWeights:
-        """Record ``weights`` as the working file behind ``model``'s parameters; returns it."""
+    def park(self, tensors: dict[str, torch.Tensor], label: str) -> dict[str, torch.Tensor]:
+        """``tensors`` copied into a working file of their own beside the models' and returned as
+        views of it, their pages dropped: what a layer-by-layer pass holds from its first layer to
+        its last (the merged embeddings and final readers, B′'s mapped non-layer parameters) is read
+        back from the file when next touched instead of being held in memory throughout (§7.4).
+        Names that share one tensor share its view. An in-memory merge gets ``tensors`` back."""
+        items = [(k, v) for k, v in tensors.items() if v.device.type == "cpu"]
+        if not len(self) or self.directory is None or not items:
+            return tensors
+        first: dict[int, str] = {}  # a tensor → the first name it was laid out under
+        unique = [(k, v) for k, v in items if first.setdefault(id(v), k) == k]
+        weights = _mapped_file(unique, self.directory, label)
+        views = {k: weights.view(k, v).copy_(v) for k, v in unique}
+        weights.release()  # the file holds them now; the views read them back when touched
+        return {k: views[first[id(v)]] if id(v) in first else v for k, v in tensors.items()}
+
+    def add(self, model: torch.nn.Module, weights: OffloadedWeights, directory: Path) -> OffloadedWeights:
+        """Record ``weights`` as the working file behind ``model``'s parameters, in ``directory``;
+        returns it."""
         self._by_model[model] = weights
+        self.directory = directory
         return weights
 
     def of(self, model: torch.nn.Module) -> OffloadedWeights | None:
@@ -338,6 +357,6 @@ def load_offloaded(
     ckpt.release()
     model.config._name_or_path = str(path)
     model.eval()
-    files.add(model, weights)
+    files.add(model, weights, directory)
     logger.info("model %s read into a working file: %.1f MiB of parameters", label, weights.nbytes / 2**20)
     return model

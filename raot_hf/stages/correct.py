@@ -384,6 +384,7 @@ def _corrected(
                            MIN_GATE_EXAMPLES)  # fmt: skip
             held = None
     correction = CorrectionPass(ctx, method, parents, mix, chunks, held)
+    rest = ctx.working_files.park(rest, "merged-trunk")  # read again after the last layer (§7.4)
     for i, name in enumerate(tqdm(names, desc=f"correction ({method})", disable=not ctx.dist.is_main)):
         rule, part = merge([k for k in names_all if k.startswith(name + ".")])
         log.add(part)

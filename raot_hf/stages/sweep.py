@@ -172,6 +172,10 @@ def sweep_merge(
     mix = {"a": 1 - alpha, "b": alpha}
     held = _heldout_paths(ctx, chunks, rest, gate.stream, mix)
     correction = CorrectionPass(ctx, method, parents, mix, fit_chunks(ctx, run, parents, rest, outside), held)
+    # read again only after the last layer: layer by layer, on disk until then (§7.4)
+    del outside_a, outside_b
+    rest = files.park(rest, "merged-trunk")
+    outside = {side: files.park(state, f"outside-{side}") for side, state in outside.items()}
     per_layer = transforms_by_decision(pending.parts)
     decided: dict[tuple, GateDecision] = {}
     worst: list[float] = []

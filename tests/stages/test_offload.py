@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from raot_hf import RaotError, RaotMerger, merge_checkpoints
 from raot_hf.adapters import is_decoder
 from raot_hf.cli import main
-from raot_hf.io.offload import WorkingFiles, offload_model
+from raot_hf.io.offload import WorkingFiles, mapped_file_ranges, offload_model
 from raot_hf.stages.offload import choose_offload, layerwise_bytes, offload_models
 from raot_hf.testing import (
     architectures,
@@ -352,3 +352,26 @@ def test_layer_by_layer_calibration_sums_and_early_solves_match_the_batch_by_bat
     for t, u in zip(early, late, strict=True):
         for x, y in zip(vars(t).values(), vars(u).values(), strict=True):
             assert not isinstance(x, torch.Tensor) or torch.allclose(x.double(), y.double(), atol=1e-8)
+
+
+@linux_only
+def test_parked_tensors_are_the_same_values_in_a_working_file_with_their_ties(tmp_path):
+    """What a layer-by-layer pass holds from its first layer to its last goes to a file of its own:
+    equal values, dtypes and shapes, one view for names that shared one tensor, no resident pages
+    until read; an in-memory merge (no working file) keeps its tensors as they are."""
+    table = torch.randn(512, 256)
+    tensors = {"embed.weight": table, "head.weight": table, "norm.weight": torch.randn(256).to(torch.bfloat16)}
+    assert WorkingFiles().park(tensors, "trunk") is tensors
+    files = WorkingFiles()
+    model = tiny_model("llama", "base", vocab_size=VOCAB, dtype=torch.float32)
+    offload_model(model, tmp_path, "A", files)  # the merge's offloaded model, beside which the file lies
+    resident = _status_kib("RssFile")
+    parked = files.park(tensors, "trunk")
+    assert _status_kib("RssFile") - resident < table.numel() * 4 // 1024 // 4  # its pages were dropped
+    assert parked.keys() == tensors.keys() and parked["embed.weight"] is parked["head.weight"]
+    ranges = mapped_file_ranges()
+    for name, t in tensors.items():
+        p = parked[name]
+        start = p.untyped_storage().data_ptr()
+        assert p is not t and p.dtype == t.dtype and torch.equal(p, t)
+        assert any(lo <= start < hi for lo, hi in ranges)  # a file's memory, not the heap's
