@@ -143,8 +143,8 @@ def render(history: dict[str, Any]) -> str:
         "A column is `label/method`: `before` ran on the commit before the one sweep and the float32 "
         "scoring of candidates, `after` on the commit with both; `default` is the product's defaults "
         "(on `after`, the one sweep), `default-staged` the gate, the apply and the correction as three passes. "
-        "\"Gate decisions\" compares every layer decision (transform, layer, applied) where the runner records "
-        "them (the encoder families) and the number of transforms applied (every family); \"correction layers "
+        '"Gate decisions" compares every layer decision (transform, layer, applied) where the runner records '
+        'them (the encoder families) and the number of transforms applied (every family); "correction layers '
         "kept\" the layers whose correction was kept and the correction's model-level check."
     )
     lines.append("")
@@ -164,8 +164,10 @@ def render(history: dict[str, Any]) -> str:
         kept_of = [(c["layers_kept"], c["correction_kept"]) for c in present]
         same_kept = all(k == kept_of[0] for k in kept_of)
         decisions = "equal" if same_decisions else "differ: applied " + " / ".join(str(c["applied"]) for c in present)
-        kept = f"equal ({first['layers_kept']})" if same_kept else "differ: " + " / ".join(
-            str(c["layers_kept"]) for c in present
+        kept = (
+            f"equal ({first['layers_kept']})"
+            if same_kept
+            else "differ: " + " / ".join(str(c["layers_kept"]) for c in present)
         )
         lines.append(f"| {pair} | {index} | " + " | ".join(values) + f" | {decisions} | {kept} |")
     lines += ["", "## Mean ± std over runs", "", "| " + " | ".join(["pair", *columns]) + " |"]
