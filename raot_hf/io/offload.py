@@ -206,8 +206,9 @@ class WorkingFiles:
         views of it, their pages dropped: what a layer-by-layer pass holds from its first layer to
         its last (the merged embeddings and final readers, B′'s mapped non-layer parameters) is read
         back from the file when next touched instead of being held in memory throughout (§7.4).
-        Names that share one tensor share its view. An in-memory merge gets ``tensors`` back."""
-        items = [(k, v) for k, v in tensors.items() if v.device.type == "cpu"]
+        Names that share one tensor share its view; a tensor already in a model's working file (a
+        parent's own parameter) stays as it is. An in-memory merge gets ``tensors`` back."""
+        items = [(k, v) for k, v in tensors.items() if v.device.type == "cpu" and self._holder(v) is None]
         if not len(self) or self.directory is None or not items:
             return tensors
         first: dict[int, str] = {}  # a tensor → the first name it was laid out under
@@ -248,13 +249,19 @@ class WorkingFiles:
         """Drop the resident pages of ``tensor`` if it is a view of a working file, and (``trim``) hand
         the heap's free pages back: a parameter-by-parameter transform's temporaries (under glibc's
         32 MB mmap threshold) otherwise pile up as fragmented heap — 11 GB for a 3.4 B model."""
+        held = self._holder(tensor)
+        if held is not None:
+            held[0]._drop(*held[1])
+            if trim:
+                trim_heap()
+
+    def _holder(self, tensor: torch.Tensor) -> tuple[OffloadedWeights, tuple[int, int]] | None:
+        """The working file ``tensor`` is a view of, with its byte range there (None: elsewhere)."""
         for weights in list(self._by_model.values()):
             span = weights.owns(tensor)
             if span is not None:
-                weights._drop(*span)
-                if trim:
-                    trim_heap()
-                return
+                return weights, span
+        return None
 
     def release_all(self, *, trim: bool = True) -> None:
         """Drop the resident pages of every offloaded model (between stages and layers), and, when

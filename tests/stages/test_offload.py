@@ -365,6 +365,8 @@ def test_parked_tensors_are_the_same_values_in_a_working_file_with_their_ties(tm
     files = WorkingFiles()
     model = tiny_model("llama", "base", vocab_size=VOCAB, dtype=torch.float32)
     offload_model(model, tmp_path, "A", files)  # the merge's offloaded model, beside which the file lies
+    own = dict(model.named_parameters())["norm.weight"]  # a parent's parameter: in its working file already
+    assert files.park({"norm.weight": own}, "trunk")["norm.weight"] is own
     resident = _status_kib("RssFile")
     parked = files.park(tensors, "trunk")
     assert _status_kib("RssFile") - resident < table.numel() * 4 // 1024 // 4  # its pages were dropped
