@@ -157,8 +157,28 @@ def _linear_entry(key: str, tensors: Sequence[torch.Tensor], weights: Sequence[f
     sole = _sole_model(weights)
     if sole is not None:
         return tensors[sole].detach().to(dtype=ref.dtype, device=ref.device, copy=True)
-    terms = [w * _f64(t).to(ref.device) for t, w in zip(tensors, weights, strict=True) if w != 0.0]
-    return _total(terms).to(ref.dtype)
+    return _weighted_sum([(t, w) for t, w in zip(tensors, weights, strict=True) if w != 0.0], ref)
+
+
+#: Elements of a tensor that :func:`_weighted_sum` takes in float64 at once (32 MiB per term).
+SUM_BLOCK = 1 << 22
+
+
+def _weighted_sum(terms: Sequence[tuple[torch.Tensor, float]], ref: torch.Tensor) -> torch.Tensor:
+    """``Σ wᵢ·xᵢ`` in float64, summed from the first term, rounded once to ``ref``'s dtype and
+    device: the same operations as ``_total([w * _f64(x) …])``, so the same bits, taken
+    :data:`SUM_BLOCK` elements at a time so that no float64 copy of a whole tensor (an embedding
+    table) is held."""
+    out = torch.empty(ref.shape, dtype=ref.dtype, device=ref.device)
+    flat_out = out.view(-1)
+    flats = [(torch.as_tensor(t).detach().reshape(-1), w) for t, w in terms]
+    for start in range(0, flat_out.numel(), SUM_BLOCK):
+        total = None
+        for flat, w in flats:
+            term = flat[start : start + SUM_BLOCK].to(device=ref.device, dtype=_F64, copy=True).mul_(w)
+            total = term if total is None else total.add_(term)
+        flat_out[start : start + SUM_BLOCK] = total
+    return out
 
 
 def _endpoint_state(states: Sequence[StateDict], weights: Sequence[float], log: RuleLog) -> dict | None:

@@ -68,6 +68,33 @@ def test_linear_matches_numpy_and_keeps_int_buffers():
     assert log.counts["linear"] == len(a) - 1
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(0, 9),
+    seed=st.integers(0, 2**16),
+    weights=st.lists(st.floats(0.0, 2.0, allow_nan=False), min_size=3, max_size=3).filter(lambda w: sum(w) > 1e-3),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    transposed=st.booleans(),
+)
+def test_linear_in_blocks_is_the_whole_tensor_sum_bit_for_bit(rows, seed, weights, dtype, transposed):
+    # blocks of 7 elements cut rows of 5 apart and leave a short last block; a transposed (non-contiguous)
+    # tensor must be read in its logical order
+    g = torch.Generator().manual_seed(seed)
+    states = [{"w": (torch.randn(5, rows, generator=g) * 10).to(dtype)} for _ in weights]
+    if transposed:
+        states = [{"w": s["w"].T} for s in states]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("raot_hf.merging.rules.SUM_BLOCK", 7)
+        merged = merge_linear(states, weights)["w"]
+    total = sum(weights)
+    expected = np.zeros(tuple(states[0]["w"].shape))
+    for s, w in zip(states, weights, strict=True):
+        if w / total != 0.0:
+            expected = expected + (w / total) * s["w"].to(torch.float64).numpy()
+    assert merged.dtype == dtype
+    assert torch.equal(merged, torch.from_numpy(expected).to(dtype))
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     shape=st.lists(st.integers(1, 5), min_size=1, max_size=3),
