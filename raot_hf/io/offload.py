@@ -151,17 +151,22 @@ def _layout(params: list[tuple[str, torch.Tensor]]) -> tuple[dict[str, tuple[int
     return ranges, max(offset, _ALIGN)
 
 
+def check_room(directory: Path, nbytes: int, what: str) -> None:
+    """Refuse (one line, naming the fix) an offload directory without ``nbytes`` (and a margin) free for ``what``."""
+    free = shutil.disk_usage(directory).free
+    if free < nbytes + DISK_MARGIN:
+        raise RaotError(
+            f"the offload directory {directory} has {free / 2**30:.1f} GiB free, {what} needs "
+            f"{(nbytes + DISK_MARGIN) / 2**30:.1f} GiB; pass --offload-dir on a larger disk"
+        )
+
+
 def _mapped_file(params: list[tuple[str, torch.Tensor]], directory: Path, label: str) -> OffloadedWeights:
     """A zeroed working file laid out for ``params`` in ``directory``, mapped shared and unlinked."""
     if not directory.is_dir():
         raise RaotError(f"the offload directory {directory} does not exist; create it or pass another --offload-dir")
     ranges, total = _layout(params)
-    free = shutil.disk_usage(directory).free
-    if free < total + DISK_MARGIN:
-        raise RaotError(
-            f"the offload directory {directory} has {free / 2**30:.1f} GiB free, model {label}'s working file needs "
-            f"{(total + DISK_MARGIN) / 2**30:.1f} GiB; pass --offload-dir on a larger disk"
-        )
+    check_room(directory, total, f"model {label}'s working file")
     fd, path = tempfile.mkstemp(dir=directory, prefix=f"raot-offload-{label}-", suffix=".bin")
     try:
         os.ftruncate(fd, total)

@@ -29,7 +29,7 @@ from raot_hf.merging.siblings import base_state_for, check_base_use, check_task_
 from raot_hf.outputs.shards import parse_size
 from raot_hf.stages.calibrate import check_calibration_early
 from raot_hf.stages.context import BaseModel, StageTimer
-from raot_hf.stages.offload import choose_offload, load_layerwise
+from raot_hf.stages.offload import check_parking_room, choose_offload, load_layerwise
 from raot_hf.symmetry import model_state
 
 logger = logging.getLogger("raot_hf.stages.load")
@@ -123,6 +123,8 @@ def load_pair(
                 models.append(load_layerwise(src, _label(i), cfg, config.dtype, offload_dir, files))
             else:
                 models.append(load_model(src, _label(i), dtype=config.dtype, config=cfg))
+        if memory["layerwise"]:
+            check_parking_room(models[0], files)
         base_model, missing = (
             load_base_model(src_base, configs[0], dtype=config.dtype, config=cfg_base) if src_base else (None, ())
         )

@@ -290,6 +290,48 @@ def test_an_offload_directory_without_room_is_refused(tmp_path, monkeypatch):
         choose_offload("sometimes", [], None)
 
 
+def test_an_offload_directory_without_room_to_park_the_trunk_is_refused_before_calibration(tmp_path, monkeypatch):
+    """Room for both working files but not, beside them, for the parameters outside the layers parked
+    while the layers run: refused at load (the calibration never starts), nothing left behind."""
+    import shutil
+
+    from raot_hf.io.offload import DISK_MARGIN
+    from raot_hf.stages import calibrate
+
+    paths, cal = _saved_pair(tmp_path)
+    model = _pair("llama")[0]
+    outside = sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("model.layers.")
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def started(*args, **kwargs):
+        raise AssertionError("the calibration started")
+
+    def disk(after_files: int):
+        calls = []
+
+        def usage(_path):  # ample for the two working files, then what is left beside them
+            calls.append(1)
+            free = 1 << 40 if len(calls) <= 2 else after_files
+            return shutil._ntuple_diskusage(free, 0, free)
+
+        return usage
+
+    monkeypatch.setattr(shutil, "disk_usage", disk(DISK_MARGIN + 3 * outside - 1))
+    with (
+        monkeypatch.context() as patch,
+        pytest.raises(RaotError, match=r"parking the parameters outside.*--offload-dir"),
+    ):
+        patch.setattr(calibrate, "run_phase", started)
+        merge_checkpoints(*paths, out=tmp_path / "m", calibration=cal, offload="always", offload_dir=work)
+    assert not list(work.iterdir()) and not (tmp_path / "m").exists()
+    monkeypatch.setattr(shutil, "disk_usage", disk(DISK_MARGIN + 3 * outside))  # exactly enough: the merge runs
+    _, report = merge_checkpoints(*paths, out=tmp_path / "m", calibration=cal, offload="always", offload_dir=work)
+    assert report["execution"] == "layer-wise"
+
+
 @linux_only
 def test_without_a_cap_the_available_memory_decides(tmp_path):
     from raot_hf.io.loading import ModelSource, load_config
