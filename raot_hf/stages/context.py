@@ -19,19 +19,27 @@ from raot_hf.io.offload import WorkingFiles
 
 
 class StageTimer:
-    """Wall time per stage name (a stage entered twice adds up)."""
+    """Wall time per stage name (a stage entered twice adds up). Exclusive: a stage run inside
+    another (the layer-by-layer calibration solves each layer as it completes) is counted under its
+    own name only, so the stages' times add up to at most the merge's."""
 
     def __init__(self):
         self.times: dict[str, float] = {}
+        self._inner: list[float] = []  # per open stage, the time of the stages run inside it so far
 
     @contextmanager
     def stage(self, name: str):
-        """Time the block under ``name``."""
+        """Time the block under ``name``, less the stages timed inside it."""
         start = time.perf_counter()
+        self._inner.append(0.0)
         try:
             yield
         finally:
-            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            inner = self._inner.pop()
+            self.times[name] = self.times.get(name, 0.0) + elapsed - inner
+            if self._inner:
+                self._inner[-1] += elapsed
 
 
 @dataclass
