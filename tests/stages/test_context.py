@@ -14,9 +14,15 @@ class _Clock:
         return self.now
 
 
-def test_a_stage_inside_another_is_counted_once_under_its_own_name(monkeypatch):
+@pytest.fixture
+def clock(monkeypatch):
+    """The timer's clock, moved by hand."""
     clock = _Clock()
     monkeypatch.setattr(context.time, "perf_counter", clock)
+    return clock
+
+
+def test_a_stage_inside_another_is_counted_once_under_its_own_name(clock):
     timer = StageTimer()
     with timer.stage("calibration"):
         clock.now += 3
@@ -31,9 +37,7 @@ def test_a_stage_inside_another_is_counted_once_under_its_own_name(monkeypatch):
     assert sum(timer.times.values()) == clock.now  # nothing counted twice
 
 
-def test_nested_three_deep_each_level_keeps_only_its_own_time(monkeypatch):
-    clock = _Clock()
-    monkeypatch.setattr(context.time, "perf_counter", clock)
+def test_nested_three_deep_each_level_keeps_only_its_own_time(clock):
     timer = StageTimer()
     with timer.stage("a"):
         clock.now += 1
