@@ -230,7 +230,6 @@ class StatisticsCollector:
         candidates: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] | None = None,
         grams: bool = False,
         device=None,
-        stream_full: bool = True,
         moment_stride: int = 1,
         moments: bool = True,
         mlp_product_dtype: torch.dtype | None = None,
@@ -265,7 +264,6 @@ class StatisticsCollector:
             self.stats.fit = SplitStatistics.zeros(
                 schema,
                 device=self.device,
-                stream_full=stream_full,
                 quad_dtype=quad,
                 mlp_product_dtype=mlp_product_dtype,
                 defer_mlp=defer_mlp,

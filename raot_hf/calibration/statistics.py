@@ -36,12 +36,14 @@ def quadratic_dtype(param_dtype: torch.dtype) -> torch.dtype:
 
 #: Rows × columns of one float64 block in the moment updates: 2²¹ entries, 16 MiB.
 _BLOCK_ENTRIES = 1 << 21
+#: Rows × columns of the rows one 16-bit co-moment product takes: 2²⁴ entries, 32 MiB per side.
+_PRODUCT_ENTRIES = 1 << 24
 
 
-def row_blocks(rows: int, cols: int) -> list[slice]:
-    """Slices that cut ``rows`` rows of ``cols`` columns into blocks of about 2²¹ entries: the
-    float64 copies of a batch's activations are made one block at a time (peak memory)."""
-    step = max(1, _BLOCK_ENTRIES // max(cols, 1))
+def row_blocks(rows: int, cols: int, entries: int | None = None) -> list[slice]:
+    """Slices that cut ``rows`` rows of ``cols`` columns into blocks of about ``entries`` entries
+    (default 2²¹): the float64 copies of a batch's activations are made one block at a time (peak memory)."""
+    step = max(1, (_BLOCK_ENTRIES if entries is None else entries) // max(cols, 1))
     return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
@@ -57,15 +59,24 @@ def _block_sums(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(out)
 
 
-def _accumulate_product(total: torch.Tensor, x: torch.Tensor, y: torch.Tensor, product_dtype=None) -> None:
-    """``total += xᵀ·y`` with the product in ``product_dtype`` (default x's dtype) and the sum in
-    total's (a bf16 product is summed in float32 across batches: docs/design.md §4.3)."""
-    if product_dtype is not None and product_dtype != x.dtype and x.dtype != _F64:
-        x, y = x.to(product_dtype), y.to(product_dtype)
+def _accumulate_product(total: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+    """``total += xᵀ·y`` with the product in x's dtype and the sum in total's (a bf16 product is
+    summed in float32 across batches: docs/design.md §4.3)."""
     if x.dtype == total.dtype:
         total.addmm_(x.T, y)
     else:  # the add promotes the product exactly: no float32 copy of it
         total.add_(x.T @ y)
+
+
+def _centered(x: torch.Tensor, mean: torch.Tensor, span: slice, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``span`` of ``x`` minus the float64 ``mean``, in ``dtype``: centered in float64 one
+    block of about 2²¹ entries at a time and rounded once per block (float64 → float32 → ``dtype``,
+    as torch converts float64 to a 16-bit format)."""
+    out = torch.empty(span.stop - span.start, x.shape[1], dtype=dtype, device=x.device)
+    for block in row_blocks(out.shape[0], out.shape[1]):
+        rows = slice(span.start + block.start, span.start + block.stop)
+        out[block].copy_(torch.sub(x[rows], mean))
+    return out
 
 
 def _moved(obj, device):
@@ -92,8 +103,7 @@ class Moments:
 
     C is accumulated stably (docs/design.md §4.3): each batch is centered at its own float64 means
     and combined by Chan's update C += C_batch + (n₀·m/(n₀ + m))·δaᵀδb (δ: batch minus running
-    means), so the error stays relative to the spread, not the mean. ``full_a`` / ``full_b`` (raw
-    Σaᵀa, Σbᵀb) are kept only where a rotation is scored; ``n_cross`` / ``xsum_a`` / ``xsum_b``
+    means), so the error stays relative to the spread, not the mean. ``n_cross`` / ``xsum_a`` / ``xsum_b``
     count and sum the rows in C (fewer than ``n`` under a token budget); ``product_dtype``: C's
     per-batch products (None: the rows' own; :mod:`raot_hf.calibration.precision`)."""
 
@@ -103,8 +113,6 @@ class Moments:
     sq_a: torch.Tensor
     sq_b: torch.Tensor
     comoment: torch.Tensor
-    full_a: torch.Tensor | None = None
-    full_b: torch.Tensor | None = None
     n_cross: torch.Tensor | None = None
     xsum_a: torch.Tensor | None = None
     xsum_b: torch.Tensor | None = None
@@ -121,16 +129,13 @@ class Moments:
         cls,
         k: int,
         *,
-        full: bool = False,
-        full_a: bool | None = None,
         device=None,
         quad_dtype=_F64,
         product_dtype: torch.dtype | None = None,
         defer: bool = False,
     ) -> Moments:
-        """Zero sums; ``full`` keeps Σbᵀb (and Σaᵀa unless ``full_a=False``); k×k sums in
-        ``quad_dtype``, the rest float64; ``defer``: C is created empty (:meth:`allocate_comoment`)."""
-        full_a = full if full_a is None else full_a
+        """Zero sums; the k×k sum in ``quad_dtype``, the rest float64; ``defer``: C is created empty
+        (:meth:`allocate_comoment`)."""
 
         def z(*shape):
             return torch.zeros(*shape, dtype=_F64, device=device)
@@ -138,9 +143,8 @@ class Moments:
         def zq(size=k):
             return torch.zeros(size, size, dtype=quad_dtype, device=device)
 
-        full_a_sum, full_b_sum = zq() if full and full_a else None, zq() if full else None
         comoment = zq(0 if defer else k)
-        return cls(z(()), z(k), z(k), z(k), z(k), comoment, full_a_sum, full_b_sum, z(()), z(k), z(k), product_dtype)
+        return cls(z(()), z(k), z(k), z(k), z(k), comoment, z(()), z(k), z(k), product_dtype)
 
     def allocate_comoment(self) -> None:
         """Give a co-moment created empty (:meth:`SplitStatistics.zeros`) its zero k × k sum."""
@@ -163,10 +167,6 @@ class Moments:
         else:
             ca, cb = a.index_select(0, cross_rows), b.index_select(0, cross_rows)
             self._add_comoment(ca, cb, dt, *_block_sums(ca, cb)[:2])
-        for total, x in ((self.full_a, a), (self.full_b, b)):
-            if total is not None:
-                x = x.to(dt)
-                _accumulate_product(total, x, x, self.product_dtype)
 
     def _add_comoment(self, a, b, dt: torch.dtype, sum_a: torch.Tensor, sum_b: torch.Tensor) -> None:
         """Chan's update of the co-moment with one batch (``sum_a``, ``sum_b``: its float64 column sums)."""
@@ -179,18 +179,27 @@ class Moments:
             da, db = ma - self.xsum_a / n0, mb - self.xsum_b / n0
             cd = self.comoment.dtype
             self.comoment.addr_(da.to(cd), db.to(cd), alpha=n0 * m / (n0 + m))
-        for block in row_blocks(m, a.shape[1]):
-            # the subtraction promotes the rows to float64 exactly, as a float64 copy of them would
-            xa, xb = torch.sub(a[block], ma).to(dt), torch.sub(b[block], mb).to(dt)
-            _accumulate_product(self.comoment, xa, xb, self.product_dtype)
+        pd = self.product_dtype
+        if pd is None or pd == dt or dt == _F64:
+            for block in row_blocks(m, a.shape[1]):
+                # the subtraction promotes the rows to float64 exactly, as a float64 copy of them would
+                xa, xb = torch.sub(a[block], ma).to(dt), torch.sub(b[block], mb).to(dt)
+                _accumulate_product(self.comoment, xa, xb)
+        else:
+            # 16-bit products (docs/design.md §4.3): the centered rows are rounded once into buffers
+            # of up to 2²⁴ entries and multiplied in one product per buffer, not per float64
+            # block — each product's bf16 sum is added to C by a pass over all k² entries
+            for span in row_blocks(m, a.shape[1], _PRODUCT_ENTRIES):
+                xa = _centered(a, ma, span, pd)
+                xb = _centered(b, mb, span, pd)
+                _accumulate_product(self.comoment, xa, xb)
         self.n_cross += m
         self.xsum_a += sum_a
         self.xsum_b += sum_b
 
     def tensors(self) -> list[torch.Tensor]:
-        full = [t for t in (self.full_a, self.full_b) if t is not None]
         return [
-            self.n, self.sum_a, self.sum_b, self.sq_a, self.sq_b, self.comoment, *full,
+            self.n, self.sum_a, self.sum_b, self.sq_a, self.sq_b, self.comoment,
             self.n_cross, self.xsum_a, self.xsum_b,
         ]  # fmt: skip
 
@@ -337,12 +346,11 @@ class SplitStatistics:
         schema: ModelSchema,
         *,
         device=None,
-        stream_full: bool = True,
         quad_dtype=_F64,
         mlp_product_dtype=None,
         defer_mlp: bool = False,
     ) -> SplitStatistics:
-        """Zero sums for ``schema``; ``stream_full=False`` drops the stream's Σbᵀb; co-moments in
+        """Zero sums for ``schema``; co-moments in
         ``quad_dtype`` (the MLP's products in ``mlp_product_dtype``; None: the activations').
         ``defer_mlp``: every layer's co-moments are created empty, allocated when a layer-by-layer
         pass reaches it. The stream's d×d sums and rows are float64 whatever the model's dtype
@@ -354,7 +362,7 @@ class SplitStatistics:
             q=[Moments.zeros(d, defer=defer_mlp, **kw) for _ in range(L)],
             k=[Moments.zeros(d, defer=defer_mlp, **kw) for _ in range(L)],
             ctx=[Moments.zeros(d, defer=defer_mlp, **kw) for _ in range(L)],
-            stream=Moments.zeros(d, full=stream_full, full_a=False, device=device, quad_dtype=_F64, product_dtype=_F64),
+            stream=Moments.zeros(d, device=device, quad_dtype=_F64, product_dtype=_F64),
             tokens=torch.zeros((), dtype=_F64, device=device),
             moment_tokens=torch.zeros((), dtype=_F64, device=device),
         )

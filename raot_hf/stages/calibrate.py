@@ -30,7 +30,6 @@ from raot_hf.calibration.precision import resolve_moment_precision
 from raot_hf.calibration.statistics import CalibrationStatistics
 from raot_hf.errors import RaotError
 from raot_hf.estimators.activation import candidate_maps
-from raot_hf.estimators.builtin import residual_mode
 from raot_hf.stages.context import PairContext
 from raot_hf.symmetry.equivalence import select_primary
 
@@ -131,10 +130,8 @@ def moment_options(ctx: PairContext, run: CalibrationRun) -> dict:
 def fit_phase(ctx: PairContext, run: CalibrationRun, solved: dict | None = None) -> CalibrationStatistics:
     """A and B over the fit examples: the summed fit moments (and Grams). ``solved``: the solve
     stage's record of layers solved as soon as their moments are complete (layer by layer, §7.4)."""
-    cfg, plan = ctx.config, ctx.plan
-    # Σbᵀb of the stream is read only when a residual rotation is estimated
-    rotation = "residual" in cfg.scope and residual_mode(ctx.schema, cfg.residual) in ("rotation", "orthogonal")
-    stats = run_phase(ctx, run, "fit", forward=plan.fit_forward(), stream_full=rotation, moments=plan.fit_moments,
+    plan = ctx.plan
+    stats = run_phase(ctx, run, "fit", forward=plan.fit_forward(), moments=plan.fit_moments,
                       moment_stride=run.config.moment_stride, solved=solved, **moment_options(ctx, run))  # fmt: skip
     run.fingerprint.update(
         fit_examples=stats.examples, fit_tokens=int(stats.fit.tokens), moment_tokens=int(stats.fit.moment_tokens),

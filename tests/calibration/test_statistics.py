@@ -10,7 +10,6 @@ from raot_hf.calibration import CalibrationConfig, iter_calibration_batches
 from raot_hf.calibration.collector import StatisticsCollector
 from raot_hf.calibration.statistics import quadratic_dtype
 from raot_hf.estimators.activation import (
-    _fit_residual_gains,
     candidate_maps,
     head_gains,
     mlp_gains,
@@ -55,6 +54,16 @@ def _old_head_gains(q, k, ctx, t: HeadAlignment, H, h):
     return est - ident
 
 
+def _old_residual_gains(stream, stream_bb, t):
+    """The stream score from full d×d moments: (M·O)_jj / √(S_A,jj · (Oᵀ·S_B·O)_jj) minus the
+    identity's (M = Σaᵀb, S_B = Σbᵀb)."""
+    cross, o = stream.raw_cross(), t.matrix
+    ea, sq_b = stream.sq_a.clamp_min(1e-300), stream.sq_b.clamp_min(1e-300)
+    mapped = torch.einsum("ji,ij->j", cross, o)
+    eb = torch.einsum("ij,ik,kj->j", o, stream_bb, o)
+    return mapped / (ea * eb).sqrt() - cross.diagonal() / (ea * sq_b).sqrt()
+
+
 @pytest.mark.parametrize("model_type,head", [("bert", "sequence"), ("vit", "image")])
 def test_heldout_sums_score_candidates_like_full_moments(model_type, head):
     """The held-out phase's per-coordinate sums give the same gains as the full cross moments
@@ -71,6 +80,7 @@ def test_heldout_sums_score_candidates_like_full_moments(model_type, head):
     kinds = ("mlp", "heads", "residual")  # orthogonal head maps: the full-moment formula below has no scales
     candidates = list(random_group_element(schema, seed=5, kinds=kinds, residual="rotation").transforms)
     full = _collect(a, b, schema, _as_split(batches, False)).fit
+    stream_bb = _collect(b, b, schema, _as_split(batches, False)).fit.stream.raw_cross()  # Σbᵀb
     maps = candidate_maps(candidates, schema.num_heads, schema.head_size)
     sums = _collect(a, b, schema, _as_split(batches, True), phase="heldout", candidates=maps).heldout
     assert int(sums.tokens) == int(full.tokens) > 0
@@ -86,7 +96,7 @@ def test_heldout_sums_score_candidates_like_full_moments(model_type, head):
             want = _old_head_gains(full.q[i], full.k[i], full.ctx[i], t, H, h)
             got, _ = head_gains(sums.q[i], sums.k[i], sums.ctx[i], H, h)
         else:
-            want = _fit_residual_gains(full.stream, t)
+            want = _old_residual_gains(full.stream, stream_bb, t)
             got, _ = residual_gains(sums.stream)
         checked.add(type(t).__name__)
         assert got.abs().max() > 1e-3  # a random candidate really changes the score

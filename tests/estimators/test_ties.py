@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raot_hf.calibration.precision import correlation_error_bound
+from raot_hf.calibration import statistics
 from raot_hf.calibration.statistics import Moments
 from raot_hf.estimators import estimate_mlp_permutation
 from raot_hf.estimators.head_fit import assign
@@ -26,11 +27,16 @@ def _massive_units(n=2048, k=48, seed=0):
     return x
 
 
+@pytest.mark.parametrize("blocks", ["whole", "split"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_correlations_stay_within_the_error_bound_of_their_products(dtype):
+def test_correlations_stay_within_the_error_bound_of_their_products(dtype, blocks, monkeypatch):
     """Measured: the largest move of any correlation from its float64 value stays within the
     bound for the products' precision — on units whose sums a few massive tokens carry, where
-    rounding errors do not average out."""
+    rounding errors do not average out. ``split``: each 512-row batch is centered in float64
+    blocks of 37 rows and multiplied in products of 150 rows (16-bit) — spans that cut blocks."""
+    if blocks == "split":
+        monkeypatch.setattr(statistics, "_BLOCK_ENTRIES", 37 * 48)
+        monkeypatch.setattr(statistics, "_PRODUCT_ENTRIES", 150 * 48)
     a = _massive_units()
     perm = torch.randperm(a.shape[1], generator=torch.Generator().manual_seed(1))
     b = a[:, perm]
