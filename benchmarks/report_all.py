@@ -84,11 +84,15 @@ def _real_pair(name: str) -> Callable[[], str]:
     return render_pair
 
 
-def _sweep() -> str:
-    from benchmarks.records import read_history
-    from benchmarks.sweep_decisions import RECORD, TITLE, render
+def _decisions(name: str) -> Callable[[], str]:
+    def render_change() -> str:
+        from benchmarks.records import read_history
+        from benchmarks.sweep_decisions import CHANGES, render
 
-    return render(read_history(RECORD, TITLE))
+        change = CHANGES[name]
+        return render(read_history(change.record_path, change.title), change)
+
+    return render_change
 
 
 def _if_present(record: str) -> tuple[str, ...]:
@@ -128,7 +132,12 @@ GENERATED: tuple[Generated, ...] = (
         ("results/results_real_pair_categorium.json",),
         _real_pair("categorium-en-fr"),  # every categorium pair writes this record
     ),
-    Generated("results/RESULTS_sweep.md", ("results/results_sweep.json",), _sweep),
+    Generated("results/RESULTS_sweep.md", ("results/results_sweep.json",), _decisions("sweep")),
+    Generated(
+        "results/RESULTS_statistics_decisions.md",
+        ("results/results_statistics_decisions.json",),
+        _decisions("statistics"),
+    ),
     Generated("decoders/results/RESULTS.md", ("decoders/results/results.json",), _decoders),
     Generated("perf/results_recovery_real.md", ("perf/results_recovery_real.json",), _recovery_real),
     *(Generated(f"perf/{name}.md", (f"perf/{name}.json",), _perf(f"perf/{name}.json")) for name in _PERF),

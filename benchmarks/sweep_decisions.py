@@ -1,19 +1,20 @@
-"""Decisions and quality of the one sweep after the solve against the three stages, on the benchmark
-families (docs/design.md §5.7): the record of which gate decisions, kept corrections and scores
-the sweep and the float32 scoring of candidates changed.
+"""Decisions and quality of the benchmark families before and after a change of the numerics: the
+record of which gate decisions, kept corrections and scores a change moved. One record per change
+(``CHANGES``): ``sweep``, the one sweep after the solve and the float32 scoring of candidates against
+the three stages (docs/design.md §5.7), and ``statistics``, the calibration statistics' whole-batch
+16-bit MLP co-moment products (§4.3).
 
 The rows come from the benchmark runners' own results (``benchmarks.run`` for the encoder
 families, ``benchmarks.decoders.run`` for the decoders), run on one machine over the same cached
-parents, once per code version: a run on the commit before the change (method ``default``) and
-one on the commit with it (methods ``default``, the one sweep, and ``default-staged``, the three
-stages). ``record`` reads such a results file and appends its rows, with the commit the runner ran
-on, its command and the machine, to ``results/results_sweep.json``; the markdown is generated from
-that record only::
+parents, once per code version: a run on the commit before the change and one on the commit with
+it. ``record`` reads such a results file and appends its rows, with the commit the runner ran on,
+its command and the machine, to the change's record; the markdown is generated from that record
+only::
 
     python -m benchmarks.run --workers 1 --pairs vit-digits,bert-rt,bert-sentiment \\
         --methods default,default-staged --out OUT
-    python -m benchmarks.sweep_decisions record --results OUT/results.json --label after --commit C
-    python -m benchmarks.sweep_decisions --report      # or python -m benchmarks.report_all
+    python -m benchmarks.sweep_decisions record --change sweep --results OUT/results.json --label after --commit C
+    python -m benchmarks.sweep_decisions --change sweep --report      # or python -m benchmarks.report_all
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import math
 import sys
 from pathlib import Path
 from statistics import mean, stdev
+from dataclasses import dataclass
 from typing import Any
 
 BENCH = Path(__file__).resolve().parent
@@ -32,9 +34,48 @@ if __package__ in (None, ""):  # pragma: no cover - run as a script
 
 from benchmarks.records import append_run, machine, read_history, run_heading  # noqa: E402
 
-RECORD = BENCH / "results" / "results_sweep.json"
-MARKDOWN = BENCH / "results" / "RESULTS_sweep.md"
-TITLE = "The one sweep after the solve against the three stages: decisions and quality"
+
+
+@dataclass(frozen=True)
+class Change:
+    """A change of the numerics whose effect on the families is recorded: its record, its
+    generated markdown (paths relative to ``benchmarks/``), the title and what the columns mean."""
+
+    record: str
+    markdown: str
+    title: str
+    columns: str
+
+    @property
+    def record_path(self) -> Path:
+        return BENCH / self.record
+
+    @property
+    def markdown_path(self) -> Path:
+        return BENCH / self.markdown
+
+
+CHANGES: dict[str, Change] = {
+    "sweep": Change(
+        "results/results_sweep.json",
+        "results/RESULTS_sweep.md",
+        "The one sweep after the solve against the three stages: decisions and quality",
+        "`before` ran on the commit before the one sweep and the float32 scoring of candidates, `after` on "
+        "the commit with both; `default` is the product's defaults (on `after`, the one sweep), "
+        "`default-staged` the gate, the apply and the correction as three passes.",
+    ),
+    "statistics": Change(
+        "results/results_statistics_decisions.json",
+        "results/RESULTS_statistics_decisions.md",
+        "Whole-batch 16-bit MLP co-moment products: decisions and quality",
+        "`before` ran on the commit before the calibration statistics took the MLP co-moment's 16-bit "
+        "products over whole batches (and dropped the stream's Σbᵀb), `after` on the commit with it; "
+        "`default` is the product's defaults, which on the recording machine (bf16 matrix instructions) "
+        "take bf16 MLP co-moment products. Both ran with `OMP_NUM_THREADS=1`.",
+    ),
+}
+# the sweep's record, under the names earlier code imports
+RECORD, MARKDOWN, TITLE = CHANGES["sweep"].record_path, CHANGES["sweep"].markdown_path, CHANGES["sweep"].title
 
 
 def _decisions(method: dict[str, Any]) -> list[list]:
@@ -87,7 +128,7 @@ def _command(results: dict[str, Any], command: str | None) -> str:
 
 
 def record(
-    results_path: Path, label: str, commit: str, path: Path = RECORD, command: str | None = None
+    results_path: Path, label: str, commit: str, path: Path = RECORD, command: str | None = None, title: str = TITLE
 ) -> dict[str, Any]:
     """Append the rows of a runner's ``results_path`` as run ``label`` on ``commit`` (``command``:
     the runner's command line, where its results do not hold it)."""
@@ -101,7 +142,7 @@ def record(
         "rows": rows_of(results),
         "parents": parents_of(results),
     }
-    return append_run(path, run, TITLE)
+    return append_run(path, run, title)
 
 
 def _ppl_ratio(row: dict[str, Any], parents: dict[str, Any]) -> float:
@@ -134,15 +175,14 @@ def _table(history: dict[str, Any]) -> tuple[list[str], dict[tuple[str, int], di
     return columns, table
 
 
-def render(history: dict[str, Any]) -> str:
-    lines = [f"# {history.get('title') or TITLE}", ""]
+def render(history: dict[str, Any], change: Change = CHANGES["sweep"]) -> str:
+    name = next(key for key, value in CHANGES.items() if value == change)
+    lines = [f"# {history.get('title') or change.title}", ""]
     lines.append(
-        "Generated from `benchmarks/results/results_sweep.json` by `python -m benchmarks.sweep_decisions --report` "
-        "(do not edit by hand). Encoder families: accuracy with A's head; decoder families: held-out "
+        f"Generated from `benchmarks/{change.record}` by `python -m benchmarks.sweep_decisions --change {name} "
+        "--report` (do not edit by hand). Encoder families: accuracy with A's head; decoder families: held-out "
         "perplexity of the merge over the mean of the parents' (mean over corpora). α = ½. "
-        "A column is `label/method`: `before` ran on the commit before the one sweep and the float32 "
-        "scoring of candidates, `after` on the commit with both; `default` is the product's defaults "
-        "(on `after`, the one sweep), `default-staged` the gate, the apply and the correction as three passes. "
+        f"A column is `label/method`: {change.columns} "
         '"Gate decisions" compares every layer decision (transform, layer, applied) where the runner records '
         'them (the encoder families) and the number of transforms applied (every family); "correction layers '
         "kept\" the layers whose correction was kept and the correction's model-level check."
@@ -185,6 +225,7 @@ def render(history: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", nargs="?", choices=["record"], help="record: append a runner's results")
+    parser.add_argument("--change", choices=sorted(CHANGES), default="sweep", help="which change's record (default sweep)")
     parser.add_argument("--results", type=Path, help="a benchmark runner's results.json")
     parser.add_argument("--label", help="before or after (the column label)")
     parser.add_argument("--commit", help="the commit the runner ran on")
@@ -194,9 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "record":
         if not (args.results and args.label and args.commit):
             parser.error("record needs --results, --label and --commit")
-        record(args.results, args.label, args.commit, command=args.command)
-    MARKDOWN.write_text(render(read_history(RECORD, TITLE)), encoding="utf-8")
-    print(f"wrote {MARKDOWN.relative_to(BENCH.parent)}")
+    change = CHANGES[args.change]
+    if args.action == "record":
+        record(args.results, args.label, args.commit, change.record_path, command=args.command, title=change.title)
+    change.markdown_path.write_text(render(read_history(change.record_path, change.title), change), encoding="utf-8")
+    print(f"wrote {change.markdown_path.relative_to(BENCH.parent)}")
     return 0
 
 
