@@ -23,9 +23,9 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean, stdev
-from dataclasses import dataclass
 from typing import Any
 
 BENCH = Path(__file__).resolve().parent
@@ -33,7 +33,6 @@ if __package__ in (None, ""):  # pragma: no cover - run as a script
     sys.path.insert(0, str(BENCH.parent))
 
 from benchmarks.records import append_run, machine, read_history, run_heading  # noqa: E402
-
 
 
 @dataclass(frozen=True)
@@ -225,16 +224,15 @@ def render(history: dict[str, Any], change: Change = CHANGES["sweep"]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", nargs="?", choices=["record"], help="record: append a runner's results")
-    parser.add_argument("--change", choices=sorted(CHANGES), default="sweep", help="which change's record (default sweep)")
+    parser.add_argument("--change", choices=sorted(CHANGES), default="sweep", help="which change's record")
     parser.add_argument("--results", type=Path, help="a benchmark runner's results.json")
     parser.add_argument("--label", help="before or after (the column label)")
     parser.add_argument("--commit", help="the commit the runner ran on")
     parser.add_argument("--command", help="the runner's command line, where its results do not hold it")
     parser.add_argument("--report", action="store_true", help="only re-render the markdown")
     args = parser.parse_args(argv)
-    if args.action == "record":
-        if not (args.results and args.label and args.commit):
-            parser.error("record needs --results, --label and --commit")
+    if args.action == "record" and not (args.results and args.label and args.commit):
+        parser.error("record needs --results, --label and --commit")
     change = CHANGES[args.change]
     if args.action == "record":
         record(args.results, args.label, args.commit, change.record_path, command=args.command, title=change.title)

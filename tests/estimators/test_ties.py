@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raot_hf.calibration.precision import correlation_error_bound
 from raot_hf.calibration import statistics
+from raot_hf.calibration.precision import correlation_error_bound
 from raot_hf.calibration.statistics import Moments
 from raot_hf.estimators import estimate_mlp_permutation
 from raot_hf.estimators.head_fit import assign
