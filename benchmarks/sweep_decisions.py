@@ -40,6 +40,7 @@ class Change:
     """A change of the numerics whose effect on the families is recorded: its record, its
     generated markdown (paths relative to ``benchmarks/``), the title and what the columns mean."""
 
+    name: str
     record: str
     markdown: str
     title: str
@@ -56,6 +57,7 @@ class Change:
 
 CHANGES: dict[str, Change] = {
     "sweep": Change(
+        "sweep",
         "results/results_sweep.json",
         "results/RESULTS_sweep.md",
         "The one sweep after the solve against the three stages: decisions and quality",
@@ -64,6 +66,7 @@ CHANGES: dict[str, Change] = {
         "`default-staged` the gate, the apply and the correction as three passes.",
     ),
     "statistics": Change(
+        "statistics",
         "results/results_statistics_decisions.json",
         "results/RESULTS_statistics_decisions.md",
         "Whole-batch 16-bit MLP co-moment products: decisions and quality",
@@ -73,8 +76,8 @@ CHANGES: dict[str, Change] = {
         "take bf16 MLP co-moment products. Both ran with `OMP_NUM_THREADS=1`.",
     ),
 }
-# the sweep's record, under the names earlier code imports
-RECORD, MARKDOWN, TITLE = CHANGES["sweep"].record_path, CHANGES["sweep"].markdown_path, CHANGES["sweep"].title
+# the sweep's record: record()'s default
+RECORD, TITLE = CHANGES["sweep"].record_path, CHANGES["sweep"].title
 
 
 def _decisions(method: dict[str, Any]) -> list[list]:
@@ -175,10 +178,9 @@ def _table(history: dict[str, Any]) -> tuple[list[str], dict[tuple[str, int], di
 
 
 def render(history: dict[str, Any], change: Change = CHANGES["sweep"]) -> str:
-    name = next(key for key, value in CHANGES.items() if value == change)
     lines = [f"# {history.get('title') or change.title}", ""]
     lines.append(
-        f"Generated from `benchmarks/{change.record}` by `python -m benchmarks.sweep_decisions --change {name} "
+        f"Generated from `benchmarks/{change.record}` by `python -m benchmarks.sweep_decisions --change {change.name} "
         "--report` (do not edit by hand). Encoder families: accuracy with A's head; decoder families: held-out "
         "perplexity of the merge over the mean of the parents' (mean over corpora). α = ½. "
         f"A column is `label/method`: {change.columns} "

@@ -70,8 +70,8 @@ def _accumulate_product(total: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -
 
 def _centered(x: torch.Tensor, mean: torch.Tensor, span: slice, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``span`` of ``x`` minus the float64 ``mean``, in ``dtype``: centered in float64 one
-    block of about 2²¹ entries at a time and rounded once per block (float64 → float32 → ``dtype``,
-    as torch converts float64 to a 16-bit format)."""
+    block of about 2²¹ entries at a time, each block converted into the buffer as torch converts
+    float64 to a 16-bit format (through float32: the bits a float32 copy then ``dtype`` would give)."""
     out = torch.empty(span.stop - span.start, x.shape[1], dtype=dtype, device=x.device)
     for block in row_blocks(out.shape[0], out.shape[1]):
         rows = slice(span.start + block.start, span.start + block.stop)
