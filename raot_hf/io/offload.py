@@ -19,6 +19,7 @@ import shutil
 import sys
 import tempfile
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +78,14 @@ def drop_file_pages(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> None
     lo, hi = -(-start // _PAGE) * _PAGE, stop // _PAGE * _PAGE  # inward: neighbours keep their pages
     if hi > lo:
         _MADVISE(lo, hi - lo, _MADV_DONTNEED)
+
+
+def release_mapped(tensors: Iterable[torch.Tensor]) -> None:
+    """Drop the resident pages of those ``tensors`` that lie in a mapping of a file (a loaded
+    checkpoint's parameters, read again only from the file): :func:`drop_file_pages` for each."""
+    ranges = mapped_file_ranges()
+    for tensor in tensors:
+        drop_file_pages(tensor, ranges)
 
 
 def trim_heap() -> None:
@@ -269,12 +278,11 @@ class WorkingFiles:
         return None
 
     def release_all(self, *, trim: bool = True) -> None:
-        """Drop the resident pages of every offloaded model (between stages and layers), and, when
-        there is one (and ``trim``), hand the heap's free pages back too."""
-        live = list(self._by_model.values())
-        for weights in live:
+        """Drop the resident pages of every offloaded model (between stages and layers) and
+        (``trim``) hand the heap's free pages back: a layer's activations, in memory or offloaded."""
+        for weights in list(self._by_model.values()):
             weights.release()
-        if live and trim:
+        if trim:
             trim_heap()
 
 

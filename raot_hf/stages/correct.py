@@ -220,13 +220,15 @@ class ParameterStash:
     """Parameters written over in a model, until a later check has decided whether they come back:
     the rule's merge of each layer whose correction was kept, until the correction's model-level
     check (docs/design.md §6.7); A's and B's own layers, until the one sweep's (§5.7). Held in
-    memory (references: a model in memory takes new tensors and leaves the old ones as they are),
-    or — for offloaded models (§7.4), written in place — copied to a temporary file, read back
-    only to restore; ``drop`` frees it."""
+    memory as references (``on_disk`` False: a model in memory takes new tensors and leaves the
+    old ones as they are, so holding them costs nothing the model did not already hold), or copied
+    to a temporary file (``on_disk``: parameters of offloaded models, written in place, §7.4, and
+    the rule's layers, which nothing else holds), read back only to restore; ``drop`` frees it."""
 
-    def __init__(self, offloaded: bool, prefix: str = "raot-stash-"):
+    def __init__(self, on_disk: bool, prefix: str = "raot-stash-"):
         self.tensors: dict[str, torch.Tensor] = {}
-        self.directory = tempfile.TemporaryDirectory(prefix=prefix) if offloaded else None
+        self.on_disk, self.prefix = on_disk, prefix
+        self.directory: tempfile.TemporaryDirectory | None = None  # made at the first file
         self.files: list[Path] = []
         self.names: set[str] = set()
 
@@ -235,9 +237,11 @@ class ParameterStash:
         value it was first held with."""
         tensors = {k: v for k, v in tensors.items() if k not in self.names}
         self.names.update(tensors)
-        if self.directory is None:
+        if not self.on_disk:
             self.tensors.update(tensors)
         elif tensors:
+            if self.directory is None:
+                self.directory = tempfile.TemporaryDirectory(prefix=self.prefix)
             self.files.append(Path(self.directory.name) / f"{len(self.files)}.safetensors")
             save_file({k: v.contiguous() for k, v in tensors.items()}, self.files[-1])
 
@@ -249,9 +253,10 @@ class ParameterStash:
             load_state(model, load_file(file), working_files=working_files, keep=keep)
 
     def drop(self) -> None:
-        self.tensors, self.names = {}, set()
+        self.tensors, self.names, self.files = {}, set(), []
         if self.directory is not None:
             self.directory.cleanup()
+            self.directory = None
 
 
 class CorrectionPass:
@@ -270,8 +275,9 @@ class CorrectionPass:
         self.layers: list[dict] = []
         self.skipped: list[str] = []
         self.memo: dict[str, Any] = {}  # what the correction keeps over the layers of this merge
-        offloaded = len(ctx.working_files) > 0
-        self.stash = ParameterStash(offloaded, "raot-rule-") if held is not None else None
+        # the rule's layers replaced by a kept correction: nothing else holds them, so in a file,
+        # not beside the merge in memory (a whole trunk's layers at the end of the pass)
+        self.stash = ParameterStash(True, "raot-rule-") if held is not None else None
         self.names = layer_module_names(ctx.model_a, ctx.schema)
 
     def layer(self, i: int, rule: dict, parent_outs: dict | None = None) -> dict:

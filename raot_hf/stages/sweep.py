@@ -46,6 +46,7 @@ from raot_hf.gate.merge import (
     residual_candidate,
     transforms_by_decision,
 )
+from raot_hf.io.offload import release_mapped
 from raot_hf.merging import MergeRuleSpec, RuleLog, apply_rule, merge_rule_spec
 from raot_hf.outputs import Check
 from raot_hf.results import Alignment
@@ -174,6 +175,9 @@ def sweep_merge(
     correction = CorrectionPass(ctx, method, parents, mix, fit_chunks(ctx, run, parents, rest, outside), held)
     # read again only after the last layer: layer by layer, on disk until then (§7.4)
     del outside_a, outside_b
+    # the parents' own non-layer parameters are read again only to restore them after a veto: a
+    # loaded checkpoint's pages go back to its file (the embeddings: a third of BERT-base)
+    release_mapped(t for side in originals.values() for k, t in side.items() if not k.startswith(in_layer))
     rest = files.park(rest, "merged-trunk")
     outside = {side: files.park(state, f"outside-{side}") for side, state in outside.items()}
     per_layer = transforms_by_decision(pending.parts)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
@@ -419,3 +420,25 @@ def test_parked_tensors_are_the_same_values_in_a_working_file_with_their_ties(tm
         start = p.untyped_storage().data_ptr()
         assert p is not t and p.dtype == t.dtype and torch.equal(p, t)
         assert any(lo <= start < hi for lo, hi in ranges)  # a file's memory, not the heap's
+
+
+def test_release_mapped_hands_back_a_checkpoints_pages_and_keeps_its_values(tmp_path):
+    """A loaded checkpoint's embedding table, read whole: its resident pages go back to the file and
+    a later read gives the same values (from the file, not zeros); memory that is no file's is left
+    as it is."""
+    from raot_hf.io.offload import release_mapped
+
+    config = transformers.BertConfig(
+        vocab_size=4096, hidden_size=256, num_hidden_layers=1, num_attention_heads=4, intermediate_size=256
+    )
+    transformers.BertModel(config).save_pretrained(tmp_path / "m")
+    model = transformers.BertModel.from_pretrained(tmp_path / "m")
+    table = model.embeddings.word_embeddings.weight.detach()  # 4 MiB
+    assert any(lo <= table.data_ptr() < hi for lo, hi in mapped_file_ranges())  # what this test is about
+    original = table.clone()
+    heap = torch.randn(1024, 1024)
+    heap_before = heap.clone()
+    resident = _status_kib("RssFile")
+    release_mapped([table, heap])
+    assert resident - _status_kib("RssFile") > 3 * table.numel() * 4 // 1024 // 4  # most of its 4 MiB
+    assert torch.equal(table, original) and torch.equal(heap, heap_before)

@@ -7,6 +7,7 @@ import torch
 from raot_hf import RaotMerger, schema_for
 from raot_hf.adapters import is_decoder
 from raot_hf.gate import Status
+from raot_hf.io.offload import mapped_file_ranges
 from raot_hf.stages.offload import offload_models
 from raot_hf.testing import (
     architectures,
@@ -145,4 +146,23 @@ def test_the_sweep_writes_the_stages_merge_bit_for_bit(model_type):
 
     assert kept(swept) == kept(staged)
     state, reference = _state(swept), _state(staged)
+    assert state.keys() == reference.keys() and all(torch.equal(state[k], reference[k]) for k in state)
+
+
+def test_a_merge_of_loaded_checkpoints_equals_the_merge_of_their_copies_in_memory(tmp_path):
+    """Checkpoints loaded from files hand their non-layer pages back after each calibration batch
+    and once the sweep has captured its inputs (docs/design.md §7.2): read again from the files,
+    they give the merge that copies of the same models in memory give, bit for bit."""
+    a, b = _pair("bert", "sequence")
+    pre, data = tiny_data("bert", 96)
+    for name, model in (("A", a), ("B", b)):
+        model.save_pretrained(tmp_path / name)
+        pre.save_pretrained(tmp_path / name)
+    merger = RaotMerger.from_pretrained(tmp_path / "A", tmp_path / "B")
+    table = merger.model_a.get_input_embeddings().weight
+    assert any(lo <= table.data_ptr() < hi for lo, hi in mapped_file_ranges())  # what this test is about
+    loaded = merger.merge(calibration=data)
+    copies = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre).merge(calibration=data)
+    assert "sweep" in loaded.report["timings"] and any(d.applied for d in loaded.alignment.decisions)
+    state, reference = _state(loaded), _state(copies)
     assert state.keys() == reference.keys() and all(torch.equal(state[k], reference[k]) for k in state)
