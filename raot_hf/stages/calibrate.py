@@ -30,7 +30,7 @@ from raot_hf.calibration.precision import resolve_moment_precision
 from raot_hf.calibration.statistics import CalibrationStatistics
 from raot_hf.errors import RaotError
 from raot_hf.estimators.activation import candidate_maps
-from raot_hf.io.offload import release_mapped, trim_heap
+from raot_hf.io.offload import trim_heap
 from raot_hf.stages.context import PairContext
 from raot_hf.symmetry.equivalence import select_primary
 
@@ -226,25 +226,11 @@ def _fold_batches(
                 if bool(batch.heldout.any()):
                     _keep_check_rows(ctx, run, batch, None)
         return
-    outside = _outside_layers(ctx)
     for batch in tqdm(batches, total=total, **progress):
         output_b = collector.update(batch)
         if phase == "heldout" and output_b is not None:
             _keep_check_rows(ctx, run, batch, output_b)
-        # what the batch left behind goes back to the OS (§7.2): its activations, freed into the C
-        # heap, and the loaded checkpoints' pages of the embedding rows it read
-        release_mapped(outside)
-        trim_heap()
-
-
-def _outside_layers(ctx: PairContext) -> list[torch.Tensor]:
-    """A's and B's parameters outside their layers (embeddings, final norm, head): a batch reads
-    few of an embedding table's rows, which stay resident after it unless handed back."""
-    from raot_hf.gate.fidelity import layer_module_names
-
-    in_layer = tuple(n + "." for n in layer_module_names(ctx.model_a, ctx.schema))
-    models = (ctx.model_a, ctx.model_b)
-    return [p.detach() for m in models for n, p in m.named_parameters() if not n.startswith(in_layer)]
+        trim_heap()  # the batch's activations, freed into the C heap: back to the OS (§7.2)
 
 
 def run_phase(

@@ -150,9 +150,9 @@ def test_the_sweep_writes_the_stages_merge_bit_for_bit(model_type):
 
 
 def test_a_merge_of_loaded_checkpoints_equals_the_merge_of_their_copies_in_memory(tmp_path):
-    """Checkpoints loaded from files hand their non-layer pages back after each calibration batch
-    and once the sweep has captured its inputs (docs/design.md §7.2): read again from the files,
-    they give the merge that copies of the same models in memory give, bit for bit."""
+    """Checkpoints loaded from files hand their non-layer pages back once the sweep has captured
+    its inputs (docs/design.md §5.7): read again from the files, they give the merge that copies of
+    the same models in memory give, bit for bit."""
     a, b = _pair("bert", "sequence")
     pre, data = tiny_data("bert", 96)
     for name, model in (("A", a), ("B", b)):
