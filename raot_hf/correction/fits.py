@@ -83,7 +83,7 @@ class _Normal:
         total = target
         for block in row_blocks(y_mix.shape[0], y_mix.shape[1]):
             mix = y_mix[block].to(_F64)
-            total += float((y_merged[block].to(_F64) - mix).pow(2).sum()) - float(mix.pow(2).sum())
+            total += _sum_squares(torch.sub(y_merged[block], mix)) - _sum_squares(mix)
         self.residual = total if self.residual is None else self.residual + total
 
 
@@ -97,9 +97,16 @@ def _gram(x: torch.Tensor) -> torch.Tensor:
     return (x.T @ x).to(_F64)
 
 
+def _sum_squares(x: torch.Tensor) -> float:
+    """Σ x² of a contiguous float64 tensor: one dot product, one pass over its memory (x·x written
+    out and then summed are two, and a temporary as large as x)."""
+    flat = x.reshape(-1)
+    return float(torch.dot(flat, flat))
+
+
 def _squared_norm(y: torch.Tensor) -> float:
     """Σ y² in float64, a block of rows at a time."""
-    return sum(float(y[block].to(_F64).pow(2).sum()) for block in row_blocks(y.shape[0], y.shape[1]))
+    return sum(_sum_squares(y[block].to(_F64)) for block in row_blocks(y.shape[0], y.shape[1]))
 
 
 def _augment(x: torch.Tensor, bias: bool) -> torch.Tensor:

@@ -4,6 +4,8 @@ merged model (§6.8)."""
 import pytest
 import torch
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from raot_hf import RaotConfig, RaotError, RaotMerger, scramble
 from raot_hf.adapters import schema_for
@@ -404,3 +406,32 @@ def test_the_model_level_check_restores_offloaded_layers_from_their_file(tmp_pat
         merger = RaotMerger.from_models(a, b, preprocessor=pre, correction={"method": method}, working_files=files)
         merged[method] = {k: v.clone() for k, v in merger.merge(calibration=data).model.state_dict().items()}
     assert all(torch.equal(merged["repair"][k], merged["none"][k]) for k in merged["none"])
+
+
+@given(
+    st.lists(st.integers(-(2**20), 2**20), min_size=1, max_size=600),
+    st.integers(1, 7),
+    st.integers(0, 1),
+    st.integers(1, 64),
+)
+@settings(max_examples=60, deadline=None)
+def test_the_fits_sums_of_squares_are_exact_where_the_arithmetic_is(values, cols, stored_float32, block):
+    """The correction's float64 energies (Σ y² of the parents' outputs, Σ_p w_p‖y_M − y_p‖²) as one
+    dot product per block: on integers whose squares and sums float64 holds exactly, they equal
+    the integer arithmetic, whatever the rows' dtype, shape and block cuts."""
+    from unittest import mock
+
+    from raot_hf.calibration import statistics
+    from raot_hf.correction import fits
+
+    values = values[: len(values) // cols * cols] or [values[0]] * cols
+    rows = torch.tensor(values, dtype=torch.float64).reshape(-1, cols)
+    if stored_float32:  # float32 rows (exact for |v| ≤ 2²⁴): converted block by block
+        rows = rows.float()
+    diff = torch.tensor(values, dtype=torch.float64).reshape(-1, cols)
+    expected = int(((diff.flip(0) - diff) ** 2).sum()) + 7 - sum(v * v for v in values)
+    normal = fits._Normal()
+    with mock.patch.object(statistics, "_BLOCK_ENTRIES", block):  # blocks of a few rows: many cuts
+        assert fits._squared_norm(rows) == sum(v * v for v in values)
+        normal.add_residual(rows.flip(0), rows, target=7.0)
+    assert normal.residual == expected
