@@ -218,7 +218,7 @@ class WorkingFiles:
     def park(self, tensors: dict[str, torch.Tensor], label: str) -> dict[str, torch.Tensor]:
         """``tensors`` copied into a working file of their own beside the models' and returned as
         views of it, their pages dropped: what a layer-by-layer pass holds from its first layer to
-        its last (the merged embeddings and final readers, B′'s mapped non-layer parameters) is read
+        its last (the merged embeddings and final readers) is read
         back from the file when next touched instead of being held in memory throughout (§7.4).
         Names that share one tensor share its view; a tensor already in a model's working file (a
         parent's own parameter) stays as it is. An in-memory merge gets ``tensors`` back."""

@@ -168,8 +168,8 @@ def offload_models(models, labels, schema, directory) -> WorkingFiles:
 def check_parking_room(model: torch.nn.Module, files: WorkingFiles) -> None:
     """Before any calibration: room in the offload directory, beside the models' working files
     (written by now), for what the pass over the layers parks there until its last layer (§7.4):
-    at most three copies of ``model``'s parameters outside its layers — the merged trunk, B′'s
-    mapped ones and, when both parents fold their norms, A's."""
+    one copy of ``model``'s parameters outside its layers, the merged trunk (B′'s mapped ones, and
+    A's folded, are made again after the last layer instead, §5.7)."""
     from raot_hf.adapters import schema_for
     from raot_hf.gate.fidelity import layer_module_names
     from raot_hf.io.offload import check_room
@@ -178,7 +178,7 @@ def check_parking_room(model: torch.nn.Module, files: WorkingFiles) -> None:
         return
     in_layer = tuple(n + "." for n in layer_module_names(model, schema_for(model)))
     outside = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith(in_layer))
-    check_room(files.directory, 3 * outside, "parking the parameters outside the layers while the layers run")
+    check_room(files.directory, outside, "parking the parameters outside the layers while the layers run")
 
 
 def load_layerwise(source, label: str, hf_config, dtype: str, directory, files: WorkingFiles):

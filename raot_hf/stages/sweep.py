@@ -160,9 +160,13 @@ def sweep_merge(
         load_state(parents[side], state, working_files=files, keep=keep)
 
     in_layer = tuple(n + "." for n in names)
-    outside_a, outside_b = merged.mapped(
-        *({k: v for k, v in originals[side].items() if not k.startswith(in_layer)} for side in "ab")
-    )
+
+    def outside_layers() -> tuple[dict, dict]:
+        """A's (folded) and B′'s embeddings, final norm and head, made from the parents' own (which
+        nothing writes before the last layer): the same bits whenever they are made."""
+        return merged.mapped(*({k: v for k, v in originals[s].items() if not k.startswith(in_layer)} for s in "ab"))
+
+    outside_a, outside_b = outside_layers()
     # B′'s embeddings, final norm and head (and A's, folded) are written after the last layer: a
     # parent path's layer calls may hold a non-layer parameter itself (DeBERTa's relative
     # embeddings), which must read the parent's own until then; the fit examples compute with them
@@ -173,13 +177,13 @@ def sweep_merge(
     mix = {"a": 1 - alpha, "b": alpha}
     held = _heldout_paths(ctx, chunks, rest, gate.stream, mix)
     correction = CorrectionPass(ctx, method, parents, mix, fit_chunks(ctx, run, parents, rest, outside), held)
-    # read again only after the last layer: layer by layer, on disk until then (§7.4)
-    del outside_a, outside_b
-    # the parents' own non-layer parameters are read again only to restore them after a veto: a
-    # loaded checkpoint's pages go back to its file (the embeddings: a third of BERT-base)
+    # not held through the layers: made again after the last one (a mapped embedding table each)
+    del outside_a, outside_b, outside
+    # the parents' own non-layer parameters are read again only after the last layer: a loaded
+    # checkpoint's pages go back to its file until then (the embeddings: a fifth of BERT-base)
     release_mapped(t for side in originals.values() for k, t in side.items() if not k.startswith(in_layer))
+    # the merged trunk, read again only after the last layer: layer by layer, on disk until then (§7.4)
     rest = files.park(rest, "merged-trunk")
-    outside = {side: files.park(state, f"outside-{side}") for side, state in outside.items()}
     per_layer = transforms_by_decision(pending.parts)
     decided: dict[tuple, GateDecision] = {}
     worst: list[float] = []
@@ -200,8 +204,10 @@ def sweep_merge(
         for c in chunks:
             c.advance()
         files.release_all()  # the layer's offloaded pages, read and written (§7.4)
-    for side, state in outside.items():  # the final readers' refit reads B′'s final norm
-        write(side, state)
+    outside_a, outside_b = outside_layers()
+    for side, state in {"b": outside_b, **({"a": outside_a} if merged.fold else {})}.items():
+        write(side, state)  # the final readers' refit reads B′'s final norm
+    del outside_a, outside_b
     rest, record = correction.finish(rest, keep)
     check = model_check(held.written_scores(), identity.scores(alpha), worst, z=cfg.gate.z, floor=cfg.gate.min_gain)
     moved = residual is not None or any(d.applied for d in decided.values())

@@ -320,7 +320,7 @@ def test_an_offload_directory_without_room_to_park_the_trunk_is_refused_before_c
 
         return usage
 
-    monkeypatch.setattr(shutil, "disk_usage", disk(DISK_MARGIN + 3 * outside - 1))
+    monkeypatch.setattr(shutil, "disk_usage", disk(DISK_MARGIN + outside - 1))
     with (
         monkeypatch.context() as patch,
         pytest.raises(RaotError, match=r"parking the parameters outside.*--offload-dir"),
@@ -328,7 +328,7 @@ def test_an_offload_directory_without_room_to_park_the_trunk_is_refused_before_c
         patch.setattr(calibrate, "run_phase", started)
         merge_checkpoints(*paths, out=tmp_path / "m", calibration=cal, offload="always", offload_dir=work)
     assert not list(work.iterdir()) and not (tmp_path / "m").exists()
-    monkeypatch.setattr(shutil, "disk_usage", disk(DISK_MARGIN + 3 * outside))  # exactly enough: the merge runs
+    monkeypatch.setattr(shutil, "disk_usage", disk(DISK_MARGIN + outside))  # exactly enough: the merge runs
     _, report = merge_checkpoints(*paths, out=tmp_path / "m", calibration=cal, offload="always", offload_dir=work)
     assert report["execution"] == "layer-wise"
 
