@@ -160,11 +160,12 @@ def sweep_merge(
         load_state(parents[side], state, working_files=files, keep=keep)
 
     in_layer = tuple(n + "." for n in names)
+    own_outside = [{k: v for k, v in originals[s].items() if not k.startswith(in_layer)} for s in "ab"]
 
     def outside_layers() -> tuple[dict, dict]:
         """A's (folded) and B′'s embeddings, final norm and head, made from the parents' own (which
         nothing writes before the last layer): the same bits whenever they are made."""
-        return merged.mapped(*({k: v for k, v in originals[s].items() if not k.startswith(in_layer)} for s in "ab"))
+        return merged.mapped(*own_outside)
 
     outside_a, outside_b = outside_layers()
     # B′'s embeddings, final norm and head (and A's, folded) are written after the last layer: a
@@ -181,7 +182,7 @@ def sweep_merge(
     del outside_a, outside_b, outside
     # the parents' own non-layer parameters are read again only after the last layer: a loaded
     # checkpoint's pages go back to its file until then (the embeddings: a fifth of BERT-base)
-    release_mapped(t for side in originals.values() for k, t in side.items() if not k.startswith(in_layer))
+    release_mapped(t for own in own_outside for t in own.values())
     # the merged trunk, read again only after the last layer: layer by layer, on disk until then (§7.4)
     rest = files.park(rest, "merged-trunk")
     per_layer = transforms_by_decision(pending.parts)

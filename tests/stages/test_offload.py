@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from raot_hf import RaotError, RaotMerger, merge_checkpoints
 from raot_hf.adapters import is_decoder
 from raot_hf.cli import main
-from raot_hf.io.offload import WorkingFiles, mapped_file_ranges, offload_model
+from raot_hf.io.offload import WorkingFiles, mapped_file_ranges, offload_model, release_mapped
 from raot_hf.stages.offload import choose_offload, layerwise_bytes, offload_models
 from raot_hf.testing import (
     architectures,
@@ -426,8 +426,6 @@ def test_release_mapped_hands_back_a_checkpoints_pages_and_keeps_its_values(tmp_
     """A loaded checkpoint's embedding table, read whole: its resident pages go back to the file and
     a later read gives the same values (from the file, not zeros); memory that is no file's is left
     as it is."""
-    from raot_hf.io.offload import release_mapped
-
     config = transformers.BertConfig(
         vocab_size=4096, hidden_size=256, num_hidden_layers=1, num_attention_heads=4, intermediate_size=256
     )
