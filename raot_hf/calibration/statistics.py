@@ -47,16 +47,28 @@ def row_blocks(rows: int, cols: int, entries: int | None = None) -> list[slice]:
     return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
+def _column_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 Σx and Σx² over the rows, one block of rows at a time, through one float64 block:
+    the block is summed, then squared in place and summed (a float32 square is exact in float64)."""
+    total = torch.zeros(x.shape[1], dtype=_F64, device=x.device)
+    squares = torch.zeros_like(total)
+    blocks = row_blocks(x.shape[0], x.shape[1])
+    if not blocks:
+        return total, squares
+    buffer = torch.empty(blocks[0].stop * x.shape[1], dtype=_F64, device=x.device)
+    for block in blocks:
+        x64 = buffer[: (block.stop - block.start) * x.shape[1]].view(-1, x.shape[1]).copy_(x[block])
+        total += x64.sum(0)
+        squares += x64.square_().sum(0)
+    return total, squares
+
+
 def _block_sums(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Float64 Σa, Σb, Σa², Σb² over the rows, one block of rows at a time."""
-    out = [torch.zeros(x.shape[1], dtype=_F64, device=x.device) for x in (a, b, a, b)]
-    for block in row_blocks(a.shape[0], a.shape[1]):
-        a64, b64 = a[block].to(_F64), b[block].to(_F64)
-        out[0] += a64.sum(0)
-        out[1] += b64.sum(0)
-        out[2] += a64.square().sum(0)
-        out[3] += b64.square().sum(0)
-    return tuple(out)
+    """Float64 Σa, Σb, Σa², Σb² over the rows, one block of rows at a time: a's, then b's, so that
+    one float64 block is alive at a time (the peak of the calibration pass, docs/design.md §7.2)."""
+    sum_a, sq_a = _column_sums(a)
+    sum_b, sq_b = _column_sums(b)
+    return sum_a, sum_b, sq_a, sq_b
 
 
 def _accumulate_product(total: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -181,9 +193,14 @@ class Moments:
             self.comoment.addr_(da.to(cd), db.to(cd), alpha=n0 * m / (n0 + m))
         pd = self.product_dtype
         if pd is None or pd == dt or dt == _F64:
-            for block in row_blocks(m, a.shape[1]):
-                # the subtraction promotes the rows to float64 exactly, as a float64 copy of them would
-                xa, xb = torch.sub(a[block], ma).to(dt), torch.sub(b[block], mb).to(dt)
+            blocks = row_blocks(m, a.shape[1])
+            buffers = [torch.empty(blocks[0].stop, x.shape[1], dtype=dt, device=x.device) for x in (a, b)]
+            for block in blocks:
+                # the subtraction promotes the rows to float64 exactly, as a float64 copy of them would,
+                # and rounds each difference once into dt as it is written: no float64 block is made
+                rows = block.stop - block.start
+                xa = torch.sub(a[block], ma, out=buffers[0][:rows])
+                xb = torch.sub(b[block], mb, out=buffers[1][:rows])
                 _accumulate_product(self.comoment, xa, xb)
         else:
             # 16-bit products (docs/design.md §4.3): the centered rows are rounded once into buffers

@@ -1,9 +1,12 @@
 """The two-phase statistics pass (docs/design.md §4–5): fit moments, held-out sums under candidates."""
 
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from raot_hf.adapters import schema_for
 from raot_hf.calibration import CalibrationConfig, iter_calibration_batches
@@ -130,3 +133,34 @@ def test_quadratic_sums_in_activation_precision():
         assert stats.mlp[0].comoment.dtype == quadratic_dtype(dtype) == dtype
         assert stats.q[0].comoment.dtype == quadratic_dtype(dtype) and stats.stream.comoment.dtype == torch.float64
         assert stats.mlp[0].sum_a.dtype == stats.mlp[0].sq_a.dtype == torch.float64
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.sampled_from([1, 2, 4, 8, 16]),
+    cols=st.integers(1, 24),
+    block_rows=st.integers(1, 5),
+    quad=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 2**16),
+)
+def test_moment_sums_are_exact_where_the_arithmetic_is(rows, cols, block_rows, quad, seed):
+    """Two batches of small integers, a power of two rows each: every mean, centred row, product and
+    Chan term is exact in float32, so Moments must equal integer arithmetic, whatever the blocks
+    (cut here to a few rows, the last one shorter) through which the float64 sums and the centred
+    rows are made."""
+    from raot_hf.calibration import statistics
+    from raot_hf.calibration.statistics import Moments
+
+    g = torch.Generator().manual_seed(seed)
+    a, b = (torch.randint(-4, 5, (2 * rows, cols), generator=g, dtype=torch.int64) for _ in range(2))
+    dtype = quad  # float32 rows sum into a float32 co-moment; float64 rows into a float64 one
+    with mock.patch.object(statistics, "_BLOCK_ENTRIES", block_rows * cols):
+        moments = Moments.zeros(cols, quad_dtype=quad)
+        for half in (slice(0, rows), slice(rows, 2 * rows)):
+            moments.update(a[half].to(dtype), b[half].to(dtype))
+    ca, cb = a * 2 * rows - a.sum(0), b * 2 * rows - b.sum(0)  # (2·rows)·(x − x̄), in integers
+    expected = (ca.T @ cb).double() / (2 * rows) ** 2
+    assert int(moments.n) == int(moments.n_cross) == 2 * rows
+    assert torch.equal(moments.sum_a, a.sum(0).double()) and torch.equal(moments.sum_b, b.sum(0).double())
+    assert torch.equal(moments.sq_a, (a * a).sum(0).double()) and torch.equal(moments.sq_b, (b * b).sum(0).double())
+    assert torch.equal(moments.comoment.double(), expected)
