@@ -81,13 +81,14 @@ def _accumulate_product(total: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -
 
 
 def _centered(x: torch.Tensor, mean: torch.Tensor, span: slice, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``span`` of ``x`` minus the float64 ``mean``, in ``dtype``: centered in float64 one
-    block of about 2²¹ entries at a time, each block converted into the buffer as torch converts
-    float64 to a 16-bit format (through float32: the bits a float32 copy then ``dtype`` would give)."""
+    """Rows ``span`` of ``x`` minus the float64 ``mean``, in ``dtype``: each difference computed in
+    float64 and rounded as it is stored, as torch converts float64 to a 16-bit format (through
+    float32: the bits a float32 copy then ``dtype`` would give), one block of about 2²¹ entries at
+    a time and no float64 block made."""
     out = torch.empty(span.stop - span.start, x.shape[1], dtype=dtype, device=x.device)
     for block in row_blocks(out.shape[0], out.shape[1]):
         rows = slice(span.start + block.start, span.start + block.stop)
-        out[block].copy_(torch.sub(x[rows], mean))
+        torch.sub(x[rows], mean, out=out[block])
     return out
 
 
