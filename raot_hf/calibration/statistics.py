@@ -49,7 +49,7 @@ def row_blocks(rows: int, cols: int, entries: int | None = None) -> list[slice]:
 
 def _column_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 Σx and Σx² over the rows, one block of rows at a time, through one float64 block:
-    the block is summed, then squared in place and summed (a float32 square is exact in float64)."""
+    the block is summed, then squared in place and summed (a float32 value's square is exact in float64)."""
     total = torch.zeros(x.shape[1], dtype=_F64, device=x.device)
     squares = torch.zeros_like(total)
     blocks = row_blocks(x.shape[0], x.shape[1])
@@ -65,7 +65,7 @@ def _column_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _block_sums(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Float64 Σa, Σb, Σa², Σb² over the rows, one block of rows at a time: a's, then b's, so that
-    one float64 block is alive at a time (the peak of the calibration pass, docs/design.md §7.2)."""
+    one float64 block is alive at a time (docs/design.md §4.3: the calibration pass sets the peak)."""
     sum_a, sq_a = _column_sums(a)
     sum_b, sq_b = _column_sums(b)
     return sum_a, sum_b, sq_a, sq_b
