@@ -371,6 +371,12 @@ def test_a_correction_that_helps_is_kept_and_the_merge_is_no_worse_than_the_rule
     assert competition["written"] >= competition["rule"]
 
 
+#: The pair below is one whose REPAIR correction the model-level check drops when the MLP moments
+#: take bf16 products (with float32 products the same seeds keep it, by 0.018): forced, so that the
+#: test takes the same numerics path on every host instead of the one ``auto`` picks there.
+DROPPED_PRECISION = {"moment_precision": "bfloat16"}
+
+
 def test_a_correction_whose_layers_leave_the_merge_further_from_its_parents_is_dropped_whole():
     """The model-level check (docs/design.md §6.7): independent tiny ViTs under REPAIR, where a layer
     kept by its own held-out test leaves the last layer's states further from the parents' mix than
@@ -380,9 +386,9 @@ def test_a_correction_whose_layers_leave_the_merge_further_from_its_parents_is_d
     for method in ("repair", "none"):
         a, b = _model("vit", "image", seed=2), _model("vit", "image", seed=3)
         pre, data = _data("vit")
-        results[method] = RaotMerger.from_models(a, b, preprocessor=pre, correction={"method": method}).merge(
-            calibration=data
-        )
+        results[method] = RaotMerger.from_models(
+            a, b, preprocessor=pre, correction={"method": method}, calibration=DROPPED_PRECISION
+        ).merge(calibration=data)
     tried = results["repair"].report["merge"]["correction"]
     check = tried["competition"]["model_check"]
     assert check is not None and not check["kept"] and check["gain"] < 0
@@ -403,7 +409,9 @@ def test_the_model_level_check_restores_offloaded_layers_from_their_file(tmp_pat
         a, b = _model("vit", "image", seed=2), _model("vit", "image", seed=3)
         pre, data = _data("vit")
         files = offload_models([a, b], ["a", "b"], schema_for(a), tmp_path) if offload else None
-        merger = RaotMerger.from_models(a, b, preprocessor=pre, correction={"method": method}, working_files=files)
+        merger = RaotMerger.from_models(
+            a, b, preprocessor=pre, correction={"method": method}, working_files=files, calibration=DROPPED_PRECISION
+        )
         merged[method] = {k: v.clone() for k, v in merger.merge(calibration=data).model.state_dict().items()}
     assert all(torch.equal(merged["repair"][k], merged["none"][k]) for k in merged["none"])
 
