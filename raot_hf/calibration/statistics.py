@@ -55,9 +55,9 @@ def _column_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = row_blocks(x.shape[0], x.shape[1])
     if not blocks:
         return total, squares
-    buffer = torch.empty(blocks[0].stop * x.shape[1], dtype=_F64, device=x.device)
+    buffer = torch.empty(blocks[0].stop, x.shape[1], dtype=_F64, device=x.device)
     for block in blocks:
-        x64 = buffer[: (block.stop - block.start) * x.shape[1]].view(-1, x.shape[1]).copy_(x[block])
+        x64 = buffer[: block.stop - block.start].copy_(x[block])
         total += x64.sum(0)
         squares += x64.square_().sum(0)
     return total, squares
