@@ -250,6 +250,13 @@ def _pinned(method: Method) -> Method:
 METHODS = (
     Method("default", "the product's defaults (RaOT, linear, correction auto)", {}, "rules"),
     Method(
+        "default-cap2k",
+        "the product's defaults with each MLP cross moment from at most 2,048 fit tokens (the token cap, "
+        "forced to bind on the benchmark calibrations)",
+        {"calibration": {"mlp_cross_tokens": 2048}},
+        "rules",
+    ),
+    Method(
         "default-staged",
         "the product's defaults with the gate, the apply and the correction as three passes (no one sweep)",
         {"gate": {"sweep": False}},

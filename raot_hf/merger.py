@@ -150,7 +150,8 @@ class RaotMerger:
         cls, model_a, model_b, *more_models, preprocessor=None, config: RaotConfig | None = None, base_model=None,
         working_files: WorkingFiles | None = None, **options,
     ) -> RaotMerger:  # fmt: skip
-        """Wrap two (or more) loaded models (the merge writes into ``model_a``); ``base_model``, for the
+        """Wrap two (or more) loaded models (the merge writes into ``model_a`` and moves ``model_b`` into
+        A's basis: pass copies to keep them); ``base_model``, for the
         base-relative rules, may be A's class or the bare model A's head class wraps (loaded with its own class).
         ``working_files``: the models' when they were offloaded (:func:`raot_hf.stages.offload.offload_models`)."""
         config = _with_options(config, options)

@@ -36,6 +36,7 @@ ALPHAS = [0.0, 0.25, 0.5, 0.75, 1.0]
 CALIBRATION_TEXTS = 256
 SEED_METHODS = (
     "default",
+    "default-cap2k",
     "average",
     "wm-perm",
     "wm-rot",

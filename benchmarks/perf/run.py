@@ -153,6 +153,7 @@ def _calibration_config(args):
         moment_stride=args.moment_stride,
         moment_precision=args.moment_precision,
         mlp_tokens_per_unit=args.mlp_tokens_per_unit,
+        **({} if args.mlp_cross_tokens is None else {"mlp_cross_tokens": args.mlp_cross_tokens}),
     )
 
 
@@ -355,6 +356,7 @@ def _run_worker(kind: str, args, workdir: Path) -> dict:
     cmd += ["--threads", str(args.threads), "--moment-stride", str(args.moment_stride)]
     cmd += ["--merge-rule", args.merge_rule, "--moment-precision", args.moment_precision]
     cmd += ["--mlp-tokens-per-unit", str(args.mlp_tokens_per_unit), "--correction", args.correction]
+    cmd += [] if args.mlp_cross_tokens is None else ["--mlp-cross-tokens", str(args.mlp_cross_tokens)]
     cmd += ["--offload", args.offload, "--gate-sweep", args.gate_sweep]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -520,6 +522,12 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--mlp-tokens-per-unit", type=int, default=0, help=argparse.SUPPRESS)  # for a worker
     parser.add_argument(
+        "--cross-tokens",
+        default="default",
+        help="comma list: one merge run per mlp_cross_tokens (default = the calibration's default; 0 = every token)",
+    )
+    parser.add_argument("--mlp-cross-tokens", type=int, default=None, help=argparse.SUPPRESS)  # for a worker
+    parser.add_argument(
         "--corrections",
         default="auto",
         help="comma list: one merge run per post-merge correction (auto, none, lsq, repair; lsq:384 = on 384 examples)",
@@ -571,18 +579,28 @@ def main(argv=None) -> None:
             rules = [x for x in args.merge_rules.split(",") if x]
             precisions = [x for x in args.moment_precisions.split(",") if x]
             budgets = [int(x) for x in args.budgets.split(",") if x]
+            caps = [None if x == "default" else int(x) for x in args.cross_tokens.split(",") if x]
             corrections = [x for x in args.corrections.split(",") if x]
             sweeps = [x for x in args.gate_sweeps.split(",") if x]
             if not set(sweeps) <= {"on", "off"}:
                 parser.error(f"--gate-sweeps takes on and off, not {args.gate_sweeps!r}")
             variants = {
-                f"merge{s}-{rule}-{p}-{b}-{c}" + ("" if w == "on" else "-staged"): (s, rule, p, b, c, w)
+                f"merge{s}-{rule}-{p}-{b}-{c}" + ("" if w == "on" else "-staged") + ("" if t is None else f"-x{t}"): (
+                    s,
+                    rule,
+                    p,
+                    b,
+                    c,
+                    w,
+                    t,
+                )
                 for s in strides
                 for rule in rules
                 for p in precisions
                 for b in budgets
                 for c in corrections
                 for w in sweeps
+                for t in caps
             }
             kinds = ["floor", *variants]
             runs: dict[str, list] = {kind: [] for kind in kinds}
@@ -598,6 +616,7 @@ def main(argv=None) -> None:
                             worker_args.mlp_tokens_per_unit,
                             worker_args.correction,
                             worker_args.gate_sweep,
+                            worker_args.mlp_cross_tokens,
                         ) = variants[kind]
                     x = _run_worker("floor" if kind == "floor" else "merge", worker_args, work)
                     x["load_average"] = os.getloadavg()[0]
@@ -605,10 +624,11 @@ def main(argv=None) -> None:
                     print(f"[{shape}] {kind}: {x['total_s']:.1f} s, peak {_mib(x['peak_rss'])}", file=sys.stderr)
             # the fastest run of each kind is the least disturbed by other jobs on the machine
             best = {kind: min(xs, key=lambda x: x["total_s"]) for kind, xs in runs.items()}
-            for kind, (stride, rule, precision, budget, correction, sweep) in variants.items():
+            for kind, (stride, rule, precision, budget, correction, sweep, cap) in variants.items():
                 details = ([f"moment_stride={stride}"] if stride != 1 else []) + ([rule] if rule != "linear" else [])
                 details += [f"moments {precision}"] if precision != "auto" else []
                 details += [f"≤ {budget} tokens per MLP unit"] if budget else []
+                details += [] if cap is None else [f"≤ {cap:,} tokens per MLP moment" if cap else "every fit token"]
                 details += [f"correction {correction}"] if correction != "auto" else []
                 details += ["gate, apply and correction as three passes"] if sweep == "off" else []
                 details += [f"offload {args.offload}"] if args.offload != "auto" else []

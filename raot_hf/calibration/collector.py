@@ -197,12 +197,16 @@ class _TokenBudget:
     def active(self) -> bool:
         return self.total > 0 and bool(self.planned)
 
-    def draw(self, rows: int, examples: int, first_id: int) -> torch.Tensor:
-        """Indices (into this batch's ``rows`` moment rows) that enter the MLP cross moments."""
+    def draw(self, rows: int, examples: int, first_id: int) -> torch.Tensor | None:
+        """Indices (into this batch's ``rows`` moment rows) that enter the MLP cross moments;
+        ``None`` where the budget keeps every row (no gather: the sums are those of no budget)."""
         self.rows_seen += rows
         self.examples_seen += examples
         later = max(self.planned - self.examples_seen, 0) * self.rows_seen / max(self.examples_seen, 1)
         p = min(1.0, max(self.total - self.kept, 0) / max(rows + later, 1))
+        if p >= 1.0:
+            self.kept += rows
+            return None
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + first_id)
         keep = (torch.rand(rows, generator=g) < p).nonzero().squeeze(1)
         self.kept += int(keep.numel())
@@ -380,7 +384,8 @@ class StatisticsCollector:
         if self._budget is not None and self._budget.active:
             examples = int(self._in_phase(self._batch).sum())
             first = int(self._batch.example_ids.min())
-            self._mlp_rows = self._budget.draw(self._moment_index.numel(), examples, first).to(x.device)
+            keep = self._budget.draw(self._moment_index.numel(), examples, first)
+            self._mlp_rows = None if keep is None else keep.to(x.device)
         self._shape = (bsz, seq)
 
     def _rows(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -21,9 +21,10 @@ class CalibrationConfig(OptionSection):
     (``"train[:2000]"``); ``column`` is auto-detected when ``None``. Example ids that are multiples
     of ``heldout_every`` are held out (gate only). ``moment_stride`` s > 1: fit cross moments from
     every s-th real token (s times cheaper, 1/√s noisier). ``moment_precision``: ``auto``, ``float32``
-    or ``bfloat16`` MLP products (:mod:`raot_hf.calibration.precision`). ``mlp_tokens_per_unit`` > 0
-    caps the fit tokens per MLP cross moment at that many per unit, at seeded random positions
-    (0: every token).
+    or ``bfloat16`` MLP products (:mod:`raot_hf.calibration.precision`). ``mlp_cross_tokens``: the most fit
+    tokens an MLP cross moment takes, at seeded random positions (default 16,384; 0: every token);
+    ``mlp_tokens_per_unit`` > 0 caps them at that many per MLP unit as well (the smaller cap
+    binds). Means and variances always take every token (docs/design.md §4.3).
     """
 
     section, noun = "calibration", "setting"  # in from_dict errors: "unknown calibration setting(s) …"
@@ -39,6 +40,7 @@ class CalibrationConfig(OptionSection):
     heldout_every: int = 4
     moment_stride: int = 1
     moment_precision: str = "auto"
+    mlp_cross_tokens: int = 16384
     mlp_tokens_per_unit: int = 0
 
     def __post_init__(self) -> None:
@@ -53,6 +55,7 @@ class CalibrationConfig(OptionSection):
         _require_int("seed", self.seed, minimum=0)
         _require_int("heldout_every", self.heldout_every, minimum=2)
         _require_int("moment_stride", self.moment_stride, minimum=1)
+        _require_int("mlp_cross_tokens", self.mlp_cross_tokens, minimum=0)
         _require_int("mlp_tokens_per_unit", self.mlp_tokens_per_unit, minimum=0)
         if self.moment_precision not in MOMENT_PRECISIONS:
             raise RaotError(

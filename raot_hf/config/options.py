@@ -122,6 +122,10 @@ CALIBRATION_CLI: dict[str, dict[str, Any]] = {
         "choices": ("auto", "float32", "bfloat16"),
         "help": "Precision of the MLP cross moments' products (default auto: bf16 where the device runs it fast).",
     },
+    "mlp_cross_tokens": {
+        "flag": "--mlp-cross-tokens",
+        "help": "Fit tokens of each MLP cross moment, random positions (default 16384; 0: all).",
+    },
     "mlp_tokens_per_unit": {
         "flag": "--mlp-tokens-per-unit",
         "help": "Cap the fit tokens of each MLP cross moment at N per unit, random positions (default 0: all).",

@@ -112,6 +112,13 @@ def open_calibration(
     return CalibrationRun(dataset, cal_cfg, dataset_fingerprint(dataset, column))
 
 
+def mlp_token_budget(cal: CalibrationConfig, units: int, world_size: int = 1) -> int:
+    """The fit tokens each MLP cross moment takes on this rank (0: every token): the smaller of
+    ``mlp_cross_tokens`` and ``mlp_tokens_per_unit`` × ``units`` where set, split over the ranks."""
+    caps = [c for c in (cal.mlp_cross_tokens, cal.mlp_tokens_per_unit * units) if c > 0]
+    return min(caps) // max(world_size, 1) if caps else 0
+
+
 def moment_options(ctx: PairContext, run: CalibrationRun) -> dict:
     """The MLP cross moments' product dtype and token budget for the fit phase (docs/design.md
     §4.3); the resolved precision is recorded on ``run`` for the report."""
@@ -119,7 +126,7 @@ def moment_options(ctx: PairContext, run: CalibrationRun) -> dict:
     dtype, why = resolve_moment_precision(cal.moment_precision, next(ctx.model_a.parameters()).dtype, ctx.stats_device)
     run.moment_precision = {"requested": cal.moment_precision, "used": str(dtype).replace("torch.", ""), "why": why}
     shard = {"rank": ctx.dist.rank, "world_size": ctx.dist.world_size, "split": "fit"}
-    budget = cal.mlp_tokens_per_unit * ctx.schema.intermediate_size // max(ctx.dist.world_size, 1)
+    budget = mlp_token_budget(cal, ctx.schema.intermediate_size, ctx.dist.world_size)
     return {
         "mlp_product_dtype": dtype,
         "mlp_token_budget": budget,

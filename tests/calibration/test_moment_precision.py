@@ -120,7 +120,49 @@ def test_token_budget_caps_the_mlp_moment_tokens():
     assert output_deviation(a, result.model, example_inputs(a), relative=True) <= 1e-4
 
 
+def test_the_cross_token_cap_binds_only_where_the_fit_tokens_exceed_it():
+    """``mlp_cross_tokens`` (the default budget) caps every MLP cross moment near that many tokens
+    and the scramble is still recovered; a cap above the fit tokens keeps every one of them and
+    gives the merge of no cap, bit for bit."""
+    a, b = _llama_pair()
+    data, pre = tiny_text_dataset(256, min_len=8, max_len=16), tiny_tokenizer()
+    merged = {}
+    for cap in (600, 10**6, 0):
+        cal = {"mlp_cross_tokens": cap, "batch_size": 16}
+        result = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre, calibration=cal).merge(calibration=data)
+        fingerprint, merged[cap] = result.report["calibration"], result.model.state_dict()
+        kept = fingerprint["mlp_moment_tokens"]
+        if cap == 600:
+            assert fingerprint["moment_tokens"] > 2 * cap  # the cap binds
+            assert all(0.6 * cap <= k <= 1.4 * cap for k in kept), kept
+        else:
+            assert kept == [fingerprint["moment_tokens"]] * len(kept)
+        assert output_deviation(a, result.model, example_inputs(a), relative=True) <= 1e-4
+    assert all(torch.equal(merged[10**6][k], merged[0][k]) for k in merged[0])
+
+
+@pytest.mark.parametrize(
+    ("cross", "per_unit", "world", "expected"),
+    [
+        (16384, 0, 1, 16384),
+        (16384, 4, 1, 4 * 3072),
+        (16384, 16, 1, 16384),
+        (0, 16, 1, 16 * 3072),
+        (0, 0, 1, 0),
+        (16384, 0, 2, 8192),
+    ],
+)
+def test_the_smaller_token_cap_binds_and_ranks_share_it(cross, per_unit, world, expected):
+    from raot_hf.calibration import CalibrationConfig
+    from raot_hf.stages.calibrate import mlp_token_budget
+
+    cal = CalibrationConfig(mlp_cross_tokens=cross, mlp_tokens_per_unit=per_unit)
+    assert mlp_token_budget(cal, 3072, world) == expected
+
+
 def test_bad_settings_are_refused():
+    with pytest.raises(RaotError, match="mlp_cross_tokens must be an integer >= 0"):
+        RaotConfig.from_dict({"calibration": {"mlp_cross_tokens": -1}})
     with pytest.raises(RaotError, match="moment_precision must be one of auto, float32, bfloat16"):
         RaotConfig.from_dict({"calibration": {"moment_precision": "fp8"}})
     with pytest.raises(RaotError, match="mlp_tokens_per_unit must be an integer >= 0"):
