@@ -19,6 +19,7 @@ import torch
 from benchmarks.methods import Method, base_keyword
 from benchmarks.metrics import (
     barrier,
+    calibration_tokens,
     canonical_state,
     correction_summary,
     encode_split,
@@ -226,6 +227,7 @@ def _evaluate_method(method: Method, ctx: _RunContext) -> dict[str, Any]:
     merge_seconds = time.perf_counter() - t0
     merged, b_prime = result.model, merger.model_b
     row: dict[str, Any] = {"merge_seconds": merge_seconds, "timings": dict(result.report["timings"])}
+    row["calibration_tokens"] = calibration_tokens(result.report)
     # Trunk-head compatibility and frozen-feature probes from one pass over each test split.
     for which in ctx.task_keys:
         res, test_x = evaluate(merged, tasks[which].test, schema, features=True)

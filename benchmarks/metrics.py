@@ -219,6 +219,13 @@ def max_abs_difference(state: dict[str, torch.Tensor], reference: dict[str, torc
     return worst
 
 
+def calibration_tokens(report: dict) -> dict:
+    """The fit tokens a merge's moments took and, per layer, those each MLP cross moment took
+    (fewer under a token cap, docs/design.md §4.3), from its report."""
+    calibration = report.get("calibration") or {}
+    return {"moment": calibration.get("moment_tokens"), "mlp_moment": calibration.get("mlp_moment_tokens")}
+
+
 def correction_summary(report: dict) -> dict | None:
     """What the post-merge correction did in a merge's report: the method, the layers kept and the
     held-out competition's figures with the model-level check (None: no correction ran)."""

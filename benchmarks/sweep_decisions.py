@@ -45,6 +45,9 @@ class Change:
     markdown: str
     title: str
     columns: str
+    #: the mean table also gives each column's paired difference from the first column, mean ± std
+    #: over runs, and whether it lies within one std of the first column's runs
+    paired: bool = False
 
     @property
     def record_path(self) -> Path:
@@ -75,6 +78,18 @@ CHANGES: dict[str, Change] = {
         "`default` is the product's defaults, which on the recording machine (bf16 matrix instructions) "
         "take bf16 MLP co-moment products. Both ran with `OMP_NUM_THREADS=1`.",
     ),
+    "token_cap": Change(
+        "token_cap",
+        "results/results_token_budget.json",
+        "results/RESULTS_token_budget.md",
+        "The MLP cross moments' token cap: decisions and quality",
+        "`before` ran on the commit before the cap of 16,384 fit tokens per MLP cross moment became the "
+        "default, `cap` on the commit with it; `default` is the product's defaults (no benchmark calibration "
+        "holds 16,384 fit tokens, so the cap does not bind there) and `default-cap2k` the defaults with the "
+        "cap at 2,048 fit tokens, which binds on every family (a fifth to a half of their fit tokens enter each "
+        "MLP moment; the default keeps a third of BERT-base's at 512 × 128). Both ran with `OMP_NUM_THREADS=1`.",
+        paired=True,
+    ),
 }
 # the sweep's record: record()'s default
 RECORD, TITLE = CHANGES["sweep"].record_path, CHANGES["sweep"].title
@@ -102,6 +117,7 @@ def _row(pair: str, run: int, name: str, method: dict[str, Any]) -> dict[str, An
         "verdict": method.get("verdict", ""),
         "layers_kept": correction.get("layers_kept"),
         "correction_kept": check.get("kept"),
+        "tokens": method.get("calibration_tokens"),
     }
 
 
@@ -195,7 +211,9 @@ def render(history: dict[str, Any], change: Change = CHANGES["sweep"]) -> str:
     columns, table = _table(history)
     if not columns:
         return "\n".join(lines) + "\n"
+    tokens = any((c.get("tokens") or {}).get("mlp_moment") for cells in table.values() for c in cells.values())
     header = ["pair", "run", *columns, "gate decisions", "correction layers kept"]
+    header += ["MLP moment tokens / fit tokens"] if tokens else []
     lines += ["## Per run", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for (pair, index), cells in sorted(table.items()):
         values = [f"{cells[n]['value']:.4f}" if n in cells else "–" for n in columns]
@@ -210,17 +228,43 @@ def render(history: dict[str, Any], change: Change = CHANGES["sweep"]) -> str:
             if same_kept
             else "differ: " + " / ".join(str(c["layers_kept"]) for c in present)
         )
-        lines.append(f"| {pair} | {index} | " + " | ".join(values) + f" | {decisions} | {kept} |")
-    lines += ["", "## Mean ± std over runs", "", "| " + " | ".join(["pair", *columns]) + " |"]
-    lines.append("|" + "---|" * (len(columns) + 1))
+        counted = [" / ".join(_tokens(cells.get(n)) for n in columns)] if tokens else []
+        lines.append(f"| {pair} | {index} | " + " | ".join([*values, decisions, kept, *counted]) + " |")
+    paired = [f"{name} − {columns[0]}" for name in columns[1:]] if change.paired else []
+    lines += ["", "## Mean ± std over runs", "", "| " + " | ".join(["pair", *columns, *paired]) + " |"]
+    lines.append("|" + "---|" * (len(columns) + len(paired) + 1))
     for pair in sorted({p for p, _ in table}):
         out = []
         for name in columns:
             values = [cells[name]["value"] for (p, _), cells in table.items() if p == pair and name in cells]
             spread = stdev(values) if len(values) > 1 else 0.0
             out.append(f"{mean(values):.4f} ± {spread:.4f}" if values else "–")
+        if change.paired:
+            out += [_paired(table, pair, columns[0], name) for name in columns[1:]]
         lines.append(f"| {pair} | " + " | ".join(out) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _tokens(cell: dict[str, Any] | None) -> str:
+    """The fewest fit tokens an MLP cross moment of the row took, over the fit tokens (– unrecorded)."""
+    counts = (cell or {}).get("tokens") or {}
+    if not counts.get("mlp_moment"):
+        return "–"
+    return f"{min(counts['mlp_moment']):,}/{counts['moment']:,}"
+
+
+def _paired(table: dict, pair: str, reference: str, name: str) -> str:
+    """``name``'s difference from ``reference`` over the runs that have both: the mean ± std of the
+    paired differences, and whether the mean lies within one std of ``reference``'s own runs."""
+    runs = [cells for (p, _), cells in table.items() if p == pair and reference in cells and name in cells]
+    if not runs:
+        return "–"
+    shifts = [c[name]["value"] - c[reference]["value"] for c in runs]
+    own = [c[reference]["value"] for c in runs]
+    spread = stdev(own) if len(own) > 1 else 0.0
+    within = "within" if abs(mean(shifts)) <= spread else "outside"
+    deviation = stdev(shifts) if len(shifts) > 1 else 0.0
+    return f"{mean(shifts):+.4f} ± {deviation:.4f} ({within} 1 std)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -151,3 +151,27 @@ def test_sweep_record_marks_where_decisions_or_kept_corrections_differ(tmp_path)
     text = render(read_history(log))
     assert "| tiny-pair | 0 | 0.8000 | 0.9000 | 0.7000 | equal | differ: [0] / [1] / [0] |" in text
     assert "c1" in text and "c3" in text
+
+
+def test_a_paired_record_gives_each_columns_shift_and_whether_it_is_within_one_std(tmp_path):
+    """A change recorded with ``paired``: the mean table gives each later column's paired
+    difference from the first and says whether its mean lies within one std of the first column's
+    runs — a shift of 0.05 against a spread of 0.01 reads "outside", one of 0.005 "within"."""
+    from benchmarks.records import read_history
+    from benchmarks.sweep_decisions import CHANGES, record, render
+
+    change = CHANGES["token_cap"]
+    log = tmp_path / "cap.json"
+    runs = []
+    for run, (acc, small, large) in enumerate([(0.80, 0.805, 0.85), (0.81, 0.815, 0.86), (0.82, 0.825, 0.87)]):
+        rows = {"default": _encoder_row(acc, True, [0]), "near": _encoder_row(small, True, [0]),
+                "far": _encoder_row(large, True, [0])}  # fmt: skip
+        runs.append({"pair": PAIR, "run": run, "methods": rows})
+    results = tmp_path / "r.json"
+    results.write_text(json.dumps({"meta": {"argv": ["--pairs", PAIR], "date": "d"}, "runs": runs}))
+    record(results, "cap", "c1", log, title=change.title)
+    text = render(read_history(log, change.title), change)
+    header = next(line for line in text.splitlines() if line.startswith("| pair | cap/default |"))
+    assert "cap/far − cap/default" in header and "cap/near − cap/default" in header
+    row = next(line for line in text.splitlines() if line.startswith(f"| {PAIR} | 0.8100"))
+    assert "+0.0500 ± 0.0000 (outside 1 std)" in row and "+0.0050 ± 0.0000 (within 1 std)" in row
