@@ -154,7 +154,8 @@ def test_moment_sums_are_exact_where_the_arithmetic_is(rows, cols, block_rows, q
     g = torch.Generator().manual_seed(seed)
     a, b = (torch.randint(-4, 5, (2 * rows, cols), generator=g, dtype=torch.int64) for _ in range(2))
     dtype = quad  # float32 rows sum into a float32 co-moment; float64 rows into a float64 one
-    with mock.patch.object(statistics, "_BLOCK_ENTRIES", block_rows * cols):
+    cut = {"_BLOCK_ENTRIES": block_rows * cols, "_CENTERED_ENTRIES": block_rows * cols}
+    with mock.patch.multiple(statistics, **cut):
         moments = Moments.zeros(cols, quad_dtype=quad)
         for half in (slice(0, rows), slice(rows, 2 * rows)):
             moments.update(a[half].to(dtype), b[half].to(dtype))

@@ -36,6 +36,7 @@ def test_correlations_stay_within_the_error_bound_of_their_products(dtype, block
     blocks of 37 rows and multiplied in products of 150 rows (16-bit) — spans that cut blocks."""
     if blocks == "split":
         monkeypatch.setattr(statistics, "_BLOCK_ENTRIES", 37 * 48)
+        monkeypatch.setattr(statistics, "_CENTERED_ENTRIES", 37 * 48)
         monkeypatch.setattr(statistics, "_PRODUCT_ENTRIES", 150 * 48)
     a = _massive_units()
     perm = torch.randperm(a.shape[1], generator=torch.Generator().manual_seed(1))
