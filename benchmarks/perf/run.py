@@ -28,6 +28,7 @@ the load average) and with ``--repeat 2`` or more.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -153,7 +154,7 @@ def _calibration_config(args):
         moment_stride=args.moment_stride,
         moment_precision=args.moment_precision,
         mlp_tokens_per_unit=args.mlp_tokens_per_unit,
-        **({} if args.mlp_cross_tokens is None else {"mlp_cross_tokens": args.mlp_cross_tokens}),
+        mlp_cross_tokens=args.mlp_cross_tokens,
     )
 
 
@@ -356,7 +357,7 @@ def _run_worker(kind: str, args, workdir: Path) -> dict:
     cmd += ["--threads", str(args.threads), "--moment-stride", str(args.moment_stride)]
     cmd += ["--merge-rule", args.merge_rule, "--moment-precision", args.moment_precision]
     cmd += ["--mlp-tokens-per-unit", str(args.mlp_tokens_per_unit), "--correction", args.correction]
-    cmd += [] if args.mlp_cross_tokens is None else ["--mlp-cross-tokens", str(args.mlp_cross_tokens)]
+    cmd += ["--mlp-cross-tokens", str(args.mlp_cross_tokens)]
     cmd += ["--offload", args.offload, "--gate-sweep", args.gate_sweep]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -497,6 +498,9 @@ def render_history(history: dict, record_name: str) -> str:
 
 
 def main(argv=None) -> None:
+    from raot_hf.calibration import CalibrationConfig
+
+    default_cap = CalibrationConfig().mlp_cross_tokens
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="bert-base,minilm-l6", help="comma list of: " + ", ".join(SHAPES))
     parser.add_argument("--examples", type=int, default=128)
@@ -526,7 +530,7 @@ def main(argv=None) -> None:
         default="default",
         help="comma list: one merge run per mlp_cross_tokens (default = the calibration's default; 0 = every token)",
     )
-    parser.add_argument("--mlp-cross-tokens", type=int, default=None, help=argparse.SUPPRESS)  # for a worker
+    parser.add_argument("--mlp-cross-tokens", type=int, default=default_cap, help=argparse.SUPPRESS)
     parser.add_argument(
         "--corrections",
         default="auto",
@@ -579,29 +583,17 @@ def main(argv=None) -> None:
             rules = [x for x in args.merge_rules.split(",") if x]
             precisions = [x for x in args.moment_precisions.split(",") if x]
             budgets = [int(x) for x in args.budgets.split(",") if x]
-            caps = [None if x == "default" else int(x) for x in args.cross_tokens.split(",") if x]
+            caps = [default_cap if x == "default" else int(x) for x in args.cross_tokens.split(",") if x]
             corrections = [x for x in args.corrections.split(",") if x]
             sweeps = [x for x in args.gate_sweeps.split(",") if x]
             if not set(sweeps) <= {"on", "off"}:
                 parser.error(f"--gate-sweeps takes on and off, not {args.gate_sweeps!r}")
-            variants = {
-                f"merge{s}-{rule}-{p}-{b}-{c}" + ("" if w == "on" else "-staged") + ("" if t is None else f"-x{t}"): (
-                    s,
-                    rule,
-                    p,
-                    b,
-                    c,
-                    w,
-                    t,
-                )
-                for s in strides
-                for rule in rules
-                for p in precisions
-                for b in budgets
-                for c in corrections
-                for w in sweeps
-                for t in caps
-            }
+            variants = {}
+            for s, rule, p, b, c, w, t in itertools.product(
+                strides, rules, precisions, budgets, corrections, sweeps, caps
+            ):
+                staged, capped = ("" if w == "on" else "-staged"), ("" if t == default_cap else f"-x{t}")
+                variants[f"merge{s}-{rule}-{p}-{b}-{c}{staged}{capped}"] = (s, rule, p, b, c, w, t)
             kinds = ["floor", *variants]
             runs: dict[str, list] = {kind: [] for kind in kinds}
             for rep in range(args.repeat):  # alternate, so that load from other jobs hits all alike
@@ -628,7 +620,8 @@ def main(argv=None) -> None:
                 details = ([f"moment_stride={stride}"] if stride != 1 else []) + ([rule] if rule != "linear" else [])
                 details += [f"moments {precision}"] if precision != "auto" else []
                 details += [f"≤ {budget} tokens per MLP unit"] if budget else []
-                details += [] if cap is None else [f"≤ {cap:,} tokens per MLP moment" if cap else "every fit token"]
+                if cap != default_cap:
+                    details += [f"≤ {cap:,} tokens per MLP moment" if cap else "every fit token"]
                 details += [f"correction {correction}"] if correction != "auto" else []
                 details += ["gate, apply and correction as three passes"] if sweep == "off" else []
                 details += [f"offload {args.offload}"] if args.offload != "auto" else []
