@@ -155,6 +155,7 @@ def _calibration_config(args):
         moment_precision=args.moment_precision,
         mlp_tokens_per_unit=args.mlp_tokens_per_unit,
         mlp_cross_tokens=args.mlp_cross_tokens,
+        hidden_cross_tokens=args.hidden_cross_tokens,
     )
 
 
@@ -260,6 +261,7 @@ def worker_merge(args) -> dict:
         "moment_tokens": int(result.report["calibration"]["moment_tokens"]),
         "moment_precision": result.report["calibration"].get("moment_precision"),
         "mlp_moment_tokens": result.report["calibration"].get("mlp_moment_tokens"),
+        "hidden_moment_tokens": result.report["calibration"].get("hidden_moment_tokens"),
         "applied": sum(d["applied"] for d in result.report["decisions"]),
         "decisions": len(result.report["decisions"]),
         "deviation": result.report["checks"][0]["value"],
@@ -357,7 +359,7 @@ def _run_worker(kind: str, args, workdir: Path) -> dict:
     cmd += ["--threads", str(args.threads), "--moment-stride", str(args.moment_stride)]
     cmd += ["--merge-rule", args.merge_rule, "--moment-precision", args.moment_precision]
     cmd += ["--mlp-tokens-per-unit", str(args.mlp_tokens_per_unit), "--correction", args.correction]
-    cmd += ["--mlp-cross-tokens", str(args.mlp_cross_tokens)]
+    cmd += ["--mlp-cross-tokens", str(args.mlp_cross_tokens), "--hidden-cross-tokens", str(args.hidden_cross_tokens)]
     cmd += ["--offload", args.offload, "--gate-sweep", args.gate_sweep]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -470,6 +472,12 @@ def render(results: dict, run: dict) -> list[str]:
             lines.append(
                 f"  MLP cross moments: {mp['used']} products (requested {mp['requested']}; {mp['why']}){tokens}."
             )
+        hidden = m.get("hidden_moment_tokens") or []
+        if hidden:
+            lines.append(
+                f"  Query, key, context and stream cross moments: {min(hidden):,}–{max(hidden):,} of "
+                f"{m['moment_tokens']:,} fit tokens per layer and site."
+            )
     return lines
 
 
@@ -501,6 +509,7 @@ def main(argv=None) -> None:
     from raot_hf.calibration import CalibrationConfig
 
     default_cap = CalibrationConfig().mlp_cross_tokens
+    default_hidden = CalibrationConfig().hidden_cross_tokens
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="bert-base,minilm-l6", help="comma list of: " + ", ".join(SHAPES))
     parser.add_argument("--examples", type=int, default=128)
@@ -531,6 +540,14 @@ def main(argv=None) -> None:
         help="comma list: one merge run per mlp_cross_tokens (default = the calibration's default; 0 = every token)",
     )
     parser.add_argument("--mlp-cross-tokens", type=int, default=default_cap, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--hidden-tokens",
+        dest="hidden_caps",
+        default="default",
+        help="comma list: one merge run per hidden_cross_tokens, the query, key, context and stream cross "
+        "moments' cap (default = the calibration's default; 0 = every token)",
+    )
+    parser.add_argument("--hidden-cross-tokens", type=int, default=default_hidden, help=argparse.SUPPRESS)
     parser.add_argument(
         "--corrections",
         default="auto",
@@ -584,16 +601,18 @@ def main(argv=None) -> None:
             precisions = [x for x in args.moment_precisions.split(",") if x]
             budgets = [int(x) for x in args.budgets.split(",") if x]
             caps = [default_cap if x == "default" else int(x) for x in args.cross_tokens.split(",") if x]
+            hidden_caps = [default_hidden if x == "default" else int(x) for x in args.hidden_caps.split(",") if x]
             corrections = [x for x in args.corrections.split(",") if x]
             sweeps = [x for x in args.gate_sweeps.split(",") if x]
             if not set(sweeps) <= {"on", "off"}:
                 parser.error(f"--gate-sweeps takes on and off, not {args.gate_sweeps!r}")
             variants = {}
-            for s, rule, p, b, c, w, t in itertools.product(
-                strides, rules, precisions, budgets, corrections, sweeps, caps
+            for s, rule, p, b, c, w, t, h in itertools.product(
+                strides, rules, precisions, budgets, corrections, sweeps, caps, hidden_caps
             ):
                 staged, capped = ("" if w == "on" else "-staged"), ("" if t == default_cap else f"-x{t}")
-                variants[f"merge{s}-{rule}-{p}-{b}-{c}{staged}{capped}"] = (s, rule, p, b, c, w, t)
+                capped += "" if h == default_hidden else f"-h{h}"
+                variants[f"merge{s}-{rule}-{p}-{b}-{c}{staged}{capped}"] = (s, rule, p, b, c, w, t, h)
             kinds = ["floor", *variants]
             runs: dict[str, list] = {kind: [] for kind in kinds}
             for rep in range(args.repeat):  # alternate, so that load from other jobs hits all alike
@@ -609,6 +628,7 @@ def main(argv=None) -> None:
                             worker_args.correction,
                             worker_args.gate_sweep,
                             worker_args.mlp_cross_tokens,
+                            worker_args.hidden_cross_tokens,
                         ) = variants[kind]
                     x = _run_worker("floor" if kind == "floor" else "merge", worker_args, work)
                     x["load_average"] = os.getloadavg()[0]
@@ -616,12 +636,14 @@ def main(argv=None) -> None:
                     print(f"[{shape}] {kind}: {x['total_s']:.1f} s, peak {_mib(x['peak_rss'])}", file=sys.stderr)
             # the fastest run of each kind is the least disturbed by other jobs on the machine
             best = {kind: min(xs, key=lambda x: x["total_s"]) for kind, xs in runs.items()}
-            for kind, (stride, rule, precision, budget, correction, sweep, cap) in variants.items():
+            for kind, (stride, rule, precision, budget, correction, sweep, cap, hidden) in variants.items():
                 details = ([f"moment_stride={stride}"] if stride != 1 else []) + ([rule] if rule != "linear" else [])
                 details += [f"moments {precision}"] if precision != "auto" else []
                 details += [f"≤ {budget} tokens per MLP unit"] if budget else []
                 if cap != default_cap:
                     details += [f"≤ {cap:,} tokens per MLP moment" if cap else "every fit token"]
+                if hidden != default_hidden:
+                    details += [f"≤ {hidden:,} tokens per d × d moment" if hidden else "every d × d moment token"]
                 details += [f"correction {correction}"] if correction != "auto" else []
                 details += ["gate, apply and correction as three passes"] if sweep == "off" else []
                 details += [f"offload {args.offload}"] if args.offload != "auto" else []

@@ -184,10 +184,10 @@ class _Lockstep:
 
 
 class _TokenBudget:
-    """Which fit rows enter the MLP cross moments under a budget of ``total`` tokens (docs/design.md
-    §4.3): each row is kept with p = remaining budget / expected remaining rows (from the rows per
-    example so far and the ``planned`` examples), drawn from a generator seeded by ``seed`` and the
-    batch's first example id. ``total`` 0: every row (inactive)."""
+    """Which fit rows enter a kind of cross moment (the MLP's; the d × d ones) under a budget of
+    ``total`` tokens (docs/design.md §4.3): each row is kept with p = remaining budget / expected
+    remaining rows (from the rows per example so far and the ``planned`` examples), drawn from a
+    generator seeded by ``seed`` and the batch's first example id. ``total`` 0: every row (inactive)."""
 
     def __init__(self, total: int, planned: int | None, seed: int):
         self.total, self.planned, self.seed = int(total), planned, int(seed)
@@ -198,7 +198,7 @@ class _TokenBudget:
         return self.total > 0 and bool(self.planned)
 
     def draw(self, rows: int, examples: int, first_id: int) -> torch.Tensor | None:
-        """Indices (into this batch's ``rows`` moment rows) that enter the MLP cross moments;
+        """Indices (into this batch's ``rows`` moment rows) that enter the cross moments;
         ``None`` where the budget keeps every row (no gather: the sums are those of no budget)."""
         self.rows_seen += rows
         self.examples_seen += examples
@@ -220,8 +220,9 @@ class StatisticsCollector:
     stride = 0) feeds :class:`SplitStatistics`; ``phase="heldout"``: :class:`HeldoutStatistics`, B's
     rows also mapped by ``candidates`` (site key → map, :func:`raot_hf.estimators.activation.candidate_maps`;
     missing: the identity). ``grams``: RegMean Grams; ``device``: where the sums live (default A's);
-    ``moments=False``: Grams only; ``mlp_token_budget``: fit tokens per MLP cross moment
-    (:class:`_TokenBudget`); ``defer_mlp``: co-moments allocated per layer (:meth:`start_layer`).
+    ``moments=False``: Grams only; ``mlp_token_budget``: fit tokens per MLP cross moment,
+    ``hidden_token_budget``: per query, key, context and stream cross moment (:class:`_TokenBudget`,
+    0: every token); ``defer_mlp``: co-moments allocated per layer (:meth:`start_layer`).
     """
 
     def __init__(
@@ -238,6 +239,7 @@ class StatisticsCollector:
         moments: bool = True,
         mlp_product_dtype: torch.dtype | None = None,
         mlp_token_budget: int = 0,
+        hidden_token_budget: int = 0,
         planned_examples: int | None = None,
         seed: int = 0,
         defer_mlp: bool = False,
@@ -279,8 +281,12 @@ class StatisticsCollector:
         self._rows_index: torch.Tensor | None = None
         self._moment_index: torch.Tensor | None = None
         self._mlp_rows: torch.Tensor | None = None
+        self._hidden_rows: torch.Tensor | None = None
         self._shape: tuple[int, int] | None = None
-        self._budget = _TokenBudget(mlp_token_budget, planned_examples, seed) if phase == "fit" else None
+        fit = phase == "fit"
+        self._budget = _TokenBudget(mlp_token_budget, planned_examples, seed) if fit else None
+        # the d × d moments draw from their own generator stream: not the MLP's rows by construction
+        self._hidden_budget = _TokenBudget(hidden_token_budget, planned_examples, seed + 1) if fit else None
 
     def close(self) -> None:
         self._obs_a.remove()
@@ -315,7 +321,7 @@ class StatisticsCollector:
         if not bool(self._in_phase(batch).any()):
             return False
         self._batch = batch
-        self._shape, self._rows_index, self._moment_index, self._mlp_rows = rows or (None, None, None, None)
+        self._shape, self._rows_index, self._moment_index, self._mlp_rows, self._hidden_rows = rows or (None,) * 5
         return True
 
     def start_layer(self, i: int) -> None:
@@ -326,8 +332,8 @@ class StatisticsCollector:
                 moments.allocate_comoment()
 
     def rows_state(self) -> tuple:
-        """The current batch's row selection (positions, moment rows, MLP budget rows, shape)."""
-        return self._shape, self._rows_index, self._moment_index, self._mlp_rows
+        """The current batch's row selection (shape, positions, moment rows, the budgets' rows)."""
+        return self._shape, self._rows_index, self._moment_index, self._mlp_rows, self._hidden_rows
 
     def observe(self, run_a: Callable[[], None], run_b: Callable[[], None]) -> None:
         """Run ``run_a`` (A's computation) and ``run_b`` (B's) in lockstep, folding what they observe."""
@@ -380,13 +386,18 @@ class StatisticsCollector:
             self._moment_index = sub.reshape(-1).nonzero().squeeze(1).to(x.device)
         else:
             self._moment_index = self._rows_index
-        self._mlp_rows = None
-        if self._budget is not None and self._budget.active:
-            examples = int(self._in_phase(self._batch).sum())
-            first = int(self._batch.example_ids.min())
-            keep = self._budget.draw(self._moment_index.numel(), examples, first)
-            self._mlp_rows = None if keep is None else keep.to(x.device)
+        examples = int(self._in_phase(self._batch).sum())
+        first = int(self._batch.example_ids.min())
+        self._mlp_rows = self._draw(self._budget, examples, first, x.device)
+        self._hidden_rows = self._draw(self._hidden_budget, examples, first, x.device)
         self._shape = (bsz, seq)
+
+    def _draw(self, budget: _TokenBudget | None, examples: int, first: int, device) -> torch.Tensor | None:
+        """This batch's rows of the moments under ``budget`` (None: every moment row)."""
+        if budget is None or not budget.active:
+            return None
+        keep = budget.draw(self._moment_index.numel(), examples, first)
+        return None if keep is None else keep.to(device)
 
     def _rows(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         if tuple(x.shape[:2]) != self._shape:  # sequence dims must agree across modules
@@ -415,7 +426,7 @@ class StatisticsCollector:
             which = None
         if self.phase == "fit":
             target = self.stats.fit.stream if kind == "stream" else getattr(self.stats.fit, kind)[which]
-            target.update(a, b, self._mlp_rows if kind == "mlp" else None)
+            target.update(a, b, self._mlp_rows if kind == "mlp" else self._hidden_rows)
             return
         target = self.stats.heldout.stream if kind == "stream" else getattr(self.stats.heldout, kind)[which]
         fmap = self.candidates.get((kind, which))

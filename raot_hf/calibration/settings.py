@@ -24,7 +24,9 @@ class CalibrationConfig(OptionSection):
     or ``bfloat16`` MLP products (:mod:`raot_hf.calibration.precision`). ``mlp_cross_tokens``: the most fit
     tokens an MLP cross moment takes, at seeded random positions (default 16,384; 0: every token);
     ``mlp_tokens_per_unit`` > 0 caps them at that many per MLP unit as well (the smaller cap
-    binds). Means and variances always take every token (docs/design.md §4.3).
+    binds). ``hidden_cross_tokens``: the same for the d × d cross moments of the queries, keys,
+    attention contexts and residual stream (default 16,384; 0: every token). Means and variances
+    always take every token (docs/design.md §4.3).
     """
 
     section, noun = "calibration", "setting"  # in from_dict errors: "unknown calibration setting(s) …"
@@ -42,6 +44,7 @@ class CalibrationConfig(OptionSection):
     moment_precision: str = "auto"
     mlp_cross_tokens: int = 16384
     mlp_tokens_per_unit: int = 0
+    hidden_cross_tokens: int = 16384
 
     def __post_init__(self) -> None:
         for name in ("source", "config_name", "column"):
@@ -57,6 +60,7 @@ class CalibrationConfig(OptionSection):
         _require_int("moment_stride", self.moment_stride, minimum=1)
         _require_int("mlp_cross_tokens", self.mlp_cross_tokens, minimum=0)
         _require_int("mlp_tokens_per_unit", self.mlp_tokens_per_unit, minimum=0)
+        _require_int("hidden_cross_tokens", self.hidden_cross_tokens, minimum=0)
         if self.moment_precision not in MOMENT_PRECISIONS:
             raise RaotError(
                 f"calibration moment_precision must be one of {', '.join(MOMENT_PRECISIONS)}, "

@@ -230,9 +230,16 @@ class Moments:
         ]  # fmt: skip
 
     def raw_cross(self) -> torch.Tensor:
-        """Σaᵀb over the cross rows, in float64: C + (Σa)(Σb)ᵀ / n."""
-        outer = torch.outer(self.xsum_a, self.xsum_b).div_(self.n_cross.clamp_min(1))
-        return outer.add_(self.comoment.to(_F64))
+        """Σaᵀb over every row, in float64: (Σa)(Σb)ᵀ / n + C. Under a token budget C holds only
+        the cross rows and is scaled by n / n_cross (docs/design.md §4.3), so that the cross sum
+        stays on the scale of the squares and means, which take every row; without one (n_cross = n)
+        nothing is scaled: the bits of a sum over every row."""
+        n, n_cross = float(self.n), float(self.n_cross)
+        outer = torch.outer(self.sum_a, self.sum_b).div_(max(n, 1.0))
+        comoment = self.comoment.to(_F64)
+        if n_cross != n:
+            comoment = comoment * (n / max(n_cross, 1.0))
+        return outer.add_(comoment)
 
     def unit_statistics(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each coordinate's mean and standard deviation over every row, of A and of B (float64)."""

@@ -130,6 +130,11 @@ CALIBRATION_CLI: dict[str, dict[str, Any]] = {
         "flag": "--mlp-tokens-per-unit",
         "help": "Cap the fit tokens of each MLP cross moment at N per unit, random positions (default 0: all).",
     },
+    "hidden_cross_tokens": {
+        "flag": "--hidden-cross-tokens",
+        "help": "Fit tokens of each query, key, context and stream cross moment, random positions "
+        "(default 16384; 0: all).",
+    },
 }
 _EXTERNAL_METADATA: dict[type, dict[str, dict[str, Any]]] = {CalibrationConfig: CALIBRATION_CLI}
 

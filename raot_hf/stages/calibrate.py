@@ -119,18 +119,26 @@ def mlp_token_budget(cal: CalibrationConfig, units: int, world_size: int = 1) ->
     return min(caps) // max(world_size, 1) if caps else 0
 
 
+def hidden_token_budget(cal: CalibrationConfig, world_size: int = 1) -> int:
+    """The fit tokens each d × d cross moment (queries, keys, attention contexts, the residual
+    stream) takes on this rank (0: every token): ``hidden_cross_tokens`` split over the ranks."""
+    return cal.hidden_cross_tokens // max(world_size, 1)
+
+
 def moment_options(ctx: PairContext, run: CalibrationRun) -> dict:
-    """The MLP cross moments' product dtype and token budget for the fit phase (docs/design.md
-    §4.3); the resolved precision is recorded on ``run`` for the report."""
+    """The MLP cross moments' product dtype and the cross moments' token budgets for the fit phase
+    (docs/design.md §4.3); the resolved precision is recorded on ``run`` for the report."""
     cal = run.config
     dtype, why = resolve_moment_precision(cal.moment_precision, next(ctx.model_a.parameters()).dtype, ctx.stats_device)
     run.moment_precision = {"requested": cal.moment_precision, "used": str(dtype).replace("torch.", ""), "why": why}
     shard = {"rank": ctx.dist.rank, "world_size": ctx.dist.world_size, "split": "fit"}
     budget = mlp_token_budget(cal, ctx.schema.intermediate_size, ctx.dist.world_size)
+    hidden = hidden_token_budget(cal, ctx.dist.world_size)
     return {
         "mlp_product_dtype": dtype,
         "mlp_token_budget": budget,
-        "planned_examples": count_calibration_examples(run.dataset, cal, **shard) if budget else None,
+        "hidden_token_budget": hidden,
+        "planned_examples": count_calibration_examples(run.dataset, cal, **shard) if budget or hidden else None,
         "seed": cal.seed,
     }
 
@@ -144,6 +152,7 @@ def fit_phase(ctx: PairContext, run: CalibrationRun, solved: dict | None = None)
     run.fingerprint.update(
         fit_examples=stats.examples, fit_tokens=int(stats.fit.tokens), moment_tokens=int(stats.fit.moment_tokens),
         mlp_moment_tokens=[int(m.n_cross) for m in stats.fit.mlp], moment_precision=run.moment_precision,
+        hidden_moment_tokens=[int(m.n_cross) for m in stats.fit.q],
         config=run.config.to_dict(),
     )  # fmt: skip
     if not all(torch.isfinite(t).all() for t in stats.fit.tensors()):

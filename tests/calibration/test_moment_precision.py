@@ -78,7 +78,11 @@ def test_cross_rows_budget_keeps_means_from_every_row():
     keep = torch.arange(0, 400, 3)
     m.update(a, b, cross_rows=keep)
     assert int(m.n) == 400 and int(m.n_cross) == len(keep)
-    assert torch.allclose(m.raw_cross(), a[keep].T @ b[keep])
+    ak, bk = a[keep], b[keep]
+    assert torch.allclose(m.comoment + torch.outer(m.xsum_a, m.xsum_b) / len(keep), ak.T @ bk)
+    # the cross sum for every row: the kept rows' co-moment scaled up, the means from every row
+    spread = (ak - ak.mean(0)).T @ (bk - bk.mean(0))
+    assert torch.allclose(m.raw_cross(), torch.outer(a.sum(0), b.sum(0)) / 400 + spread * 400 / len(keep))
     assert torch.allclose(m.sum_a, a.sum(0))
 
 
@@ -141,6 +145,52 @@ def test_the_cross_token_cap_binds_only_where_the_fit_tokens_exceed_it():
     assert all(torch.equal(merged[10**6][k], merged[0][k]) for k in merged[0])
 
 
+def test_the_hidden_token_cap_binds_only_where_the_fit_tokens_exceed_it():
+    """``hidden_cross_tokens`` caps the query, key, context and stream cross moments near that many
+    tokens per site and the scramble is still recovered (an exact symmetry scores its true pairs on
+    any subset); a cap above the fit tokens gives the merge of no cap, bit for bit."""
+    a, b = _llama_pair()
+    data, pre = tiny_text_dataset(256, min_len=8, max_len=16), tiny_tokenizer()
+    merged = {}
+    for cap in (600, 10**6, 0):
+        cal = {"hidden_cross_tokens": cap, "batch_size": 16}
+        result = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre, calibration=cal).merge(calibration=data)
+        fingerprint, merged[cap] = result.report["calibration"], result.model.state_dict()
+        kept = fingerprint["hidden_moment_tokens"]
+        if cap == 600:
+            assert fingerprint["moment_tokens"] > 2 * cap  # the cap binds
+            assert all(0.6 * cap <= k <= 1.4 * cap for k in kept), kept
+            assert fingerprint["mlp_moment_tokens"] == [fingerprint["moment_tokens"]] * len(kept)  # its own cap
+        else:
+            assert kept == [fingerprint["moment_tokens"]] * len(kept)
+        assert output_deviation(a, result.model, example_inputs(a), relative=True) <= 1e-4
+    assert all(torch.equal(merged[10**6][k], merged[0][k]) for k in merged[0])
+
+
+def test_a_capped_cross_sum_is_scaled_to_every_row():
+    """Under a token budget the cross sum Σaᵀb is estimated for every row: the co-moment of the
+    cross rows scaled by n / n_cross, the means from every row. Rows that repeat one block twice,
+    with the first copy as the cross rows, give the full sum itself; without a budget nothing is
+    scaled."""
+    from raot_hf.calibration.statistics import Moments
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(300, 6, generator=g, dtype=torch.float64) + 3.0
+    b = a @ torch.randn(6, 6, generator=g, dtype=torch.float64) + 0.5 * torch.randn(
+        300, 6, generator=g, dtype=torch.float64
+    )
+    full = (a.T @ b) * 2
+    capped, every = Moments.zeros(6, quad_dtype=torch.float64), Moments.zeros(6, quad_dtype=torch.float64)
+    capped.update(torch.cat([a, a]), torch.cat([b, b]), cross_rows=torch.arange(300))
+    every.update(torch.cat([a, a]), torch.cat([b, b]))
+    assert int(capped.n_cross) == 300 and int(capped.n) == 600
+    assert torch.allclose(capped.raw_cross(), full, rtol=1e-12, atol=1e-9)
+    assert torch.allclose(every.raw_cross(), full, rtol=1e-12, atol=1e-9)
+    # the cross rows' own sum is half of it: unscaled, the cross sum would be off the squares' scale
+    own = capped.comoment + torch.outer(capped.xsum_a, capped.xsum_b) / 300
+    assert torch.allclose(own, full / 2, rtol=1e-12, atol=1e-9)
+
+
 @pytest.mark.parametrize(
     ("cross", "per_unit", "world", "expected"),
     [
@@ -167,3 +217,5 @@ def test_bad_settings_are_refused():
         RaotConfig.from_dict({"calibration": {"moment_precision": "fp8"}})
     with pytest.raises(RaotError, match="mlp_tokens_per_unit must be an integer >= 0"):
         RaotConfig.from_dict({"calibration": {"mlp_tokens_per_unit": -1}})
+    with pytest.raises(RaotError, match="hidden_cross_tokens must be an integer >= 0"):
+        RaotConfig.from_dict({"calibration": {"hidden_cross_tokens": -1}})
