@@ -257,6 +257,13 @@ METHODS = (
         "rules",
     ),
     Method(
+        "default-hcap2k",
+        "the product's defaults with each query, key, context and stream cross moment from at most 2,048 fit "
+        "tokens (the d × d token cap, forced to bind on the benchmark calibrations)",
+        {"calibration": {"hidden_cross_tokens": 2048}},
+        "rules",
+    ),
+    Method(
         "default-staged",
         "the product's defaults with the gate, the apply and the correction as three passes (no one sweep)",
         {"gate": {"sweep": False}},

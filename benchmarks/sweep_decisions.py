@@ -90,6 +90,18 @@ CHANGES: dict[str, Change] = {
         "MLP moment; the default keeps a third of BERT-base's at 512 × 128). Both ran with `OMP_NUM_THREADS=1`.",
         paired=True,
     ),
+    "hidden_token_cap": Change(
+        "hidden_token_cap",
+        "results/results_hidden_token_budget.json",
+        "results/RESULTS_hidden_token_budget.md",
+        "The d × d cross moments' token cap: decisions and quality",
+        "Both columns ran on the commit that made the cap of 16,384 fit tokens per query, key, context and "
+        "stream cross moment the default; `default` is the product's defaults (no benchmark calibration holds "
+        "16,384 fit tokens, so the cap does not bind there and those merges are those of no cap, bit for bit) "
+        "and `default-hcap2k` the defaults with that cap at 2,048 fit tokens, which binds on every family. "
+        "Both ran with `OMP_NUM_THREADS=1`.",
+        paired=True,
+    ),
 }
 # the sweep's record: record()'s default
 RECORD, TITLE = CHANGES["sweep"].record_path, CHANGES["sweep"].title

@@ -37,6 +37,7 @@ CALIBRATION_TEXTS = 256
 SEED_METHODS = (
     "default",
     "default-cap2k",
+    "default-hcap2k",
     "average",
     "wm-perm",
     "wm-rot",
