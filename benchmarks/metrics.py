@@ -220,10 +220,14 @@ def max_abs_difference(state: dict[str, torch.Tensor], reference: dict[str, torc
 
 
 def calibration_tokens(report: dict) -> dict:
-    """The fit tokens a merge's moments took and, per layer, those each MLP cross moment took
-    (fewer under a token cap, docs/design.md §4.3), from its report."""
+    """The fit tokens a merge's moments took and, per layer, those each MLP cross moment and each
+    d × d cross moment took (fewer under a token cap, docs/design.md §4.3), from its report."""
     calibration = report.get("calibration") or {}
-    return {"moment": calibration.get("moment_tokens"), "mlp_moment": calibration.get("mlp_moment_tokens")}
+    return {
+        "moment": calibration.get("moment_tokens"),
+        "mlp_moment": calibration.get("mlp_moment_tokens"),
+        "hidden_moment": calibration.get("hidden_moment_tokens"),
+    }
 
 
 def correction_summary(report: dict) -> dict | None:

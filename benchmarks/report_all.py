@@ -139,6 +139,11 @@ GENERATED: tuple[Generated, ...] = (
         _decisions("statistics"),
     ),
     Generated("results/RESULTS_token_budget.md", ("results/results_token_budget.json",), _decisions("token_cap")),
+    Generated(
+        "results/RESULTS_hidden_token_budget.md",
+        ("results/results_hidden_token_budget.json",),
+        _decisions("hidden_token_cap"),
+    ),
     Generated("decoders/results/RESULTS.md", ("decoders/results/results.json",), _decoders),
     Generated("perf/results_recovery_real.md", ("perf/results_recovery_real.json",), _recovery_real),
     *(Generated(f"perf/{name}.md", (f"perf/{name}.json",), _perf(f"perf/{name}.json")) for name in _PERF),
