@@ -124,45 +124,33 @@ def test_token_budget_caps_the_mlp_moment_tokens():
     assert output_deviation(a, result.model, example_inputs(a), relative=True) <= 1e-4
 
 
-def test_the_cross_token_cap_binds_only_where_the_fit_tokens_exceed_it():
-    """``mlp_cross_tokens`` (the default budget) caps every MLP cross moment near that many tokens
-    and the scramble is still recovered; a cap above the fit tokens keeps every one of them and
-    gives the merge of no cap, bit for bit."""
+@pytest.mark.parametrize(
+    ("option", "field", "other"),
+    [
+        ("mlp_cross_tokens", "mlp_moment_tokens", "hidden_moment_tokens"),
+        ("hidden_cross_tokens", "hidden_moment_tokens", "mlp_moment_tokens"),
+    ],
+    ids=["mlp", "hidden"],
+)
+def test_a_token_cap_binds_only_where_the_fit_tokens_exceed_it(option, field, other):
+    """``mlp_cross_tokens`` caps every MLP cross moment near that many tokens, ``hidden_cross_tokens``
+    every query, key, context and stream cross moment, each leaving the other's moments whole, and
+    the scramble is still recovered (an exact symmetry scores its true pairs on any subset); a cap
+    above the fit tokens keeps every one of them and gives the merge of no cap, bit for bit."""
     a, b = _llama_pair()
     data, pre = tiny_text_dataset(256, min_len=8, max_len=16), tiny_tokenizer()
     merged = {}
     for cap in (600, 10**6, 0):
-        cal = {"mlp_cross_tokens": cap, "batch_size": 16}
+        cal = {option: cap, "batch_size": 16}
         result = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre, calibration=cal).merge(calibration=data)
         fingerprint, merged[cap] = result.report["calibration"], result.model.state_dict()
-        kept = fingerprint["mlp_moment_tokens"]
+        kept, every = fingerprint[field], [fingerprint["moment_tokens"]] * len(fingerprint[field])
         if cap == 600:
             assert fingerprint["moment_tokens"] > 2 * cap  # the cap binds
             assert all(0.6 * cap <= k <= 1.4 * cap for k in kept), kept
+            assert fingerprint[other] == every  # the other moments' cap is not this one
         else:
-            assert kept == [fingerprint["moment_tokens"]] * len(kept)
-        assert output_deviation(a, result.model, example_inputs(a), relative=True) <= 1e-4
-    assert all(torch.equal(merged[10**6][k], merged[0][k]) for k in merged[0])
-
-
-def test_the_hidden_token_cap_binds_only_where_the_fit_tokens_exceed_it():
-    """``hidden_cross_tokens`` caps the query, key, context and stream cross moments near that many
-    tokens per site and the scramble is still recovered (an exact symmetry scores its true pairs on
-    any subset); a cap above the fit tokens gives the merge of no cap, bit for bit."""
-    a, b = _llama_pair()
-    data, pre = tiny_text_dataset(256, min_len=8, max_len=16), tiny_tokenizer()
-    merged = {}
-    for cap in (600, 10**6, 0):
-        cal = {"hidden_cross_tokens": cap, "batch_size": 16}
-        result = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre, calibration=cal).merge(calibration=data)
-        fingerprint, merged[cap] = result.report["calibration"], result.model.state_dict()
-        kept = fingerprint["hidden_moment_tokens"]
-        if cap == 600:
-            assert fingerprint["moment_tokens"] > 2 * cap  # the cap binds
-            assert all(0.6 * cap <= k <= 1.4 * cap for k in kept), kept
-            assert fingerprint["mlp_moment_tokens"] == [fingerprint["moment_tokens"]] * len(kept)  # its own cap
-        else:
-            assert kept == [fingerprint["moment_tokens"]] * len(kept)
+            assert kept == every
         assert output_deviation(a, result.model, example_inputs(a), relative=True) <= 1e-4
     assert all(torch.equal(merged[10**6][k], merged[0][k]) for k in merged[0])
 
