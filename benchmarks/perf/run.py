@@ -508,8 +508,8 @@ def render_history(history: dict, record_name: str) -> str:
 def main(argv=None) -> None:
     from raot_hf.calibration import CalibrationConfig
 
-    default_cap = CalibrationConfig().mlp_cross_tokens
-    default_hidden = CalibrationConfig().hidden_cross_tokens
+    defaults = CalibrationConfig()
+    default_cap, default_hidden = defaults.mlp_cross_tokens, defaults.hidden_cross_tokens
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="bert-base,minilm-l6", help="comma list of: " + ", ".join(SHAPES))
     parser.add_argument("--examples", type=int, default=128)

@@ -386,16 +386,15 @@ class StatisticsCollector:
             self._moment_index = sub.reshape(-1).nonzero().squeeze(1).to(x.device)
         else:
             self._moment_index = self._rows_index
-        examples = int(self._in_phase(self._batch).sum())
-        first = int(self._batch.example_ids.min())
-        self._mlp_rows = self._draw(self._budget, examples, first, x.device)
-        self._hidden_rows = self._draw(self._hidden_budget, examples, first, x.device)
+        self._mlp_rows = self._draw(self._budget, x.device)
+        self._hidden_rows = self._draw(self._hidden_budget, x.device)
         self._shape = (bsz, seq)
 
-    def _draw(self, budget: _TokenBudget | None, examples: int, first: int, device) -> torch.Tensor | None:
+    def _draw(self, budget: _TokenBudget | None, device) -> torch.Tensor | None:
         """This batch's rows of the moments under ``budget`` (None: every moment row)."""
         if budget is None or not budget.active:
             return None
+        examples, first = int(self._in_phase(self._batch).sum()), int(self._batch.example_ids.min())
         keep = budget.draw(self._moment_index.numel(), examples, first)
         return None if keep is None else keep.to(device)
 

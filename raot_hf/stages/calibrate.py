@@ -115,14 +115,19 @@ def open_calibration(
 def mlp_token_budget(cal: CalibrationConfig, units: int, world_size: int = 1) -> int:
     """The fit tokens each MLP cross moment takes on this rank (0: every token): the smaller of
     ``mlp_cross_tokens`` and ``mlp_tokens_per_unit`` × ``units`` where set, split over the ranks."""
-    caps = [c for c in (cal.mlp_cross_tokens, cal.mlp_tokens_per_unit * units) if c > 0]
-    return min(caps) // max(world_size, 1) if caps else 0
+    return _per_rank((cal.mlp_cross_tokens, cal.mlp_tokens_per_unit * units), world_size)
 
 
 def hidden_token_budget(cal: CalibrationConfig, world_size: int = 1) -> int:
     """The fit tokens each d × d cross moment (queries, keys, attention contexts, the residual
     stream) takes on this rank (0: every token): ``hidden_cross_tokens`` split over the ranks."""
-    return cal.hidden_cross_tokens // max(world_size, 1)
+    return _per_rank((cal.hidden_cross_tokens,), world_size)
+
+
+def _per_rank(caps: tuple[int, ...], world_size: int) -> int:
+    """The smallest of the set caps (0: unset) split over the ranks; 0 where none is set."""
+    caps = [c for c in caps if c > 0]
+    return min(caps) // max(world_size, 1) if caps else 0
 
 
 def moment_options(ctx: PairContext, run: CalibrationRun) -> dict:
