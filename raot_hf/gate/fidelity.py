@@ -321,6 +321,12 @@ class MergedParameters:
         self._merged = (key, transforms, merged)
         return merged
 
+    def forget(self) -> None:
+        """Drop the parameters kept for the layer just scored (B mapped, B′ under the last set, the
+        last merge): the one sweep asks for each layer once, and an offloaded merge's peak is the
+        sweep's, where these are three float32 copies of a layer beside the correction (§7.4)."""
+        self._cache = self._last = self._merged = None
+
     def _merge(self, index: int | None, transforms, aligned: bool) -> dict:
         if aligned:
             a, b = self.parents(index, transforms) if index is not None else self._base(index)

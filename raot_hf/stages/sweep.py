@@ -193,12 +193,15 @@ def sweep_merge(
         layer_decisions, chosen, _ = gate.decide_at(i, rows, per_layer)
         decided.update(layer_decisions)
         identity.advance(merged.merged(i, aligned=False))
+        merged.forget()  # the layer's scored parameters are not read again
         taken = {id(t) for t in chosen}
         layer_a, layer_b = merged.written(i, [t for t in pending.parts if t is residual or id(t) in taken])
         if merged.fold:
             write("a", layer_a)
         write("b", layer_b)  # B′'s layer, built once
         rule, part = apply_rule(spec, [layer_a, layer_b], weights, **inputs)
+        # B′'s layer lives in B's module now (an offloaded one: in its working file), A's in A's
+        del layer_a, layer_b
         log.add(part)
         write("a", correction.layer(i, rule, outs))
         worst.append(_worst_token(held, outs, alpha))
