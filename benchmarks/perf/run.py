@@ -204,9 +204,15 @@ def worker_floor(args) -> dict:
 
 
 def _correction(spec: str) -> dict:
-    """``lsq`` → {"method": "lsq"}; ``lsq:384`` → the same on 384 fit examples."""
+    """``lsq`` → {"method": "lsq"}; ``lsq:384`` → the same on 384 fit examples; ``auto@16``: the
+    default, 16 fit examples per forward (the fit in chunks)."""
+    spec, _, batch = spec.partition("@")
     method, _, examples = spec.partition(":")
-    return {"method": method, **({"examples": int(examples)} if examples else {})}
+    return {
+        "method": method,
+        **({"examples": int(examples)} if examples else {}),
+        **({"batch_size": int(batch)} if batch else {}),
+    }
 
 
 def worker_merge(args) -> dict:
@@ -267,6 +273,7 @@ def worker_merge(args) -> dict:
         "deviation": result.report["checks"][0]["value"],
         "recovery": recovery,
         "correction": ((result.report.get("merge") or {}).get("correction") or {}).get("method", "none"),
+        "correction_spec": args.correction,
         "peak_rss": peak,
         "rss_after_import": rss_import,
         "stage_rss": sampler.peaks,
@@ -551,7 +558,8 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--corrections",
         default="auto",
-        help="comma list: one merge run per post-merge correction (auto, none, lsq, repair; lsq:384 = on 384 examples)",
+        help="comma list: one merge run per post-merge correction (auto, none, lsq, repair; lsq:384 = on 384 "
+        "examples; auto@16 = 16 examples per forward)",
     )
     parser.add_argument("--correction", default="auto", help=argparse.SUPPRESS)  # for a worker
     parser.add_argument(

@@ -65,11 +65,14 @@ class _Normal:
     def add_products(self, x: torch.Tensor, y_mix: torch.Tensor, gram: torch.Tensor | None = None) -> None:
         """Add one chunk's x̃ᵀx̃ and x̃ᵀȳ; ``gram``: x̃ᵀx̃ (float64) already made for all the
         Linears that read one input."""
-        dt = _product_dtype(x)
-        x = x.to(dt)
-        g = _gram(x) if gram is None else gram
-        c = (x.T @ y_mix.to(dt)).to(_F64)
+        g = _gram(x.to(_product_dtype(x))) if gram is None else gram
         self.gram = g if self.gram is None else self.gram + g  # not in place: the readers of one input share its Gram
+        self.add_cross(x, y_mix)
+
+    def add_cross(self, x: torch.Tensor, y_mix: torch.Tensor) -> None:
+        """Add one chunk's x̃ᵀȳ (its x̃ᵀx̃ summed by the caller, once for the readers of one input)."""
+        dt = _product_dtype(x)
+        c = (x.to(dt).T @ y_mix.to(dt)).to(_F64)
         self.cross = c if self.cross is None else self.cross.add_(c)
 
     @property
@@ -262,14 +265,37 @@ def least_squares_layer(
 
         outputs = layer.merged_fitting(params, shared.readers, fit, check)
         return params, outputs, {name: log[name] for name in by_module if name in log}  # in call order
-    for readers in shared.readers:
+    for readers in shared.readers:  # one forward of M over every chunk per input, its readers refitted after it
         normals = {name: _Normal() for name in readers}
+        # the readers of one input (q, k, v; gate, up) share x̃ and its Gram: made once per chunk and
+        # summed once, in place (the same additions, in the same order, as one sum per reader)
+        chunk: dict = {}
+        grams: dict[bool, torch.Tensor] = {}
 
-        def merged(i, name, x, y, normals=normals):
-            key = (i, name)
-            normals[name].add(_augment(x, by_module[name].bias is not None), mixed[key], energy[key], y)
+        def merged(i, name, x, y, normals=normals, chunk=chunk, grams=grams):
+            key, biased = (i, name), by_module[name].bias is not None
+            if chunk.get("index") != i:  # a new chunk: the last one's inputs are not read again
+                chunk.clear()
+                chunk["index"] = i
+            if biased not in chunk:
+                augmented = _augment(x, biased).to(_product_dtype(x))
+                g = _gram(augmented)
+                grams[biased] = g if biased not in grams else grams[biased].add_(g)
+                chunk[biased] = augmented
+            n = normals[name]
+            n.add_cross(chunk[biased], mixed[key])
+            n.target += energy[key]
+            n.tokens += x.shape[0]
+            n.add_residual(y, mixed[key], energy[key])
 
         layer.merged(params, readers, merged, stop=shared.once)
+        chunk.clear()
+        for name in readers:
+            for i in range(len(layer.chunks)):  # the mixed outputs are not read again
+                mixed.pop((i, name), None)
+            biased = by_module[name].bias is not None
+            if biased in grams:
+                normals[name].gram = grams[biased]
         refit(readers, normals)
     outputs = layer.merged(params, [], lambda *_: None)
     return params, outputs, log
