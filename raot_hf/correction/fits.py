@@ -274,6 +274,9 @@ def least_squares_layer(
 
         def merged(i, name, x, y, normals=normals, chunk=chunk, grams=grams):
             key, biased = (i, name), by_module[name].bias is not None
+            if not shared.once:  # a site called more than once per chunk: each call's own inputs
+                normals[name].add(_augment(x, biased), mixed[key], energy[key], y)
+                return
             if chunk.get("index") != i:  # a new chunk: the last one's inputs are not read again
                 chunk.clear()
                 chunk["index"] = i
