@@ -65,7 +65,8 @@ class _Normal:
     def add_products(self, x: torch.Tensor, y_mix: torch.Tensor, gram: torch.Tensor | None = None) -> None:
         """Add one chunk's x̃ᵀx̃ and x̃ᵀȳ; ``gram``: x̃ᵀx̃ (float64) already made for all the
         Linears that read one input."""
-        g = _gram(x.to(_product_dtype(x))) if gram is None else gram
+        x = x.to(_product_dtype(x))
+        g = _gram(x) if gram is None else gram
         self.gram = g if self.gram is None else self.gram + g  # not in place: the readers of one input share its Gram
         self.add_cross(x, y_mix)
 

@@ -324,7 +324,7 @@ class MergedParameters:
     def forget(self) -> None:
         """Drop the parameters kept for the layer just scored (B mapped, B′ under the last set, the
         last merge): the one sweep asks for each layer once, and an offloaded merge's peak is the
-        sweep's, where these are three float32 copies of a layer beside the correction (§7.4)."""
+        sweep's, where these are three float32 copies of a layer beside the correction (§5.7)."""
         self._cache = self._last = self._merged = None
 
     def _merge(self, index: int | None, transforms, aligned: bool) -> dict:

@@ -443,3 +443,37 @@ def test_the_fits_sums_of_squares_are_exact_where_the_arithmetic_is(values, cols
         assert fits._squared_norm(rows) == sum(v * v for v in values)
         normal.add_residual(rows.flip(0), rows, target=7.0)
     assert normal.residual == expected
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    k=st.integers(2, 24),
+    shrink=st.sampled_from([1.0, 0.99, 0.5]),
+    dead=st.booleans(),
+)
+def test_the_least_squares_solve_meets_its_shrunk_normal_equations(seed, k, shrink, dead):
+    """``_solve`` returns the W of (s·G + (1 − s)·D)·W = s·C + (1 − s)·D·W_prior, D the clamped
+    diagonal of G (docs/design.md §6.7) — also when G is singular (a dead input, two equal inputs),
+    where the Cholesky factor fails at s = 1 and the ridge-and-lstsq fallback answers; the matrix is
+    shrunk in one buffer, so G itself is left as it was."""
+    from raot_hf.correction import fits
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3 * k, k, generator=g, dtype=torch.float64)
+    if dead:
+        x[:, 0] = 0.0
+        x[:, -1] = x[:, 1 % k]
+    y = torch.randn(3 * k, 5, generator=g, dtype=torch.float64)
+    prior = torch.randn(k, 5, generator=g, dtype=torch.float64)
+    gram = x.T @ x
+    normal = fits._Normal(gram=gram.clone(), cross=x.T @ y)
+    w = fits._solve(normal, prior, shrink)
+    assert torch.equal(normal.gram, gram)
+    d = gram.diagonal().clamp_min(1e-12 * float(gram.diagonal().max()))
+    lhs = shrink * gram + (1 - shrink) * torch.diag(d)
+    rhs = shrink * (x.T @ y) + (1 - shrink) * d[:, None] * prior
+    if not dead or shrink < 1:
+        assert torch.allclose(lhs @ w, rhs, rtol=1e-7, atol=1e-7 * float(rhs.abs().max()))
+    else:  # singular at s = 1: the ridge's least-squares solution of a consistent system
+        assert float((lhs @ w - rhs).norm()) <= 1e-5 * float(rhs.norm())
