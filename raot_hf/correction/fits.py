@@ -117,6 +117,12 @@ def _augment(x: torch.Tensor, bias: bool) -> torch.Tensor:
     return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], 1) if bias else x
 
 
+def _with_gram(x: torch.Tensor, bias: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x̃ in the products' precision and x̃ᵀx̃: made once for all the Linears reading one input."""
+    augmented = _augment(x, bias).to(_product_dtype(x))
+    return augmented, _gram(augmented)
+
+
 def _objective(w: torch.Tensor, n: _Normal) -> float:
     """Σ_p w_p‖x̃·W − y_p‖² relative to Σ_p w_p‖y_p‖² (the fit's error, 0 when it reproduces
     both), from the summed products."""
@@ -229,8 +235,7 @@ def least_squares_layer(
         def add_products(name: str, n: _Normal, x: torch.Tensor, inputs: dict) -> None:
             biased = by_module[name].bias is not None
             if biased not in inputs:  # q, k and v (gate and up) read one input: x̃ and its Gram made once
-                augmented = _augment(x, biased).to(_product_dtype(x))
-                inputs[biased] = augmented, _gram(augmented)
+                inputs[biased] = _with_gram(x, biased)
             augmented, gram = inputs[biased]
             n.add_products(augmented, mixed[(0, name)], gram=gram)
 
@@ -270,30 +275,27 @@ def least_squares_layer(
         normals = {name: _Normal() for name in readers}
         # the readers of one input (q, k, v; gate, up) share x̃ and its Gram: made once per chunk and
         # summed once, in place (the same additions, in the same order, as one sum per reader)
-        chunk: dict = {}
+        inputs: dict[tuple[int, bool], torch.Tensor] = {}  # (chunk, bias) → x̃, this chunk's only
         grams: dict[bool, torch.Tensor] = {}
 
-        def merged(i, name, x, y, normals=normals, chunk=chunk, grams=grams):
+        def merged(i, name, x, y, normals=normals, inputs=inputs, grams=grams):
             key, biased = (i, name), by_module[name].bias is not None
             if not shared.once:  # a site called more than once per chunk: each call's own inputs
                 normals[name].add(_augment(x, biased), mixed[key], energy[key], y)
                 return
-            if chunk.get("index") != i:  # a new chunk: the last one's inputs are not read again
-                chunk.clear()
-                chunk["index"] = i
-            if biased not in chunk:
-                augmented = _augment(x, biased).to(_product_dtype(x))
-                g = _gram(augmented)
+            if (i, biased) not in inputs:
+                if any(c != i for c, _ in inputs):  # a new chunk: the last one's inputs are not read again
+                    inputs.clear()
+                inputs[(i, biased)], g = _with_gram(x, biased)
                 grams[biased] = g if biased not in grams else grams[biased].add_(g)
-                chunk[biased] = augmented
             n = normals[name]
-            n.add_cross(chunk[biased], mixed[key])
+            n.add_cross(inputs[(i, biased)], mixed[key])
             n.target += energy[key]
             n.tokens += x.shape[0]
             n.add_residual(y, mixed[key], energy[key])
 
         layer.merged(params, readers, merged, stop=shared.once)
-        chunk.clear()
+        inputs.clear()
         for name in readers:
             for i in range(len(layer.chunks)):  # the mixed outputs are not read again
                 mixed.pop((i, name), None)
