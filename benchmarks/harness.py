@@ -31,6 +31,7 @@ from benchmarks.metrics import (
     matching_reference,
     max_abs_difference,
     path_check,
+    refit_summary,
     weight_distance,
     with_head_of,
 )
@@ -248,6 +249,7 @@ def _evaluate_method(method: Method, ctx: _RunContext) -> dict[str, Any]:
     row["verdict"] = None if verdict is None else str(verdict)
     row["model_fidelity"] = _jsonable(getattr(result.alignment, "model_fidelity", None) or {})
     row["correction"] = correction_summary(result.report)
+    row["refit"] = refit_summary(result.report)
     state = merged.state_dict()
     if method.name == "average":
         ctx.average_state = {k: v.detach().clone() for k, v in state.items()}

@@ -240,15 +240,16 @@ METHODS: tuple[Method, ...] = (
 
 
 def _pinned(method: Method) -> Method:
-    """Every row but ``default`` states its post-merge correction (none unless it names one), so
-    the alignment rows stay alignment-only whatever the product's default is."""
-    if method.name == "default" or "correction" in method.options:
+    """Every row but ``default`` states its post-merge correction and refit (none unless it names
+    them), so the alignment rows stay alignment-only whatever the product's defaults are."""
+    if method.name == "default":
         return method
-    return replace(method, options={**method.options, "correction": {"method": "none"}})
+    options = {"correction": {"method": "none"}, "refit": {"mode": "off"}, **method.options}
+    return replace(method, options=options)
 
 
 METHODS = (
-    Method("default", "the product's defaults (RaOT, linear, correction auto)", {}, "rules"),
+    Method("default", "the product's defaults (RaOT, linear, correction auto, refit auto)", {}, "rules"),
     Method(
         "default-cap2k",
         "the product's defaults with each MLP cross moment from at most 2,048 fit tokens (the token cap, "
@@ -270,15 +271,39 @@ METHODS = (
         "rules",
     ),
     Method(
+        "default-norefit",
+        "the product's defaults with the refit off (the correction's merge, as the default was before the refit)",
+        {"refit": {"mode": "off"}},
+        "rules",
+    ),
+    Method(
+        "default+refit-hidden",
+        "the product's defaults with the refit following the parents' last stream (relative squared error) "
+        "instead of their predictions",
+        {"refit": {"target": "hidden"}},
+        "rules",
+    ),
+    Method(
         "default+refit",
-        "the product's defaults, then the refit of the merged model's norms and biases (200 label-free steps)",
-        {"refit": {"steps": 200}},
+        "the correction, then the refit of the merged model's norms and biases towards the parents' last stream "
+        "(200 label-free steps, lr 1e-3, patience 3)",
+        {
+            "refit": {
+                "mode": "on",
+                "steps": 200,
+                "lr": 1e-3,
+                "patience": 3,
+                "parameters": "norms_biases",
+                "target": "hidden",
+            }
+        },
         "rules",
     ),
     Method(
         "default+refit-all",
-        "the product's defaults, then the refit of every trunk parameter (300 label-free steps, lr 1e-4)",
-        {"refit": {"steps": 300, "lr": 1e-4, "parameters": "all"}},
+        "the correction, then the refit of every trunk parameter towards the parents' last stream (300 label-free "
+        "steps, lr 1e-4, patience 3)",
+        {"refit": {"mode": "on", "steps": 300, "lr": 1e-4, "patience": 3, "parameters": "all", "target": "hidden"}},
         "rules",
     ),
     *(_pinned(m) for m in METHODS),

@@ -230,6 +230,17 @@ def calibration_tokens(report: dict) -> dict:
     }
 
 
+def refit_summary(report: dict) -> dict | None:
+    """What the end-to-end refit did in a merge's report: kept or not, why, the steps run and the
+    best one and the judged loss before and after (None: the refit was off; its seconds are the
+    row's ``timings["refit"]``)."""
+    refit = report.get("refit")
+    if not refit:
+        return None
+    keys = ("ran", "kept", "reason", "target", "steps", "best_step", "heldout_loss_before", "heldout_loss_after")
+    return {k: refit.get(k) for k in keys}
+
+
 def correction_summary(report: dict) -> dict | None:
     """What the post-merge correction did in a merge's report: the method, the layers kept and the
     held-out competition's figures with the model-level check (None: no correction ran)."""

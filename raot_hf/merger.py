@@ -35,7 +35,7 @@ from raot_hf.stages.members import (
     prepare_config,
 )
 from raot_hf.stages.provenance import build_report, transform_file
-from raot_hf.stages.refit import refit_merged, refit_targets, refuse_offloaded_refit
+from raot_hf.stages.refit import check_refit, refit_merged, refit_targets
 from raot_hf.symmetry import Transform
 
 __all__ = ["Alignment", "MergeResult", "RaotMerger"]
@@ -198,7 +198,7 @@ class RaotMerger:
         """Estimate, gate, apply to B, check B′ ≡ B, merge into model A's object (no third copy), and
         return a :class:`MergeResult`; with more models each is aligned to the reference (docs/design.md §6.9)."""
         self._refuse_after_merge()
-        refuse_offloaded_refit(self.pair)
+        check_refit(self.pairs)
         central = len(self.models) > 2 and self.config.models.reference == "central"
         run = self._reference_to_center(calibration) if central else None
         self.merged = True  # from here on the models change

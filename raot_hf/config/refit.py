@@ -17,46 +17,90 @@ from raot_hf.errors import RaotError
 
 #: What the refit may fit (:func:`raot_hf.stages.refit.refit_parameter_names`).
 REFIT_PARAMETERS = ("norms_biases", "all")
+#: When the refit runs (:func:`raot_hf.stages.refit.refit_decision`).
+REFIT_MODES = ("auto", "on", "off")
+#: What the refit follows (:func:`raot_hf.stages.refit.refit_targets`).
+REFIT_TARGETS = ("hidden", "output")
 
 
 @register_section
 @dataclass
 class RefitOptions(OptionSection):
-    """Refit of the merged model (docs/design.md §6.11): ``steps`` Adam steps (0: off, learning rate
-    ``lr``) on at most ``examples`` fit examples; the held-out examples are scored every
-    ``eval_every`` steps, the best step is kept, and the refit stops after ``patience`` scores
-    without a new best. The refit is kept only if it beats the merge without it."""
+    """Refit of the merged model (docs/design.md §6.11): where ``mode`` says it runs, at most
+    ``steps`` Adam steps (0: off, learning rate ``lr``) on at most ``examples`` fit examples; half
+    the held-out examples are scored every ``eval_every`` steps, the best step is kept, and the
+    refit stops after ``patience`` scores without a new best. The refit is kept only if it beats
+    the merge without it on the other half."""
 
     section = "refit"
 
+    mode: str = field(
+        default="auto",
+        metadata=meta("Refit of the merged model: auto (where the gate moved B, the merge is in memory, and the "
+                      "model returns logits over labels its parents share and has at most 50 M parameters), on "
+                      "or off.", "refit_mode",
+                      flag="--refit", choices=REFIT_MODES),
+    )  # fmt: skip
     steps: int = field(
-        default=0, metadata=meta("Refit of the merged model: Adam steps (default 0: off).", "refit_steps")
-    )
+        default=1000, metadata=meta("Refit of the merged model: Adam steps at most (default 1000; 0: off).",
+                                    "refit_steps")
+    )  # fmt: skip
     lr: float = field(
-        default=1e-3, metadata=meta("Refit of the merged model: Adam's learning rate (default 0.001).", "refit_lr")
+        default=1e-4, metadata=meta("Refit of the merged model: Adam's learning rate (default 0.0001).", "refit_lr")
     )
     eval_every: int = field(
         default=10, metadata=meta("Refit of the merged model: steps between held-out scores (default 10).",
                                   "refit_eval_every")
     )  # fmt: skip
     patience: int = field(
-        default=3, metadata=meta("Refit of the merged model: held-out scores without a new best before it stops "
-                                 "(default 3).", "refit_patience")
+        default=20, metadata=meta("Refit of the merged model: held-out scores without a new best before it stops "
+                                  "(default 20).", "refit_patience")
     )  # fmt: skip
     examples: int = field(
         default=256, metadata=meta("Refit of the merged model: fit examples it descends on, and held-out examples "
                                    "it is scored on, at most (default 256).", "refit_examples")
     )  # fmt: skip
     parameters: str = field(
-        default="norms_biases",
+        default="all",
         metadata=meta("Refit of the merged model: what it fits — norms_biases (every norm's weight and bias and "
-                      "every Linear's bias) or all (every trunk parameter, weight matrices included; a smaller "
-                      "lr suits it, e.g. 1e-4).", "refit_parameters", choices=REFIT_PARAMETERS),
+                      "every Linear's bias; a larger lr suits it, e.g. 1e-3) or all (the default: every trunk "
+                      "parameter, weight matrices included).", "refit_parameters", choices=REFIT_PARAMETERS),
     )  # fmt: skip
+
+    target: str = field(
+        default="output",
+        metadata=meta("Refit of the merged model: what it follows — hidden (the parents' mix of their last layer's "
+                      "stream, relative squared error) or output (the parents' mix of their predicted "
+                      "distributions, each through its own head; KL divergence).", "refit_target",
+                      choices=REFIT_TARGETS),
+    )  # fmt: skip
+
+    z: float = field(
+        default=0.0,
+        metadata=meta("Refit of the merged model: standard errors by which its mean gain on the judged held-out "
+                      "examples (half of them, which chose nothing) must exceed zero to be kept (default 0).",
+                      "refit_z"),
+    )  # fmt: skip
+
+    @property
+    def requested(self) -> bool:
+        """Whether the refit was asked for whatever the pair (``mode="on"``); ``auto`` refits only a
+        pair whose gate moved B, which needs an alignment (docs/design.md §6.11)."""
+        return self.mode == "on" and self.steps > 0
+
+    @property
+    def reads_aligned(self) -> bool:
+        """Whether a refit may run whose target is made from the aligned models (the hidden target:
+        B′'s last stream is in A's basis, B's is not), which the one sweep cannot give it."""
+        return self.mode != "off" and self.steps > 0 and self.target == "hidden"
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        check_choice("refit_mode", self.mode, REFIT_MODES)
         check_choice("refit_parameters", self.parameters, REFIT_PARAMETERS)
+        check_choice("refit_target", self.target, REFIT_TARGETS)
+        if self.z < 0:
+            raise RaotError(f"refit_z={self.z} must be ≥ 0 (standard errors of the judged gain)")
         check_non_negative_int("refit_steps", self.steps)
         if not self.lr > 0:
             raise RaotError(f"refit_lr={self.lr} must be > 0 (Adam's learning rate)")

@@ -1,31 +1,31 @@
-"""Stage: the refit of the merged model, end to end and label-free (docs/design.md §6.11; opt-in,
-``refit.steps`` > 0).
+"""Stage: the refit of the merged model, end to end and label-free (docs/design.md §6.11; ``auto``
+where the gate moved B and the model is small enough, ``refit.mode``).
 
-After the merge (and its layer-wise correction, §6.7) a low-dimensional subset of the merged
-model's parameters — the norms' weights and biases and the Linears' biases, never a weight matrix —
-is fitted by Adam so that the merged model's final hidden states follow the mix of its parents'
-(the per-model merge weights normalised, as the correction's target). The parents' outputs are
-captured before the merge writes into the reference's module (:func:`refit_targets`). Held-out
-examples stop the descent early, and the refit competes with the merge without it: it is kept
-only if its per-example held-out fidelity beats the merge's by the gate's paired test (§5.2),
-else nothing is written.
+After the merge (and its layer-wise correction, §6.7) the merged model's trunk parameters (or only
+its norms and biases, ``refit.parameters``) are fitted by Adam so that its predictions follow the
+mix of its parents' (KL divergence; or its last stream theirs, ``refit.target="hidden"``), with the
+per-model merge weights normalised as the correction's target. The parents' outputs are captured
+before the merge writes into the reference's module (:func:`refit_targets`). Half the held-out
+examples stop the descent early; on the other half the refit competes with the merge without it
+(§5.2's paired test), and it is written only if it wins; else nothing is written.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.func import functional_call
 from transformers.pytorch_utils import Conv1D
 
 from raot_hf.errors import RaotError
 from raot_hf.gate import paired_test
 from raot_hf.gate.fidelity import layer_module_names
 from raot_hf.gate.merge import MIN_GATE_EXAMPLES
-from raot_hf.hooks import capture_calls
+from raot_hf.hooks import capture_calls, first_tensor, without_cache
+from raot_hf.merging import merge_rule_spec
 from raot_hf.refine import calibration_examples
 from raot_hf.stages.calibrate import open_calibration
 from raot_hf.stages.context import PairContext, on_device_of
@@ -35,15 +35,111 @@ from raot_hf.stages.members import Member, member_models, model_weights
 logger = logging.getLogger("raot_hf.stages.refit")
 
 _OFFLOADED = (
-    "refit.steps > 0 runs the merged model forward and backward in memory, but the models were offloaded "
-    "layer by layer (docs/design.md §7.4); load them in memory (offload='never', --offload never) or set refit steps 0"
+    "refit mode 'on' runs the merged model forward and backward in memory, but the models were offloaded "
+    "layer by layer (docs/design.md §7.4); load them in memory (offload='never', --offload never) or set refit "
+    "mode off"
+)
+_OTHER_LABELS = (
+    "refit target 'output' mixes the parents' predictions, but their heads predict different labels; set refit "
+    "target hidden or refit mode off"
+)
+_NO_SCORES = (
+    "refit target 'output' follows the parents' predicted distributions, but {name} returns no logits; set "
+    "refit target hidden (the last layer's stream) or refit mode off"
 )
 
+#: A merge whose held-out loss is at most this already follows its parents (an exact symmetry's
+#: merge is its parent to round-off): nothing to refit.
+FOLLOWED = 1e-6
+#: The least gain a kept refit makes, relative to the judged loss without it: a refit that moves
+#: the merge by less is not written (round-off never passes for a gain).
+MIN_GAIN = 0.01
 
-def refuse_offloaded_refit(ctx: PairContext) -> None:
-    """Refuse a refit of offloaded models before any work (the refit holds the whole model's graph)."""
-    if ctx.config.refit.steps and len(ctx.working_files):
+#: The largest model (parameters) the ``auto`` refit runs on: its descent holds the whole model's
+#: graph, gradients and Adam's moments (about four copies of the model in float32), and each step is a
+#: forward and backward pass of the merged model (docs/design.md §6.11).
+AUTO_MAX_PARAMETERS = 50_000_000
+
+
+def _has_scores(model: torch.nn.Module, schema) -> bool:
+    """Whether ``model`` returns ``logits``: a task head or an LM head (not a bare encoder, and not a
+    question-answering head, whose outputs are two score vectors)."""
+    if type(model).__name__.endswith("ForQuestionAnswering"):
+        return False
+    lm_head = getattr(model, "get_output_embeddings", lambda: None)()
+    return bool(schema.head_params) or lm_head is not None
+
+
+def _parameter_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in dict(model.named_parameters()).values())
+
+
+def _label_spaces_differ(pairs: list[PairContext]) -> bool:
+    """Whether the models' heads predict different things: a different number of outputs (labels,
+    or an LM's vocabulary), or different label names — then their predictions do not mix."""
+
+    def space(model):
+        if not pairs[0].schema.head_params:  # an LM head: its vocabulary
+            return ("vocabulary", model.get_output_embeddings().weight.shape[0])
+        names = {int(k): str(v) for k, v in (getattr(model.config, "id2label", None) or {}).items()}
+        return ("labels", model.config.num_labels, tuple(sorted(names.items())))
+
+    spaces = {space(pairs[0].model_a), *(space(p.model_b) for p in pairs)}
+    return len(spaces) > 1
+
+
+def check_refit(pairs: list[PairContext]) -> None:
+    """Refuse, before any work, a refit asked for (``mode="on"``) that cannot run: offloaded models
+    (the refit holds the whole model's graph), or an output target on a model without scores or
+    on parents whose heads predict different labels."""
+    ctx = pairs[0]
+    cfg = ctx.config.refit
+    if not cfg.requested:
+        return
+    if len(ctx.working_files):
         raise RaotError(_OFFLOADED)
+    if cfg.target == "output" and not _has_scores(ctx.model_a, ctx.schema):
+        raise RaotError(_NO_SCORES.format(name=type(ctx.model_a).__name__))
+    if cfg.target == "output" and _label_spaces_differ(pairs):
+        raise RaotError(_OTHER_LABELS)
+
+
+def refit_decision(members: list[Member]) -> tuple[bool, str]:
+    """Whether this merge is refitted, and why. ``auto`` refits where the post-merge correction runs
+    — the gate moved B (while the one sweep has still to decide, it may) — and the refit is
+    affordable and has something to follow: the merge read calibration data and is in memory, the
+    model returns scores that the parents' share (for the output target), it has at most
+    :data:`AUTO_MAX_PARAMETERS` parameters, and no base-relative rule merges it (siblings keep
+    their rule's merge)."""
+    ctx = members[0].ctx
+    cfg = ctx.config.refit
+    if cfg.mode == "off" or not cfg.steps:
+        return False, "off"
+    if cfg.mode == "on":
+        return True, "requested"
+    if len(ctx.working_files):
+        return False, "auto: the models are offloaded layer by layer; the refit needs the whole model in memory"
+    if ctx.base is not None or merge_rule_spec(ctx.config.merge_rule).needs_base:
+        return False, "auto: a base-relative rule merges siblings; no refit"
+    if members[0].run is None:
+        return False, "auto: the merge read no calibration data"
+    if cfg.target == "output" and not _has_scores(ctx.model_a, ctx.schema):
+        return False, f"auto: {type(ctx.model_a).__name__} returns no logits to follow"
+    if cfg.target == "output" and _label_spaces_differ([m.ctx for m in members]):
+        return False, "auto: the parents' heads predict different labels; their predictions do not mix"
+    count = _parameter_count(ctx.model_a)
+    if count > AUTO_MAX_PARAMETERS:
+        return False, f"auto: {count / 1e6:.0f} M parameters > {AUTO_MAX_PARAMETERS / 1e6:.0f} M; opt in with mode on"
+    if moved_any(members) is False:
+        return False, "auto: A and B share a basis (nothing applied); no refit"
+    return True, "auto: the gate moved B (the parents differ in basis)"
+
+
+def moved_any(members: list[Member]) -> bool | None:
+    """Whether the gate moved any model (None while the one sweep has still to decide)."""
+    if any(m.pending is not None for m in members):
+        return None
+    return any(d.applied for m in members for d in m.alignment.decisions)
 
 
 @dataclass
@@ -55,16 +151,23 @@ class RefitChunk:
     mask: torch.Tensor
     target: torch.Tensor
 
+    def rows(self, start: int) -> RefitChunk:
+        """Every other example from ``start`` (0 or 1)."""
+        inputs = {k: v[start::2] for k, v in self.inputs.items()}
+        return RefitChunk(inputs, self.mask[start::2], self.target[start::2])
+
 
 @dataclass
 class RefitTargets:
-    """What the refit reads, captured before the merge: the fit and held-out chunks and the module
-    of the last layer, whose output is the final hidden state."""
+    """What the refit reads, captured before the merge: the fit chunks; the held-out examples in two
+    halves, ``stop`` (early stopping chooses the best step on them) and ``judge`` (the competition
+    with the merge without the refit, on examples nothing in the refit has seen); and the module of
+    the last layer, whose output is the final hidden state."""
 
     fit: list[RefitChunk]
-    heldout: list[RefitChunk]
+    stop: list[RefitChunk]
+    judge: list[RefitChunk]
     last_layer: str
-    seconds: float  # the parents' forwards that made the targets
 
 
 def _last_output(model: torch.nn.Module, last: str, inputs: dict, params: dict | None = None) -> torch.Tensor:
@@ -72,40 +175,66 @@ def _last_output(model: torch.nn.Module, last: str, inputs: dict, params: dict |
     return capture_calls(model, [last], on_device_of(model, inputs), params=params)[0].output
 
 
+def _model_logits(model: torch.nn.Module, inputs: dict, params: dict | None = None) -> torch.Tensor:
+    """The model's output scores (``logits``: ``(rows, classes)`` or ``(rows, seq, vocab)``), with
+    ``params`` swapped in (differentiable)."""
+    inputs = without_cache(model, on_device_of(model, inputs))
+    out = model(**inputs) if params is None else functional_call(model, params, (), inputs)
+    return out.logits if hasattr(out, "logits") else first_tensor(out)
+
+
+def _output(model: torch.nn.Module, target: str, last: str, inputs: dict, params: dict | None = None):
+    """What the refit fits: the last layer's stream (``target="hidden"``) or the output scores."""
+    if target == "hidden":
+        return _last_output(model, last, inputs, params)
+    return _model_logits(model, inputs, params)
+
+
 @torch.no_grad()
 def _chunks(ctx: PairContext, run, split: str, count: int, parents: list, mix: list[float], last: str):
-    """At most ``count`` examples of ``split``, each chunk with the parents' mix ``Σ w_p·y_p``."""
-    out = []
+    """At most ``count`` examples of ``split``, each chunk with the parents' mix: of their last
+    layer's streams ``Σ w_p·y_p`` (``refit.target="hidden"``), or of their predicted
+    distributions ``Σ w_p·softmax(z_p)`` (``"output"``, each parent through its own head)."""
+    target_kind, out = ctx.config.refit.target, []
     for example in calibration_examples(ctx, run, split, count):
         target = None
         for model, w in zip(parents, mix, strict=True):
-            y = _last_output(model, last, example["inputs"])
+            y = _output(model, target_kind, last, example["inputs"])
             y = y.to(torch.promote_types(y.dtype, torch.float32))  # the mix in float32 at least
+            if target_kind == "output":
+                y = y.softmax(dim=-1)
             target = w * y if target is None else target.add_(y, alpha=w)
-        mask = example["mask"] if example["mask"] is not None else torch.ones(target.shape[:2], dtype=torch.bool)
+        rows = target.shape[:2] if target.dim() == 3 else target.shape[:1] + (1,)
+        mask = example["mask"]
+        if mask is None or target.dim() == 2:  # one prediction per example: every example counts once
+            mask = torch.ones(rows, dtype=torch.bool)
         out.append(RefitChunk(example["inputs"], mask.to(target.device), target))
     return out
 
 
 def refit_targets(members: list[Member], calibration=None, early=None) -> RefitTargets | None:
-    """The refit's fit and held-out targets (None when ``refit.steps`` is 0): call after every model is
-    aligned and before the merge writes into the reference, whose outputs are one parent's (the
-    merge refused an offloaded refit before any work, :func:`refuse_offloaded_refit`)."""
+    """The refit's fit and held-out targets (None where the merge is not refitted,
+    :func:`refit_decision`): call after every model is aligned and before the merge writes into the
+    reference, whose outputs are one parent's (the merge refused a refit that cannot run before any
+    work, :func:`check_refit`). While the one sweep has still to align B (docs/design.md §5.7) only
+    the output target is made, from B itself: B′ is an exact symmetry of B, so their outputs agree."""
     ctx = members[0].ctx
     cfg = ctx.config.refit
-    if cfg.steps == 0:
+    if not refit_decision(members)[0]:
         return None
     run = members[0].run or open_calibration(ctx, calibration, early)
-    parents = member_models(members)  # the reference before the merge, then every aligned model
+    parents = member_models(members)  # the reference before the merge, then every model (aligned, or B itself)
     mix = target_mix(model_weights(ctx.config, len(parents)))  # the correction's target weights (§6.7)
     last = layer_module_names(ctx.model_a, ctx.schema)[-1]
-    started = time.perf_counter()
     with ctx.timer.stage("refit"):
         fit = _chunks(ctx, run, "fit", cfg.examples, parents, mix, last)
         heldout = _chunks(ctx, run, "heldout", cfg.examples, parents, mix, last)
     if not fit:
         raise RaotError("the refit found no fit examples in the calibration data; give more or set refit steps 0")
-    return RefitTargets(fit, heldout, last, time.perf_counter() - started)
+    # the held-out examples alternate between the halves, so a batch of one example only stops
+    stop = [c.rows(0) for c in heldout]
+    judge = [j for j in (c.rows(1) for c in heldout) if j.mask.shape[0]]
+    return RefitTargets(fit, stop, judge, last)
 
 
 def refit_parameter_names(model: torch.nn.Module, head: set[str], parameters: str = "norms_biases") -> list[str]:
@@ -126,6 +255,17 @@ def refit_parameter_names(model: torch.nn.Module, head: set[str], parameters: st
     return [n for n in dict.fromkeys(names) if n in present and n not in head]
 
 
+def divergences(scores: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per example, the mean over real tokens of ``KL(p̄ ‖ softmax(scores))``, the parents' mixed
+    distribution ``p̄`` against the merged model's (one token per example for a classifier)."""
+    if scores.dim() == 2:
+        scores, target = scores[:, None], target[:, None]
+    logq = scores.to(target.dtype).log_softmax(dim=-1)
+    kl = (torch.xlogy(target, target) - target * logq).sum(dim=-1)  # 0·log 0 = 0
+    m = mask.to(target.dtype)
+    return (kl * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
+
+
 def relative_errors(out: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per example, the squared error of ``out`` to the parents' mix over real tokens, relative to the
     mix's own square: ``Σ_t ‖m_t − ȳ_t‖² / Σ_t ‖ȳ_t‖²`` (1 − this is the refit's fidelity)."""
@@ -139,7 +279,7 @@ class _Refit:
     float64 model; passed to the model in its own dtypes, ``functional_call``)."""
 
     def __init__(self, ctx: PairContext, targets: RefitTargets):
-        self.model, self.last = ctx.model_a, targets.last_layer
+        self.model, self.last, self.target = ctx.model_a, targets.last_layer, ctx.config.refit.target
         present = dict(self.model.named_parameters())
         names = refit_parameter_names(self.model, set(ctx.schema.head_params), ctx.config.refit.parameters)
         self.params = {n: present[n] for n in names}
@@ -150,11 +290,13 @@ class _Refit:
         self.read: list[str] = []  # those the final hidden state reads (a gradient reaches them)
 
     def errors(self, chunks: list[RefitChunk], *, merged: bool = False) -> torch.Tensor:
-        """Per example :func:`relative_errors` (``merged``: of the merge as written, without the refit)."""
+        """Per example :func:`relative_errors` of the last layer's stream, or :func:`divergences` of
+        the output (``merged``: of the merge as written, without the refit)."""
         swapped = None if merged else {n: m.to(self.params[n].dtype) for n, m in self.masters.items()}
         if not chunks:
             return torch.zeros(0, dtype=torch.float64)
-        return torch.cat([relative_errors(_last_output(self.model, self.last, c.inputs, swapped), c.target, c.mask)
+        error = relative_errors if self.target == "hidden" else divergences
+        return torch.cat([error(_output(self.model, self.target, self.last, c.inputs, swapped), c.target, c.mask)
                           for c in chunks])  # fmt: skip
 
     def snapshot(self) -> dict[str, torch.Tensor]:
@@ -173,8 +315,8 @@ class _Refit:
 
 
 def _descend(refit: _Refit, targets: RefitTargets, cfg, best_loss: float) -> tuple[dict, int, list, int]:
-    """Adam on the fit chunks (one per step, in turn), scored on the held-out ones every
-    ``eval_every`` steps against the merge's held-out loss ``best_loss``; returns the best values,
+    """Adam on the fit chunks (one per step, in turn), scored on the held-out ``stop`` half every
+    ``eval_every`` steps against the merge's loss there ``best_loss``; returns the best values,
     their step (0: none beat the merge), the curve and the steps run."""
     leaves = list(refit.masters.values())
     optimizer = torch.optim.Adam(leaves, lr=cfg.lr)
@@ -191,7 +333,7 @@ def _descend(refit: _Refit, targets: RefitTargets, cfg, best_loss: float) -> tup
         if step % cfg.eval_every and step < cfg.steps:
             continue
         with torch.no_grad():
-            value = float(refit.errors(targets.heldout).mean())
+            value = float(refit.errors(targets.stop).mean())
         curve.append({"step": step, "train": float(loss.detach()), "heldout": value})
         if value < best_loss:
             best, best_step, best_loss, waited = refit.snapshot(), step, value, 0
@@ -206,52 +348,65 @@ def refit_merged(members: list[Member], targets: RefitTargets | None) -> dict[st
     """Refit the merged model (the reference's module, after the merge) to ``targets``; keep the refit
     iff it beats the merge without it on the held-out examples, else leave every parameter as it was.
     Returns the report's ``refit`` record (None when the refit is off)."""
-    if targets is None:
-        return None
     ctx = members[0].ctx
     cfg = ctx.config.refit
-    started = time.perf_counter()
+    run, why = refit_decision(members)
+    if cfg.mode == "off" or not cfg.steps:
+        return None
+    if targets is None or not run:
+        return {"ran": False, "kept": False, "reason": why, "mode": cfg.mode}
     with ctx.timer.stage("refit"), torch.enable_grad():
         refit = _Refit(ctx, targets)
         with torch.no_grad():
-            before = refit.errors(targets.heldout, merged=True)
-        if before.numel() < MIN_GATE_EXAMPLES:  # nothing to compete on: the refit could not be kept
-            logger.warning("refit: fewer than %d held-out examples; not run", MIN_GATE_EXAMPLES)
+            before = refit.errors(targets.judge, merged=True)
+            before_stop = refit.errors(targets.stop, merged=True)
+        few = before.numel() < MIN_GATE_EXAMPLES
+        followed = float(before_stop.mean()) <= FOLLOWED if before_stop.numel() else False
+        if few:  # nothing to compete on: the refit could not be kept
+            logger.warning("refit: fewer than %d held-out examples to judge it; not run", MIN_GATE_EXAMPLES)
+        if few or followed:
             best, best_step, curve, steps = {}, 0, [], 0
         else:
-            best, best_step, curve, steps = _descend(refit, targets, cfg, float(before.mean()))
+            best, best_step, curve, steps = _descend(refit, targets, cfg, float(before_stop.mean()))
         after, test = before, None
         if best_step:
             refit.restore(best)
             with torch.no_grad():
-                after = refit.errors(targets.heldout)
-            # per held-out example the fidelity is 1 − error: the refit's gain over the merge is before − after
-            test = paired_test(before - after, z=ctx.config.gate.z, sign_test=True)
+                after = refit.errors(targets.judge)
+            # per judged example the refit's gain over the merge is its loss before − after; the
+            # judge half chose nothing, so its test is not optimistic (docs/design.md §6.11)
+            test = paired_test(before - after, z=cfg.z, floor=MIN_GAIN * float(before.mean()), sign_test=True)
             if test.passed:
                 refit.write()
     kept = bool(test is not None and test.passed)
     if test is not None:
         reason = test.reason
-    elif before.numel() < MIN_GATE_EXAMPLES:
+    elif few:
         reason = f"fewer than {MIN_GATE_EXAMPLES} held-out examples"
+    elif followed:
+        reason = f"the merge already follows its parents (held-out loss ≤ {FOLLOWED:g}); not run"
     else:
         reason = "no held-out score beat the merge without the refit"
     loss = lambda errors: float(errors.mean()) if errors.numel() else None  # noqa: E731
     record = {
+        "ran": True,
+        "mode": cfg.mode,
+        "decision": why,
         "kept": kept,
         "reason": reason,
+        "target": cfg.target,
         "steps": steps,
         "best_step": best_step,
         "parameters": len(refit.read),
         "values": int(sum(refit.params[n].numel() for n in refit.read)),
         "examples": int(sum(c.mask.shape[0] for c in targets.fit)),
+        "stop_examples": int(sum(c.mask.shape[0] for c in targets.stop)),
         "heldout_examples": int(before.numel()),
         "heldout_loss_before": loss(before),
         "heldout_loss_after": loss(after),
         "heldout_gain": test.mean if test is not None else None,
         "heldout_stderr": test.stderr if test is not None else None,
         "curve": curve,
-        "seconds": targets.seconds + time.perf_counter() - started,
     }
     logger.info("refit: held-out loss %s → %s after %d steps (best %d): %s (%s)", record["heldout_loss_before"],
                 record["heldout_loss_after"], steps, best_step, "kept" if kept else "dropped", reason)  # fmt: skip

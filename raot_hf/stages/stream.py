@@ -37,7 +37,7 @@ def stream_blocker(config, sources: list, base=None) -> str | None:
     spec = merge_rule_spec(config.merge_rule)
     if plan.estimator is not None:
         return "an alignment reads the models' activations"
-    if plan.needs_data or config.refine.steps or config.refit.steps:
+    if plan.needs_data or config.refine.steps or config.refit.requested:
         return "the rule, the correction or a refit reads calibration data"
     if not spec.per_tensor:
         return f"merge_rule={config.merge_rule!r} merges whole layers"

@@ -86,7 +86,7 @@ def sweep_applies(ctx: PairContext, parts: list[Transform], rows: list[GateDecis
     spec = merge_rule_spec(cfg.merge_rule)
     if not spec.per_tensor or spec.needs_base or spec.needs_grams or spec.needs_fisher:
         return False
-    if correction.method == "none" or not correction.compete or cfg.refit.steps or cfg.refine.steps:
+    if correction.method == "none" or not correction.compete or cfg.refit.reads_aligned or cfg.refine.steps:
         return False
     if gate.sibling_check and detect_siblings(parts).siblings:
         return False

@@ -375,6 +375,9 @@ def test_a_correction_that_helps_is_kept_and_the_merge_is_no_worse_than_the_rule
 #: take bf16 products (with float32 products the same seeds keep it, by 0.018): forced, so that the
 #: test takes the same numerics path on every host instead of the one ``auto`` picks there.
 DROPPED_PRECISION = {"moment_precision": "bfloat16"}
+#: The refit after the correction is off where a test compares merges written by different paths
+#: (docs/design.md §6.11: its targets come from B or B′, equal to round-off).
+REFIT_OFF = {"mode": "off"}
 
 
 def test_a_correction_whose_layers_leave_the_merge_further_from_its_parents_is_dropped_whole():
@@ -387,7 +390,7 @@ def test_a_correction_whose_layers_leave_the_merge_further_from_its_parents_is_d
         a, b = _model("vit", "image", seed=2), _model("vit", "image", seed=3)
         pre, data = _data("vit")
         results[method] = RaotMerger.from_models(
-            a, b, preprocessor=pre, correction={"method": method}, calibration=DROPPED_PRECISION
+            a, b, preprocessor=pre, correction={"method": method}, calibration=DROPPED_PRECISION, refit=REFIT_OFF
         ).merge(calibration=data)
     tried = results["repair"].report["merge"]["correction"]
     check = tried["competition"]["model_check"]
@@ -410,7 +413,13 @@ def test_the_model_level_check_restores_offloaded_layers_from_their_file(tmp_pat
         pre, data = _data("vit")
         files = offload_models([a, b], ["a", "b"], schema_for(a), tmp_path) if offload else None
         merger = RaotMerger.from_models(
-            a, b, preprocessor=pre, correction={"method": method}, working_files=files, calibration=DROPPED_PRECISION
+            a,
+            b,
+            preprocessor=pre,
+            correction={"method": method},
+            working_files=files,
+            calibration=DROPPED_PRECISION,
+            refit=REFIT_OFF,
         )
         merged[method] = {k: v.clone() for k, v in merger.merge(calibration=data).model.state_dict().items()}
     assert all(torch.equal(merged["repair"][k], merged["none"][k]) for k in merged["none"])

@@ -1,13 +1,21 @@
-"""The end-to-end refit of the merged model (docs/design.md §6.11): opt-in, norms and biases only,
-early-stopped on held-out examples and kept only when it beats the merge without it."""
+"""The end-to-end refit of the merged model (docs/design.md §6.11): ``auto`` where the gate moved
+B (in memory, a model with scores, at most 50 M parameters), towards the parents' predicted
+distributions or their last stream, early-stopped on half the held-out examples and kept only when
+it beats the merge without it on the other half."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from raot_hf import RaotConfig, RaotError, RaotMerger, schema_for, scramble
+from raot_hf.stages import refit as refit_stage
 from raot_hf.stages.offload import offload_models
-from raot_hf.stages.refit import refit_parameter_names
+from raot_hf.stages.refit import RefitChunk, divergences, refit_parameter_names
 from raot_hf.testing import clone, scrambled_near_copy, tiny_data, tiny_model, trained_like
+
+#: The refit as it was opt-in: norms and biases, towards the last stream.
+NORMS_HIDDEN = {"mode": "on", "parameters": "norms_biases", "target": "hidden"}
 
 SHAPE = dict(hidden_size=32, num_heads=4, num_layers=2, intermediate_size=64)
 
@@ -27,15 +35,37 @@ def _equal_states(x, y) -> bool:
 
 
 def test_refit_off_changes_nothing():
-    """``refit.steps`` 0 (the default) is no refit whatever the other refit options say: the same
-    weights, bit for bit, no ``refit`` record and no refit time."""
+    """``refit.steps`` 0 is no refit whatever the other refit options say, as ``mode="off"`` is: the
+    same weights, bit for bit, no ``refit`` record and no refit time."""
     a = _bert()
     b = scrambled_near_copy(a, seed=1, noise=0.3)
-    plain = _merge(clone(a), clone(b))
-    off = _merge(clone(a), clone(b), refit={"steps": 0, "lr": 0.5, "examples": 3, "eval_every": 1, "patience": 1})
+    plain = _merge(clone(a), clone(b), refit={"mode": "off"})
+    off = _merge(clone(a), clone(b), refit={"steps": 0, "lr": 0.5, "examples": 3, "eval_every": 1, "patience": 1,
+                                            "mode": "on"})  # fmt: skip
     assert _equal_states(plain.model, off.model)
-    assert "refit" not in off.report and "refit" not in off.report["timings"]
+    for result in (plain, off):
+        assert "refit" not in result.report and "refit" not in result.report["timings"]
     assert off.report["settings"]["refit"]["steps"] == 0
+
+
+def test_by_default_a_pair_that_differs_is_refitted_towards_its_parents_predictions():
+    """The default (``auto``, output target, every trunk parameter): the gate moved B, so the merge is
+    refitted; the judged loss — the KL divergence from the parents' mixed distribution — falls, the
+    refit is kept and written (the weights differ from the merge without it), the head is not moved."""
+    a = _bert()
+    b = scrambled_near_copy(a, seed=1, noise=0.3)
+    plain = _merge(clone(a), clone(b), refit={"mode": "off"})
+    refit = _merge(clone(a), clone(b))
+    record = refit.report["refit"]
+    assert record["ran"] and record["mode"] == "auto" and record["target"] == "output"
+    assert record["decision"].startswith("auto: the gate moved B")
+    assert record["kept"], record["reason"]
+    assert record["heldout_loss_after"] < 0.99 * record["heldout_loss_before"]
+    assert record["stop_examples"] + record["heldout_examples"] >= 8
+    head = set(schema_for(refit.model).head_params)
+    before, after = plain.model.state_dict(), refit.model.state_dict()
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert any(after[k].ndim == 2 for k in moved) and not moved & head
 
 
 def test_refit_of_a_pair_that_differs_lowers_the_heldout_loss_and_is_reported():
@@ -44,14 +74,14 @@ def test_refit_of_a_pair_that_differs_lowers_the_heldout_loss_and_is_reported():
     and the report records the run."""
     a = _bert()
     b = scrambled_near_copy(a, seed=1, noise=0.3)
-    plain = _merge(clone(a), clone(b))
-    refit = _merge(clone(a), clone(b), refit={"steps": 60, "lr": 0.01, "eval_every": 10})
+    plain = _merge(clone(a), clone(b), refit={"mode": "off"})
+    refit = _merge(clone(a), clone(b), refit={"steps": 60, "lr": 0.01, "eval_every": 10, **NORMS_HIDDEN})
     record = refit.report["refit"]
     assert record["kept"], record["reason"]
     assert record["heldout_loss_after"] < record["heldout_loss_before"]
     assert 0 < record["best_step"] <= record["steps"] <= 60
     assert record["heldout_examples"] >= 4 and record["examples"] > 0 and record["parameters"] > 0
-    assert record["curve"] and record["seconds"] > 0 and refit.report["timings"]["refit"] > 0
+    assert record["curve"] and refit.report["timings"]["refit"] > 0
     allowed = set(refit_parameter_names(refit.model, set(schema_for(refit.model).head_params)))
     before, after = plain.model.state_dict(), refit.model.state_dict()
     moved = {k for k in before if not torch.equal(before[k], after[k])}
@@ -64,8 +94,9 @@ def test_a_refit_of_every_trunk_parameter_moves_weight_matrices_too():
     task head still not); the held-out loss falls and the refit is kept."""
     a = _bert()
     b = scrambled_near_copy(a, seed=1, noise=0.3)
-    plain = _merge(clone(a), clone(b))
-    refit = _merge(clone(a), clone(b), refit={"steps": 40, "lr": 1e-3, "eval_every": 10, "parameters": "all"})
+    plain = _merge(clone(a), clone(b), refit={"mode": "off"})
+    refit = _merge(clone(a), clone(b), refit={"steps": 40, "lr": 1e-3, "eval_every": 10, "parameters": "all",
+                                              "target": "hidden", "mode": "on"})  # fmt: skip
     record = refit.report["refit"]
     assert record["kept"], record["reason"]
     assert record["heldout_loss_after"] < record["heldout_loss_before"]
@@ -75,28 +106,31 @@ def test_a_refit_of_every_trunk_parameter_moves_weight_matrices_too():
     assert any(after[k].ndim == 2 for k in moved) and not moved & head
 
 
-def test_a_refit_that_cannot_help_is_dropped_and_the_merge_is_unchanged():
-    """B = scramble(A): the merge is A, already the parents' mix (loss ~0); no refit can beat it on
-    held-out examples, so it is dropped and the weights are the no-refit merge's, bit for bit."""
+@pytest.mark.parametrize("target", ["output", "hidden"])
+def test_a_refit_that_cannot_help_is_dropped_and_the_merge_is_unchanged(target):
+    """B = scramble(A): the merge is A, already the parents' mix (loss ~0, round-off); the refit does
+    not descend, nothing is written, and the weights are the no-refit merge's, bit for bit."""
     a = _bert()
     b = clone(a)
     scramble(b, seed=1)
-    plain = _merge(clone(a), clone(b))
-    refit = _merge(clone(a), clone(b), refit={"steps": 30, "eval_every": 5, "patience": 2})
+    plain = _merge(clone(a), clone(b), refit={"mode": "off"})
+    refit = _merge(clone(a), clone(b), refit={"mode": "on", "target": target, "eval_every": 5, "patience": 2})
     record = refit.report["refit"]
-    assert not record["kept"] and record["best_step"] == 0
-    assert record["heldout_loss_before"] < 1e-9
+    assert not record["kept"] and record["best_step"] == 0 and record["steps"] == 0
+    assert record["heldout_loss_before"] <= refit_stage.FOLLOWED and "already follows" in record["reason"]
     assert _equal_states(plain.model, refit.model)
 
 
 def test_too_few_heldout_examples_leave_the_merge_alone():
-    """Three held-out examples cannot judge a refit: it does not run, and the merge is unchanged."""
+    """Three held-out examples (one to judge) cannot judge a refit: it does not run, and the merge is
+    unchanged."""
     a = _bert()
     b = scrambled_near_copy(a, seed=1, noise=0.3)
-    plain = _merge(clone(a), clone(b), n=12)
-    refit = _merge(clone(a), clone(b), n=12, refit={"steps": 20})
+    plain = _merge(clone(a), clone(b), n=12, refit={"mode": "off"})
+    refit = _merge(clone(a), clone(b), n=12, refit={"steps": 20, "mode": "on"})
     record = refit.report["refit"]
-    assert record["heldout_examples"] == 3 and record["steps"] == 0 and not record["kept"]
+    assert record["stop_examples"] + record["heldout_examples"] == 3
+    assert record["heldout_examples"] < 4 and record["steps"] == 0 and not record["kept"]
     assert "held-out examples" in record["reason"]
     assert _equal_states(plain.model, refit.model)
 
@@ -112,6 +146,9 @@ def test_too_few_heldout_examples_leave_the_merge_alone():
         ({"refit": {"examples": 0}}, "refit_examples"),
         ({"refit": {"steps": 1.5}}, "refit_steps"),
         ({"refit": {"parameters": "weights"}}, "refit_parameters"),
+        ({"refit": {"mode": "always"}}, "refit_mode"),
+        ({"refit": {"target": "logits"}}, "refit_target"),
+        ({"refit": {"z": -1}}, "refit_z"),
     ],
 )
 def test_invalid_refit_options_are_one_line_errors(options, name):
@@ -125,7 +162,7 @@ def test_a_refit_of_offloaded_models_is_refused_before_any_work(tmp_path):
     b = scrambled_near_copy(a, seed=1, noise=0.3)
     files = offload_models([a, b], ["A", "B"], schema_for(a), tmp_path)
     pre, data = tiny_data("bert", 96)
-    merger = RaotMerger.from_models(a, b, preprocessor=pre, working_files=files, refit_steps=10)
+    merger = RaotMerger.from_models(a, b, preprocessor=pre, working_files=files, refit={"mode": "on", "steps": 10})
     with pytest.raises(RaotError, match="offload") as err:
         merger.merge(calibration=data)
     assert "\n" not in str(err.value)
@@ -138,4 +175,73 @@ def test_the_refit_section_round_trips_through_json_and_keywords():
     assert again == config and again.refit.to_dict() == config.refit.to_dict()
     assert RaotConfig().replace(refit_steps=100).refit.steps == 100
     assert RaotConfig.from_dict({"refit": {"steps": 7}}).refit.steps == 7
-    assert RaotConfig().refit.steps == 0  # off by default
+    defaults = RaotConfig().refit
+    assert (defaults.mode, defaults.target, defaults.parameters) == ("auto", "output", "all")
+
+
+def test_an_offloaded_merge_skips_the_auto_refit_and_says_why(tmp_path):
+    """``auto`` does not refuse an offloaded merge: it skips the refit (the descent needs the whole
+    model in memory) and the report says so."""
+    a = _bert()
+    b = scrambled_near_copy(a, seed=1, noise=0.3)
+    files = offload_models([a, b], ["A", "B"], schema_for(a), tmp_path)
+    pre, data = tiny_data("bert", 96)
+    result = RaotMerger.from_models(a, b, preprocessor=pre, working_files=files).merge(calibration=data)
+    record = result.report["refit"]
+    assert not record["ran"] and "offloaded" in record["reason"] and "refit" not in result.report["timings"]
+
+
+def test_auto_skips_siblings_models_without_scores_and_large_models(monkeypatch):
+    """``auto`` refits only where the gate moved B, the model returns logits and it is small enough;
+    elsewhere the merge is bit for bit the one with the refit off and the report says why."""
+    a = _bert()
+    sibling = clone(a)
+    with torch.no_grad():
+        for p in sibling.parameters():
+            p.add_(1e-3 * torch.randn_like(p))
+    off, auto = _merge(clone(a), clone(sibling), refit={"mode": "off"}), _merge(clone(a), clone(sibling))
+    assert _equal_states(off.model, auto.model)
+    assert not auto.report["refit"]["ran"] and "share a basis" in auto.report["refit"]["reason"]
+
+    bare_a = trained_like(tiny_model("bert", "base", seed=0, **SHAPE), seed=0).float()
+    bare_b = scrambled_near_copy(bare_a, seed=1, noise=0.3)
+    bare = _merge(clone(bare_a), clone(bare_b))
+    assert not bare.report["refit"]["ran"] and "no logits" in bare.report["refit"]["reason"]
+    with pytest.raises(RaotError, match="refit target hidden"):
+        _merge(clone(bare_a), clone(bare_b), refit={"mode": "on"})
+
+    b = scrambled_near_copy(a, seed=1, noise=0.3)
+    monkeypatch.setattr(refit_stage, "AUTO_MAX_PARAMETERS", sum(p.numel() for p in a.parameters()) - 1)
+    large = _merge(clone(a), clone(b))
+    assert not large.report["refit"]["ran"] and "parameters >" in large.report["refit"]["reason"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 4), seq=st.integers(1, 5), vocab=st.integers(2, 6), seed=st.integers(0, 1000))
+def test_divergences_are_the_mean_kl_over_real_tokens(rows, seq, vocab, seed):
+    """Per example, the mean over real tokens of KL(p̄ ‖ softmax(scores)), p̄ a mix with zeros in it
+    (0·log 0 = 0); zero where the scores give p̄ back; a classifier's example is one token."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(rows, seq, vocab, generator=g, dtype=torch.float64)
+    target = torch.rand(rows, seq, vocab, generator=g, dtype=torch.float64)
+    target[..., 0] = 0.0
+    target = target / target.sum(-1, keepdim=True)
+    mask = torch.rand(rows, seq, generator=g) < 0.7
+    mask[:, 0] = True
+    got = divergences(scores, target, mask)
+    for r in range(rows):
+        kls = [sum(float(target[r, t, v] * (target[r, t, v].log() - scores[r, t].log_softmax(-1)[v]))
+                   for v in range(vocab) if target[r, t, v] > 0) for t in range(seq) if mask[r, t]]  # fmt: skip
+        assert got[r].item() == pytest.approx(sum(kls) / len(kls), rel=1e-9, abs=1e-12)
+    positive = target.clamp_min(1e-3)
+    positive = positive / positive.sum(-1, keepdim=True)
+    assert divergences(positive.log(), positive, mask).abs().max() < 1e-12
+    flat = divergences(scores[:, 0], target[:, 0], torch.ones(rows, 1, dtype=torch.bool))
+    assert torch.allclose(flat, divergences(scores[:, :1], target[:, :1], mask[:, :1]))
+
+
+def test_the_heldout_halves_alternate_and_together_are_every_example():
+    inputs = {"input_ids": torch.arange(7)[:, None].repeat(1, 3)}
+    chunk = RefitChunk(inputs, torch.ones(7, 3, dtype=torch.bool), torch.arange(7.0)[:, None])
+    stop, judge = chunk.rows(0), chunk.rows(1)
+    assert stop.inputs["input_ids"][:, 0].tolist() == [0, 2, 4, 6] and judge.target[:, 0].tolist() == [1, 3, 5]

@@ -131,10 +131,13 @@ def test_merges_the_sweep_does_not_serve_run_the_stages(options):
 def test_the_sweep_writes_the_stages_merge_bit_for_bit(model_type):
     """A drifted scramble on every architecture: the one sweep and the three stages decide alike,
     keep the same layers' corrections, and write the same merged weights, bit for bit — B′'s layer
-    is the applied sequence composed as transforming the whole model composes it."""
+    is the applied sequence composed as transforming the whole model composes it. (The refit that
+    follows takes its targets from B in the sweep and from B′ in the stages, equal to round-off:
+    off here, compared below.)"""
     a, b, pre, data = drifted_pair(model_type)
-    swept = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre).merge(calibration=data)
-    staged = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre, gate={"sweep": False}).merge(data)
+    off = {"refit": {"mode": "off"}}
+    swept = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre, **off).merge(calibration=data)
+    staged = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre, gate={"sweep": False}, **off).merge(data)
     assert "sweep" in swept.report["timings"] and "sweep" not in staged.report["timings"]
     assert [(d.transform, d.layer, d.applied) for d in swept.alignment.decisions] == [
         (d.transform, d.layer, d.applied) for d in staged.alignment.decisions
@@ -147,6 +150,21 @@ def test_the_sweep_writes_the_stages_merge_bit_for_bit(model_type):
     assert kept(swept) == kept(staged)
     state, reference = _state(swept), _state(staged)
     assert state.keys() == reference.keys() and all(torch.equal(state[k], reference[k]) for k in state)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "bert"])
+def test_the_default_refit_keeps_the_sweep_and_its_targets_are_the_stages_to_round_off(model_type):
+    """The default refit follows the parents' predictions, which B gives as B′ does (an exact
+    symmetry): the merge keeps its one sweep, the refit runs after it, and its loss before the refit
+    is the three stages' to round-off (their targets come from B′)."""
+    a, b, pre, data = drifted_pair(model_type)
+    swept = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre).merge(calibration=data)
+    staged = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre, gate={"sweep": False}).merge(data)
+    assert "sweep" in swept.report["timings"] and "refit" in swept.report["timings"]
+    one, three = swept.report["refit"], staged.report["refit"]
+    assert one["ran"] and three["ran"] and one["target"] == "output"
+    assert one["steps"] > 0 and three["steps"] > 0  # a drifted pair: something to follow, a descent ran
+    assert one["heldout_loss_before"] == pytest.approx(three["heldout_loss_before"], rel=1e-2)
 
 
 def test_a_merge_of_loaded_checkpoints_equals_the_merge_of_their_copies_in_memory(tmp_path):
