@@ -38,8 +38,8 @@ FAMILIES = ("vit-seeds-d64", "vit-seeds-d128", "llama-seeds-d64", "llama-seeds-d
 #: method → (options of RaotMerger.from_pretrained, needs the base, chains two-model merges)
 METHODS: dict[str, tuple[dict[str, Any], bool, bool]] = {
     "average3": ({"alignment": "none"}, False, False),
-    "raot3": ({"correction": {"method": "none"}}, False, False),
-    "default3": ({}, False, False),  # RaOT, then the least squares when the gate moved a model
+    "raot3": ({"correction": {"method": "none"}, "refit": {"mode": "off"}}, False, False),
+    "default3": ({}, False, False),  # RaOT, then the least squares and the refit when the gate moved a model
     "chained-average": ({"alignment": "none"}, False, True),
     "chained-default": ({}, False, True),
     "task_arithmetic3": ({"merge_rule": "task_arithmetic"}, True, False),

@@ -27,7 +27,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks.metrics import calibration_tokens, correction_summary
+from benchmarks.metrics import calibration_tokens, correction_summary, refit_summary
 from benchmarks.row_history import replaced_rows
 from benchmarks.update import today
 
@@ -151,6 +151,8 @@ def _evaluate_method(pair, method, dirs, model_a, parents) -> dict[str, Any]:
         "shares_basis": bool(result.alignment.shares_basis),
         "verdict": None if result.alignment.verdict is None else str(result.alignment.verdict),
         "correction": correction_summary(result.report),
+        "refit": refit_summary(result.report),
+        "timings": dict(result.report["timings"]),
         "calibration_tokens": calibration_tokens(result.report),
     }
     row["ppl"] = {c: math.exp(v) for c, v in row["loss"].items()}

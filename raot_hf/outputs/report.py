@@ -89,7 +89,7 @@ def model_card_context(report: dict[str, Any]) -> dict[str, Any]:
             {"id": m.get("id"), "revision": m.get("commit") or m.get("revision")} for m in inputs.get("models", [])[2:]
         ],
         "method": method,
-        "merge_rule": _rule_description(settings, report.get("merge") or {}),
+        "merge_rule": _with_refit(_rule_description(settings, report.get("merge") or {}), report.get("refit")),
         "base_model": base.get("id"),
         "revision_base": base.get("commit") or base.get("revision"),
         "alpha": settings.get("alpha"),
@@ -129,6 +129,18 @@ def _rule_description(settings: dict[str, Any], merge_log: dict[str, Any]) -> st
         return described
     how = correction_description(correction["method"])
     return f"{described}, then corrected layer by layer ({how} on {correction['examples']} calibration examples)"
+
+
+def _with_refit(described: str | None, refit: dict[str, Any] | None) -> str | None:
+    """The rule's description, then the end-to-end refit (docs/design.md §6.11) when it was written."""
+    if not described or not refit or not refit.get("kept"):
+        return described
+    follows = "predictions" if refit.get("target") == "output" else "last hidden states"
+    return (
+        f"{described}, then refitted end to end towards the parents' {follows} ({refit['best_step']} label-free "
+        f"steps on {refit['examples']} calibration examples; judged loss {refit['heldout_loss_before']:.4g} → "
+        f"{refit['heldout_loss_after']:.4g} on {refit['heldout_examples']} held-out examples)"
+    )
 
 
 def _mergekit_note(rule: str | None, settings: dict[str, Any]) -> str:

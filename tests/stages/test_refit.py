@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raot_hf import RaotConfig, RaotError, RaotMerger, schema_for, scramble
+from raot_hf.outputs import model_card_context
 from raot_hf.stages import refit as refit_stage
 from raot_hf.stages.offload import offload_models
 from raot_hf.stages.refit import RefitChunk, divergences, refit_parameter_names
@@ -66,6 +67,8 @@ def test_by_default_a_pair_that_differs_is_refitted_towards_its_parents_predicti
     before, after = plain.model.state_dict(), refit.model.state_dict()
     moved = {k for k in before if not torch.equal(before[k], after[k])}
     assert any(after[k].ndim == 2 for k in moved) and not moved & head
+    assert "refitted end to end towards the parents' predictions" in model_card_context(refit.report)["merge_rule"]
+    assert "refitted" not in (model_card_context(plain.report)["merge_rule"] or "")
 
 
 def test_refit_of_a_pair_that_differs_lowers_the_heldout_loss_and_is_reported():
