@@ -43,6 +43,10 @@ _OTHER_LABELS = (
     "refit target 'output' mixes the parents' predictions, but their heads predict different labels; set refit "
     "target hidden or refit mode off"
 )
+_TOO_LARGE = (
+    "refit target 'output' keeps the parents' distributions over every token, {size:.1f} GiB here (at most 1 GiB); "
+    "lower refit examples or the calibration's max length, or set refit target hidden"
+)
 _NO_SCORES = (
     "refit target 'output' follows the parents' predicted distributions, but {name} returns no logits; set "
     "refit target hidden (the last layer's stream) or refit mode off"
@@ -68,6 +72,21 @@ def _has_scores(model: torch.nn.Module, schema) -> bool:
         return False
     lm_head = getattr(model, "get_output_embeddings", lambda: None)()
     return bool(schema.head_params) or lm_head is not None
+
+
+#: The most the output target's distributions may take (float32, fit and held-out examples together).
+TARGET_BUDGET = 1 << 30
+
+
+def _target_bytes(ctx: PairContext) -> int:
+    """An upper bound on the output target's size: ``refit.examples`` fit and held-out examples,
+    each at most a distribution (over the labels, or an LM's vocabulary) per token of the
+    calibration's ``max_length``, in float32."""
+    if ctx.schema.head_params:
+        outputs = ctx.model_a.config.num_labels
+    else:
+        outputs = ctx.model_a.get_output_embeddings().weight.shape[0]
+    return 2 * ctx.config.refit.examples * ctx.config.calibration.max_length * outputs * 4
 
 
 def _parameter_count(model: torch.nn.Module) -> int:
@@ -102,6 +121,8 @@ def check_refit(pairs: list[PairContext]) -> None:
         raise RaotError(_NO_SCORES.format(name=type(ctx.model_a).__name__))
     if cfg.target == "output" and _label_spaces_differ(pairs):
         raise RaotError(_OTHER_LABELS)
+    if cfg.target == "output" and _target_bytes(ctx) > TARGET_BUDGET:
+        raise RaotError(_TOO_LARGE.format(size=_target_bytes(ctx) / 2**30))
 
 
 def refit_decision(members: list[Member]) -> tuple[bool, str]:
@@ -127,6 +148,8 @@ def refit_decision(members: list[Member]) -> tuple[bool, str]:
         return False, f"auto: {type(ctx.model_a).__name__} returns no logits to follow"
     if cfg.target == "output" and _label_spaces_differ([m.ctx for m in members]):
         return False, "auto: the parents' heads predict different labels; their predictions do not mix"
+    if cfg.target == "output" and _target_bytes(ctx) > TARGET_BUDGET:
+        return False, f"auto: the parents' distributions would take {_target_bytes(ctx) / 2**30:.1f} GiB (> 1 GiB)"
     count = _parameter_count(ctx.model_a)
     if count > AUTO_MAX_PARAMETERS:
         return False, f"auto: {count / 1e6:.0f} M parameters > {AUTO_MAX_PARAMETERS / 1e6:.0f} M; opt in with mode on"

@@ -218,6 +218,14 @@ def test_auto_skips_siblings_models_without_scores_and_large_models(monkeypatch)
     large = _merge(clone(a), clone(b))
     assert not large.report["refit"]["ran"] and "parameters >" in large.report["refit"]["reason"]
 
+    monkeypatch.setattr(refit_stage, "TARGET_BUDGET", 1024)  # the parents' distributions do not fit
+    assert "would take" in _merge(clone(a), clone(b)).report["refit"]["reason"]
+    pre, data = tiny_data("bert", 96)
+    merger = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre, refit={"mode": "on"})
+    with pytest.raises(RaotError, match="refit examples") as err:
+        merger.merge(calibration=data)
+    assert "\n" not in str(err.value) and not merger.timer.times  # refused before any work
+
 
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 4), seq=st.integers(1, 5), vocab=st.integers(2, 6), seed=st.integers(0, 1000))
