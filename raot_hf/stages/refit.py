@@ -369,8 +369,9 @@ def _descend(refit: _Refit, targets: RefitTargets, cfg, best_loss: float) -> tup
 
 def refit_merged(members: list[Member], targets: RefitTargets | None) -> dict[str, Any] | None:
     """Refit the merged model (the reference's module, after the merge) to ``targets``; keep the refit
-    iff it beats the merge without it on the held-out examples, else leave every parameter as it was.
-    Returns the report's ``refit`` record (None when the refit is off)."""
+    iff it beats the merge without it on the judged half of the held-out examples, else leave every
+    parameter as it was. Returns the report's ``refit`` record (None when the refit is off; whether
+    it ran and why when ``auto`` chose not to)."""
     ctx = members[0].ctx
     cfg = ctx.config.refit
     run, why = refit_decision(members)
