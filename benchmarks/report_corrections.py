@@ -18,6 +18,8 @@ CORRECTED = (
     "raot+refine",
     "raot+refine+lsq",
     "lsq",
+    "default-norefit",
+    "default+refit-hidden",
     "default",
 )
 BASELINES = ("raot", "raot+regmean")
@@ -48,7 +50,8 @@ def sections(grouped: dict[str, list[dict]], methods: list[str]) -> list[str]:
         "",
         "Accuracy with A's head on task A (mean ± std over runs). `default` is the product's defaults, whose",
         "correction is chosen by the gate's verdict (least squares after an applied alignment, none for",
-        "siblings).",
+        "siblings), followed where the gate moved B by the refit towards the parents' predictions",
+        "(`default-norefit`: without it; `default+refit-hidden`: towards their last hidden states).",
         "",
         *summary_table(grouped, methods),
         "",
