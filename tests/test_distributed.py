@@ -52,6 +52,7 @@ def _merged(result) -> dict:
         "state": {k: v.clone() for k, v in model_state(result.model).items()},
         "decisions": [(d["transform"], d["layer"], d["applied"]) for d in result.report["decisions"]],
         "examples": result.report["calibration"]["examples"],
+        "refit": result.report.get("refit"),
     }
 
 
@@ -108,6 +109,8 @@ def test_distributed_merge_equals_single_process(tmp_path):
     for got in ranks:
         assert got["decisions"] == reference["decisions"]
         assert got["examples"] == 29
+        # each process holds its own shard, so the default refit does not run (docs/design.md §6.11)
+        assert not got["refit"]["ran"] and "sharded" in got["refit"]["reason"]
         for name, want in reference["state"].items():
             assert _relative_error(got["state"][name], want) <= 1e-10, name
 

@@ -140,6 +140,8 @@ def refit_decision(members: list[Member]) -> tuple[bool, str]:
         return True, "requested"
     if len(ctx.working_files):
         return False, "auto: the models are offloaded layer by layer; the refit needs the whole model in memory"
+    if ctx.dist.is_distributed:  # each process reads its own shard: their refits would differ
+        return False, "auto: the calibration is sharded across processes; the refit reads one process's data"
     if ctx.base is not None or merge_rule_spec(ctx.config.merge_rule).needs_base:
         return False, "auto: a base-relative rule merges siblings; no refit"
     if members[0].run is None:
