@@ -5,7 +5,7 @@
 >>> result.save_pretrained("merged")  # doctest: +SKIP
 
 Data flows one way: load → per model after the reference: calibrate (fit) → solve → calibrate
-(held-out) → gate → apply + check; then merge → refit (opt-in) → report, each a function of :mod:`raot_hf.stages`.
+(held-out) → gate → apply + check; then merge → refit (auto, §6.11) → report, each a function of :mod:`raot_hf.stages`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The ``refit`` options section: the opt-in end-to-end refit of the merged model's norms and
-biases (docs/design.md §6.11; the stage is :mod:`raot_hf.stages.refit`).
+"""The ``refit`` options section: the end-to-end refit of the merged model towards its parents'
+predictions (docs/design.md §6.11; ``auto`` by default; the stage is :mod:`raot_hf.stages.refit`).
 
 It lives here, not beside its stage, because :mod:`raot_hf.config.core` imports every built-in
 section and the stage imports the member records (:mod:`raot_hf.stages.members`), which import
