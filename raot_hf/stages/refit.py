@@ -65,64 +65,55 @@ MIN_GAIN = 0.01
 AUTO_MAX_PARAMETERS = 50_000_000
 
 
-def _has_scores(model: torch.nn.Module, schema) -> bool:
-    """Whether ``model`` returns ``logits``: a task head or an LM head (not a bare encoder, and not a
-    question-answering head, whose outputs are two score vectors)."""
-    if type(model).__name__.endswith("ForQuestionAnswering"):
-        return False
-    lm_head = getattr(model, "get_output_embeddings", lambda: None)()
-    return bool(schema.head_params) or lm_head is not None
-
-
 #: The most the output target's distributions may take (float32, fit and held-out examples together).
 TARGET_BUDGET = 1 << 30
 
 
-def _target_bytes(ctx: PairContext) -> int:
-    """An upper bound on the output target's size: ``refit.examples`` fit and held-out examples,
-    each at most a distribution (over the labels, or an LM's vocabulary) per token of the
-    calibration's ``max_length``, in float32."""
-    if ctx.schema.head_params:
-        outputs = ctx.model_a.config.num_labels
-    else:
-        outputs = ctx.model_a.get_output_embeddings().weight.shape[0]
-    return 2 * ctx.config.refit.examples * ctx.config.calibration.max_length * outputs * 4
-
-
-def _parameter_count(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in dict(model.named_parameters()).values())
-
-
-def _label_spaces_differ(pairs: list[PairContext]) -> bool:
-    """Whether the models' heads predict different things: a different number of outputs (labels,
-    or an LM's vocabulary), or different label names — then their predictions do not mix."""
-
-    def space(model):
-        if not pairs[0].schema.head_params:  # an LM head: its vocabulary
-            return ("vocabulary", model.get_output_embeddings().weight.shape[0])
+def _prediction_space(model: torch.nn.Module, schema) -> tuple | None:
+    """What ``model``'s ``logits`` range over: ``("labels", count, names)`` for a task head,
+    ``("vocabulary", size)`` for an LM head; None where it returns no logits (a bare encoder, or a
+    question-answering head, whose outputs are two score vectors)."""
+    if type(model).__name__.endswith("ForQuestionAnswering"):
+        return None
+    if schema.head_params:
         names = {int(k): str(v) for k, v in (getattr(model.config, "id2label", None) or {}).items()}
         return ("labels", model.config.num_labels, tuple(sorted(names.items())))
+    lm_head = getattr(model, "get_output_embeddings", lambda: None)()
+    return None if lm_head is None else ("vocabulary", lm_head.weight.shape[0])
 
-    spaces = {space(pairs[0].model_a), *(space(p.model_b) for p in pairs)}
-    return len(spaces) > 1
+
+def _output_target_problem(pairs: list[PairContext]) -> tuple[str, str] | None:
+    """Why the output target cannot serve these models (None: it can), as the one-line error of a
+    requested refit and the reason an ``auto`` refit gives: no logits; parents whose heads predict
+    different labels (their predictions do not mix); or distributions beyond
+    :data:`TARGET_BUDGET` (``refit.examples`` fit and held-out examples, each at most a
+    distribution per token of the calibration's ``max_length``, in float32)."""
+    ctx = pairs[0]
+    space = _prediction_space(ctx.model_a, ctx.schema)
+    if space is None:
+        name = type(ctx.model_a).__name__
+        return _NO_SCORES.format(name=name), f"{name} returns no logits to follow"
+    if any(_prediction_space(p.model_b, ctx.schema) != space for p in pairs):
+        return _OTHER_LABELS, "the parents' heads predict different labels; their predictions do not mix"
+    size = 2 * ctx.config.refit.examples * ctx.config.calibration.max_length * space[1] * 4 / 2**30
+    if size > TARGET_BUDGET / 2**30:
+        return _TOO_LARGE.format(size=size), f"the parents' distributions would take {size:.1f} GiB (> 1 GiB)"
+    return None
 
 
 def check_refit(pairs: list[PairContext]) -> None:
     """Refuse, before any work, a refit asked for (``mode="on"``) that cannot run: offloaded models
-    (the refit holds the whole model's graph), or an output target on a model without scores or
-    on parents whose heads predict different labels."""
+    (the refit holds the whole model's graph), or an output target the models cannot serve
+    (:func:`_output_target_problem`)."""
     ctx = pairs[0]
     cfg = ctx.config.refit
     if not cfg.requested:
         return
     if len(ctx.working_files):
         raise RaotError(_OFFLOADED)
-    if cfg.target == "output" and not _has_scores(ctx.model_a, ctx.schema):
-        raise RaotError(_NO_SCORES.format(name=type(ctx.model_a).__name__))
-    if cfg.target == "output" and _label_spaces_differ(pairs):
-        raise RaotError(_OTHER_LABELS)
-    if cfg.target == "output" and _target_bytes(ctx) > TARGET_BUDGET:
-        raise RaotError(_TOO_LARGE.format(size=_target_bytes(ctx) / 2**30))
+    problem = _output_target_problem(pairs) if cfg.target == "output" else None
+    if problem is not None:
+        raise RaotError(problem[0])
 
 
 def refit_decision(members: list[Member]) -> tuple[bool, str]:
@@ -146,13 +137,10 @@ def refit_decision(members: list[Member]) -> tuple[bool, str]:
         return False, "auto: a base-relative rule merges siblings; no refit"
     if members[0].run is None:
         return False, "auto: the merge read no calibration data"
-    if cfg.target == "output" and not _has_scores(ctx.model_a, ctx.schema):
-        return False, f"auto: {type(ctx.model_a).__name__} returns no logits to follow"
-    if cfg.target == "output" and _label_spaces_differ([m.ctx for m in members]):
-        return False, "auto: the parents' heads predict different labels; their predictions do not mix"
-    if cfg.target == "output" and _target_bytes(ctx) > TARGET_BUDGET:
-        return False, f"auto: the parents' distributions would take {_target_bytes(ctx) / 2**30:.1f} GiB (> 1 GiB)"
-    count = _parameter_count(ctx.model_a)
+    problem = _output_target_problem([m.ctx for m in members]) if cfg.target == "output" else None
+    if problem is not None:
+        return False, f"auto: {problem[1]}"
+    count = sum(p.numel() for p in ctx.model_a.parameters())  # tied parameters once
     if count > AUTO_MAX_PARAMETERS:
         return False, f"auto: {count / 1e6:.0f} M parameters > {AUTO_MAX_PARAMETERS / 1e6:.0f} M; opt in with mode on"
     if moved_any(members) is False:
@@ -169,8 +157,8 @@ def moved_any(members: list[Member]) -> bool | None:
 
 @dataclass
 class RefitChunk:
-    """One calibration batch of the refit: its inputs, real tokens (``(rows, seq)`` bool) and the
-    target, the parents' mix of their last layer's outputs."""
+    """One calibration batch of the refit: its inputs, real tokens (``(rows, seq)`` bool; one column
+    for a classifier's per-example prediction) and the target, the parents' mix (§6.11)."""
 
     inputs: dict[str, torch.Tensor]
     mask: torch.Tensor
@@ -229,10 +217,9 @@ def _chunks(ctx: PairContext, run, split: str, count: int, parents: list, mix: l
             if target_kind == "output":
                 y = y.softmax(dim=-1)
             target = w * y if target is None else target.add_(y, alpha=w)
-        rows = target.shape[:2] if target.dim() == 3 else target.shape[:1] + (1,)
         mask = example["mask"]
-        if mask is None or target.dim() == 2:  # one prediction per example: every example counts once
-            mask = torch.ones(rows, dtype=torch.bool)
+        if mask is None or target.dim() == 2:  # every token counts; a classifier's example is one token
+            mask = torch.ones(target.shape[:2] if target.dim() == 3 else (target.shape[0], 1), dtype=torch.bool)
         out.append(RefitChunk(example["inputs"], mask.to(target.device), target))
     return out
 
@@ -376,9 +363,9 @@ def refit_merged(members: list[Member], targets: RefitTargets | None) -> dict[st
     it ran and why when ``auto`` chose not to)."""
     ctx = members[0].ctx
     cfg = ctx.config.refit
-    run, why = refit_decision(members)
     if cfg.mode == "off" or not cfg.steps:
         return None
+    run, why = refit_decision(members)
     if targets is None or not run:
         return {"ran": False, "kept": False, "reason": why, "mode": cfg.mode}
     with ctx.timer.stage("refit"), torch.enable_grad():
