@@ -48,10 +48,11 @@ def corpus_split(corpus: str, split: str) -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=1)
 def tokenizer():
-    """The shared WordPiece tokenizer (built from both corpora's training splits)."""
+    """The shared WordPiece tokenizer (built from both corpora's training splits); it returns no
+    token types, which the decoders are trained and scored without."""
     from benchmarks.zoo.text import build_wordpiece_tokenizer
 
-    return build_wordpiece_tokenizer(list(corpus_split("mixed", "train")), VOCAB_SIZE)
+    return build_wordpiece_tokenizer(list(corpus_split("mixed", "train")), VOCAB_SIZE, token_types=False)
 
 
 def encode(texts, max_length: int = MAX_LENGTH) -> dict[str, torch.Tensor]:

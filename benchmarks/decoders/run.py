@@ -93,7 +93,7 @@ def _losses(model, corpora) -> dict[str, float]:
 def _merge(pair, method, dirs) -> tuple[Any, Any, float]:
     from datasets import Dataset
 
-    from benchmarks.decoders.lm import MAX_LENGTH, corpus_split
+    from benchmarks.decoders.lm import MAX_LENGTH, corpus_split, tokenizer
     from benchmarks.methods import base_keyword
     from raot_hf import RaotMerger
 
@@ -107,8 +107,12 @@ def _merge(pair, method, dirs) -> tuple[Any, Any, float]:
     if method.needs_base:
         options[base_keyword()] = dirs["base"]
     texts = corpus_split(pair.calibration_corpus, "calibration")[:CALIBRATION_TEXTS]
+    encoder = tokenizer()  # before the clock; a cached parent may hold a tokenizer that returned token types
     started = time.perf_counter()
     merger = RaotMerger.from_pretrained(dirs["a"], dirs["b"], **options)
+    # calibration encoded as the decoders are trained and scored: without token types (a GPT-2
+    # given them adds the embedding of token 0 to every position)
+    merger.preprocessor = encoder
     result = merger.merge(calibration=Dataset.from_dict({"text": list(texts)}))
     return merger, result, time.perf_counter() - started
 

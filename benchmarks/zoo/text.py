@@ -142,12 +142,14 @@ def load_text_dataset(name: str = "rotten_tomatoes") -> DatasetDict:
     return DatasetDict({"train": make(train), "calibration": make(calibration), "test": make(test)})
 
 
-def build_wordpiece_tokenizer(texts: list[str], vocab_size: int = 8000):
+def build_wordpiece_tokenizer(texts: list[str], vocab_size: int = 8000, *, token_types: bool = True):
     """Build a BERT WordPiece tokenizer from ``texts``, deterministically (pure Python counts).
 
     The vocabulary is the special tokens, every character seen (alone and as ``##`` suffix, so no
     word becomes ``[UNK]``), then the most frequent whole words (ties broken alphabetically) up
-    to ``vocab_size``. Text is normalized and split as BERT uncased does.
+    to ``vocab_size``. Text is normalized and split as BERT uncased does. ``token_types=False``:
+    it returns no ``token_type_ids`` (for a decoder, which is trained and scored without them; a
+    GPT-2 given them adds the embedding of token 0 to every position).
     """
     from tokenizers.normalizers import BertNormalizer
     from tokenizers.pre_tokenizers import BertPreTokenizer
@@ -164,7 +166,8 @@ def build_wordpiece_tokenizer(texts: list[str], vocab_size: int = 8000):
     known = set(vocab)
     ranked = sorted(word_counts.items(), key=lambda item: (-item[1], item[0]))
     vocab += [word for word, _ in ranked if word not in known][: vocab_size - len(vocab)]
-    return BertTokenizer(vocab={token: index for index, token in enumerate(vocab)}, do_lower_case=True)
+    names = {} if token_types else {"model_input_names": ["input_ids", "attention_mask"]}
+    return BertTokenizer(vocab={token: index for index, token in enumerate(vocab)}, do_lower_case=True, **names)
 
 
 def build_bert(

@@ -359,3 +359,36 @@ def test_cache_keys_of_existing_builds_never_change(tmp_path):
         (tmp_path / name / "zoo_info.json").write_text("{}")
     for name, build in builds.items():
         assert build() == tmp_path / name
+
+
+def test_the_decoders_tokenizer_returns_only_what_they_are_trained_and_scored_with(offline_text, tmp_path):
+    """The decoders are trained and scored on ids and mask alone; calibration reads every tensor the
+    tokenizer returns, and a GPT-2 given token types adds the embedding of token 0 to every position.
+    The decoders' tokenizer returns none (also once saved and loaded, as a parent's folder holds it);
+    a default WordPiece tokenizer does, and they change a GPT-2's output."""
+    import transformers
+
+    from benchmarks.decoders import lm
+
+    lm.corpus_split.cache_clear()
+    lm.tokenizer.cache_clear()
+    try:
+        texts = list(lm.corpus_split("reviews", "test")[:8])
+        decoder_tokenizer = lm.tokenizer()
+        decoder_tokenizer.save_pretrained(tmp_path)
+        reloaded = transformers.AutoTokenizer.from_pretrained(tmp_path)
+        for tok in (decoder_tokenizer, reloaded):
+            assert set(tok(texts, padding=True, return_tensors="pt")) == {"input_ids", "attention_mask"}
+        config = lm.model_config("gpt2", 32)
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config).eval()
+        typed = build_wordpiece_tokenizer(list(lm.corpus_split("mixed", "train")), lm.VOCAB_SIZE)
+        encoded = typed(texts, padding=True, return_tensors="pt")
+        assert "token_type_ids" in encoded
+        with torch.no_grad():
+            plain = model(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"]).logits
+            assert not torch.equal(model(**encoded).logits, plain)
+            assert torch.equal(model(**decoder_tokenizer(texts, padding=True, return_tensors="pt")).logits, plain)
+    finally:
+        lm.corpus_split.cache_clear()
+        lm.tokenizer.cache_clear()
