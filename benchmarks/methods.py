@@ -284,6 +284,13 @@ METHODS = (
         "rules",
     ),
     Method(
+        "default+refit-confident",
+        "the product's defaults with the refit's confident teacher (per token, each parent's prediction weighted "
+        "by exp(−entropy))",
+        {"refit": {"teacher": "confident"}},
+        "rules",
+    ),
+    Method(
         "default+refit",
         "the correction, then the refit of the merged model's norms and biases towards the parents' last stream "
         "(200 label-free steps, lr 1e-3, patience 3)",

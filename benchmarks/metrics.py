@@ -237,7 +237,8 @@ def refit_summary(report: dict) -> dict | None:
     refit = report.get("refit")
     if not refit:
         return None
-    keys = ("ran", "kept", "reason", "target", "steps", "best_step", "heldout_loss_before", "heldout_loss_after")
+    keys = ("ran", "kept", "reason", "target", "teacher", "steps", "best_step", "heldout_loss_before",
+            "heldout_loss_after")  # fmt: skip
     return {k: refit.get(k) for k in keys}
 
 

@@ -20,6 +20,7 @@ CORRECTED = (
     "lsq",
     "default-norefit",
     "default+refit-hidden",
+    "default+refit-confident",
     "default",
 )
 BASELINES = ("raot", "raot+regmean")
@@ -51,7 +52,8 @@ def sections(grouped: dict[str, list[dict]], methods: list[str]) -> list[str]:
         "Accuracy with A's head on task A (mean ± std over runs). `default` is the product's defaults, whose",
         "correction is chosen by the gate's verdict (least squares after an applied alignment, none for",
         "siblings), followed where the gate moved B by the refit towards the parents' predictions",
-        "(`default-norefit`: without it; `default+refit-hidden`: towards their last hidden states).",
+        "(`default-norefit`: without it; `default+refit-hidden`: towards their last hidden states;",
+        "`default+refit-confident`: towards their predictions, each weighted per example by its confidence).",
         "",
         *summary_table(grouped, methods),
         "",

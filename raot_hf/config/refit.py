@@ -21,6 +21,8 @@ REFIT_PARAMETERS = ("norms_biases", "all")
 REFIT_MODES = ("auto", "on", "off")
 #: What the refit follows (:func:`raot_hf.stages.refit.refit_targets`).
 REFIT_TARGETS = ("hidden", "output")
+#: How the output target mixes the parents' predictions (``confident``: :func:`raot_hf.stages.refit.confident_mix`).
+REFIT_TEACHERS = ("mix", "confident")
 
 
 @register_section
@@ -75,6 +77,14 @@ class RefitOptions(OptionSection):
                       choices=REFIT_TARGETS),
     )  # fmt: skip
 
+    teacher: str = field(
+        default="mix",
+        metadata=meta("Refit of the merged model, output target: how the parents' predictions are mixed — mix (the "
+                      "merge weights) or confident (per token, each parent's weight times exp(−entropy) of its "
+                      "prediction, normalised: where one parent is sure and the other is not, the sure one leads).",
+                      "refit_teacher", choices=REFIT_TEACHERS),
+    )  # fmt: skip
+
     z: float = field(
         default=0.0,
         metadata=meta("Refit of the merged model: standard errors by which its mean gain on the judged held-out "
@@ -99,6 +109,12 @@ class RefitOptions(OptionSection):
         check_choice("refit_mode", self.mode, REFIT_MODES)
         check_choice("refit_parameters", self.parameters, REFIT_PARAMETERS)
         check_choice("refit_target", self.target, REFIT_TARGETS)
+        check_choice("refit_teacher", self.teacher, REFIT_TEACHERS)
+        if self.teacher != "mix" and self.target != "output":
+            raise RaotError(
+                f"refit_teacher={self.teacher!r} weighs the parents' predicted distributions; set refit_target "
+                "output or refit_teacher mix"
+            )
         if self.z < 0:
             raise RaotError(f"refit_z={self.z} must be ≥ 0 (standard errors of the judged gain)")
         check_non_negative_int("refit_steps", self.steps)

@@ -207,21 +207,42 @@ def _output(model: torch.nn.Module, target: str, last: str, inputs: dict, params
 def _chunks(ctx: PairContext, run, split: str, count: int, parents: list, mix: list[float], last: str):
     """At most ``count`` examples of ``split``, each chunk with the parents' mix: of their last
     layer's streams ``Σ w_p·y_p`` (``refit.target="hidden"``), or of their predicted
-    distributions ``Σ w_p·softmax(z_p)`` (``"output"``, each parent through its own head)."""
-    target_kind, out = ctx.config.refit.target, []
+    distributions ``Σ w_p·softmax(z_p)`` (``"output"``, each parent through its own head), one
+    parent at a time; or the confident teacher's (:func:`confident_mix`), which holds every
+    parent's distributions of one batch at once."""
+    target_kind, teacher, out = ctx.config.refit.target, ctx.config.refit.teacher, []
     for example in calibration_examples(ctx, run, split, count):
         target = None
-        for model, w in zip(parents, mix, strict=True):
-            y = _output(model, target_kind, last, example["inputs"])
-            y = y.to(torch.promote_types(y.dtype, torch.float32))  # the mix in float32 at least
-            if target_kind == "output":
-                y = y.softmax(dim=-1)
-            target = w * y if target is None else target.add_(y, alpha=w)
+        if target_kind == "output" and teacher != "mix":
+            scores = [_output(m, target_kind, last, example["inputs"]) for m in parents]
+            distributions = [z.to(torch.promote_types(z.dtype, torch.float32)).softmax(dim=-1) for z in scores]
+            target = confident_mix(distributions, mix)
+        else:
+            for model, w in zip(parents, mix, strict=True):
+                y = _output(model, target_kind, last, example["inputs"])
+                y = y.to(torch.promote_types(y.dtype, torch.float32))  # the mix in float32 at least
+                if target_kind == "output":
+                    y = y.softmax(dim=-1)
+                target = w * y if target is None else target.add_(y, alpha=w)
         mask = example["mask"]
         if mask is None or target.dim() == 2:  # every token counts; a classifier's example is one token
             mask = torch.ones(target.shape[:2] if target.dim() == 3 else (target.shape[0], 1), dtype=torch.bool)
         out.append(RefitChunk(example["inputs"], mask.to(target.device), target))
     return out
+
+
+def confident_mix(distributions: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """The confident teacher (``refit.teacher="confident"``, docs/design.md §6.11): from the parents'
+    predicted ``distributions`` (each ``(..., classes)``) and their merge ``weights``, per token
+    ``Σ α_p·p_p`` with ``α = softmax_p(log w_p − H(p_p))`` — each parent's weight times ``exp(−H)``
+    of its prediction, normalised. Parents as sure as each other keep their merge weights (the
+    plain mix ``Σ w_p·p_p``); where one is sure and the other is not (a parent reading data of a
+    task it was not trained on), the sure one leads."""
+    stacked = torch.stack(distributions)  # (parents, ..., classes)
+    entropy = -torch.xlogy(stacked, stacked).sum(dim=-1, keepdim=True)  # 0·log 0 = 0
+    log_w = torch.tensor(weights, dtype=stacked.dtype, device=stacked.device).log()
+    alpha = (log_w.view(-1, *([1] * (stacked.dim() - 1))) - entropy).softmax(dim=0)
+    return (alpha * stacked).sum(dim=0)
 
 
 def refit_targets(members: list[Member], calibration=None, early=None) -> RefitTargets | None:
@@ -408,6 +429,7 @@ def refit_merged(members: list[Member], targets: RefitTargets | None) -> dict[st
         "kept": kept,
         "reason": reason,
         "target": cfg.target,
+        **({"teacher": cfg.teacher} if cfg.target == "output" else {}),
         "steps": steps,
         "best_step": best_step,
         "parameters": len(refit.read),

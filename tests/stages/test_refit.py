@@ -12,7 +12,7 @@ from raot_hf import RaotConfig, RaotError, RaotMerger, schema_for, scramble
 from raot_hf.outputs import model_card_context
 from raot_hf.stages import refit as refit_stage
 from raot_hf.stages.offload import offload_models
-from raot_hf.stages.refit import RefitChunk, divergences, refit_parameter_names
+from raot_hf.stages.refit import RefitChunk, confident_mix, divergences, refit_parameter_names
 from raot_hf.testing import clone, scrambled_near_copy, tiny_data, tiny_model, trained_like
 
 #: The refit as it was opt-in: norms and biases, towards the last stream.
@@ -152,6 +152,8 @@ def test_too_few_heldout_examples_leave_the_merge_alone():
         ({"refit": {"mode": "always"}}, "refit_mode"),
         ({"refit": {"target": "logits"}}, "refit_target"),
         ({"refit": {"z": -1}}, "refit_z"),
+        ({"refit": {"teacher": "sure"}}, "refit_teacher"),
+        ({"refit": {"teacher": "confident", "target": "hidden"}}, "refit_teacher"),
     ],
 )
 def test_invalid_refit_options_are_one_line_errors(options, name):
@@ -256,3 +258,52 @@ def test_the_heldout_halves_alternate_and_together_are_every_example():
     chunk = RefitChunk(inputs, torch.ones(7, 3, dtype=torch.bool), torch.arange(7.0)[:, None])
     stop, judge = chunk.rows(0), chunk.rows(1)
     assert stop.inputs["input_ids"][:, 0].tolist() == [0, 2, 4, 6] and judge.target[:, 0].tolist() == [1, 3, 5]
+
+
+@settings(max_examples=40, deadline=None)
+@given(parents=st.integers(2, 3), rows=st.integers(1, 3), classes=st.integers(2, 6), seed=st.integers(0, 1000))
+def test_the_confident_teacher_weighs_each_parent_by_its_weight_times_exp_minus_entropy(parents, rows, classes, seed):
+    """Per token α_p ∝ w_p·exp(−H(p_p)), written out one token at a time; a distribution; parents
+    as sure as each other (the same distribution up to a permutation of classes) keep their merge
+    weights, the plain mix."""
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.rand(parents, generator=g, dtype=torch.float64) + 0.1
+    weights = (weights / weights.sum()).tolist()
+    dists = [torch.rand(rows, classes, generator=g, dtype=torch.float64).softmax(-1) for _ in range(parents)]
+    got = confident_mix(dists, weights)
+    for r in range(rows):
+        sure = [w * float(torch.exp((p[r] * p[r].log()).sum())) for p, w in zip(dists, weights)]
+        want = sum(s / sum(sure) * p[r] for s, p in zip(sure, dists))
+        assert torch.allclose(got[r], want, rtol=1e-12, atol=1e-15)
+    assert torch.allclose(got.sum(-1), torch.ones(rows, dtype=torch.float64))
+    permuted = [dists[0][:, torch.randperm(classes, generator=g)] for _ in range(parents)]
+    plain = sum(w * p for w, p in zip(weights, permuted))
+    assert torch.allclose(confident_mix(permuted, weights), plain, rtol=1e-12, atol=1e-15)
+
+
+def test_where_one_parent_is_sure_and_the_other_is_not_the_confident_teacher_follows_the_sure_one():
+    """A parent near one-hot and one near uniform: the plain mix halves the sure parent's top class,
+    the confident teacher keeps most of it (α ≥ 0.8 for 10 classes)."""
+    sure = torch.full((1, 10), 1e-4, dtype=torch.float64)
+    sure[0, 3] = 1.0
+    sure = sure / sure.sum()
+    unsure = torch.full((1, 10), 0.1, dtype=torch.float64)
+    mixed = confident_mix([sure, unsure], [0.5, 0.5])
+    plain = 0.5 * sure + 0.5 * unsure
+    assert mixed[0, 3] > 0.8 * sure[0, 3] and plain[0, 3] < 0.6 * sure[0, 3]
+    assert torch.allclose(confident_mix([unsure, sure], [0.5, 0.5]), mixed)
+
+
+def test_a_refit_with_the_confident_teacher_runs_is_judged_and_names_its_teacher():
+    """End to end: the confident teacher's refit lowers the judged loss of a pair that differs and
+    differs from the plain mix's refit; the record names the teacher (only the output target has one)."""
+    a = _bert()
+    b = scrambled_near_copy(a, seed=1, noise=0.3)
+    plain = _merge(clone(a), clone(b), refit={"steps": 40, "mode": "on"})
+    confident = _merge(clone(a), clone(b), refit={"steps": 40, "mode": "on", "teacher": "confident"})
+    record = confident.report["refit"]
+    assert record["teacher"] == "confident" and plain.report["refit"]["teacher"] == "mix"
+    assert record["ran"] and record["heldout_loss_after"] < record["heldout_loss_before"]
+    assert not _equal_states(plain.model, confident.model)
+    hidden = _merge(clone(a), clone(b), refit={"steps": 5, "mode": "on", "target": "hidden"})
+    assert "teacher" not in hidden.report["refit"]
