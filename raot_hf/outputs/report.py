@@ -136,6 +136,8 @@ def _with_refit(described: str | None, refit: dict[str, Any] | None) -> str | No
     if not described or not refit or not refit.get("kept"):
         return described
     follows = "predictions" if refit.get("target") == "output" else "last hidden states"
+    if refit.get("teacher") == "confident":
+        follows = "predictions, each weighted per token by its confidence"
     return (
         f"{described}, then refitted end to end towards the parents' {follows} ({refit['best_step']} label-free "
         f"steps on {refit['examples']} calibration examples; judged loss {refit['heldout_loss_before']:.4g} → "

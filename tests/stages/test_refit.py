@@ -305,5 +305,6 @@ def test_a_refit_with_the_confident_teacher_runs_is_judged_and_names_its_teacher
     assert record["teacher"] == "confident" and plain.report["refit"]["teacher"] == "mix"
     assert record["ran"] and record["heldout_loss_after"] < record["heldout_loss_before"]
     assert not _equal_states(plain.model, confident.model)
+    assert "weighted per token by its confidence" in model_card_context(confident.report)["merge_rule"]
     hidden = _merge(clone(a), clone(b), refit={"steps": 5, "mode": "on", "target": "hidden"})
     assert "teacher" not in hidden.report["refit"]
