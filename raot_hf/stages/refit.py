@@ -210,19 +210,20 @@ def _chunks(ctx: PairContext, run, split: str, count: int, parents: list, mix: l
     distributions ``Σ w_p·softmax(z_p)`` (``"output"``, each parent through its own head), one
     parent at a time; or the confident teacher's (:func:`confident_mix`), which holds every
     parent's distributions of one batch at once."""
-    target_kind, teacher, out = ctx.config.refit.target, ctx.config.refit.teacher, []
+    target_kind, out = ctx.config.refit.target, []
+
+    def parent_output(model, inputs) -> torch.Tensor:
+        y = _output(model, target_kind, last, inputs)
+        y = y.to(torch.promote_types(y.dtype, torch.float32))  # the mix in float32 at least
+        return y.softmax(dim=-1) if target_kind == "output" else y
+
     for example in calibration_examples(ctx, run, split, count):
         target = None
-        if target_kind == "output" and teacher != "mix":
-            scores = [_output(m, target_kind, last, example["inputs"]) for m in parents]
-            distributions = [z.to(torch.promote_types(z.dtype, torch.float32)).softmax(dim=-1) for z in scores]
-            target = confident_mix(distributions, mix)
+        if ctx.config.refit.teacher == "confident":  # the output target's only (RefitOptions)
+            target = confident_mix([parent_output(m, example["inputs"]) for m in parents], mix)
         else:
             for model, w in zip(parents, mix, strict=True):
-                y = _output(model, target_kind, last, example["inputs"])
-                y = y.to(torch.promote_types(y.dtype, torch.float32))  # the mix in float32 at least
-                if target_kind == "output":
-                    y = y.softmax(dim=-1)
+                y = parent_output(model, example["inputs"])
                 target = w * y if target is None else target.add_(y, alpha=w)
         mask = example["mask"]
         if mask is None or target.dim() == 2:  # every token counts; a classifier's example is one token
