@@ -20,6 +20,7 @@ from raot_hf.merging.base_rules import (
     check_base_states,
     elect_signs,
     keep_top_magnitudes,
+    merge_dare_linear,
     merge_dare_ties,
     merge_task_arithmetic,
     merge_ties,
@@ -29,7 +30,6 @@ from raot_hf.merging.base_rules import (
 from raot_hf.merging.layered import count_layers
 from raot_hf.merging.log import RuleLog
 from raot_hf.merging.mergekit_rules import (
-    TASK_RULES,
     MergekitOptions,
     breadcrumbs,
     breadcrumbs_ties,
@@ -37,6 +37,7 @@ from raot_hf.merging.mergekit_rules import (
     della_linear,
     model_stock,
     nuslerp,
+    passthrough,
     slerp,
 )
 from raot_hf.merging.rules import (
@@ -66,6 +67,12 @@ class MergeRuleSpec:
     * ``max_models``: the most models the rule merges (SLERP's two); None: any number.
     * ``layered``: options may vary by layer or module; called with ``layer_count=``.
     * ``absolute_weights``: reads the weights as given (mergekit's); gets ``models.densities`` for two models too.
+    * ``file_parameters``: the parameters a merge file gives the whole merge (mergekit's names) → the
+      rule's keyword; ``model_parameters``: those it gives each model → (the keyword of the list
+      with one value per model, mergekit's default; None: the weight's 1/N).
+    * ``base_role``: what a merge file's ``base_model`` is to a rule that does not need a base:
+      ``origin`` (of task vectors, when given: NuSLERP), ``first`` (the first model: SLERP's t = 0)
+      or ``model`` (one more model merged, as mergekit does). A rule that needs one takes it as origin.
     """
 
     name: str
@@ -78,6 +85,9 @@ class MergeRuleSpec:
     max_models: int | None = None
     layered: bool = False
     absolute_weights: bool = False
+    file_parameters: Mapping[str, str] = field(default_factory=dict)
+    model_parameters: Mapping[str, tuple[str, Any]] = field(default_factory=dict)
+    base_role: str = "model"
 
 
 _RULES: dict[str, MergeRuleSpec] = {}
@@ -152,26 +162,54 @@ def apply_rule(spec: MergeRuleSpec, states: list, weights: list[float], **inputs
     return merged, log if isinstance(log, RuleLog) else RuleLog.from_dict(log)
 
 
-_TASK = {"needs_base": True, "per_tensor": True, "config": BaseRuleOptions}
+#: mergekit's parameters of the generalized task-arithmetic rules, as merge files name them: the
+#: whole merge's (name → the rule's keyword) and each model's (name → the keyword of the list
+#: with one value per model, and mergekit's default).
+_GTA_FILE = {"lambda": "scale", "normalize": "normalize", "rescale": "rescale", "int8_mask": "int8_mask"}
+_GTA_MODEL = {"weight": ("weights", None), "density": ("densities", 1.0)}
+_TASK = {"needs_base": True, "per_tensor": True, "config": BaseRuleOptions, "file_parameters": _GTA_FILE}
 _MERGEKIT = {"per_tensor": True, "layered": True, "config": MergekitOptions}
 _TIES = {"density": "base_rules.density", "scale": "base_rules.task_scale"}
-register_merge_rule("linear", merge_linear, per_tensor=True)
+_WEIGHT = {"weight": ("weights", None)}
+register_merge_rule(
+    "linear", merge_linear, per_tensor=True, file_parameters={"normalize": "normalize"}, model_parameters=_WEIGHT
+)
 register_merge_rule("regmean", merge_regmean, needs_grams=True, config=RegMeanOptions)
 register_merge_rule("fisher", merge_fisher, needs_fisher=True, config=FisherOptions, options={})
-register_merge_rule("task_arithmetic", merge_task_arithmetic, **_TASK, options={"scale": "base_rules.task_scale"})
-register_merge_rule("ties", merge_ties, **_TASK, options=_TIES)
-register_merge_rule("dare_ties", merge_dare_ties, **_TASK, options={**_TIES, "seed": "seed"})
-register_merge_rule("slerp", slerp, **_MERGEKIT, max_models=2, options={"t": "mergekit.t"})
-_NUSLERP = {"row_wise": "mergekit.row_wise", "flatten": "mergekit.flatten"}
-register_merge_rule("nuslerp", nuslerp, **_MERGEKIT, max_models=2, absolute_weights=True, options=_NUSLERP)
 register_merge_rule(
-    "model_stock", model_stock, **_MERGEKIT, needs_base=True, options={"filter_wise": "mergekit.filter_wise"}
+    "task_arithmetic", merge_task_arithmetic, **_TASK, model_parameters=_GTA_MODEL,
+    options={"scale": "base_rules.task_scale"},
+)  # fmt: skip
+register_merge_rule("ties", merge_ties, **_TASK, options=_TIES, model_parameters=_GTA_MODEL)
+for _name, _rule in (("dare_ties", merge_dare_ties), ("dare_linear", merge_dare_linear)):
+    register_merge_rule(_name, _rule, **_TASK, options={**_TIES, "seed": "seed"}, model_parameters=_GTA_MODEL)
+register_merge_rule(
+    "slerp", slerp, **_MERGEKIT, max_models=2, options={"t": "mergekit.t"}, file_parameters={"t": "t"},
+    base_role="first",
+)  # fmt: skip
+_NUSLERP = {"row_wise": "mergekit.row_wise", "flatten": "mergekit.flatten"}
+register_merge_rule(
+    "nuslerp", nuslerp, **_MERGEKIT, max_models=2, absolute_weights=True, options=_NUSLERP,
+    file_parameters={"nuslerp_row_wise": "row_wise", "nuslerp_flatten": "flatten"}, model_parameters=_WEIGHT,
+    base_role="origin",
+)  # fmt: skip
+register_merge_rule(
+    "model_stock", model_stock, **_MERGEKIT, needs_base=True, options={"filter_wise": "mergekit.filter_wise"},
+    file_parameters={"filter_wise": "filter_wise"},
+)  # fmt: skip
+for _name, _rule in (("della", della), ("della_linear", della_linear)):
+    _options = {"density": "mergekit.density", "epsilon": "mergekit.epsilon", "scale": "mergekit.scale", "seed": "seed"}
+    _model = {**_GTA_MODEL, "epsilon": ("epsilons", 0.15)}
+    register_merge_rule(_name, _rule, **_MERGEKIT, needs_base=True, absolute_weights=True, options=_options,
+                        file_parameters=_GTA_FILE, model_parameters=_model)  # fmt: skip
+for _name, _rule in (("breadcrumbs", breadcrumbs), ("breadcrumbs_ties", breadcrumbs_ties)):
+    _options = {"density": "mergekit.density", "gamma": "mergekit.gamma", "scale": "mergekit.scale"}
+    _model = {**_GTA_MODEL, "gamma": ("gammas", 0.01)}
+    register_merge_rule(_name, _rule, **_MERGEKIT, needs_base=True, absolute_weights=True, options=_options,
+                        file_parameters=_GTA_FILE, model_parameters=_model)  # fmt: skip
+register_merge_rule(
+    "passthrough", passthrough, per_tensor=True, max_models=1, model_parameters={"scale": ("scales", None)}
 )
-for _name, _rule in zip(TASK_RULES, (della, della_linear, breadcrumbs, breadcrumbs_ties), strict=True):
-    _extra = "epsilon" if TASK_RULES[_name][0] == "della" else "gamma"
-    _options = {"density": "mergekit.density", _extra: f"mergekit.{_extra}", "scale": "mergekit.scale"}
-    _options.update({"seed": "seed"} if _extra == "epsilon" else {})
-    register_merge_rule(_name, _rule, **_MERGEKIT, needs_base=True, absolute_weights=True, options=_options)
 
 __all__ = [
     "HEAD_POLICIES",
@@ -187,6 +225,7 @@ __all__ = [
     "elect_signs",
     "get_merge_rule",
     "keep_top_magnitudes",
+    "merge_dare_linear",
     "merge_dare_ties",
     "merge_fisher",
     "merge_heads",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,11 +24,10 @@ import torch
 from raot_hf.config.options import check_field_types, meta
 from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
-from raot_hf.merging.layered import count_layers, evaluate_setting
+from raot_hf.merging.layered import check_setting, count_layers, evaluate_setting
 from raot_hf.merging.log import RuleLog
 from raot_hf.merging.rules import (
     StateDict,
-    _check_finite,
     _check_seed,
     _check_states,
     _check_unit,
@@ -75,14 +75,6 @@ def check_base_states(base: Mapping[str, torch.Tensor], state_a: StateDict) -> l
     return [key for key in state_a if key not in base]
 
 
-def check_densities(density: float, densities: Sequence[float] | None, n: int) -> list[float]:
-    """Each model's density: ``densities`` when given (one per model), else ``density`` for all."""
-    values = [float(density)] * n if not densities else [float(d) for d in densities]
-    if len(values) != n:
-        raise RaotError(f"{len(values)} densities for {n} models; give one density per model.")
-    return [_check_unit("density", d, open_low=True) for d in values]
-
-
 def relative_task_norm(base: StateDict, state: StateDict) -> float:
     """Median over the shared 2-D float weights of ``‖W − W_base‖ / ‖W_base‖``: a few percent for a
     fine-tune, near √2 for another initialisation (the median ignores LayerNorm gains)."""
@@ -118,8 +110,10 @@ def per_tensor_merge(
         raise RaotError(f"merge_rule={rule!r} measures task vectors; pass the base model (base_model: or --base)")
     missing = check_base_states(base, ref) if base is not None else []
     layers = count_layers(ref) if layer_count is None else int(layer_count)
-    # lists as tuples: a chunked merge's logs add up lists (RuleLog.add), settings stay as given
-    given = {"weights": weights, **settings, **(logged or {})}
+    # lists as tuples: a chunked merge's logs add up lists (RuleLog.add), settings stay as given;
+    # per-model settings (``density1`` …) are logged as ``logged`` gathers them
+    given = {"weights": weights, **{k: v for k, v in settings.items() if k[-1] not in "0123456789"}}
+    given.update(logged or {})
     log = RuleLog(rule, {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
     if missing and needs_base:
         floating = [k for k in missing if ref[k].is_floating_point()]
@@ -178,14 +172,19 @@ def keep_top_magnitudes(task: torch.Tensor, density: float) -> torch.Tensor:
     return torch.where(mask.view_as(task), task, torch.zeros_like(task))
 
 
-def random_keep_rescaled(task: torch.Tensor, density: float, *, seed: int, name: str, model: int) -> torch.Tensor:
-    """DARE (mergekit's ``dare_ties``): keep each entry with probability ``density`` (a CPU
-    generator seeded from ``(seed, name, model)``: device- and chunk-independent), rescale to L1."""
-    if density >= 1.0:
-        return task.clone()
+def random_keep(task: torch.Tensor, density: float, *, seed: int, name: str, model: int) -> torch.Tensor:
+    """DARE's drop (mergekit's ``random``): keep each entry with probability ``density``, from a CPU
+    generator seeded by ``(seed, name, model)`` (device- and chunk-independent)."""
     generator = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, name, f"model{model}"))
     keep = torch.rand(task.shape, generator=generator, dtype=_F64).to(task.device) < density
-    return l1_rescaled(task, torch.where(keep, task, torch.zeros_like(task)))
+    return torch.where(keep, task, torch.zeros_like(task))
+
+
+def random_keep_rescaled(task: torch.Tensor, density: float, *, seed: int, name: str, model: int) -> torch.Tensor:
+    """DARE (mergekit's ``dare_ties``): :func:`random_keep`, rescaled to the task's L1 norm."""
+    if density >= 1.0:
+        return task.clone()
+    return l1_rescaled(task, random_keep(task, density, seed=seed, name=name, model=model))
 
 
 def l1_rescaled(task: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
@@ -194,6 +193,37 @@ def l1_rescaled(task: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     if before < RESCALE_EPS or after < RESCALE_EPS:
         return kept
     return kept * (before / after)
+
+
+def della_keep(task: torch.Tensor, density: float, epsilon: float, *, seed: int, name: str, model: int) -> torch.Tensor:
+    """DELLA's MagPrune (mergekit): per row, keep probabilities rise with magnitude rank from
+    ``density − ε`` to ``density + ε``; a seeded draw (not rescaled)."""
+    if density - epsilon <= 0.0 or density + epsilon >= 1.0:
+        raise RaotError(
+            f"della: density {density} ± epsilon {epsilon} must stay inside (0, 1); lower epsilon or move the density"
+        )
+    rows = task.reshape(1, -1) if task.dim() < 2 else task.reshape(task.shape[0], -1)
+    order = torch.argsort(rows.abs(), dim=1, stable=True)
+    ranks = torch.argsort(order, dim=1, stable=True).to(_F64)
+    span = rows.shape[1] - 1
+    scaled = (ranks / span).clamp(0.0, 1.0) if span > 0 else torch.zeros_like(ranks)
+    probability = (density - epsilon) + scaled * 2.0 * epsilon
+    generator = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, name, f"model{model}"))
+    draw = torch.rand(rows.shape, generator=generator, dtype=_F64).to(task.device)
+    return torch.where(draw < probability, rows, torch.zeros_like(rows)).reshape(task.shape)
+
+
+def breadcrumbs_keep(task: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
+    """Model Breadcrumbs: drop the ``int(γ·n)`` largest and the smallest magnitudes, keeping ``int(density·n)``."""
+    n = task.numel()
+    keep, top = int(density * n), int(gamma * n)
+    bottom = n - keep - top
+    if bottom < 0:
+        top, bottom = top + bottom, 0
+    order = torch.argsort(task.abs().flatten(), stable=True)
+    mask = torch.zeros(n, dtype=torch.bool, device=task.device)
+    mask[order[bottom : n - top]] = True
+    return torch.where(mask.view_as(task), task, torch.zeros_like(task))
 
 
 def elect_signs(tasks: Sequence[torch.Tensor], weights: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,63 +236,173 @@ def elect_signs(tasks: Sequence[torch.Tensor], weights: Sequence[float]) -> tupl
 # ----------------------------------------------------------------------------- the rules
 
 
-def merge_task_arithmetic(states, weights, base=None, *, scale: float = 1.0, return_log: bool = False):
-    """Task arithmetic (mergekit): ``W = base + λ·Σ wᵢτᵢ`` with ``τᵢ = Wᵢ − base``."""
+@dataclass(frozen=True)
+class TaskVectorRule:
+    """One of mergekit's generalized task-arithmetic methods: how each task vector is sparsified
+    (``magnitude``: TIES' top magnitudes, ``random``: DARE's drop, ``della``: MagPrune,
+    ``outliers``: Breadcrumbs; None: kept whole), whether signs are elected, and the defaults of
+    mergekit's ``normalize`` (divide by the kept weight) and ``rescale`` (each sparse vector back
+    to its L1 norm) switches and of the density."""
+
+    sparsify: str | None
+    elect: bool
+    normalize: bool
+    rescale: bool
+    density: float = 1.0
+
+
+#: mergekit's registrations (``ties`` and ``dare_ties`` keep this project's default density 0.2).
+TASK_VECTOR_RULES = {
+    "task_arithmetic": TaskVectorRule(None, False, False, False),
+    "ties": TaskVectorRule("magnitude", True, True, False, 0.2),
+    "dare_ties": TaskVectorRule("random", True, False, True, 0.2),
+    "dare_linear": TaskVectorRule("random", False, False, True),
+    "della": TaskVectorRule("della", True, True, True),
+    "della_linear": TaskVectorRule("della", False, False, True),
+    "breadcrumbs": TaskVectorRule("outliers", False, False, False),
+    "breadcrumbs_ties": TaskVectorRule("outliers", True, False, False),
+}
+#: mergekit's defaults of DELLA's ``epsilon`` and Breadcrumbs' ``gamma``.
+SPARSIFY_DEFAULTS = {"epsilon": 0.15, "gamma": 0.01}
+
+
+def required_number(rule: str, name: str, value: Any, key: str) -> float:
+    """A setting's value for tensor ``key`` as a finite number; a missing one names the fix."""
+    if value is None:
+        raise RaotError(
+            f"merge_rule={rule!r} has no {name} for {key!r}; set parameters: {name}: (a number, a per-layer list, or "
+            "filters with a default value)"
+        )
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RaotError(f"{name}={value!r} for {key!r} must be a finite number")
+    return float(value)
+
+
+def check_switch(name: str, value: Any) -> bool:
+    """A true/false option (mergekit's ``normalize``, ``rescale``, ``int8_mask``)."""
+    if not isinstance(value, bool):
+        raise RaotError(f"{name}={value!r} must be true or false")
+    return value
+
+
+def per_model_settings(name: str, one: Any, each: Sequence[Any] | None, n: int, default: Any) -> list[Any]:
+    """One setting per model: ``each`` (one per model) when given, else ``one`` (else ``default``) for all."""
+    if each:
+        if len(each) != n:
+            raise RaotError(f"{len(each)} {name} values for {n} models; give one {name} per model.")
+        return [check_setting(name, v) for v in each]
+    return [check_setting(name, default if one is None else one)] * n
+
+
+def sparsified(
+    rule: str, spec: TaskVectorRule, task: torch.Tensor, values: dict[str, Any], *, rescale: bool, seed: int,
+    key: str, model: int,
+) -> torch.Tensor:  # fmt: skip
+    """Model ``model``'s task vector of tensor ``key`` sparsified as ``spec`` says, with its evaluated
+    settings ``values`` (``density<i>``, ``epsilon<i>``, ``gamma<i>``, i from 1); rescaled to its
+    L1 norm when ``rescale``. Nothing is dropped at density 1."""
+    i = model + 1
+    density = required_number(rule, "density", values[f"density{i}"], key)
+    density = _check_unit("density", density, open_low=spec.sparsify in ("magnitude", "random"))
+    if density >= 1.0:
+        return task.clone()
+    if spec.sparsify == "magnitude":
+        kept = keep_top_magnitudes(task, density)
+    elif spec.sparsify == "random":
+        kept = random_keep(task, density, seed=seed, name=key, model=model)
+    elif spec.sparsify == "della":
+        epsilon = required_number(rule, "epsilon", values[f"epsilon{i}"], key)
+        kept = della_keep(task, density, epsilon, seed=seed, name=key, model=model)
+    else:
+        kept = breadcrumbs_keep(task, density, required_number(rule, "gamma", values[f"gamma{i}"], key))
+    return l1_rescaled(task, kept) if rescale else kept
+
+
+def task_vector_rule(
+    rule: str, states, weights, base=None, *, density=None, densities=None, epsilon=None, epsilons=None,
+    gamma=None, gammas=None, scale=None, normalize: bool | None = None, rescale: bool | None = None,
+    int8_mask: bool | None = None, seed: int = 0, layer_count: int | None = None, return_log: bool = False,
+):  # fmt: skip
+    """mergekit's generalized task arithmetic (:data:`TASK_VECTOR_RULES`): each τᵢ = Wᵢ − base
+    sparsified (rescaled to its L1 norm with ``rescale``), signs elected by ``Σ wᵢτᵢ`` where the
+    rule does, ``mixed = Σ wᵢτᵢ`` over the kept (agreeing) entries, divided by the weight kept
+    (``normalize``; 1 where none) and ``W = base + λ·mixed`` (``scale``, mergekit's ``lambda``).
+    ``density``/``epsilon``/``gamma`` apply to every model, ``densities``/``epsilons``/``gammas``
+    give one per model; every one may vary by layer or module. ``int8_mask`` (mergekit's memory
+    saving) does not change the result."""
+    spec = TASK_VECTOR_RULES[rule]
     weights = check_weights(weights, len(states), normalise=False)
-    scale = _check_finite("scale", scale)
-
-    def merge_one(key, tensors, origin, values):
-        tasks = [w * (x - origin) for x, w in zip(tensors, weights, strict=True)]
-        return origin + scale * _total(tasks), {}
-
-    return per_tensor_merge(
-        "task_arithmetic", states, weights, base, {}, merge_one,
-        needs_base=True, logged={"scale": scale}, return_log=return_log,
-    )  # fmt: skip
-
-
-def ties_rule(
-    rule: str, states, weights, base=None, *, density=0.2, densities=None, scale=1.0, seed=0, return_log=False
-):
-    """mergekit's ``ties`` or ``dare_ties``: sparsify each task vector to ``densityᵢ``, elect signs,
-    combine the agreeing weighted entries; ``W = base + λ·combined``."""
-    weights = check_weights(weights, len(states), normalise=False)
-    kept, scale = check_densities(density, densities, len(states)), _check_finite("scale", scale)
     seed = _check_seed(seed)
-    logged: dict[str, Any] = {"scale": scale, "densities": kept}
-    if rule == "dare_ties":
-        logged.update(seed=seed, mask="sha256(seed, parameter, model) → torch.Generator")
+    normalize = spec.normalize if normalize is None else check_switch("normalize", normalize)
+    rescale = spec.rescale if rescale is None else check_switch("rescale", rescale)
+    if int8_mask is not None:
+        check_switch("int8_mask", int8_mask)
+    n = len(states)
+    settings: dict[str, Any] = {}
+    logged: dict[str, Any] = {}
+    if spec.sparsify is not None:
+        kept = per_model_settings("density", density, densities, n, spec.density)
+        settings.update({f"density{i}": d for i, d in enumerate(kept, start=1)})
+        extra = {"della": ("epsilon", epsilon, epsilons), "outliers": ("gamma", gamma, gammas)}.get(spec.sparsify)
+        if extra is not None:
+            name, one, each = extra
+            values = per_model_settings(name, one, each, n, SPARSIFY_DEFAULTS[name])
+            settings.update({f"{name}{i}": v for i, v in enumerate(values, start=1)})
+        logged["densities"] = kept
+        if extra is not None:
+            logged[f"{extra[0]}s"] = values
+        if spec.sparsify in ("random", "della"):
+            logged.update(seed=seed, mask="sha256(seed, parameter, model) → torch.Generator")
+    settings["scale"] = check_setting("scale", 1.0 if scale is None else scale)
+    for name, value, default in (("normalize", normalize, spec.normalize), ("rescale", rescale, spec.rescale)):
+        if value != default:
+            logged[name] = value
 
     def merge_one(key, tensors, origin, values):
         tasks = [x - origin for x in tensors]
-        if rule == "ties":
-            sparse = [keep_top_magnitudes(t, d) for t, d in zip(tasks, kept, strict=True)]
-        else:
-            sparse = [
-                random_keep_rescaled(t, d, seed=seed, name=key, model=i)
-                for i, (t, d) in enumerate(zip(tasks, kept, strict=True))
+        if spec.sparsify is not None:
+            tasks = [
+                sparsified(rule, spec, t, values, rescale=rescale, seed=seed, key=key, model=i)
+                for i, t in enumerate(tasks)
             ]
-        weighted, agree = elect_signs(sparse, weights)
-        combined = (weighted * agree).sum(0)
-        if rule == "ties":  # the weighted mean of the agreeing entries (divisor 1 where none agrees)
-            w = torch.tensor(weights, dtype=_F64, device=weighted.device).view(-1, *[1] * (weighted.dim() - 1))
+        if spec.elect:
+            weighted, agree = elect_signs(tasks, weights)
+            mixed = (weighted * agree).sum(0)
+            w = torch.tensor(weights, dtype=_F64, device=origin.device).view(-1, *[1] * origin.dim())
             divisor = (w * agree).sum(0)
-            combined = combined / torch.where(divisor == 0, 1.0, divisor)
-        return origin + scale * combined, sparsity_details(sparse)
+            divisor = torch.where(divisor == 0, 1.0, divisor)
+        else:
+            mixed = _total([w * t for w, t in zip(weights, tasks, strict=True)])
+            divisor = sum(weights) if abs(sum(weights)) >= 1e-8 else 1.0
+        if normalize:
+            mixed = mixed / divisor
+        details = sparsity_details(tasks) if spec.sparsify is not None else {}
+        return origin + required_number(rule, "scale", values["scale"], key) * mixed, details
 
     return per_tensor_merge(
-        rule, states, weights, base, {}, merge_one, needs_base=True, logged=logged, return_log=return_log
-    )
+        rule, states, weights, base, settings, merge_one,
+        needs_base=True, layer_count=layer_count, logged=logged, return_log=return_log,
+    )  # fmt: skip
+
+
+def merge_task_arithmetic(states, weights, base=None, *, return_log: bool = False, **options):
+    """Task arithmetic (mergekit): ``W = base + λ·Σ wᵢτᵢ`` with ``τᵢ = Wᵢ − base``."""
+    return task_vector_rule("task_arithmetic", states, weights, base, return_log=return_log, **options)
 
 
 def merge_ties(states, weights, base=None, *, return_log=False, **options):
-    """TIES: top ``int(densityᵢ·n)`` magnitudes, weighted mean of the agreeing entries (:func:`ties_rule`)."""
-    return ties_rule("ties", states, weights, base, return_log=return_log, **options)
+    """TIES: top ``int(densityᵢ·n)`` magnitudes, weighted mean of the agreeing entries (:func:`task_vector_rule`)."""
+    return task_vector_rule("ties", states, weights, base, return_log=return_log, **options)
 
 
 def merge_dare_ties(states, weights, base=None, *, return_log=False, **options):
-    """DARE-TIES: seeded random drop and rescale, agreeing entries summed (:func:`ties_rule`)."""
-    return ties_rule("dare_ties", states, weights, base, return_log=return_log, **options)
+    """DARE-TIES: seeded random drop and rescale, agreeing entries summed (:func:`task_vector_rule`)."""
+    return task_vector_rule("dare_ties", states, weights, base, return_log=return_log, **options)
+
+
+def merge_dare_linear(states, weights, base=None, *, return_log=False, **options):
+    """DARE without sign election: seeded random drop and rescale, weighted sum (:func:`task_vector_rule`)."""
+    return task_vector_rule("dare_linear", states, weights, base, return_log=return_log, **options)
 
 
 @register_section

@@ -1,4 +1,4 @@
-"""mergekit's SLERP, NuSLERP, Model Stock, DELLA and Breadcrumbs rules (docs/design.md §6.10).
+"""mergekit's SLERP, NuSLERP, Model Stock, DELLA, Breadcrumbs and passthrough rules (docs/design.md §6.10).
 
 The registry's signature ``rule(states, weights, base=None, *, return_log=False, **options)``
 (:mod:`raot_hf.merging.rules`): the first state is the reference (mergekit's ``base_model`` for
@@ -21,13 +21,13 @@ import torch
 from raot_hf.config.options import meta
 from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
-from raot_hf.merging.base_rules import _tensor_seed, elect_signs, l1_rescaled, per_tensor_merge
-from raot_hf.merging.layered import check_setting
-from raot_hf.merging.rules import StateDict, _check_seed, _check_unit, check_weights
+from raot_hf.merging.base_rules import per_tensor_merge, required_number, task_vector_rule
+from raot_hf.merging.layered import check_setting, count_layers, evaluate_setting
+from raot_hf.merging.log import RuleLog
+from raot_hf.merging.rules import StateDict
 
 logger = logging.getLogger("raot_hf.merging")
 
-_F64 = torch.float64
 #: SLERP falls back to linear interpolation above this |cosine| (mergekit's DOT_THRESHOLD).
 SLERP_COLINEAR = 0.9995
 #: Norms at or below this are not divided by (mergekit's eps of SLERP).
@@ -37,22 +37,9 @@ NUSLERP_NORM_EPS = 1e-7
 NUSLERP_EPS = 1e-8
 #: Model Stock: the product of the task-vector norms is clamped to at least this.
 MODEL_STOCK_EPS = 1e-6
-#: mergekit's defaults of the options given as None.
-DEFAULTS = {"density": 1.0, "epsilon": 0.15, "gamma": 0.01, "scale": 1.0}
 
 
 # ----------------------------------------------------------------------------- checks
-
-
-def _required(rule: str, name: str, value: Any, key: str) -> float:
-    if value is None:
-        raise RaotError(
-            f"merge_rule={rule!r} has no {name} for {key!r}; set parameters: {name}: (a number, a per-layer list, or "
-            "filters with a default value)"
-        )
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RaotError(f"{name}={value!r} for {key!r} must be a finite number")
-    return float(value)
 
 
 def _two(rule: str, states: Sequence[StateDict]) -> None:
@@ -81,7 +68,7 @@ def slerp(states, weights=(), base=None, *, t: Any = None, layer_count: int | No
     t = check_setting("t", t)
 
     def merge_one(key, tensors, origin, values):
-        return slerp_vectors(_required("slerp", "t", values["t"], key), tensors[0], tensors[1]), {}
+        return slerp_vectors(required_number("slerp", "t", values["t"], key), tensors[0], tensors[1]), {}
 
     weights = list(weights) or [0.5, 0.5]
     return per_tensor_merge(
@@ -176,102 +163,6 @@ def model_stock(states, weights=(), base=None, *, filter_wise=False, layer_count
 # ----------------------------------------------------------------------------- DELLA and Breadcrumbs
 
 
-def della_keep(task: torch.Tensor, density: float, epsilon: float, *, seed: int, name: str, model: int) -> torch.Tensor:
-    """DELLA's MagPrune (mergekit): per row, keep probabilities rise with magnitude rank from
-    ``density − ε`` to ``density + ε``; a seeded draw, rescaled to the task's L1 norm."""
-    if density >= 1.0:
-        return task.clone()
-    if density - epsilon <= 0.0 or density + epsilon >= 1.0:
-        raise RaotError(
-            f"della: density {density} ± epsilon {epsilon} must stay inside (0, 1); lower epsilon or move the density"
-        )
-    rows = task.reshape(1, -1) if task.dim() < 2 else task.reshape(task.shape[0], -1)
-    order = torch.argsort(rows.abs(), dim=1, stable=True)
-    ranks = torch.argsort(order, dim=1, stable=True).to(_F64)
-    span = rows.shape[1] - 1
-    scaled = (ranks / span).clamp(0.0, 1.0) if span > 0 else torch.zeros_like(ranks)
-    probability = (density - epsilon) + scaled * 2.0 * epsilon
-    generator = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, name, f"model{model}"))
-    draw = torch.rand(rows.shape, generator=generator, dtype=_F64).to(task.device)
-    kept = torch.where(draw < probability, rows, torch.zeros_like(rows)).reshape(task.shape)
-    return l1_rescaled(task, kept)
-
-
-def breadcrumbs_keep(task: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
-    """Model Breadcrumbs: drop the ``int(γ·n)`` largest and the smallest magnitudes, keeping ``int(density·n)``."""
-    if density >= 1.0:
-        return task.clone()
-    n = task.numel()
-    keep, top = int(density * n), int(gamma * n)
-    bottom = n - keep - top
-    if bottom < 0:
-        top, bottom = top + bottom, 0
-    order = torch.argsort(task.abs().flatten(), stable=True)
-    mask = torch.zeros(n, dtype=torch.bool, device=task.device)
-    mask[order[bottom : n - top]] = True
-    return torch.where(mask.view_as(task), task, torch.zeros_like(task))
-
-
-#: The task-vector rules: (sparsification, sign election, normalise by the kept weight) as mergekit registers them.
-TASK_RULES = {
-    "della": ("della", True, True),
-    "della_linear": ("della", False, False),
-    "breadcrumbs": ("breadcrumbs", False, False),
-    "breadcrumbs_ties": ("breadcrumbs", True, False),
-}
-
-
-def _densities(density: Any, densities: Sequence[float] | None, n: int) -> list[Any]:
-    if densities:
-        if len(densities) != n:
-            raise RaotError(f"{len(densities)} densities for {n} models; give one density per model")
-        return [float(d) for d in densities]
-    return [check_setting("density", DEFAULTS["density"] if density is None else density)] * n
-
-
-def task_vector_rule(
-    rule: str, states, weights, base, *, density=None, densities: Sequence[float] | None = None, epsilon=None,
-    gamma=None, scale=None, seed: int = 0, layer_count: int | None = None, return_log: bool = False,
-):  # fmt: skip
-    """Generalized task arithmetic with DELLA's or Breadcrumbs' sparsification (:data:`TASK_RULES`):
-    ``W = base + λ·mixed`` of the sparse weighted τᵢ (sign-elected, normalised as registered)."""
-    sparsify, elect, normalise = TASK_RULES[rule]
-    weights = check_weights(weights, len(states), normalise=False)
-    seed = _check_seed(seed)
-    kept = _densities(density, densities, len(states))
-    settings = {f"density{i}": d for i, d in enumerate(kept, start=1)}
-    settings["scale"] = check_setting("scale", DEFAULTS["scale"] if scale is None else scale)
-    extra, value = ("epsilon", epsilon) if sparsify == "della" else ("gamma", gamma)
-    settings[extra] = check_setting(extra, DEFAULTS[extra] if value is None else value)
-
-    def merge_one(key, tensors, origin, values):
-        tasks = []
-        for i, x in enumerate(tensors):
-            d = _check_unit("density", _required(rule, "density", values[f"density{i + 1}"], key))
-            if sparsify == "della":
-                eps = _required(rule, "epsilon", values["epsilon"], key)
-                tasks.append(della_keep(x - origin, d, eps, seed=seed, name=key, model=i))
-            else:
-                tasks.append(breadcrumbs_keep(x - origin, d, _required(rule, "gamma", values["gamma"], key)))
-        w = torch.tensor(weights, dtype=_F64, device=origin.device).view(-1, *[1] * origin.dim())
-        if elect:
-            weighted, agree = elect_signs(tasks, weights)
-            mixed, divisor = (weighted * agree).sum(0), (w * agree).sum(0)
-            divisor = torch.where(divisor == 0, 1.0, divisor)
-        else:
-            mixed = sum(wi * ti for wi, ti in zip(weights, tasks, strict=True))
-            divisor = sum(weights) if abs(sum(weights)) >= 1e-8 else 1.0
-        if normalise:
-            mixed = mixed / divisor
-        return origin + _required(rule, "scale", values["scale"], key) * mixed, {}
-
-    logged = {"mask": "sha256(seed, parameter, model) → torch.Generator", "seed": seed} if sparsify == "della" else {}
-    return per_tensor_merge(
-        rule, states, weights, base, settings, merge_one,
-        needs_base=True, layer_count=layer_count, logged=logged, return_log=return_log,
-    )  # fmt: skip
-
-
 def della(states, weights, base=None, *, return_log=False, **options):
     """mergekit's ``della``: MagPrune (:func:`della_keep`), sign election, normalised mean."""
     return task_vector_rule("della", states, weights, base, return_log=return_log, **options)
@@ -290,6 +181,31 @@ def breadcrumbs(states, weights, base=None, *, return_log=False, **options):
 def breadcrumbs_ties(states, weights, base=None, *, return_log=False, **options):
     """mergekit's ``breadcrumbs_ties``: :func:`breadcrumbs_keep`, sign election, weighted sum."""
     return task_vector_rule("breadcrumbs_ties", states, weights, base, return_log=return_log, **options)
+
+
+# ----------------------------------------------------------------------------- passthrough
+
+
+def passthrough(states, weights=(), base=None, *, scales=None, layer_count=None, return_log=False):
+    """mergekit's ``passthrough``: one model's tensors as they are, each times the model's
+    ``scale`` where one is given (a setting: it may vary by layer or module)."""
+    if len(states) != 1:
+        raise RaotError(
+            f"merge_rule='passthrough' copies the tensors of one model, got {len(states)}; give each slice one source"
+        )
+    (state,) = states
+    scale = check_setting("scale", (list(scales or ()) or [None])[0])
+    layers = count_layers(state) if layer_count is None else int(layer_count)
+    log = RuleLog("passthrough", {"scale": scale} if scale is not None else {})
+    merged = {}
+    for key, tensor in state.items():
+        value = evaluate_setting(scale, key, layers) if scale is not None else None
+        if value is None or not tensor.is_floating_point():
+            merged[key] = tensor.detach().clone()
+        else:
+            merged[key] = (tensor.detach().to(torch.float64) * float(value)).to(tensor.dtype)
+        log.note(key, "passthrough")
+    return (merged, log) if return_log else merged
 
 
 # ----------------------------------------------------------------------------- options

@@ -193,11 +193,19 @@ def _endpoint_state(states: Sequence[StateDict], weights: Sequence[float], log: 
 # ----------------------------------------------------------------------------- linear
 
 
-def merge_linear(states: Sequence[StateDict], weights: Sequence[float], base=None, *, return_log: bool = False):
-    """Linear interpolation ``W = Σ wᵢWᵢ / Σ wᵢ`` of every floating-point tensor."""
+def merge_linear(
+    states: Sequence[StateDict], weights: Sequence[float], base=None, *, normalize: bool = True,
+    return_log: bool = False,
+):  # fmt: skip
+    """Linear interpolation ``W = Σ wᵢWᵢ / Σ wᵢ`` of every floating-point tensor (``normalize=False``,
+    mergekit's switch: ``Σ wᵢWᵢ``)."""
     _check_states(states)
-    weights = check_weights(weights, len(states), normalise=True)
+    if not isinstance(normalize, bool):
+        raise RaotError(f"normalize={normalize!r} must be true or false")
+    weights = check_weights(weights, len(states), normalise=normalize)
     log = RuleLog("linear", {"weights": tuple(weights)})  # a tuple: chunks' logs add up lists
+    if not normalize:
+        log.settings["normalize"] = False
     merged = {key: _linear_entry(key, [s[key] for s in states], weights, log) for key in states[0]}
     return _finish(merged, log, return_log)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,8 @@ import torch
 from raot_hf.errors import RaotError
 from raot_hf.outputs.atomic import atomic_directory, check_destination
 from raot_hf.outputs.card import CARD_NAME, render_model_card
-from raot_hf.outputs.report import REPORT_NAME, report_to_json
-from raot_hf.outputs.shards import parse_size, verify_written_weights, weights_to_save, write_safetensors_shards
+from raot_hf.outputs.report import REPORT_NAME, model_card_context, report_to_json
+from raot_hf.outputs.shards import ShardWriter, parse_size, verify_written_weights, weights_to_save
 
 logger = logging.getLogger("raot_hf.outputs.save")
 
@@ -69,39 +70,52 @@ def save_config(model: torch.nn.Module, directory: Path) -> None:
 
 
 def write_merged_repo(
-    out_dir: str | os.PathLike, model: torch.nn.Module, *, preprocessor_source: Any = None, report: dict,
-    card: dict, overwrite: bool = False, max_shard_size: int | str = "2GB", trust_remote_code: bool = False,
-    transform: Any = None, more_transforms: dict | None = None, working_files: Any = None,
+    out_dir: str | os.PathLike, model: torch.nn.Module, *, preprocessor_source: Any = None,
+    report: dict | Callable[[], dict], card: dict | None = None, overwrite: bool = False,
+    max_shard_size: int | str = "2GB", trust_remote_code: bool = False, transform: Any = None,
+    more_transforms: dict | None = None, working_files: Any = None,
+    weights: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> Path:  # fmt: skip
-    """Write the merged ``model`` (a ``PreTrainedModel``) as a repository directory; return its path.
+    """Write a merged model as a repository directory; return its path. The one writer of every
+    execution mode (docs/design.md §7.3).
 
-    ``out_dir``, if non-empty, is replaced only with ``overwrite`` and only if it is a model directory
-    (:func:`~raot_hf.outputs.atomic.check_destination`). ``preprocessor_source``: A's directory or Hub id,
-    or a loaded tokenizer / processor (none loadable: a warning). ``report`` goes to ``raot_report.json``,
-    ``card`` is :func:`~raot_hf.outputs.card.render_model_card`'s context; ``max_shard_size`` in bytes or
-    like ``"2GB"``. ``transform`` (B's alignment) and ``more_transforms`` (file name → a further model's)
-    are written bit-exact when not empty. ``working_files``: the :class:`~raot_hf.io.offload.WorkingFiles`
-    behind ``model``'s parameters when it is offloaded (docs/design.md §7.4). The weight files are checked
-    against the expected keys in a temporary sibling before it is renamed into place; on any error
-    ``out_dir`` is left untouched.
+    ``model``: the merged ``PreTrainedModel``, whose weights are written (``weights_to_save``), or —
+    with ``weights``, the (name, tensor) pairs of a streamed merge, written as they come — the
+    output's model on the meta device, for its config. ``out_dir``, if non-empty, is replaced only
+    with ``overwrite`` and only if it is a model directory
+    (:func:`~raot_hf.outputs.atomic.check_destination`). ``preprocessor_source``: A's directory or Hub
+    id, or a loaded tokenizer / processor (none loadable: a warning). ``report`` goes to
+    ``raot_report.json`` (a function: called once the weights are written, for a report that
+    depends on them; it may refuse, and nothing is written), ``card`` is
+    :func:`~raot_hf.outputs.card.render_model_card`'s context (default: the report's);
+    ``max_shard_size`` in bytes or like ``"2GB"``. ``transform`` (B's alignment) and
+    ``more_transforms`` (file name → a further model's) are written bit-exact when not empty.
+    ``working_files``: the :class:`~raot_hf.io.offload.WorkingFiles` behind ``model``'s parameters
+    when it is offloaded (docs/design.md §7.4). The weight files are checked against the names
+    written in a temporary sibling before it is renamed into place; on any error ``out_dir`` is left
+    untouched.
     """
     if not hasattr(getattr(model, "config", None), "save_pretrained"):
         raise RaotError(f"cannot write {type(model).__name__}: it has no transformers config; pass a PreTrainedModel")
     max_shard_bytes = parse_size(max_shard_size)
-    card_text = render_model_card(card)
-    report_text = report_to_json(report)
     out = check_destination(out_dir, overwrite)
 
     with atomic_directory(out) as temporary:
         save_preprocessor(preprocessor_source, temporary, trust_remote_code)
         save_config(model, temporary)
-        tensors = weights_to_save(model, working_files)
-        total_parameters = model.num_parameters() if hasattr(model, "num_parameters") else None
-        write_safetensors_shards(temporary, tensors, max_shard_bytes, total_parameters=total_parameters,
-                                 working_files=working_files)  # fmt: skip
-        verify_written_weights(temporary, set(tensors))
+        writer = ShardWriter(temporary, max_shard_bytes, working_files)
+        if weights is None:
+            weights = weights_to_save(model, working_files).items()
+        written = set()
+        for name, tensor in weights:
+            writer.add(name, tensor)
+            written.add(name)
+        writer.finish(model.num_parameters() if hasattr(model, "num_parameters") else None)
+        verify_written_weights(temporary, written)
+        report = report() if callable(report) else report
+        card_text = render_model_card(card if card is not None else model_card_context(report))
         (temporary / CARD_NAME).write_text(card_text, encoding="utf-8", newline="\n")
-        (temporary / REPORT_NAME).write_text(report_text, encoding="utf-8", newline="\n")
+        (temporary / REPORT_NAME).write_text(report_to_json(report), encoding="utf-8", newline="\n")
         from raot_hf.symmetry.io import TRANSFORM_NAME, save_transform
 
         for name, sequence in {TRANSFORM_NAME: transform, **(more_transforms or {})}.items():

@@ -112,22 +112,6 @@ def _tensor_nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
-    """Split tensor names, in order, into shards of at most ``max_shard_bytes`` (a tensor larger
-    than the limit gets a shard of its own)."""
-    shards, current, current_bytes = [], [], 0
-    for name, tensor in tensors.items():
-        size = _tensor_nbytes(tensor)
-        if current and current_bytes + size > max_shard_bytes:
-            shards.append(current)
-            current, current_bytes = [], 0
-        current.append(name)
-        current_bytes += size
-    if current:
-        shards.append(current)
-    return shards
-
-
 def _cpu_copy_for_saving(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor owning exactly its bytes (safetensors refuses partial aliases)."""
     tensor = tensor.detach().to("cpu").contiguous()
@@ -190,29 +174,66 @@ def _streamable(tensors: dict[str, torch.Tensor], names: list[str]) -> bool:
     return sys.byteorder == "little" and all(tensors[n].dtype in _SAFETENSORS_DTYPES for n in names)
 
 
+class ShardWriter:
+    """Tensors, in the order given, into safetensors shards of at most ``max_bytes`` (a larger
+    tensor gets a shard of its own). A shard is written as soon as the next tensor would not fit,
+    under a temporary name; :meth:`finish` renames the shards as ``save_pretrained`` names them and
+    writes the index. A pending shard holds references to its tensors, no copies: the writer of an
+    in-memory model and the streamed merge (docs/design.md §7.3) are this one writer.
+    ``working_files``: those behind the tensors when they are an offloaded model's (each tensor's
+    pages are dropped once written)."""
+
+    def __init__(self, directory: Path, max_bytes: int, working_files: WorkingFiles | None = None):
+        self.directory, self.max_bytes, self.working_files = Path(directory), max_bytes, working_files
+        self.pending: dict[str, torch.Tensor] = {}
+        self.size, self.total = 0, 0
+        self.written: list[tuple[Path, list[str]]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = _tensor_nbytes(tensor)
+        if self.pending and self.size + size > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor
+        self.size += size
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        path = self.directory / f".part-{len(self.written):05d}.safetensors"
+        names = list(self.pending)
+        if _streamable(self.pending, names):
+            _write_shard(path, self.pending, names, {"format": "pt"}, self.working_files)
+        else:  # a dtype the streaming writer does not name: the whole shard through safetensors
+            shard = {name: _cpu_copy_for_saving(self.pending[name]) for name in names}
+            safetensors.torch.save_file(shard, str(path), metadata={"format": "pt"})
+            del shard
+        self.written.append((path, names))
+        self.total += self.size
+        self.pending, self.size = {}, 0
+
+    def finish(self, total_parameters: int | None = None) -> dict[str, Any]:
+        """Write the last shard, name every shard and write the index (always, even for one shard);
+        returns the index."""
+        self._flush()
+        weight_map: dict[str, str] = {}
+        for number, (path, names) in enumerate(self.written, start=1):
+            filename = shard_name(number, len(self.written))
+            path.rename(self.directory / filename)
+            weight_map.update(dict.fromkeys(names, filename))
+        index = write_index(self.directory, weight_map, self.total, total_parameters)
+        logger.info("wrote %d weights (%d bytes) in %d shard(s)", len(weight_map), self.total, len(self.written))
+        return index
+
+
 def write_safetensors_shards(
     directory: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int, *, total_parameters: int | None = None,
     working_files: WorkingFiles | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Stream ``tensors`` into safetensors shards in ``directory`` and write the index (always,
-    even for one shard). Returns the index dict. ``working_files``: those behind the tensors when
-    they are an offloaded model's (each tensor's pages are dropped once written)."""
-    shards = plan_shards(tensors, max_shard_bytes)
-    weight_map: dict[str, str] = {}
-    total_size = 0
-    for number, names in enumerate(tqdm(shards, desc="Writing shards", unit="shard"), start=1):
-        filename = shard_name(number, len(shards))
-        if _streamable(tensors, names):
-            _write_shard(directory / filename, tensors, names, {"format": "pt"}, working_files)
-        else:  # a dtype the streaming writer does not name: the whole shard through safetensors
-            shard = {name: _cpu_copy_for_saving(tensors[name]) for name in names}
-            safetensors.torch.save_file(shard, str(directory / filename), metadata={"format": "pt"})
-            del shard
-        total_size += sum(_tensor_nbytes(tensors[name]) for name in names)
-        weight_map.update(dict.fromkeys(names, filename))
-    index = write_index(directory, weight_map, total_size, total_parameters)
-    logger.info("wrote %d weights (%d bytes) in %d shard(s)", len(weight_map), total_size, len(shards))
-    return index
+    """Write ``tensors`` (name → tensor, in order) with one :class:`ShardWriter`; returns the index."""
+    writer = ShardWriter(directory, max_shard_bytes, working_files)
+    for name, tensor in tqdm(tensors.items(), desc="Writing weights", unit="tensor", leave=False):
+        writer.add(name, tensor)
+    return writer.finish(total_parameters)
 
 
 def write_index(

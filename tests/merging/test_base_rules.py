@@ -179,7 +179,8 @@ def test_relative_task_norm_separates_fine_tunes_from_other_initialisations():
 
 def test_registry_config_and_cli_read_one_source():
     assert set(base_relative_rules()) == {
-        "task_arithmetic", "ties", "dare_ties", "model_stock", "della", "della_linear", "breadcrumbs", "breadcrumbs_ties"
+        "task_arithmetic", "ties", "dare_ties", "dare_linear", "model_stock", "della", "della_linear", "breadcrumbs",
+        "breadcrumbs_ties",
     }  # fmt: skip
     assert merge_rule_spec("dare_ties").options["seed"] == "seed"
     choices = next(p for p in main.get_command(None, "merge").params if p.name == "merge_rule").type.choices
