@@ -10,6 +10,7 @@ Data flows one way: load → per model after the reference: calibrate (fit) → 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,10 @@ from raot_hf.stages.provenance import build_report, transform_file
 from raot_hf.stages.refit import check_refit, refit_merged, refit_targets
 from raot_hf.symmetry import Transform
 
-__all__ = ["Alignment", "MergeResult", "RaotMerger"]
+__all__ = ["Alignment", "MergeResult", "RaotMerger", "merge_checkpoints"]
+
+logger = logging.getLogger("raot_hf.merger")
+_STAGE = {"stage": True}  # a line the CLI shows by default (raot_hf.cli.verbosity)
 
 
 _MERGED = (
@@ -232,26 +236,174 @@ class RaotMerger:
 
 
 def merge_checkpoints(
-    *models: str | Path, out: str | Path, base: str | Path | None = None, config: RaotConfig | None = None,
-    calibration=None, overwrite: bool = False, max_shard_size: str | int = "2GB", max_memory: str | int | None = None,
-    stream: bool = True, offload: str | bool = "auto", offload_dir: str | Path | None = None, **options,
-) -> tuple[Path, dict[str, Any]]:  # fmt: skip
+    *models: str | Path, out: str | Path, base: str | Path | None = None, config=None, calibration=None,
+    overwrite: bool = False, max_shard_size: str | int = "2GB", max_memory: str | int | None = None,
+    stream: bool = True, offload: str | bool = "auto", offload_dir: str | Path | None = None,
+    revision: str | None = None, revision_b: str | None = None, base_revision: str | None = None,
+    token: str | bool | None = None, trust_remote_code: bool = False, allow_pickle: bool = False,
+    command: str | None = None, **options,
+) -> tuple[Path | None, dict[str, Any] | None]:  # fmt: skip
     """Merge checkpoints (two or more local directories or Hub ids) into the directory ``out``;
-    returns its path and the report. A merge that reads no data (no alignment, a per-tensor rule)
-    of local safetensors checkpoints is streamed from the files a few tensors at a time, whatever
-    their size (docs/design.md §7.3; ``stream=False`` loads them instead); any other merge runs
-    :class:`RaotMerger`, in memory or, when that would not fit (or ``offload="always"``), layer
+    returns its path and the report — the one entry of the Python API and the command line. The
+    execution mode is chosen once (:func:`raot_hf.stages.execution.plan_execution`): a merge that
+    reads no data (no alignment, a per-tensor rule) of local safetensors checkpoints is streamed
+    from the files a few tensors at a time, whatever their size and whether or not raot_hf has an
+    adapter for them (docs/design.md §7.3; ``stream=False`` loads them instead); any other merge
+    runs :class:`RaotMerger`, in memory or, when that would not fit (or ``offload="always"``), layer
     by layer with the models offloaded to ``offload_dir``. All give the same bytes. ``max_memory``
-    (e.g. ``"8GiB"``) refuses, before any work, a merge that cannot keep under it."""
-    from raot_hf.stages.stream import run_streamed
+    (e.g. ``"8GiB"``) refuses, before any work, a merge that cannot keep under it.
 
+    ``config``: a :class:`RaotConfig`, or a merge file (its path or a
+    :class:`~raot_hf.config.mergefile.MergeFile`, docs/design.md §6.9) — then the file lists the
+    models, ``options`` apply to each of its merges, and a merge given no calibration data is
+    merged as stored, as mergekit merges it. Under ``accelerate launch`` a process other than the
+    main one returns ``(None, None)`` once it has added its share of the statistics."""
+    from raot_hf.config.mergefile import MergeFile, load_merge_file
+
+    run = dict(overwrite=overwrite, max_shard_size=max_shard_size, max_memory=max_memory, stream=stream,
+               offload=offload, offload_dir=offload_dir, command=command,
+               access=(token, trust_remote_code, allow_pickle))  # fmt: skip
+    if isinstance(config, (str, Path)):
+        config = load_merge_file(config)
+    if isinstance(config, MergeFile):
+        if models or base is not None:
+            raise RaotError("the merge file lists the models; do not also give them (or --base)")
+        if options:
+            config = config.configured(lambda cfg: cfg.replace(**options), alignment_given="alignment" in options)
+        return _merge_file(config, out, calibration, **run)
     config = prepare_config(_with_options(config, options), len(models), base is not None)
-    sources, base_source = model_sources(models, base)
-    done, max_shard_size = run_streamed(sources, base_source, config, out, stream=stream, overwrite=overwrite,
-                                        max_shard_size=max_shard_size, max_memory=max_memory)  # fmt: skip
-    if done is not None:
-        return done
-    memory = {"offload": offload, "offload_dir": offload_dir, "max_memory": max_memory}
-    merger = RaotMerger.from_pretrained(*models, config=config, **memory, **({"base": base} if base else {}))
-    result = merger.merge(calibration)
-    return result.save_pretrained(out, overwrite=overwrite, max_shard_size=max_shard_size), result.report
+    revisions = (revision, revision_b, base_revision)
+    return _merge(models, base, config, calibration, out, revisions=revisions, **run)
+
+
+def _merge(
+    models, base, config: RaotConfig, calibration, out, *, revisions=(None, None, None), overwrite=False,
+    max_shard_size="2GB", max_memory=None, stream=True, offload="auto", offload_dir=None, command=None,
+    access=(None, False, False),
+) -> tuple[Path | None, dict[str, Any] | None]:  # fmt: skip
+    """One merge of ``models``: the input checks every mode runs, the execution plan, then the mode."""
+    from raot_hf.outputs import check_destination, parse_size
+    from raot_hf.stages.execution import plan_execution
+    from raot_hf.stages.load import check_before_weights
+    from raot_hf.stages.stream import PlainMerge, merge_streamed
+
+    check_destination(out, overwrite)  # refused before any heavy work
+    parse_size(max_shard_size)
+    if config.needs_calibration and calibration is None and config.calibration.source is None:
+        raise RaotError("this merge needs calibration data; pass --calibration (or --alignment none)")
+    sources, base_source = model_sources(models, base, *revisions, access)
+    (configs, _), preprocessor, _ = check_before_weights(config, sources, base_source, adapter=False, early=False)
+    plan = plan_execution(config, sources, base_source, configs, stream=stream, offload=offload,
+                          max_memory=max_memory, max_shard_size=max_shard_size)  # fmt: skip
+    if plan.mode == "streamed":
+        job = PlainMerge.from_config(config, sources, base_source)
+        return merge_streamed(job, [*configs, *_base_config(base_source)], out, overwrite=overwrite,
+                              max_shard_size=plan.shard_bytes, command=command, preprocessor=preprocessor)  # fmt: skip
+    memory = {"offload": "always" if plan.mode == "layer-wise" else "never", "offload_dir": offload_dir,
+              "max_memory": max_memory}  # fmt: skip
+    token, trust_remote_code, allow_pickle = access
+    revision, revision_b, base_revision = revisions
+    merger = RaotMerger.from_pretrained(
+        *models, config=config, revision=revision, revision_b=revision_b, token=token,
+        trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, **memory,
+        **({"base": base, "base_revision": base_revision} if base else {}),
+    )  # fmt: skip
+    if not merger.dist.is_main:  # the main process solves, reports and writes
+        from raot_hf.distributed import follow_main
+
+        follow_main(merger)
+        merger.dist.close()
+        return None, None
+    try:
+        result = merger.merge(calibration)
+    finally:
+        merger.dist.close()
+    if command:
+        result.report["command"] = command
+    return result.save_pretrained(out, overwrite=overwrite, max_shard_size=plan.shard_bytes), result.report
+
+
+def _base_config(source) -> list:
+    from raot_hf.io.loading import load_config
+
+    return [load_config(source, "base", adapter=False)] if source is not None else []
+
+
+def _merge_file(merge_file, out, calibration, *, access, **run) -> tuple[Path | None, dict[str, Any] | None]:
+    """Run a merge file's documents in order: the named ones into a temporary directory beside
+    ``out``, removed at the end, the last into ``out`` (docs/design.md §6.9)."""
+    import contextlib
+    import shutil
+    import tempfile
+
+    from raot_hf.outputs import check_destination
+
+    destination = check_destination(out, run["overwrite"])
+    done: dict[str, Path] = {}
+    result: tuple[Path | None, dict[str, Any] | None] = (None, None)
+    said: set[str] = set()  # the log lines said once per file
+    with contextlib.ExitStack() as stack:
+        scratch = None
+        if len(merge_file.documents) > 1:
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            scratch = Path(tempfile.mkdtemp(prefix=f".{destination.name}.stages-", dir=destination.parent))
+            stack.callback(shutil.rmtree, scratch, ignore_errors=True)
+        for document in merge_file.documents:
+            final = document is merge_file.output
+            target = destination if final else scratch / document.name
+            if not final:
+                logger.info("merging %s (an intermediate merge of the merge file)", document.name, extra=_STAGE)
+            options = {**run, "overwrite": run["overwrite"] if final else False}
+            result = _merge_document(document, target, calibration, done, said, access=access, **options)
+            if not final:
+                done[document.name] = target
+    return result
+
+
+def _merge_document(document, out, calibration, done: dict, said: set, *, access, **run):
+    """One document of a merge file: aligned when it gives calibration data and its shape allows,
+    else merged as stored by the streamed engine (docs/design.md §6.9). ``said``: the log lines
+    already given for this file."""
+    from raot_hf.config.mergefile import aligned_models
+    from raot_hf.io.loading import load_preprocessor, local_snapshot
+    from raot_hf.outputs import check_destination, parse_size
+    from raot_hf.stages.load import check_before_weights
+    from raot_hf.stages.stream import merge_streamed, plain_merge_of
+
+    config = document.config()
+    calibrated = calibration is not None or config.calibration.source is not None
+    aligns = config.alignment != "none" and bool(config.scope)
+    wants = calibrated or document.alignment_given or "alignment" in document.raot
+    if aligns and wants and not document.stacks_layers:
+        models, base, aligned = aligned_models(document)
+        models = [str(done.get(m, m)) for m in models]
+        base = str(done.get(base, base)) if base is not None else None
+        aligned = prepare_config(aligned, len(models), base is not None)
+        return _merge(models, base, aligned, calibration, out, access=access, **run)
+    if document.stacks_layers:
+        line = f"alignment does not apply to {document.method} over stacked slices: the layers are copied as stored"
+    else:
+        line = ("the merge file gives no calibration data: the checkpoints are merged as stored, as mergekit merges "
+                "them; pass --calibration DATA (or raot: calibration:) to align them first")  # fmt: skip
+    if aligns and line not in said:
+        logger.info(line, extra=_STAGE)
+        said.add(line)
+    config = config.replace(alignment="none")
+    check_destination(out, run["overwrite"])
+    parse_size(run["max_shard_size"])
+    if config.needs_calibration:
+        raise RaotError(f"merge_method: {document.method} reads calibration data; pass --calibration DATA")
+    token, trust_remote_code, allow_pickle = access
+    sources = {
+        ref: local_snapshot(ModelSource(str(done[ref.path]), None, *access) if ref.path in done else
+                            ModelSource(ref.path, ref.revision, token, trust_remote_code, allow_pickle))
+        for ref in document.models()
+    }  # fmt: skip
+    job = plain_merge_of(document, config, sources)
+    (configs, _), _, _ = check_before_weights(
+        config, job.checkpoints, None, adapter=False, early=False, vocabulary=document.tokenizer is None,
+        layers=not document.stacks_layers,
+    )  # fmt: skip
+    preprocessor = load_preprocessor(job.checkpoints[job.donor])
+    return merge_streamed(job, configs, out, overwrite=run["overwrite"], max_shard_size=run["max_shard_size"],
+                          command=run.get("command"), preprocessor=preprocessor)  # fmt: skip

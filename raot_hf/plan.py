@@ -64,3 +64,19 @@ def plan_for(config) -> MergePlan:
         needs_data=fit_moments or rule.needs_grams or rule.needs_fisher or explicit_correction,
         uses_data=aligns or rule.needs_grams or rule.needs_fisher or correction != "none",
     )
+
+
+#: How a merge runs (docs/design.md §7.3, §7.4): the models loaded whole, offloaded to working
+#: files and run layer by layer, or never loaded — the merge streamed from the files.
+EXECUTION_MODES = ("in memory", "layer-wise", "streamed")
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """How a merge runs, chosen once before any weights are read
+    (:func:`raot_hf.stages.execution.plan_execution`): ``mode`` (:data:`EXECUTION_MODES`), ``why``
+    it is not streamed ("" when it is) and the output's shard size (smaller under a memory cap)."""
+
+    mode: str
+    why: str
+    shard_bytes: int

@@ -371,18 +371,18 @@ def test_cli_read_only_parent_is_refused(zoo, tmp_path):
     [(KeyboardInterrupt(), 130, "Interrupted"), (OSError(28, "No space left on device"), 2, "No space left")],
 )
 def test_cli_fault_mid_write_leaves_no_directory(zoo, tmp_path, monkeypatch, fault, exit_code, needle):
-    import safetensors.torch
+    from raot_hf.outputs import shards
 
-    real_save = safetensors.torch.save_file
+    real_write = shards._write_shard
     calls = []
 
-    def failing_save(tensors, filename, metadata=None):
-        calls.append(filename)
+    def failing_write(path, *args, **kwargs):
+        calls.append(path)
         if len(calls) == 2:
             raise fault
-        return real_save(tensors, filename, metadata=metadata)
+        return real_write(path, *args, **kwargs)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", failing_save)
+    monkeypatch.setattr(shards, "_write_shard", failing_write)
     out = tmp_path / "out"
     res = _merge(zoo / "a", zoo / "a2", "--alignment", "none", "--max-shard-size", "3000", out=out)
     assert len(calls) == 2  # the fault struck between two shards

@@ -8,6 +8,8 @@ import logging
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import click
 
@@ -17,6 +19,7 @@ from raot_hf.cli.push import push
 from raot_hf.config import RaotConfig
 from raot_hf.config.options import CliOption, cli_options
 from raot_hf.errors import RaotError
+from raot_hf.outputs.card import gate_table_text
 from raot_hf.version import __version__
 
 logger = logging.getLogger("raot_hf.cli")
@@ -65,9 +68,9 @@ def merge_options(fn):
 
 
 def _read_config_file(name: str):
-    """The ``--config`` file ``name``: a :class:`~raot_hf.config.mergefile.MergeFile` (models, base,
-    options) or a RaotConfig JSON; unreadable files are a one-line error."""
-    from raot_hf.config.mergefile import check_layer_range, looks_like_merge_file, parse_text, read_merge_file
+    """The ``--config`` file ``name``: a :class:`~raot_hf.config.mergefile.MergeFile` (its merges,
+    models and options) or a RaotConfig JSON; unreadable files are a one-line error."""
+    from raot_hf.config.mergefile import looks_like_merge_file, parse_text, read_merge_file
 
     path = Path(name)
     if not path.is_file():
@@ -85,26 +88,26 @@ def _read_config_file(name: str):
     else:
         data = parse_text(text, str(path))
     if looks_like_merge_file(data):
-        merge_file = read_merge_file(data)
-        check_layer_range(merge_file)
-        return merge_file
+        return read_merge_file(data, text)
     if not isinstance(data, dict):
         raise RaotError(f"--config {path} must hold a mapping (a merge file or RaotConfig options)")
     return RaotConfig.from_dict(data)
 
 
-def _config_and_models(options: dict) -> tuple[RaotConfig, list[str], str | None]:
-    """The config, the models (command line or merge file) and the base (--base or base_model:)."""
+def _config_and_models(options: dict) -> tuple[Any, list[str], str | None]:
+    """The config (a RaotConfig, or a merge file with the flags applied to each of its merges), the
+    models on the command line and the base (--base)."""
     from raot_hf.config.mergefile import MergeFile
 
     loaded = _read_config_file(options["config_file"]) if options.get("config_file") else RaotConfig()
     models, base = list(options.get("models") or ()), options.get("base")
     if isinstance(loaded, MergeFile):
-        if models:
-            raise RaotError("the merge file lists the models; do not also give them on the command line")
-        if base and loaded.base and base != loaded.base:
-            raise RaotError(f"--base {base} differs from the merge file's base_model: {loaded.base}; give one")
-        models, base, loaded = loaded.models, base or loaded.base, loaded.config
+        if models or base:
+            raise RaotError(
+                "the merge file lists the models (and base_model:); do not also give them on the command line"
+            )
+        given = options.get("alignment") is not None
+        return loaded.configured(lambda config: build_config(options, config), alignment_given=given), [], None
     if len(models) < 2:
         raise RaotError(f"give at least two models (got {len(models)}): raot-hf merge A B [C ...] --out DIR")
     return build_config(options, loaded), models, base
@@ -129,15 +132,22 @@ def build_config(options: dict, base: RaotConfig | None = None) -> RaotConfig:
     return RaotConfig.from_dict(data)
 
 
-def _merger(options: dict, resolved: tuple | None = None, memory: dict | None = None):
-    """The RaotMerger the options describe; ``resolved``: their (config, models, base) if already read;
-    ``memory``: the offload options (:meth:`RaotMerger.from_pretrained`)."""
+def _merger(options: dict):
+    """The RaotMerger ``inspect`` compares: A and B, refused before any weights load when its
+    options need calibration data and none is given."""
+    from raot_hf.config.mergefile import MergeFile
     from raot_hf.merger import RaotMerger
 
-    config, models, base = resolved or _config_and_models(options)
+    config, models, base = _config_and_models(options)
+    if isinstance(config, MergeFile):
+        if len(config.documents) > 1:
+            raise RaotError("inspect compares two models; give it a merge file of one merge")
+        from raot_hf.config.mergefile import aligned_models
+
+        models, base, config = aligned_models(config.output)
     if config.needs_calibration and config.calibration.source is None:  # refused before any weights load
         raise RaotError("this merge needs calibration data; pass --calibration (or --alignment none)")
-    if len(models) > 2 and options.get("_two_only"):
+    if len(models) > 2:
         raise RaotError(f"inspect compares two models, got {len(models)}; inspect each pair, or merge them all")
     return RaotMerger.from_pretrained(
         *models,
@@ -148,7 +158,6 @@ def _merger(options: dict, resolved: tuple | None = None, memory: dict | None = 
         trust_remote_code=options.get("trust_remote_code", False),
         allow_pickle=options.get("allow_pickle", False),
         **({"base": base, "base_revision": options.get("base_revision")} if base else {}),
-        **(memory or {}),
     )
 
 
@@ -219,56 +228,27 @@ def _merge_command() -> click.Command:
 
         MODELS: two or more checkpoints (Hub ids or directories), the first the reference;
         or none, with --config naming a merge file that lists them."""
-        from raot_hf.outputs import check_destination, parse_size
+        from raot_hf.merger import merge_checkpoints
 
-        check_destination(out, overwrite)  # refuse before any heavy work
-        parse_size(max_shard_size)
         command = "raot-hf " + " ".join(sys.argv[1:]) if sys.argv else None
-        resolved = _config_and_models(options)
-        streamed = _streamed(options, resolved, out, overwrite, max_shard_size, stream, max_memory, command)
-        if streamed is not None:
-            if not _quiet():
-                click.echo(streamed[1]["summary"])
-                click.echo(f"wrote {streamed[0]}")
+        config, models, base = _config_and_models(options)
+        path, report = merge_checkpoints(
+            *models, out=out, base=base, config=config, overwrite=overwrite, max_shard_size=max_shard_size,
+            max_memory=max_memory, stream=stream, offload=offload, offload_dir=offload_dir,
+            revision=options.get("revision"), revision_b=options.get("revision_b"),
+            base_revision=options.get("base_revision"), token=options.get("token"),
+            trust_remote_code=options.get("trust_remote_code", False),
+            allow_pickle=options.get("allow_pickle", False), command=command,
+        )  # fmt: skip
+        if path is None or _quiet():  # a process other than the main one under accelerate launch
             return
-        memory = {"offload": offload, "offload_dir": offload_dir, "max_memory": max_memory}
-        merger = _merger(options, resolved, memory)
-        if _followed_main(merger):
-            return
-        try:
-            result = merger.merge()
-        finally:
-            merger.dist.close()
-        result.report["command"] = command
-        if not _quiet():
-            click.echo(result.alignment.table() if result.alignment.decisions else "(no alignment)")
-            click.echo(result.report["summary"])
-        path = result.save_pretrained(out, overwrite=overwrite, max_shard_size=max_shard_size)
-        if not _quiet():
-            click.echo(f"wrote {path}")
+        if report["execution"] != "streamed":
+            decisions = [SimpleNamespace(**d) for d in report["decisions"]]
+            click.echo(gate_table_text(decisions) if decisions else "(no alignment)")
+        click.echo(report["summary"])
+        click.echo(f"wrote {path}")
 
     return merge_command
-
-
-def _streamed(options: dict, resolved: tuple, out, overwrite: bool, max_shard_size, stream: bool, max_memory, command):
-    """The merge streamed from the files when it reads no data (:mod:`raot_hf.stages.stream`):
-    (path, report), or None when the in-memory path runs. ``--max-memory`` is checked here, before
-    any weights are read, for both paths."""
-    from raot_hf.distributed import DistributedContext
-    from raot_hf.stages.load import model_sources
-    from raot_hf.stages.members import prepare_config
-    from raot_hf.stages.stream import run_streamed
-
-    if DistributedContext.detect().is_distributed:
-        return None
-    config, models, base = resolved
-    config = prepare_config(config, len(models), base is not None)
-    access = (options.get("token"), options.get("trust_remote_code", False), options.get("allow_pickle", False))
-    revisions = (options.get("revision"), options.get("revision_b"), options.get("base_revision"))
-    sources, base_source = model_sources(models, base, *revisions, access)
-    done, _ = run_streamed(sources, base_source, config, out, stream=stream, overwrite=overwrite,
-                           max_shard_size=max_shard_size, max_memory=max_memory, command=command)  # fmt: skip
-    return done
 
 
 def _followed_main(merger) -> bool:
@@ -292,7 +272,7 @@ def _inspect_command() -> click.Command:
     @friendly_errors
     def inspect_command(as_json, **options):
         """Gate decisions and alignment scores without writing a model: do A and B share a basis?"""
-        merger = _merger({**options, "_two_only": True})
+        merger = _merger(options)
         if _followed_main(merger):
             return
         try:

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from raot_hf.errors import RaotError
+
 #: Bytes per element of the safetensors dtypes (for sizes read from the headers).
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 #: The safetensors dtype names and the torch dtypes they hold (read here, written by the shard writer).
@@ -72,6 +74,13 @@ class Checkpoint:
         for handle in self._open.values():
             handle.__exit__(None, None, None)
         self._open.clear()
+
+
+def check_finite(label: str, name: str, tensor: torch.Tensor) -> None:
+    """Refuse a floating-point tensor with NaN or Inf: the one input check every execution mode runs
+    on every tensor it reads (docs/design.md §7.3)."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise RaotError(f"model {label} has NaN/Inf in {name}; the checkpoint is corrupt — re-train or re-download it")
 
 
 def prefix_variants(name: str, prefix: str) -> list[str]:

@@ -4,6 +4,7 @@ asked, and every incompatibility caught from the configs before weights are read
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import transformers
 
 from raot_hf.adapters import get_adapter, is_decoder, supported_model_types
 from raot_hf.errors import RaotError
+from raot_hf.io.checkpoint import check_finite
 
 logger = logging.getLogger("raot_hf.io.loading")
 
@@ -40,15 +42,36 @@ class ModelSource:
         return {"id": str(self.name_or_path), "revision": self.revision, "local": self.is_local}
 
 
-def load_config(source: ModelSource, label: str):
-    """The parent's config, with a one-line error if it cannot be read."""
+def local_snapshot(source: ModelSource) -> ModelSource:
+    """``source`` as a local directory: itself, or (a Hub id) its config, tokenizer and safetensors
+    files downloaded — the streamed merge reads files (docs/design.md §7.3)."""
+    if source.is_local:
+        return source
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+    try:
+        path = snapshot_download(source.name_or_path, revision=source.revision, token=source.token,
+                                 allow_patterns=patterns)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - any failure to download is one line
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RaotError(
+            f"cannot download {source.name_or_path} ({reason}); download it and name its local directory instead"
+        ) from None
+    return dataclasses.replace(source, name_or_path=path, revision=None)
+
+
+def load_config(source: ModelSource, label: str, adapter: bool = True):
+    """The parent's config, with a one-line error if it cannot be read; ``adapter``: refuse a
+    model type without an adapter (a merge that aligns or loads the models needs one, a merge of
+    the checkpoints as stored does not)."""
     path = Path(source.name_or_path)
     if path.exists() and not path.is_dir():
         raise RaotError(f"model {label} ({source.name_or_path}) is a file; pass the directory that holds config.json")
     if source.is_local and not (path / "config.json").is_file():
         raise RaotError(f"model {label} ({source.name_or_path}) has no config.json; pass a save_pretrained directory")
     if source.is_local:
-        _check_local_config(path, label)
+        _check_local_config(path, label, adapter)
     try:
         config = transformers.AutoConfig.from_pretrained(
             source.name_or_path,
@@ -65,17 +88,34 @@ def load_config(source: ModelSource, label: str):
                 "(trust_remote_code=True) only if you trust that code"
             ) from None
         raise RaotError(f"cannot read the config of model {label} ({source.name_or_path}): {msg}") from None
-    adapter = get_adapter(config.model_type)  # an unsupported architecture fails here, before any weights
-    if is_decoder(config.model_type) and adapter.check_config is not None:
-        adapter.check_config(config)  # decoder layouts the schema cannot describe (§8), also before weights
+    if adapter and not has_adapter(config.model_type):  # an unsupported architecture fails here, before any weights
+        raise RaotError(no_adapter(label, source.name_or_path, config.model_type))
+    if has_adapter(config.model_type):
+        found = get_adapter(config.model_type)
+        if is_decoder(config.model_type) and found.check_config is not None:
+            found.check_config(config)  # decoder layouts the schema cannot describe (§8), also before weights
     if source.is_local:  # pickle-only, missing or corrupt weight files: refused before either parent loads
         _check_local_weights(source, label)
     return config
 
 
-def _check_local_config(path: Path, label: str) -> None:
+def no_adapter(label: str, where: str, model_type: str, detail: str = "") -> str:
+    """The one line refusing to align (or load) a model type without an adapter."""
+    return (
+        f"model {label} ({where}) has model type {model_type!r}{detail}; raot_hf has no adapter for it, so it cannot "
+        "be aligned — merge it as stored with --alignment none (alignment='none'), or merge checkpoints of a "
+        f"supported type: {', '.join(supported_model_types())}"
+    )
+
+
+def has_adapter(model_type: str) -> bool:
+    """Whether raot_hf can align models of ``model_type`` (an adapter is registered for it)."""
+    return model_type in supported_model_types()
+
+
+def _check_local_config(path: Path, label: str, adapter: bool = True) -> None:
     """Read a local config.json as plain JSON (no code runs) and refuse what cannot be merged:
-    invalid JSON, no ``model_type``, or a model type without an adapter (e.g. custom code)."""
+    invalid JSON, no ``model_type``, or (``adapter``) a model type without an adapter (e.g. custom code)."""
     import json
 
     try:
@@ -86,18 +126,15 @@ def _check_local_config(path: Path, label: str) -> None:
             f"model {label} ({path}): config.json is not valid JSON ({reason}); re-save or re-download the model"
         ) from None
     model_type = data.get("model_type") if isinstance(data, dict) else None
-    supported = ", ".join(supported_model_types())
     if not isinstance(model_type, str) or not model_type:
+        supported = ", ".join(supported_model_types())
         raise RaotError(
             f"model {label} ({path}): config.json names no model_type; re-save it with transformers "
             f"(supported: {supported})"
         )
-    if model_type not in supported_model_types():
+    if adapter and model_type not in supported_model_types():
         custom = " and ships custom code (auto_map), which was not run" if data.get("auto_map") else ""
-        raise RaotError(
-            f"model {label} ({path}) has model type {model_type!r}{custom}; raot_hf has no adapter for it — "
-            f"merge checkpoints of a supported type: {supported}"
-        )
+        raise RaotError(no_adapter(label, str(path), model_type, custom))
 
 
 def _check_local_weights(source: ModelSource, label: str) -> None:
@@ -191,10 +228,7 @@ def _load_weights(cls: type, source: ModelSource, label: str, *, dtype: str, con
         raise RaotError(f"cannot load the weights of model {label} ({source.name_or_path}): {msg}") from None
     model.eval()
     for name, p in model.named_parameters():
-        if not torch.isfinite(p).all():
-            raise RaotError(
-                f"model {label} has NaN/Inf in {name}; the checkpoint is corrupt — re-train or re-download it"
-            )
+        check_finite(label, name, p)
     return model, info
 
 
@@ -248,8 +282,9 @@ def _kind(model_type: str) -> str:
     return "a decoder" if is_decoder(model_type) else "an encoder"
 
 
-def check_compatible(config_a, config_b, *, head_policy: str = "a") -> None:
-    """Refuse pairs that cannot be merged, naming the first difference and the fix."""
+def check_compatible(config_a, config_b, *, head_policy: str = "a", ignore: tuple[str, ...] = ()) -> None:
+    """Refuse pairs that cannot be merged, naming the first difference and the fix (``ignore``:
+    config fields not compared)."""
     if config_a.model_type != config_b.model_type:
         kind_a, kind_b = _kind(config_a.model_type), _kind(config_b.model_type)
         detail = f" ({kind_a} and {kind_b})" if kind_a != kind_b else ""
@@ -260,7 +295,7 @@ def check_compatible(config_a, config_b, *, head_policy: str = "a") -> None:
     decoder = is_decoder(config_a.model_type)
     for key in _SHAPE_KEYS + (_DECODER_KEYS if decoder else ()):
         va, vb = getattr(config_a, key, None), getattr(config_b, key, None)
-        if va != vb:
+        if va != vb and key not in ignore:
             raise RaotError(f"A and B differ in {key} ({va} vs {vb}); merge two checkpoints of the same shape.")
     arch_a = (getattr(config_a, "architectures", None) or ["?"])[0]
     arch_b = (getattr(config_b, "architectures", None) or ["?"])[0]
@@ -345,13 +380,16 @@ def check_tokenizers(pre_a, pre_b) -> None:
     if vocab_a is None or vocab_b is None:
         return
     if vocab_a() != vocab_b():
-        raise RaotError("A and B use different tokenizers (vocabularies differ); merge models that share a tokenizer.")
+        raise RaotError(
+            "A and B use different tokenizers (vocabularies differ); merge models that share a tokenizer, or merge "
+            "their vocabularies with a merge file's tokenizer: {source: union}."
+        )
 
 
 # ------------------------------------------------------------------------------- the base model
 
 
-def check_base_compatible(config_a, config_base) -> None:
+def check_base_compatible(config_a, config_base, ignore: tuple[str, ...] = ()) -> None:
     """Refuse a base of another architecture or shape than A (read from the configs, before any
     weights load). Its head class and label space may differ: the base's head is never read."""
     if config_a.model_type != config_base.model_type:
@@ -361,7 +399,7 @@ def check_base_compatible(config_a, config_base) -> None:
         )
     for key in _SHAPE_KEYS:
         va, vb = getattr(config_a, key, None), getattr(config_base, key, None)
-        if va != vb:
+        if va != vb and key not in ignore:
             raise RaotError(
                 f"A and the base differ in {key} ({va} vs {vb}); pass the checkpoint A and B were fine-tuned from."
             )

@@ -341,7 +341,7 @@ def load_offloaded(
     parameter is not in the checkpoint under its own or its saved name (the caller loads and offloads)."""
     from accelerate import init_empty_weights
 
-    from raot_hf.io.checkpoint import Checkpoint
+    from raot_hf.io.checkpoint import Checkpoint, check_finite
 
     ckpt = Checkpoint(path)
     with init_empty_weights(include_buffers=False):  # built in the load dtype, as from_pretrained does:
@@ -363,10 +363,7 @@ def load_offloaded(
             raise RaotError(
                 f"{keys[name]} has shape {tuple(value.shape)} in {path}, the model expects {tuple(view.shape)}"
             )
-        if value.is_floating_point() and not torch.isfinite(value).all():
-            raise RaotError(
-                f"model {label} has NaN/Inf in {name}; the checkpoint is corrupt — re-train or re-download it"
-            )
+        check_finite(label, name, value)
         view.copy_(value)
         weights._drop(*weights.ranges[name])
         del value

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from raot_hf.errors import RaotError
@@ -58,6 +58,8 @@ def _check_plain(name: str, value: Any) -> Any:
         return float(value)
     if isinstance(value, (list, tuple)) and value and all(_is_number(v) for v in value):
         return [float(v) for v in value]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, bool) for v in value):
+        return list(value)  # switches by layer: each layer takes the nearest entry below its position
     raise RaotError(
         f"{name}={value!r} must be a number, a per-layer list of numbers or filters "
         "(e.g. {self_attn: [0, 1], mlp: [1, 0], default: 0.5})"
@@ -122,9 +124,12 @@ def parse_setting(name: str, text: str) -> Setting:
 
 
 def _at(value: Any, position: float) -> Any:
-    """A plain setting at ``position`` in [0, 1] (mergekit's gradient interpolation)."""
+    """A plain setting at ``position`` in [0, 1] (mergekit's gradient interpolation; a list of
+    switches takes the entry at ``int(position·(len − 1))``)."""
     if not isinstance(value, list):
         return value
+    if all(isinstance(v, bool) for v in value):
+        return value[int(position * (len(value) - 1))]
     scaled = position * (len(value) - 1)
     low = int(scaled)
     high = min(len(value) - 1, low + 1)
@@ -132,16 +137,47 @@ def _at(value: Any, position: float) -> Any:
     return (1.0 - frac) * value[low] + frac * value[high]
 
 
+def layer_position(name: str, layer_count: int) -> float:
+    """Where tensor ``name`` sits on a gradient of a model with ``layer_count`` layers: layer i at
+    ``i/(L − 1)`` (1 when L = 1), anything outside the layers at 0."""
+    index = layer_index(name)
+    if index is None or layer_count <= 0:
+        return 0.0  # outside the layers: mergekit plans embeddings, the final norm and the head at 0
+    return index / (layer_count - 1) if layer_count > 1 else 1.0
+
+
 def evaluate_setting(value: Setting, name: str, layer_count: int) -> Any:
     """The setting's value for the tensor ``name`` of a model with ``layer_count`` layers (None:
     a mapping with no matching filter and no default)."""
-    index = layer_index(name)
-    position = 0.0  # outside the layers: mergekit plans embeddings, the final norm and the head at 0
-    if index is not None and layer_count > 0:
-        position = index / (layer_count - 1) if layer_count > 1 else 1.0
+    return setting_at_position(value, name, layer_position(name, layer_count))
+
+
+def setting_at_position(value: Setting, name: str, position: float) -> Any:
+    """The setting's value for the tensor ``name`` at gradient ``position`` in [0, 1] (None: a
+    mapping with no matching filter and no default)."""
     if isinstance(value, dict):
         for key, chosen in value.items():
             if key != DEFAULT_KEY and (key == "*" or key in name):
                 return _at(chosen, position)
         return _at(value[DEFAULT_KEY], position) if DEFAULT_KEY in value else None
     return _at(value, position)
+
+
+def first_setting(levels: Iterable[Mapping[str, Setting]], key: str, name: str, position: float) -> Any:
+    """``key``'s value for tensor ``name`` from the first of ``levels`` (most specific first) that
+    gives one: a level whose filters match nothing, and has no default, passes to the next, as in
+    mergekit. None when no level gives one."""
+    for level in levels:
+        if key in level and level[key] is not None:
+            value = setting_at_position(level[key], name, position)
+            if value is not None:
+                return value
+    return None
+
+
+def with_layer(name: str, index: int) -> str:
+    """``name`` with its layer index replaced by ``index`` (``model.layers.3.mlp…`` → ``model.layers.<index>.mlp…``)."""
+    match = _LAYER.search(name)
+    if match is None:
+        return name
+    return f"{name[: match.start(1)]}{index}{name[match.end(1) :]}"

@@ -12,6 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+#: A setting whose value differs between the parts of a merge (evaluated per tensor).
+VARIES = "varies by tensor"
+
 
 @dataclass
 class RuleLog:
@@ -45,7 +48,8 @@ class RuleLog:
 
     def add(self, part: RuleLog | Mapping[str, Any] | None) -> None:
         """Add one chunk's log (a plain dict is read by :meth:`from_dict`): counts and totals add,
-        list settings (such as ``not_in_base``) extend, other settings take the part's value."""
+        list settings (such as ``not_in_base``) extend, other settings take the part's value
+        (:data:`VARIES` where parts differ)."""
         if part is None:
             return
         if not isinstance(part, RuleLog):
@@ -53,6 +57,8 @@ class RuleLog:
         for key, value in part.settings.items():
             if isinstance(value, list):
                 self.settings.setdefault(key, []).extend(value)
+            elif key in self.settings and self.settings[key] != value:
+                self.settings[key] = VARIES  # a merge file's settings, evaluated tensor by tensor
             else:
                 self.settings[key] = value
         for method, n in part.counts.items():

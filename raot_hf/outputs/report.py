@@ -89,7 +89,7 @@ def model_card_context(report: dict[str, Any]) -> dict[str, Any]:
             {"id": m.get("id"), "revision": m.get("commit") or m.get("revision")} for m in inputs.get("models", [])[2:]
         ],
         "method": method,
-        "merge_rule": _with_refit(_rule_description(settings, report.get("merge") or {}), report.get("refit")),
+        "merge_rule": _with_refit(_rule_description(report), report.get("refit")),
         "base_model": base.get("id"),
         "revision_base": base.get("commit") or base.get("revision"),
         "alpha": settings.get("alpha"),
@@ -120,10 +120,14 @@ def model_card_context(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _rule_description(settings: dict[str, Any], merge_log: dict[str, Any]) -> str | None:
-    """The rule's name (with the options a base-relative rule read, e.g. ``ties (density 0.2, …)``),
-    and the post-merge correction when one ran."""
+def _rule_description(report: dict[str, Any]) -> str | None:
+    """The rule's name (with the options a base-relative rule read, e.g. ``ties (density 0.2, …)``,
+    or those of the merge file), and the post-merge correction when one ran."""
+    settings, merge_log = report.get("settings", {}), report.get("merge") or {}
     described = _rule_with_options(settings, merge_log)
+    if report.get("merge_file") is not None:
+        rule = settings.get("merge_rule")
+        described = f"{rule} with the merge file's parameters — mergekit's definition on the checkpoints as stored"
     correction = merge_log.get("correction") if merge_log else None
     if not correction or correction.get("method", "none") == "none":
         return described

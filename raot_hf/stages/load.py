@@ -63,29 +63,37 @@ def _label(i: int) -> str:
     return "AB"[i] if i < 2 else f"model {i + 1}"
 
 
-def _check_before_weights(config, sources, src_base, memory: dict | None = None):
-    """Configs, shapes, the memory the merge needs (``memory``: the ``offload`` and ``max_memory``
-    options; its "layerwise" entry is set to whether the models will be offloaded), tokenizers and
-    the calibration sample — before any weights are read."""
-    configs = [load_config(src, _label(i)) for i, src in enumerate(sources)]
+def check_before_weights(
+    config, sources, src_base, memory: dict | None = None, *, adapter: bool = True, early: bool = True,
+    vocabulary: bool = True, layers: bool = True,
+):  # fmt: skip
+    """The input checks every execution mode runs before any weights are read: configs, shapes,
+    tokenizers, the memory the merge needs (``memory``: the ``offload`` and ``max_memory`` options;
+    its "layerwise" entry is set to whether the models will be offloaded) and (``early``) the
+    calibration sample. ``adapter``: refuse a model type without an adapter; ``vocabulary`` and
+    ``layers``: compare the vocabularies and layer counts (a merge file's tokenizer and slices
+    take models that differ in them)."""
+    configs = [load_config(src, _label(i), adapter) for i, src in enumerate(sources)]
+    ignore = (() if vocabulary else ("vocab_size",)) + (() if layers else ("num_hidden_layers", "layer_types"))
     for cfg in configs[1:]:
-        check_compatible(configs[0], cfg, head_policy=config.head)
+        check_compatible(configs[0], cfg, head_policy=config.head, ignore=ignore)
     if memory is not None:
         cap = parse_size(memory["max_memory"]) if memory["max_memory"] is not None else None
         per_layer = config.alignment == "activation"  # its layers are solved as the pass completes them
         memory["layerwise"] = choose_offload(memory["offload"], sources, configs[0], config.dtype, cap, per_layer)
-    cfg_base = load_config(src_base, "base") if src_base else None
+    cfg_base = load_config(src_base, "base", adapter) if src_base else None
     if cfg_base is not None:
-        check_base_compatible(configs[0], cfg_base)
+        check_base_compatible(configs[0], cfg_base, ignore=ignore)
     pre_a = load_preprocessor(sources[0])
-    for src in sources[1:]:
-        check_tokenizers(pre_a, load_preprocessor(src))
-    if src_base is not None:
-        check_base_tokenizer(pre_a, load_preprocessor(src_base))
-    early = None
-    if config.needs_calibration and config.calibration.source is not None and pre_a is not None:
-        early = check_calibration_early(config.calibration, pre_a)
-    return (configs, cfg_base), pre_a, early
+    if vocabulary:
+        for src in sources[1:]:
+            check_tokenizers(pre_a, load_preprocessor(src))
+        if src_base is not None:
+            check_base_tokenizer(pre_a, load_preprocessor(src_base))
+    sample = None
+    if early and config.needs_calibration and config.calibration.source is not None and pre_a is not None:
+        sample = check_calibration_early(config.calibration, pre_a)
+    return (configs, cfg_base), pre_a, sample
 
 
 def model_sources(
@@ -114,7 +122,7 @@ def load_pair(
     timer = StageTimer()
     with timer.stage("load"):
         memory = {"offload": offload, "max_memory": max_memory}
-        (configs, cfg_base), pre_a, early = _check_before_weights(config, sources, src_base, memory)
+        (configs, cfg_base), pre_a, early = check_before_weights(config, sources, src_base, memory)
         names = ", ".join(f"{_label(i)} ({s.name_or_path})" for i, s in enumerate(sources))
         logger.info("loading %s", names, extra={"stage": True})  # a line the CLI shows by default
         models, files = [], WorkingFiles()

@@ -92,11 +92,12 @@ def build_report(
 def report_of(
     schema, config, inputs: dict, records: list[dict], merge_log: RuleLog | None, *, execution: str,
     timings: dict[str, float], estimator_logs: dict | None = None, reference_log: dict | None = None,
-    verdict: str = "", summary: str = "",
+    verdict: str = "", summary: str = "", model_type: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The report dict (docs/design.md §6.4). ``records``: one :func:`alignment_record` per aligned model
     (none for checkpoints merged as stored: ``verdict`` and ``summary`` say so); with more than one,
-    ``models`` lists each and the top-level sections gather all."""
+    ``models`` lists each and the top-level sections gather all. ``schema`` is None for a model type
+    without an adapter (merged as stored), named by ``model_type``."""
     first = records[0] if records else {
         "calibration": None, "decisions": [], "shares_basis": False, "verdict": verdict, "model_fidelity": {},
         "summary": summary, "applied_transform": {"file": None, "transforms": []}, "applied_exact": True,
@@ -105,9 +106,9 @@ def report_of(
     report = {
         "raot_hf_version": __version__,
         "inputs": inputs,
-        "model_type": schema.model_type,
-        "norm": schema.norm,
-        "residual_exact_group": schema.residual.exact,
+        "model_type": schema.model_type if schema is not None else model_type,
+        "norm": schema.norm if schema is not None else None,
+        "residual_exact_group": schema.residual.exact if schema is not None else None,
         "settings": config.to_dict(),
         "calibration": first["calibration"],
         "decisions": first["decisions"],

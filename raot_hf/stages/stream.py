@@ -1,290 +1,526 @@
 """Execution mode: a merge that reads no data, streamed from the checkpoints' files (docs/design.md §7.3).
 
-With no alignment and a per-tensor rule each output tensor depends only on the same-named inputs,
-so local safetensors checkpoints are read, merged (:func:`raot_hf.stages.combine.merge_by_chunks`)
-and written a few tensors at a time, beside a meta-device skeleton: memory holds one chunk of every
-model and one output shard, and the result is the in-memory merge's, bit for bit.
+With no alignment every output tensor is a function of input tensors found by name — the same name
+in every model, or, for stacked slices, the same place in each source's layer range — so local
+safetensors checkpoints are read, merged by the rule and written a few tensors at a time, beside a
+meta-device skeleton of the output: memory holds one chunk of every model and one output shard,
+and the result is the in-memory merge's, bit for bit. A :class:`PlainMerge` says what runs: the
+checkpoints, the output's slices of their layers, and the rule's parameters at every level (the
+command line's options, or a merge file's, :mod:`raot_hf.config.mergefile`). Any ``transformers``
+checkpoint merges this way, with or without an adapter: layers are found from the tensor names.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
-from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 
 from raot_hf.errors import RaotError
-from raot_hf.io.checkpoint import Checkpoint, prefix_variants
-from raot_hf.io.loading import LOAD_DTYPES
-from raot_hf.merging import merge_heads, merge_rule_spec, rule_options
+from raot_hf.io.checkpoint import Checkpoint, check_finite, prefix_variants
+from raot_hf.io.loading import LOAD_DTYPES, ModelSource, has_adapter, load_preprocessor, meta_model
+from raot_hf.merging import apply_rule, merge_heads, merge_rule_spec, rule_options
 from raot_hf.merging.base_rules import median_ratio, task_norm_ratio
+from raot_hf.merging.layered import count_layers, first_setting, layer_index, with_layer
+from raot_hf.merging.log import RuleLog
 from raot_hf.merging.siblings import refuse_unrelated
-from raot_hf.plan import plan_for
-from raot_hf.stages.combine import chunks_of, merge_by_chunks
-from raot_hf.stages.offload import RUNTIME_BYTES, local_safetensors
+from raot_hf.stages.combine import CHUNK_BYTES
 
 logger = logging.getLogger("raot_hf.stages.stream")
 _STAGE = {"stage": True}
+#: Names of the layer count in a config, most common first.
+_LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 
 
-def stream_blocker(config, sources: list, base=None) -> str | None:
-    """Why this merge cannot be streamed from the files (None: it can)."""
-    plan = plan_for(config)
-    spec = merge_rule_spec(config.merge_rule)
-    if plan.estimator is not None:
-        return "an alignment reads the models' activations"
-    if plan.needs_data or config.refine.steps or config.refit.requested:
-        return "the rule, the correction or a refit reads calibration data"
-    if not spec.per_tensor:
-        return f"merge_rule={config.merge_rule!r} merges whole layers"
-    if config.head == "b":
-        return "--head b adopts B's head module"
-    not_local = (src for src in [*sources, *([base] if base is not None else [])] if local_safetensors(src) is None)
-    return next((f"{src.name_or_path} is not a local safetensors checkpoint" for src in not_local), None)
+@dataclass
+class PlainSource:
+    """One input of an output slice: a checkpoint (by index), its layers ``[start, end)`` (None:
+    all of them) and the parameters given for it (rule keywords → settings)."""
+
+    checkpoint: int
+    layers: tuple[int, int] | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
 
 
-class _ShardWriter:
-    """Merged tensors into shards of at most ``max_bytes``, renamed and indexed at the end."""
+@dataclass
+class PlainSlice:
+    """Output layers merged from ``sources`` layer for layer; ``base``: the checkpoint that is the
+    task vectors' origin (or SLERP's first model), ``parameters``: the slice's own."""
 
-    def __init__(self, directory: Path, max_bytes: int):
-        self.directory, self.max_bytes = directory, max_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.size, self.files, self.total = 0, [], 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.pending and self.size + nbytes > self.max_bytes:
-            self.flush()
-        self.pending[name] = tensor.detach().contiguous()
-        self.size += nbytes
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        file = self.directory / f"part-{len(self.files):05d}.safetensors"
-        safetensors.torch.save_file(self.pending, str(file), metadata={"format": "pt"})
-        self.files.append((file, list(self.pending)))
-        self.total += self.size
-        self.pending, self.size = {}, 0
-
-    def finish(self) -> set[str]:
-        from raot_hf.outputs.shards import shard_name, write_index
-
-        self.flush()
-        weight_map = {}
-        for i, (file, names) in enumerate(self.files, start=1):
-            final = shard_name(i, len(self.files))
-            file.rename(self.directory / final)
-            weight_map.update(dict.fromkeys(names, final))
-        write_index(self.directory, weight_map, self.total)
-        return set(weight_map)
+    sources: list[PlainSource]
+    base: int | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
 
 
-class _Reading:
-    """The checkpoints of one streamed merge, with the names checked against A's skeleton."""
+@dataclass
+class PlainMerge:
+    """A merge of checkpoints as stored: the rule, every checkpoint it reads (``labels`` name them
+    in messages), the output's slices, the whole merge's parameters (rule keywords → settings:
+    numbers, gradients or filters, :mod:`raot_hf.merging.layered`), the dtype the inputs are read in
+    (None: the donor config's) and the one written (``out_dtype``), whose config and tokenizer the
+    output takes (``donor``), the output vocabulary and chat template of a merge file, the head
+    policy's parameters (``head``: the adapter's head parameters are merged by ``config.head``)
+    and what the report records (``config``, ``document``)."""
 
-    def __init__(self, sources, base_source, configs):
-        from raot_hf.adapters import schema_for
-        from raot_hf.io.loading import meta_model
+    rule: str
+    checkpoints: list[ModelSource]
+    labels: list[str]
+    slices: list[PlainSlice]
+    parameters: dict[str, Any]
+    config: Any
+    dtype: str | None = None
+    out_dtype: str | None = None
+    donor: int = 0
+    tokenizer: Any = None
+    chat_template: str | None = None
+    refs: dict[Any, int] = field(default_factory=dict)
+    head: bool = False
+    document: dict[str, Any] | None = None
+    stacked: bool = False
 
-        self.models = [Checkpoint(Path(s.name_or_path)) for s in sources]
-        self.base = Checkpoint(Path(base_source.name_or_path)) if base_source is not None else None
-        self.skeleton = meta_model(configs[0])  # A's model on the meta device: parameter names, no memory
-        self.schema = schema_for(self.skeleton)
-        names = set(self.skeleton.state_dict())
-        self.keys = self.models[0].keys()
-        renamed = [k for k in self.keys if k not in names]
-        if renamed:
-            raise _NotStreamable(f"checkpoint key {renamed[0]!r} is not a parameter name of the model")
-        for i, m in enumerate(self.models[1:], start=2):
-            if set(m.keys()) != set(self.keys):
-                raise _NotStreamable(f"model {i} stores other tensors than model 1")
-        self.head = set(self.schema.head_params) & set(self.keys)
+    @property
+    def base(self) -> int | None:
+        """The whole merge's base checkpoint (its first slice's)."""
+        return self.slices[0].base
 
+    @classmethod
+    def from_config(cls, config, sources: list[ModelSource], base: ModelSource | None) -> PlainMerge:
+        """The merge the command line's options describe: whole models, one weight each."""
+        from raot_hf.stages.members import model_weights
 
-class _NotStreamable(Exception):
-    """The files cannot be merged name by name (the in-memory path runs instead)."""
-
-
-class _BaseTensors(Mapping):
-    """The base's tensors of the chunk being merged, under A's names (across A's ``base_model_prefix``);
-    :meth:`read_chunk` reads a chunk of every model and the base and measures their distance (§6.6)."""
-
-    def __init__(self, reading: _Reading, read, ratios: list[list[float]]):
-        prefix = getattr(reading.skeleton, "base_model_prefix", "") or ""
-        self.found = {}
-        for name in reading.keys:
-            if (key := next((c for c in prefix_variants(name, prefix) if c in reading.base.files), None)) is not None:
-                self.found[name] = key
-        self.reading, self.read, self.ratios, self.chunk = reading, read, ratios, {}
-
-    def read_chunk(self, names: list[str]) -> list[dict[str, torch.Tensor]]:
-        states = [{n: self.read(m, n) for n in names} for m in self.reading.models]
-        self.chunk = {n: self.read(self.reading.base, self.found[n]) for n in names if n in self.found}
-        for n, origin in self.chunk.items():
-            for i, state in enumerate(states):
-                if (r := task_norm_ratio(state[n], origin)) is not None:
-                    self.ratios[i].append(r)
-        return states
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.chunk[name]
-
-    def __iter__(self):
-        return iter(self.chunk)
-
-    def __len__(self) -> int:
-        return len(self.chunk)
+        spec = merge_rule_spec(config.merge_rule)
+        weights = model_weights(config, len(sources))
+        options = {k: v for k, v in rule_options(spec, config, len(sources)).items() if k != "densities"}
+        densities = rule_options(spec, config, len(sources)).get("densities")
+        merged = [
+            PlainSource(i, None, {"weights": w, **({"densities": densities[i]} if densities else {})})
+            for i, w in enumerate(weights)
+        ]
+        index = len(sources) if base is not None else None
+        pieces = [PlainSlice([*merged, *([PlainSource(index)] if base is not None else [])], index)]
+        labels = [("AB"[i] if i < 2 else f"model {i + 1}") for i in range(len(sources))]
+        checkpoints = [*sources, *([base] if base is not None else [])]
+        dtype = config.dtype if config.dtype != "auto" else None
+        return cls(config.merge_rule, checkpoints, labels + ["base"] * (base is not None), pieces, options, config,
+                   dtype=dtype, head=True)  # fmt: skip
 
 
-def _merged_head(reading: _Reading, config, configs, names: list[str], read, weights) -> dict[str, torch.Tensor]:
-    """The head's tensors by the policy: the reference's, or (``average``) the models' average."""
-    if config.head != "average":
-        return {n: read(reading.models[0], n) for n in names}
-    states = [{n: read(m, n) for n in names} for m in reading.models]
-    labels = [(c.num_labels, getattr(c, "id2label", None)) for c in configs]
-    return merge_heads(states, names, weights, policy="average", labels=labels)
+def plain_merge_of(document, config, sources: dict) -> PlainMerge:
+    """The merge a merge-file document (:class:`raot_hf.config.mergefile.MergeDocument`) describes,
+    merged as stored: ``config`` its RaotConfig (``raot:`` and the flags), ``sources`` each model
+    reference's :class:`ModelSource`. mergekit's parameter names become the rule's keywords; a
+    model's parameter given nowhere takes mergekit's default (the weight: 1/N)."""
+    from raot_hf.config.mergefile import rule_keywords
 
-
-def merge_streamed(
-    sources, config, out, *, base_source=None, overwrite: bool = False, max_shard_size="2GB", command: str | None = None
-):
-    """Merge the checkpoints ``sources`` (:class:`raot_hf.io.loading.ModelSource`, local safetensors)
-    tensor by tensor into the directory ``out``; returns its path and the report. Raises
-    :class:`_NotStreamable` (nothing written) when the files cannot be merged name by name."""
-    from raot_hf.outputs import model_card_context
-    from raot_hf.outputs.atomic import atomic_directory, check_destination
-    from raot_hf.outputs.card import CARD_NAME, render_model_card
-    from raot_hf.outputs.report import REPORT_NAME, report_to_json
-    from raot_hf.outputs.save import save_config, save_preprocessor
-    from raot_hf.outputs.shards import parse_size, verify_written_weights
-    from raot_hf.stages.load import _check_before_weights
-    from raot_hf.stages.members import model_weights
-
-    started = time.perf_counter()
-    max_bytes = parse_size(max_shard_size)
-    destination = check_destination(out, overwrite)
-    (configs, _), preprocessor, _ = _check_before_weights(config, sources, base_source)
-    reading = _Reading(sources, base_source, configs)
-    if config.dtype != "auto":  # the written config names the dtype the weights were cast to (meta: no memory)
-        dtype = LOAD_DTYPES[config.dtype]
-        reading.skeleton.to(dtype)
-        reading.skeleton.config.dtype = dtype
-    else:  # the dtype the in-memory path would load the models in: the config's
-        dtype = getattr(configs[0], "dtype", None)
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    weights = model_weights(config, len(sources))
-    logger.info("streaming the merge of %d checkpoints tensor by tensor (no calibration needed)", len(sources),
-                extra=_STAGE)  # fmt: skip
-    ratios: list[list[float]] = [[] for _ in sources]
-    spec = merge_rule_spec(config.merge_rule)
-    inputs = rule_options(spec, config, len(sources), names=reading.keys)
-
-    def read(ckpt: Checkpoint, name: str) -> torch.Tensor:
-        t = ckpt.get(name)
-        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
-
-    def write(part: dict) -> None:
-        for checkpoint in [*reading.models, *([reading.base] if reading.base is not None else [])]:
-            checkpoint.release()
-        for name, tensor in part.items():
-            writer.add(name, tensor)
-
-    def read_chunk(names: list[str]) -> list[dict[str, torch.Tensor]]:
-        return [{n: read(m, n) for n in names} for m in reading.models]
-
-    if spec.needs_base:
-        inputs["base"] = base = _BaseTensors(reading, read, ratios)
-        read_chunk = base.read_chunk
-    sizes = {n: b for n, b in reading.models[0].nbytes.items() if n not in reading.head}
-    with atomic_directory(destination) as temporary:
-        save_preprocessor(preprocessor, temporary, False)
-        save_config(reading.skeleton, temporary)
-        writer = _ShardWriter(temporary, max_bytes)
-        log = merge_by_chunks(spec, chunks_of(sizes), read_chunk, weights, inputs, write)
-        if reading.head:
-            write(_merged_head(reading, config, configs, sorted(reading.head), read, weights))
-        verify_written_weights(temporary, writer.finish())
-        if len(sources) > 2:
-            log.settings["weights"] = weights
-        medians = None
-        if reading.base is not None:  # each model's median relative distance from the base (§6.6)
-            medians = [median_ratio(r) for r in ratios]
-            refuse_unrelated({f"model {i}": value for i, value in enumerate(medians, start=1)})
-        report = streamed_report(sources, base_source, config, reading, log, medians, time.perf_counter() - started)
-        if command:
-            report["command"] = command
-        card = render_model_card(model_card_context(report))
-        (temporary / CARD_NAME).write_text(card, encoding="utf-8", newline="\n")
-        (temporary / REPORT_NAME).write_text(report_to_json(report), encoding="utf-8", newline="\n")
-    return destination, report
-
-
-def streamed_report(sources, base_source, config, reading: _Reading, merge_log, medians, seconds) -> dict[str, Any]:
-    """The provenance report of a streamed merge: no alignment, no calibration, every model listed."""
-    from raot_hf.stages.provenance import inputs_of, report_of
-
-    described = [inputs_of(s, reading.skeleton) for s in sources]  # each model's files hashed once
-    inputs: dict[str, Any] = {"a": described[0], "b": described[1]}
-    inputs["models"] = [{"model": i, **info} for i, info in enumerate(described, start=1)]
-    if base_source is not None:
-        inputs["base"] = {**inputs_of(base_source, reading.skeleton), "relative_task_norms": medians}
-    return report_of(
-        reading.schema, config, inputs, [], merge_log, execution="streamed", timings={"streamed merge": seconds},
-        verdict="no alignment requested: the checkpoints were merged as stored, tensor by tensor",
-        summary=f"{len(sources)} checkpoints merged by {config.merge_rule}, streamed from their files",
+    spec = merge_rule_spec(document.method)
+    refs = {ref: i for i, ref in enumerate(document.models())}
+    global_ = {k: v for k, v in rule_options(spec, config, 2).items() if v is not None and k != "densities"}
+    global_.update({keyword: default for keyword, default in spec.model_parameters.values() if default is not None})
+    global_.update(rule_keywords(document.method, document.parameters))
+    pieces = []
+    for piece in document.slices:
+        base = piece.base or document.base
+        sources_ = [PlainSource(refs[s.model], s.layer_range, rule_keywords(document.method, s.parameters,
+                                per_model_only=True)) for s in piece.sources]  # fmt: skip
+        pieces.append(PlainSlice(sources_, refs[base] if base is not None else None,
+                                 rule_keywords(document.method, piece.parameters)))  # fmt: skip
+    first = next(s.model for s in document.slices[0].sources if s.model != document.base or
+                 len(document.slices[0].sources) == 1)  # fmt: skip
+    donor = refs[document.base] if document.base is not None else refs[first]
+    labels = [str(ref) for ref in refs]
+    return PlainMerge(
+        document.method, [sources[ref] for ref in refs], labels, pieces, global_, config, dtype=document.dtype,
+        out_dtype=document.out_dtype, donor=donor, tokenizer=document.tokenizer, chat_template=document.chat_template,
+        refs=refs, document=document.data, stacked=document.stacks_layers,
     )  # fmt: skip
 
 
-def _checkpoint_sizes(source) -> tuple[int, int]:
-    """(total bytes, largest tensor's bytes) of a local safetensors checkpoint, from its headers."""
-    sizes = Checkpoint(Path(source.name_or_path)).sizes()
-    return sum(sizes), max(sizes, default=0)
+@dataclass
+class _Recipe:
+    """One output tensor: the (checkpoint, stored name) of each merged model in the rule's order,
+    the base's (None: not stored there), the slice it belongs to and its place on a gradient."""
+
+    name: str
+    inputs: list[tuple[int, str]]
+    base: tuple[int, str] | None
+    slice: int
+    position: float
+    nbytes: int = 0
 
 
-def shard_bytes_within(cap: int, sources, base_source, max_shard_bytes: int) -> int:
-    """The output shard size that keeps a streamed merge under ``cap`` bytes (one float64 tensor of
-    every model and the base, the runtime and one shard); a cap it cannot keep is refused."""
-    local = [*sources, *([base_source] if base_source else [])]
-    if any(local_safetensors(s) is None for s in local):
-        raise RaotError("--max-memory needs local safetensors checkpoints (their sizes are read from the files)")
-    sizes = [_checkpoint_sizes(s) for s in local]
-    gib = 2**30
-    largest = max(biggest for _, biggest in sizes)
-    # the rules' float64 temporaries of the largest tensor: about two float64 copies per model and
-    # two more (TIES on three models and a base: ~3 GB for a 131 MB tensor)
-    need = RUNTIME_BYTES + 4 * (len(local) + 2) * largest
-    if cap < need + largest:
-        minimum = (need + largest) / gib
-        raise RaotError(
-            f"--max-memory {cap / gib:.2f} GiB is below what one tensor of every model needs ({minimum:.2f} GiB with "
-            "the runtime); raise it"
-        )
-    return max(largest, min(max_shard_bytes, int(cap - need)))
+class _Reading:
+    """The checkpoints of one plain merge, opened from their headers, with the donor's skeleton."""
+
+    def __init__(self, job: PlainMerge, configs: list):
+        self.job = job
+        self.files = [Checkpoint(Path(s.name_or_path)) for s in job.checkpoints]
+        self.configs = configs
+        self.skeleton = meta_model(configs[job.donor])  # parameter names and order, no memory
+        order = list(self.skeleton.state_dict())
+        self.order = {name: i for i, name in enumerate(order)}
+        self.first_layer = next((i for i, n in enumerate(order) if layer_index(n) is not None), len(order))
+        self.prefix = getattr(self.skeleton, "base_model_prefix", "") or ""
+        self.layers = [count_layers(f.keys()) for f in self.files]
+        self.head: set[str] = set()
+        if job.head and has_adapter(configs[job.donor].model_type):
+            from raot_hf.adapters import schema_for
+
+            self.head = set(schema_for(self.skeleton).head_params)
+        self.embeddings = _embedding_names(self.skeleton)
+
+    def find(self, checkpoint: int, name: str) -> str | None:
+        """The stored name of tensor ``name`` in ``checkpoint`` (across the model's prefix), or None."""
+        files = self.files[checkpoint].files
+        return next((c for c in prefix_variants(name, self.prefix) if c in files), None)
+
+    def read(self, checkpoint: int, name: str, dtype: torch.dtype | None) -> torch.Tensor:
+        tensor = self.files[checkpoint].get(name)
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        check_finite(self.job.labels[checkpoint], name, tensor)
+        return tensor
+
+    def release(self) -> None:
+        for checkpoint in self.files:
+            checkpoint.release()
 
 
-def run_streamed(sources, base_source, config, out, *, stream=True, overwrite=False, max_shard_size="2GB",
-                 max_memory=None, command=None):  # fmt: skip
-    """The merge streamed from the files when it can be (and ``stream``): ``((path, report),
-    shard_bytes)``, else ``(None, shard_bytes)`` (the reason logged). ``max_memory`` (bytes or a size
-    string): too small is refused, streamed shards shrink to fit."""
-    from raot_hf.outputs.shards import parse_size
-
-    why = stream_blocker(config, sources, base_source) if stream else "--no-stream"
-    shard = parse_size(max_shard_size)
-    cap = parse_size(max_memory) if max_memory is not None else None
-    if cap is not None and why is None:
-        shard = shard_bytes_within(cap, sources, base_source, shard)
-    if why is None:
+def _embedding_names(skeleton: torch.nn.Module) -> set[str]:
+    """The parameter names of the input embedding and output head (rows indexed by token)."""
+    found = set()
+    by_id = {id(p): name for name, p in skeleton.named_parameters(remove_duplicate=False)}
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
         try:
-            done = merge_streamed(sources, config, out, base_source=base_source, overwrite=overwrite,
-                                  max_shard_size=shard, command=command)  # fmt: skip
-            return done, shard
-        except _NotStreamable as exc:
-            why = str(exc)
-    logger.info("merging in memory: %s", why)
-    return None, shard
+            module = getattr(skeleton, getter)()
+        except (AttributeError, NotImplementedError):
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and id(weight) in by_id:
+            found.add(by_id[id(weight)])
+    return found
+
+
+def _roles(job: PlainMerge, piece: PlainSlice) -> tuple[list[PlainSource], PlainSource | None]:
+    """The slice's merged sources in the rule's order and its base source (the origin), from what
+    ``base_model`` is to the rule (:class:`raot_hf.merging.MergeRuleSpec`'s ``base_role``)."""
+    spec = merge_rule_spec(job.rule)
+    role = "origin" if spec.needs_base else spec.base_role
+    base = next((s for s in piece.sources if s.checkpoint == piece.base), None) if piece.base is not None else None
+    if base is None or role == "model":
+        return list(piece.sources), None
+    others = [s for s in piece.sources if s is not base]
+    return ([base, *others], None) if role == "first" else (others, base)
+
+
+def _recipes(job: PlainMerge, reading: _Reading) -> tuple[list[_Recipe], list[tuple[int, int]]]:
+    """Every output tensor, in order (tensors before the layers, the layers slice by slice, those
+    after), and each output layer's (checkpoint, layer) of origin."""
+    layer_recipes, origins, pre, post = [], [], [], []
+    counter = 0
+    for number, piece in enumerate(job.slices):
+        merged, base = _roles(job, piece)
+        sources = [*merged, *([base] if base is not None else [])]
+        spans = {s.checkpoint: s.layers or (0, reading.layers[s.checkpoint]) for s in sources}
+        lengths = {end - start for start, end in spans.values()}
+        if len(lengths) != 1:
+            counts = ", ".join(f"{job.labels[c]} {end - start}" for c, (start, end) in spans.items())
+            raise RaotError(f"the models have different numbers of layers ({counts}); merge models of one shape, "
+                            "or give layer ranges of equal length under slices:")  # fmt: skip
+        for c, (_, end) in spans.items():
+            if end > reading.layers[c]:
+                raise RaotError(
+                    f"layer_range ends at {end} but {job.labels[c]} has {reading.layers[c]} layers; fix the range"
+                )
+        (length,) = lengths
+        lead = merged[0].checkpoint
+        names = reading.files[lead].keys()
+        for offset in range(length):
+            at = spans[lead][0] + offset
+            position = offset / (length - 1) if length > 1 else 1.0
+            for name in (n for n in names if layer_index(n) == at):
+                out = with_layer(name, counter)
+                inputs = [_input(reading, job, s.checkpoint, with_layer(name, spans[s.checkpoint][0] + offset))
+                          for s in merged]  # fmt: skip
+                origin = None
+                if base is not None:
+                    stored = reading.find(base.checkpoint, with_layer(name, spans[base.checkpoint][0] + offset))
+                    origin = (base.checkpoint, stored) if stored is not None else None
+                layer_recipes.append(_Recipe(out, inputs, origin, number, position))
+            origins.append((lead, at))
+            counter += 1
+        if number in (0, len(job.slices) - 1):
+            for name in (n for n in names if layer_index(n) is None):
+                before = reading.order.get(name, -1 if _looks_like_embedding(name) else len(reading.order))
+                if (before < reading.first_layer) != (number == 0) and len(job.slices) > 1:
+                    continue  # before the layers from the first slice, after them from the last
+                inputs = [_input(reading, job, s.checkpoint, name) for s in merged]
+                stored = reading.find(base.checkpoint, name) if base is not None else None
+                recipe = _Recipe(name, inputs, (base.checkpoint, stored) if stored else None, number, 0.0)
+                (pre if before < reading.first_layer else post).append(recipe)
+    recipes = pre + layer_recipes + post
+    for recipe in recipes:
+        checkpoint, stored = recipe.inputs[0]
+        recipe.nbytes = reading.files[checkpoint].nbytes[stored]
+    return recipes, origins
+
+
+def _looks_like_embedding(name: str) -> bool:
+    return any(part in name for part in ("embed", "wte", "wpe"))
+
+
+def _input(reading: _Reading, job: PlainMerge, checkpoint: int, name: str) -> tuple[int, str]:
+    stored = reading.find(checkpoint, name)
+    if stored is None:
+        raise RaotError(f"{job.labels[checkpoint]} stores no tensor {name!r}; merge checkpoints of one architecture")
+    return checkpoint, stored
+
+
+def _evaluated(job: PlainMerge, recipe: _Recipe, merged: list[PlainSource]) -> tuple[list[float], dict[str, Any]]:
+    """The weights and the rule's keywords for one output tensor: each read from the most specific
+    level that gives it (the model's, the slice's, the whole merge's) at the tensor's name and place."""
+    spec = merge_rule_spec(job.rule)
+    piece = job.slices[recipe.slice]
+    lists = {keyword for keyword, _ in spec.model_parameters.values()}
+    options = {}
+    for keyword in {*job.parameters, *piece.parameters} - lists - {"weights"}:
+        value = first_setting([piece.parameters, job.parameters], keyword, recipe.name, recipe.position)
+        if value is not None:
+            options[keyword] = value
+    defaults = dict(spec.model_parameters.values())
+    weights, per_model = [], {}
+    for source, (_, stored) in zip(merged, recipe.inputs, strict=True):
+        levels = [source.parameters, piece.parameters, job.parameters]
+        weight = first_setting(levels, "weights", stored, recipe.position)
+        weights.append(1.0 / len(merged) if weight is None else float(weight))
+        for keyword in lists - {"weights"}:
+            per_model.setdefault(keyword, []).append(first_setting(levels, keyword, stored, recipe.position))
+    for keyword, values in per_model.items():
+        if any(v is not None for v in values):
+            options[keyword] = [defaults[keyword] if v is None else v for v in values]
+    return weights, options
+
+
+def _output_config(job: PlainMerge, reading: _Reading, origins: list[tuple[int, int]], vocabulary, dtype):
+    """The output's config: the donor's, with the stacked layer count (and every per-layer list
+    following its layers), the new vocabulary's size and the dtype written."""
+    config = copy.deepcopy(reading.configs[job.donor])
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = reading.layers[job.donor]
+    if len(origins) != layers:
+        key = next((k for k in _LAYER_COUNT_KEYS if getattr(text, k, None) == layers), None)
+        if key is None:
+            raise RaotError(f"{job.labels[job.donor]}'s config names no layer count equal to its {layers} layers; "
+                            "slices cannot set the output's")  # fmt: skip
+        for name, value in list(vars(text).items()):
+            if isinstance(value, (list, tuple)) and len(value) == layers and not name.startswith("_"):
+                per_source = [getattr(reading.configs[c].get_text_config(), name, value) for c, _ in origins]
+                setattr(text, name, type(value)(v[i] for v, (_, i) in zip(per_source, origins, strict=True)))
+        setattr(text, key, len(origins))
+    if vocabulary is not None:
+        text.vocab_size = vocabulary.size
+    if dtype is not None:
+        config.dtype = dtype
+    return config
+
+
+def merge_streamed(job: PlainMerge, configs: list, out, *, overwrite: bool = False, max_shard_size="2GB",
+                   command: str | None = None, preprocessor=None) -> tuple[Path, dict[str, Any]]:  # fmt: skip
+    """Run ``job`` (local safetensors checkpoints, ``configs`` read and checked) tensor by tensor into
+    the directory ``out``; returns its path and the report. ``preprocessor``: the donor's (loaded)."""
+    from raot_hf.outputs import write_merged_repo
+
+    started = time.perf_counter()
+    reading = _Reading(job, configs)
+    recipes, origins = _recipes(job, reading)
+    vocabulary = _vocabulary(job, reading) if job.tokenizer is not None else None
+    read_dtype = LOAD_DTYPES[job.dtype] if job.dtype else _config_dtype(configs[job.donor])
+    out_dtype = LOAD_DTYPES[job.out_dtype] if job.out_dtype else None
+    output = meta_model(_output_config(job, reading, origins, vocabulary, job.out_dtype or job.dtype))
+    if job.out_dtype or job.dtype:
+        output.to(out_dtype or read_dtype)
+    tokenizer = vocabulary.tokenizer if vocabulary is not None else preprocessor
+    if job.chat_template is not None:
+        tokenizer = _with_chat_template(job, reading, tokenizer)
+    logger.info("streaming the merge of %d checkpoints tensor by tensor (no calibration needed)",
+                len(job.checkpoints), extra=_STAGE)  # fmt: skip
+    ratios: dict[int, list[float]] = {}
+    log = RuleLog(job.rule)
+    spec = merge_rule_spec(job.rule)
+
+    def merged_tensors():
+        chunk, size = [], 0
+        for recipe in recipes:
+            chunk.append(recipe)
+            size += recipe.nbytes
+            if size >= CHUNK_BYTES:
+                yield from _merge_chunk(job, spec, reading, chunk, read_dtype, vocabulary, ratios, log)
+                chunk, size = [], 0
+        yield from _merge_chunk(job, spec, reading, chunk, read_dtype, vocabulary, ratios, log)
+
+    def weights():
+        for name, tensor in merged_tensors():
+            yield name, (tensor.to(out_dtype) if out_dtype is not None and tensor.is_floating_point() else tensor)
+
+    written: dict[str, Any] = {}
+
+    def report() -> dict[str, Any]:
+        medians = None
+        if job.base is not None and spec.needs_base:  # each model's median relative distance from the base (§6.6)
+            medians = [median_ratio(ratios.get(c, [])) for c in sorted(ratios)]
+            refuse_unrelated({job.labels[c]: median_ratio(r) for c, r in sorted(ratios.items())})
+        result = plain_report(job, reading, log, medians, time.perf_counter() - started)
+        if command:
+            result["command"] = command
+        written["report"] = result
+        return result
+
+    path = write_merged_repo(out, output, preprocessor_source=tokenizer, report=report, weights=weights(),
+                             overwrite=overwrite, max_shard_size=max_shard_size)  # fmt: skip
+    return path, written["report"]
+
+
+def _config_dtype(config) -> torch.dtype | None:
+    dtype = getattr(config, "dtype", None)
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def _merge_chunk(job, spec, reading: _Reading, chunk: list[_Recipe], dtype, vocabulary, ratios, log: RuleLog):
+    """Read, merge and yield the tensors of ``chunk``: consecutive tensors with the same weights and
+    settings are one call of the rule; the checkpoints' mappings are released afterwards."""
+    if not chunk:
+        return
+    calls: list[tuple[list[float], dict, dict[str, list], dict]] = []
+    for recipe in chunk:
+        tensors = {c: reading.read(c, stored, dtype) for c, stored in recipe.inputs}
+        origin = reading.read(*recipe.base, dtype) if recipe.base is not None else None
+        if vocabulary is not None and recipe.name in reading.embeddings:
+            moved = vocabulary.moved({**tensors, **({recipe.base[0]: origin} if origin is not None else {})})
+            tensors = {c: moved[c] for c in tensors}
+            origin = moved[recipe.base[0]] if origin is not None else None
+        if origin is not None and spec.needs_base:
+            for c, t in tensors.items():
+                if (r := task_norm_ratio(t, origin)) is not None:
+                    ratios.setdefault(c, []).append(r)
+        merged, _ = _roles(job, job.slices[recipe.slice])
+        weights, options = _evaluated(job, recipe, merged)
+        states = [tensors[c] for c, _ in recipe.inputs]
+        if recipe.name in reading.head:
+            labels = [(reading.configs[c].num_labels, getattr(reading.configs[c], "id2label", None))
+                      for c, _ in recipe.inputs]  # fmt: skip
+            heads = merge_heads([{recipe.name: s} for s in states], [recipe.name], weights, policy=job.config.head,
+                                labels=labels)  # fmt: skip
+            yield recipe.name, heads[recipe.name]
+            continue
+        if calls and calls[-1][0] == weights and _same(calls[-1][1], options):
+            call = calls[-1]
+        else:
+            call = (weights, options, [{} for _ in states], {})
+            calls.append(call)
+        for state, tensor in zip(call[2], states, strict=True):
+            state[recipe.name] = tensor
+        if origin is not None:
+            call[3][recipe.name] = origin
+        if len(calls) > 1:  # the earlier call is complete: merge it before reading on
+            yield from _run(spec, calls.pop(0), log)
+    for call in calls:
+        yield from _run(spec, call, log)
+    reading.release()
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k] == b[k] for k in a)
+
+
+def _run(spec, call, log: RuleLog):
+    weights, options, states, base = call
+    if spec.needs_base and not base:  # tensors the base does not store merge linearly, as the rules do
+        logger.warning("%d tensor(s) are not in the base (first: %s): they merge linearly", len(states[0]),
+                       next(iter(states[0])))  # fmt: skip
+        part, _ = apply_rule(merge_rule_spec("linear"), states, weights)
+        log.add(RuleLog(spec.name, counts={"linear (not in the base)": len(part)}))
+        yield from part.items()
+        return
+    inputs = dict(options)
+    if spec.needs_base or base:
+        inputs["base"] = base
+    part, part_log = apply_rule(spec, states, weights, **inputs)
+    log.add(part_log)
+    yield from part.items()
+
+
+def _vocabulary(job: PlainMerge, reading: _Reading):
+    """The output vocabulary of the merge file's ``tokenizer:`` (:mod:`raot_hf.merging.vocab`)."""
+    from raot_hf.merging.vocab import build_vocabulary
+
+    tokenizers = {}
+    for i, source in enumerate(job.checkpoints):
+        tokenizer = load_preprocessor(source)
+        if tokenizer is not None and hasattr(tokenizer, "get_vocab"):
+            tokenizers[i] = tokenizer
+    if job.donor not in tokenizers and (job.base is None or job.base not in tokenizers):
+        raise RaotError(f"tokenizer: needs {job.labels[job.donor]}'s tokenizer, which it does not ship; add it")
+    embedding = min(reading.embeddings, key=lambda n: reading.order.get(n, 0), default=None)
+    if embedding is None:
+        raise RaotError("tokenizer: the model has no input embedding to move into the new vocabulary")
+    rows = {}
+    for i in range(len(job.checkpoints)):
+        stored = reading.find(i, embedding)
+        header = reading.files[i]
+        rows[i] = header.numel[stored] // _width(reading, stored) if stored is not None else 0
+    order = sorted(range(len(job.checkpoints)), key=lambda i: (i != job.base, i))
+    return build_vocabulary(job.tokenizer, tokenizers, rows, job.base, order, job.refs)
+
+
+def _width(reading: _Reading, name: str) -> int:
+    parameter = dict(reading.skeleton.named_parameters(remove_duplicate=False)).get(name)
+    return int(parameter.shape[-1]) if parameter is not None else 1
+
+
+def _with_chat_template(job: PlainMerge, reading: _Reading, tokenizer):
+    """The output tokenizer with the merge file's ``chat_template`` (``auto``: the models' most common)."""
+    from raot_hf.merging.vocab import chat_template_text
+
+    if tokenizer is None:
+        logger.warning("chat_template: the output has no tokenizer to carry it (the donor ships none)")
+        return None
+    loaded = [load_preprocessor(s) for s in job.checkpoints] if job.chat_template == "auto" else []
+    template = chat_template_text(job.chat_template, [t for t in loaded if t is not None])
+    if template is not None:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+def plain_report(job: PlainMerge, reading: _Reading, merge_log: RuleLog, medians, seconds) -> dict[str, Any]:
+    """The provenance report of a plain merge: no alignment, no calibration, every model listed."""
+    from raot_hf.stages.provenance import inputs_of, report_of
+
+    base = job.base if merge_rule_spec(job.rule).needs_base else None
+    models = [i for i in range(len(job.checkpoints)) if i != base]
+    described = {i: inputs_of(job.checkpoints[i], reading.skeleton) for i in models}
+    first, second = described[models[0]], described[models[1] if len(models) > 1 else models[0]]
+    inputs: dict[str, Any] = {"a": first, "b": second}
+    inputs["models"] = [{"model": n, **described[i]} for n, i in enumerate(models, start=1)]
+    if base is not None:
+        inputs["base"] = {**inputs_of(job.checkpoints[base], reading.skeleton), "relative_task_norms": medians}
+    if job.stacked:
+        verdict = "alignment does not apply: passthrough and stacked slices copy layers as stored"
+    else:
+        verdict = "no alignment requested: the checkpoints were merged as stored, tensor by tensor"
+    schema = None
+    if has_adapter(reading.configs[job.donor].model_type):
+        from raot_hf.adapters import schema_for
+
+        schema = schema_for(reading.skeleton)
+    report = report_of(
+        schema, job.config, inputs, [], merge_log, execution="streamed", timings={"streamed merge": seconds},
+        verdict=verdict, model_type=reading.configs[job.donor].model_type,
+        summary=f"{len(models)} checkpoints merged by {job.rule}, streamed from their files",
+    )  # fmt: skip
+    if job.document is not None:
+        report["merge_file"] = job.document
+    return report

@@ -274,7 +274,7 @@ def test_the_shared_slerp_config_runs_verbatim_and_matches_hand_slerp(pair, tmp_
         want = _np_slerp(_expected_t(name), x, y)
         assert np.allclose(w.double().numpy(), want, rtol=1e-2, atol=1e-2), name
     report = json.loads((out / "raot_report.json").read_text())
-    assert report["settings"]["mergekit"]["t"]["default"] == 0.5
+    assert report["merge_file"]["parameters"]["t"][2] == {"value": 0.5} and report["execution"] == "streamed"
     card = (out / "README.md").read_text()
     assert "slerp — mergekit's definition on the checkpoints as stored" in card
 
@@ -282,10 +282,11 @@ def test_the_shared_slerp_config_runs_verbatim_and_matches_hand_slerp(pair, tmp_
 @pytest.mark.parametrize(
     "slices,message",
     [
-        ("[{sources: [{model: A, layer_range: [0, 1]}, {model: B, layer_range: [1, 2]}]}]", "different layer ranges"),
-        ("[{sources: [{model: A, layer_range: [1, 2]}, {model: B, layer_range: [1, 2]}]}]", "does not cover"),
-        ("[{sources: [{model: A, layer_range: [0, 1]}]}, {sources: [{model: B, layer_range: [1, 2]}]}]", "2 slices"),
-        ("[{sources: [{model: A, layer_range: [0, 1]}, {model: B, layer_range: [0, 1]}]}]", "has 2 layers"),
+        ("[{sources: [{model: A, layer_range: [0, 1]}, {model: B, layer_range: [0, 2]}]}]", "span [1, 2] layers"),
+        ("[{sources: [{model: A, layer_range: [0, 3]}, {model: B, layer_range: [0, 3]}]}]", "ends at 3 but"),
+        ("[{sources: [{model: A, layer_range: [0, 1]}, {model: B, layer_range: [0, 1]}]}, {sources: [{model: B, "
+         "layer_range: [1, 2]}]}]", "does not list base_model"),  # fmt: skip
+        ("[{sources: [{model: A, layer_range: [2, 1]}, {model: B, layer_range: [0, 1]}]}]", "holds no layer"),
     ],
 )
 def test_bad_slices_are_refused_in_one_line(pair, tmp_path, slices, message):
@@ -302,11 +303,12 @@ def test_bad_slices_are_refused_in_one_line(pair, tmp_path, slices, message):
     assert not (tmp_path / "o").exists()
 
 
-def test_passthrough_is_refused_in_one_line(pair, tmp_path):
+def test_passthrough_takes_one_source_per_slice(pair, tmp_path):
     config = tmp_path / "p.yml"
     config.write_text(f"models:\n  - model: {pair / 'a'}\n  - model: {pair / 'b'}\nmerge_method: passthrough\n")
     res = CliRunner().invoke(main, ["merge", "--config", str(config), "--out", str(tmp_path / "o")])
-    assert res.exit_code == 2 and "passthrough" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert res.exit_code == 2 and "passthrough, which copies one model's layers" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
 
 
 def test_command_line_gradient_equals_the_merge_file(pair, tmp_path):

@@ -310,10 +310,11 @@ raot:
         ),
         ("models:\n  - model: {a}\n  - parameters: {{weight: 1}}\nmerge_method: linear\n", "entry 2 has no 'model:'"),
         ("slices:\n  - sources: []\nmerge_method: linear\n", "slices: entry must hold sources"),
-        ("models:\n  - model: {a}\n  - model: {b}\nmerge_method: passthrough\n", "passthrough (frankenmerges"),
+        ("models:\n  - model: {a}\n  - model: {b}\nmerge_method: passthrough\n", "copies one model's layers"),
         (
-            "models:\n  - model: {a}\n    parameters: {{weight: [0, 1]}}\n  - model: {b}\nmerge_method: linear\n",
-            "gradient",
+            "models:\n  - model: {a}\n    parameters: {{weight: [0, 1]}}\n  - model: {b}\nmerge_method: linear\n"
+            "raot:\n  calibration: {{source: cal.csv}}\n",
+            "weight varies by layer or module; an aligned merge takes one number per model",
         ),
         ("models: [\n", "not valid YAML"),
     ],

@@ -98,7 +98,7 @@ def test_an_unrelated_base_is_refused_and_nothing_is_written(tmp_path):
     paths = _family(tmp_path, "bert")
     other = tiny_model("bert", "sequence", dtype=torch.float32, seed=7)
     other.save_pretrained(tmp_path / "other")
-    with pytest.raises(RaotError, match="model 1 is not a fine-tune of the base"):
+    with pytest.raises(RaotError, match="A is not a fine-tune of the base"):
         merge_checkpoints(*paths[1:], out=tmp_path / "o", base=tmp_path / "other", alignment="none", merge_rule="ties")
     assert not (tmp_path / "o").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".o")]
 
@@ -106,7 +106,7 @@ def test_an_unrelated_base_is_refused_and_nothing_is_written(tmp_path):
 def test_alignment_keeps_the_in_memory_path(tmp_path):
     from raot_hf import RaotConfig
     from raot_hf.io.loading import ModelSource
-    from raot_hf.stages.stream import stream_blocker
+    from raot_hf.stages.execution import stream_blocker
 
     sources = [ModelSource(str(p)) for p in _family(tmp_path, "bert")[1:]]
     assert stream_blocker(RaotConfig(), sources) == "an alignment reads the models' activations"
@@ -133,7 +133,7 @@ def test_memory_caps_are_refused_before_any_work_and_shrink_the_shards(tmp_path)
     assert len(res.stderr.strip().splitlines()) == 1 and not out.exists()
     from raot_hf.io.loading import ModelSource
     from raot_hf.stages.offload import RUNTIME_BYTES
-    from raot_hf.stages.stream import _checkpoint_sizes
+    from raot_hf.stages.execution import _checkpoint_sizes
 
     total, largest = _checkpoint_sizes(ModelSource(paths[0]))
     cap = RUNTIME_BYTES + 4 * (len(paths) + 2) * largest + total // 3  # room for a third of the output
