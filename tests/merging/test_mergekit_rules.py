@@ -284,8 +284,11 @@ def test_the_shared_slerp_config_runs_verbatim_and_matches_hand_slerp(pair, tmp_
     [
         ("[{sources: [{model: A, layer_range: [0, 1]}, {model: B, layer_range: [0, 2]}]}]", "span [1, 2] layers"),
         ("[{sources: [{model: A, layer_range: [0, 3]}, {model: B, layer_range: [0, 3]}]}]", "ends at 3 but"),
-        ("[{sources: [{model: A, layer_range: [0, 1]}, {model: B, layer_range: [0, 1]}]}, {sources: [{model: B, "
-         "layer_range: [1, 2]}]}]", "does not list base_model"),  # fmt: skip
+        (
+            "[{sources: [{model: A, layer_range: [0, 1]}, {model: B, layer_range: [0, 1]}]}, {sources: [{model: B, "
+            "layer_range: [1, 2]}]}]",
+            "does not list base_model",
+        ),  # fmt: skip
         ("[{sources: [{model: A, layer_range: [2, 1]}, {model: B, layer_range: [0, 1]}]}]", "holds no layer"),
     ],
 )

@@ -132,8 +132,8 @@ def test_memory_caps_are_refused_before_any_work_and_shrink_the_shards(tmp_path)
     assert res.exit_code == 2 and "below what one tensor of every model needs" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and not out.exists()
     from raot_hf.io.loading import ModelSource
-    from raot_hf.stages.offload import RUNTIME_BYTES
     from raot_hf.stages.execution import _checkpoint_sizes
+    from raot_hf.stages.offload import RUNTIME_BYTES
 
     total, largest = _checkpoint_sizes(ModelSource(paths[0]))
     cap = RUNTIME_BYTES + 4 * (len(paths) + 2) * largest + total // 3  # room for a third of the output
