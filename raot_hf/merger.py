@@ -289,12 +289,12 @@ def _merge(
 
     check_destination(out, overwrite)  # refused before any heavy work
     parse_size(max_shard_size)
-    if config.needs_calibration and calibration is None and config.calibration.source is None:
-        raise RaotError("this merge needs calibration data; pass --calibration (or --alignment none)")
     sources, base_source = model_sources(models, base, *revisions, access)
     (configs, _), preprocessor, _ = check_before_weights(config, sources, base_source, adapter=False, early=False)
     plan = plan_execution(config, sources, base_source, configs, stream=stream, offload=offload,
                           max_memory=max_memory, max_shard_size=max_shard_size)  # fmt: skip
+    if config.needs_calibration and calibration is None and config.calibration.source is None:
+        raise RaotError("this merge needs calibration data; pass --calibration (or --alignment none)")
     if plan.mode == "streamed":
         job = PlainMerge.from_config(config, sources, base_source)
         return merge_streamed(job, [*configs, *_base_config(base_source)], out, overwrite=overwrite,
