@@ -345,8 +345,8 @@ def test_readme_command_lines_still_parse():
         params = command.make_context(words[0], words[1:]).params
         if params.get("config_file") not in (
             "merge.yml",
-            "slerp.yml",
-        ):  # merge files: test_members, test_mergekit_rules
+            "dare_ties.yml",
+        ):  # merge files: test_members, test_mergekit_corpus
             build_config(params)
 
 

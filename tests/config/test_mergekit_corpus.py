@@ -432,3 +432,17 @@ def test_a_two_stage_file_is_its_documents_run_in_turn(root, monkeypatch, tmp_pa
         outputs[document.get("name")] = out
     alone = _weights(outputs[None])
     assert set(alone) == set(final) and all(torch.equal(alone[k], final[k]) for k in final)
+
+
+def test_the_readme_model_card_config_runs_verbatim(root, monkeypatch):
+    """README's merge-file example is the corpus's DARE-TIES card, and its command runs as written."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    text = re.search(r"```yaml\n# dare_ties\.yml\n(.*?)```", readme, re.S).group(1)
+    command = re.search(r"```bash\n(raot-hf merge --config dare_ties\.yml[^\n]*)\n```", readme).group(1)
+    assert yaml.safe_load(text) == _data("dare_ties_card.yml")
+    (root / "dare_ties.yml").write_text(text)
+    monkeypatch.chdir(root)
+    res = CliRunner().invoke(main, ["-q", *command.split()[1:]])
+    assert res.exit_code == 0, res.output
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / "merged")
+    assert model.generate(torch.tensor([[1, 5]]), max_new_tokens=2, do_sample=False).shape == (1, 4)
