@@ -104,16 +104,19 @@ def chunks_of(sizes: dict[str, int]) -> list[list[str]]:
     return [*chunks, chunk] if chunk else chunks
 
 
-def merge_by_chunks(spec: MergeRuleSpec, chunks, read, weights: list, inputs: dict, write) -> RuleLog:
-    """Run a per-tensor rule a chunk of names at a time, so float64 temporaries stay ~100 MB:
-    ``read(names)`` gives every model's tensors of the chunk (the reference's first), ``write(merged)``
-    stores the merged ones (into the reference's parameters, or output shards when streamed, §7.3);
-    ``inputs["base"]`` may be any mapping, read after ``read``. Returns the chunks' logs added up."""
-    base = inputs.pop("base", None)
+def merge_by_chunks(spec: MergeRuleSpec, chunks, read, write) -> RuleLog:
+    """Run a per-tensor rule a chunk of names at a time, so float64 temporaries stay ~100 MB.
+    ``chunks`` yields ``(names, weights, inputs)``: the names, one weight per model and the rule's
+    keywords for them (``inputs["base"]`` may be any mapping, read after ``read``); ``read(names)``
+    gives every model's tensors of the chunk (the reference's first), ``write(merged)`` stores the
+    merged ones (into the reference's parameters, or output shards when streamed, §7.3). Returns
+    the chunks' logs added up."""
     log = RuleLog(spec.name)
-    for names in chunks:
+    for names, weights, inputs in chunks:
         states = read(names)
-        if base is not None:
+        inputs = dict(inputs)
+        if inputs.get("base") is not None:
+            base = inputs["base"]
             inputs["base"] = {k: base[k] for k in names if k in base}
         part, part_log = apply_rule(spec, states, weights, **inputs)
         write(part)
@@ -140,7 +143,7 @@ def merge_trunks(
 
         sizes = {name: t.numel() * t.element_size() for name, t in trunks[0].items()}
         read = lambda names: [{k: t.pop(k) for k in names} for t in trunks]  # noqa: E731  (each read once)
-        return merge_by_chunks(spec, chunks_of(sizes), read, weights, inputs, write)
+        return merge_by_chunks(spec, ((names, weights, inputs) for names in chunks_of(sizes)), read, write)
     merged, log = apply_rule(spec, trunks, weights, **inputs)
     load_state(
         ctx.model_a, merged, working_files=ctx.working_files, keep=storage_of(t for tr in trunks for t in tr.values())

@@ -24,12 +24,12 @@ import torch
 from raot_hf.errors import RaotError
 from raot_hf.io.checkpoint import Checkpoint, check_finite, prefix_variants
 from raot_hf.io.loading import LOAD_DTYPES, ModelSource, has_adapter, load_preprocessor, meta_model
-from raot_hf.merging import apply_rule, merge_heads, merge_rule_spec, rule_options
+from raot_hf.merging import merge_heads, merge_rule_spec, rule_options
 from raot_hf.merging.base_rules import median_ratio, task_norm_ratio
 from raot_hf.merging.layered import count_layers, first_setting, layer_index, with_layer
 from raot_hf.merging.log import RuleLog
 from raot_hf.merging.siblings import refuse_unrelated
-from raot_hf.stages.combine import CHUNK_BYTES
+from raot_hf.stages.combine import CHUNK_BYTES, merge_by_chunks
 
 logger = logging.getLogger("raot_hf.stages.stream")
 _STAGE = {"stage": True}
@@ -353,14 +353,9 @@ def merge_streamed(job: PlainMerge, configs: list, out, *, overwrite: bool = Fal
     spec = merge_rule_spec(job.rule)
 
     def merged_tensors():
-        chunk, size = [], 0
-        for recipe in recipes:
-            chunk.append(recipe)
-            size += recipe.nbytes
-            if size >= CHUNK_BYTES:
-                yield from _merge_chunk(job, spec, reading, chunk, read_dtype, vocabulary, ratios, log)
-                chunk, size = [], 0
-        yield from _merge_chunk(job, spec, reading, chunk, read_dtype, vocabulary, ratios, log)
+        for group in _groups(job, reading, recipes):
+            yield from _merge_group(job, spec, reading, group, read_dtype, vocabulary, ratios, log)
+            reading.release()
 
     def weights():
         for name, tensor in merged_tensors():
@@ -389,68 +384,72 @@ def _config_dtype(config) -> torch.dtype | None:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def _merge_chunk(job, spec, reading: _Reading, chunk: list[_Recipe], dtype, vocabulary, ratios, log: RuleLog):
-    """Read, merge and yield the tensors of ``chunk``: consecutive tensors with the same weights and
-    settings are one call of the rule; the checkpoints' mappings are released afterwards."""
-    if not chunk:
-        return
-    calls: list[tuple[list[float], dict, dict[str, list], dict]] = []
-    for recipe in chunk:
-        tensors = {c: reading.read(c, stored, dtype) for c, stored in recipe.inputs}
-        origin = reading.read(*recipe.base, dtype) if recipe.base is not None else None
-        if vocabulary is not None and recipe.name in reading.embeddings:
-            moved = vocabulary.moved({**tensors, **({recipe.base[0]: origin} if origin is not None else {})})
-            tensors = {c: moved[c] for c in tensors}
-            origin = moved[recipe.base[0]] if origin is not None else None
-        if origin is not None and spec.needs_base:
-            for c, t in tensors.items():
-                if (r := task_norm_ratio(t, origin)) is not None:
-                    ratios.setdefault(c, []).append(r)
+def _groups(job: PlainMerge, reading: _Reading, recipes: list[_Recipe]):
+    """The recipes in runs of about :data:`~raot_hf.stages.combine.CHUNK_BYTES` that one call of the
+    rule merges: consecutive tensors with the same weights and settings, the head's alone, the
+    base's stored ones apart from those it lacks. Yields ``(recipes, weights, options)``."""
+    group, size, key = [], 0, None
+    for recipe in recipes:
         merged, _ = _roles(job, job.slices[recipe.slice])
         weights, options = _evaluated(job, recipe, merged)
-        states = [tensors[c] for c, _ in recipe.inputs]
-        if recipe.name in reading.head:
-            labels = [(reading.configs[c].num_labels, getattr(reading.configs[c], "id2label", None))
-                      for c, _ in recipe.inputs]  # fmt: skip
-            heads = merge_heads([{recipe.name: s} for s in states], [recipe.name], weights, policy=job.config.head,
-                                labels=labels)  # fmt: skip
-            yield recipe.name, heads[recipe.name]
-            continue
-        if calls and calls[-1][0] == weights and _same(calls[-1][1], options):
-            call = calls[-1]
-        else:
-            call = (weights, options, [{} for _ in states], {})
-            calls.append(call)
-        for state, tensor in zip(call[2], states, strict=True):
-            state[recipe.name] = tensor
-        if origin is not None:
-            call[3][recipe.name] = origin
-        if len(calls) > 1:  # the earlier call is complete: merge it before reading on
-            yield from _run(spec, calls.pop(0), log)
-    for call in calls:
-        yield from _run(spec, call, log)
-    reading.release()
+        this = (weights, options, recipe.name in reading.head, recipe.base is None)
+        if group and (this[0] != key[0] or not _same(this[1], key[1]) or this[2:] != key[2:] or size >= CHUNK_BYTES):
+            yield group, key[0], key[1]
+            group, size = [], 0
+        group.append(recipe)
+        size += recipe.nbytes
+        key = this
+    if group:
+        yield group, key[0], key[1]
+
+
+def _merge_group(job, spec, reading: _Reading, group, dtype, vocabulary, ratios, log: RuleLog):
+    """Read and merge one group of :func:`_groups` (:func:`~raot_hf.stages.combine.merge_by_chunks`),
+    yielding the merged tensors: each model's tensors cast to ``dtype`` and checked, embedding rows
+    moved to the merge file's vocabulary, the base's distance from the models measured (§6.6)."""
+    recipes, weights, options = group
+    base: dict[str, torch.Tensor] = {}
+    by_name = {r.name: r for r in recipes}
+
+    def read(names: list[str]) -> list[dict[str, torch.Tensor]]:
+        states: list[dict[str, torch.Tensor]] = []
+        for name in names:
+            recipe = by_name[name]
+            tensors = {c: reading.read(c, stored, dtype) for c, stored in recipe.inputs}
+            origin = reading.read(*recipe.base, dtype) if recipe.base is not None else None
+            if vocabulary is not None and name in reading.embeddings:
+                moved = vocabulary.moved({**tensors, **({recipe.base[0]: origin} if origin is not None else {})})
+                tensors = {c: moved[c] for c in tensors}
+                origin = moved[recipe.base[0]] if origin is not None else None
+            if origin is not None:
+                base[name] = origin
+                if spec.needs_base:
+                    for c, t in tensors.items():
+                        if (r := task_norm_ratio(t, origin)) is not None:
+                            ratios.setdefault(c, []).append(r)
+            if not states:
+                states = [{} for _ in tensors]
+            for state, (c, _) in zip(states, recipe.inputs, strict=True):
+                state[name] = tensors[c]
+        return states
+
+    names = list(by_name)
+    out: dict[str, torch.Tensor] = {}
+    if names[0] in reading.head:
+        labels = [(reading.configs[c].num_labels, getattr(reading.configs[c], "id2label", None))
+                  for c, _ in recipes[0].inputs]  # fmt: skip
+        out.update(merge_heads(read(names), names, weights, policy=job.config.head, labels=labels))
+    elif spec.needs_base and recipes[0].base is None:  # tensors the base does not store merge linearly, as the rules do
+        logger.warning("%d tensor(s) are not in the base (first: %s): they merge linearly", len(names), names[0])
+        log.add(merge_by_chunks(merge_rule_spec("linear"), [(names, weights, {})], read, out.update))
+    else:
+        inputs = {**options, **({"base": base} if spec.needs_base or recipes[0].base is not None else {})}
+        log.add(merge_by_chunks(spec, [(names, weights, inputs)], read, out.update))
+    yield from out.items()
 
 
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(a[k] == b[k] for k in a)
-
-
-def _run(spec, call, log: RuleLog):
-    weights, options, states, base = call
-    if spec.needs_base and not base:  # tensors the base does not store merge linearly, as the rules do
-        logger.warning("%d tensor(s) are not in the base (first: %s): they merge linearly", len(states[0]),
-                       next(iter(states[0])))  # fmt: skip
-        part, _ = apply_rule(merge_rule_spec("linear"), states, weights)
-        log.add(RuleLog(spec.name, counts={"linear (not in the base)": len(part)}))
-        yield from part.items()
-        return
-    inputs = dict(options)
-    if spec.needs_base or base:
-        inputs["base"] = base
-    part, part_log = apply_rule(spec, states, weights, **inputs)
-    log.add(part_log)
-    yield from part.items()
 
 
 def _vocabulary(job: PlainMerge, reading: _Reading):

@@ -276,7 +276,7 @@ def test_the_shared_slerp_config_runs_verbatim_and_matches_hand_slerp(pair, tmp_
     report = json.loads((out / "raot_report.json").read_text())
     assert report["merge_file"]["parameters"]["t"][2] == {"value": 0.5} and report["execution"] == "streamed"
     card = (out / "README.md").read_text()
-    assert "slerp — mergekit's definition on the checkpoints as stored" in card
+    assert "slerp with the merge file's parameters — mergekit's definition on the checkpoints as stored" in card
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@
 import torch
 
 from raot_hf.merging import RuleLog, apply_rule, merge_linear, merge_rule_spec, merge_ties
+from raot_hf.merging.log import VARIES
 
 
 def _state(seed):
@@ -36,7 +37,10 @@ def test_list_settings_extend_and_the_report_entry_keeps_its_order():
     log.add(RuleLog("toy", {"weights": (0.25, 0.75), "not_in_base": ["y"]}, {"linear": 2}))
     log.add({"rule": "toy", "settings": {}, "counts": {"linear": 1}, "totals": {"entries": 4}})
     log.note("z", "copied")
-    assert log.settings == {"weights": (0.25, 0.75), "not_in_base": ["x", "y"]}
+    assert log.settings == {"weights": VARIES, "not_in_base": ["x", "y"]}  # parts that differ: said so
+    log.add(RuleLog("toy", {"scale": 2.0}))
+    log.add(RuleLog("toy", {"scale": 2.0}))
+    assert log.settings["scale"] == 2.0
     assert log.counts == {"linear": 3, "copied": 1} and log.totals == {"entries": 4}
     assert list(log.to_dict()) == ["rule", "settings", "counts", "totals"]
     log.correction = {"method": "none"}
