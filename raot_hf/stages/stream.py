@@ -353,8 +353,8 @@ def merge_streamed(job: PlainMerge, configs: list, out, *, overwrite: bool = Fal
     spec = merge_rule_spec(job.rule)
 
     def merged_tensors():
-        for group in _groups(job, reading, recipes):
-            yield from _merge_group(job, spec, reading, group, read_dtype, vocabulary, ratios, log)
+        for call in _rule_calls(job, reading, recipes):
+            yield from _merge_call(job, spec, reading, call, read_dtype, vocabulary, ratios, log)
             reading.release()
 
     def weights():
@@ -384,30 +384,30 @@ def _config_dtype(config) -> torch.dtype | None:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def _groups(job: PlainMerge, reading: _Reading, recipes: list[_Recipe]):
+def _rule_calls(job: PlainMerge, reading: _Reading, recipes: list[_Recipe]):
     """The recipes in runs of about :data:`~raot_hf.stages.combine.CHUNK_BYTES` that one call of the
     rule merges: consecutive tensors with the same weights and settings, the head's alone, the
     base's stored ones apart from those it lacks. Yields ``(recipes, weights, options)``."""
-    group, size, key = [], 0, None
+    call, size, key = [], 0, None
     for recipe in recipes:
         merged, _ = _roles(job, job.slices[recipe.slice])
         weights, options = _evaluated(job, recipe, merged)
         this = (weights, options, recipe.name in reading.head, recipe.base is None)
-        if group and (this[0] != key[0] or not _same(this[1], key[1]) or this[2:] != key[2:] or size >= CHUNK_BYTES):
-            yield group, key[0], key[1]
-            group, size = [], 0
-        group.append(recipe)
+        if call and (this[0] != key[0] or not _same(this[1], key[1]) or this[2:] != key[2:] or size >= CHUNK_BYTES):
+            yield call, key[0], key[1]
+            call, size = [], 0
+        call.append(recipe)
         size += recipe.nbytes
         key = this
-    if group:
-        yield group, key[0], key[1]
+    if call:
+        yield call, key[0], key[1]
 
 
-def _merge_group(job, spec, reading: _Reading, group, dtype, vocabulary, ratios, log: RuleLog):
-    """Read and merge one group of :func:`_groups` (:func:`~raot_hf.stages.combine.merge_by_chunks`),
+def _merge_call(job, spec, reading: _Reading, call, dtype, vocabulary, ratios, log: RuleLog):
+    """Read and merge one call of :func:`_rule_calls` (:func:`~raot_hf.stages.combine.merge_by_chunks`),
     yielding the merged tensors: each model's tensors cast to ``dtype`` and checked, embedding rows
     moved to the merge file's vocabulary, the base's distance from the models measured (§6.6)."""
-    recipes, weights, options = group
+    recipes, weights, options = call
     base: dict[str, torch.Tensor] = {}
     by_name = {r.name: r for r in recipes}
 

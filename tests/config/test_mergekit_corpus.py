@@ -446,3 +446,40 @@ def test_the_readme_model_card_config_runs_verbatim(root, monkeypatch):
     assert res.exit_code == 0, res.output
     model = transformers.AutoModelForCausalLM.from_pretrained(root / "merged")
     assert model.generate(torch.tensor([[1, 5]]), max_new_tokens=2, do_sample=False).shape == (1, 4)
+
+
+def test_python_runs_a_merge_file_as_the_command_line_does(root, monkeypatch, tmp_path):
+    """``merge_checkpoints(out=…, config="merge.yml", **options)``: the same bytes as the command
+    line; options apply to the file's merge (a seed draws other DARE masks); naming an alignment
+    without calibration data is refused rather than merged as stored."""
+    from raot_hf import RaotError, merge_checkpoints
+
+    cli = _weights(_run(root, "dare_ties_card.yml", monkeypatch))
+    out, report = merge_checkpoints(out=tmp_path / "py", config=CORPUS / "dare_ties_card.yml")
+    python = _weights(out)
+    assert report["execution"] == "streamed" and all(torch.equal(cli[k], python[k]) for k in cli)
+    reseeded = _weights(merge_checkpoints(out=tmp_path / "seed", config=CORPUS / "dare_ties_card.yml", seed=3)[0])
+    assert any(not torch.equal(cli[k], reseeded[k]) for k in cli)
+    with pytest.raises(RaotError, match="needs calibration data"):
+        merge_checkpoints(out=tmp_path / "aligned", config=CORPUS / "dare_ties_card.yml", alignment="activation")
+
+
+def test_per_layer_config_lists_follow_the_stacked_layers(tmp_path):
+    """Qwen2's ``layer_types`` (sliding or full attention per layer) follows the slices' layers."""
+    model = tiny_model("qwen2", "causal", dtype=torch.float32, num_layers=4)
+    model.config.layer_types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    model.save_pretrained(tmp_path / "q")
+    tiny_tokenizer(100).save_pretrained(tmp_path / "q")
+    config = tmp_path / "dus.yml"
+    q = tmp_path / "q"
+    config.write_text(
+        f"slices:\n  - sources:\n    - model: {q}\n      layer_range: [0, 2]\n  - sources:\n    - model: {q}\n"
+        "      layer_range: [1, 4]\nmerge_method: passthrough\n"
+    )
+    res = CliRunner().invoke(main, ["-q", "merge", "--config", str(config), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    written = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert written["num_hidden_layers"] == 5
+    assert written["layer_types"] == ["sliding_attention", "full_attention", "full_attention", "sliding_attention",
+                                      "full_attention"]  # fmt: skip
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "o").generate(torch.tensor([[1, 2]]), max_new_tokens=2)
