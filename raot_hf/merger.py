@@ -389,6 +389,8 @@ def _merge_document(document, out, calibration, done: dict, said: set, *, access
         logger.info(line, extra=_STAGE)
         said.add(line)
     config = config.replace(alignment="none")
+    if DistributedContext.detect().is_distributed:
+        raise RaotError("a merge file merged as stored runs in one process; run it without accelerate launch")
     check_destination(out, run["overwrite"])
     parse_size(run["max_shard_size"])
     if config.needs_calibration:
