@@ -141,8 +141,9 @@ def _latest_perf_run(record: str, shape: str) -> tuple[dict, dict] | None:
     return None
 
 
-def cost_summary() -> str:
-    """README's cost table: the newest run of each shape, merge ÷ floor and peak RSS ÷ the checkpoints."""
+def cost_summary(links: str = "benchmarks/perf/") -> str:
+    """The cost table: the newest run of each shape, merge ÷ floor and peak RSS ÷ the checkpoints
+    (``links``: the perf folder as the table's file sees it)."""
     rows = []
     for title, record, shape in COST_ROWS:
         found = _latest_perf_run(record, shape)
@@ -155,14 +156,151 @@ def cost_summary() -> str:
             f"{merge['total_s'] / floor['total_s']:.2f} ×",
             f"{merge['peak_rss'] / result['size']:.2f} ×",
             f"{run['machine']}, {run['threads']} threads",
-            f"{run['commit']}, [`{record}`](benchmarks/perf/{record.replace('.json', '.md')})",
+            f"{run['commit']}, [`{record}`]({links}{record.replace('.json', '.md')})",
         ])  # fmt: skip
     return _table(["shape (B = an exact symmetry of A)", "time ÷ floor", "peak RSS ÷ (A + B)", "host", "record"], rows)
 
 
+def pairs_table() -> str:
+    """The encoder pairs of ``results/results.json``: family, name, what A and B are, runs."""
+    record = _load("results/results.json")
+    runs = _grouped(record)
+    rows = [
+        [p["family"], f"`{p['name']}`", p["description"], str(len(runs.get(p["name"], [])))] for p in record["pairs"]
+    ]
+    return _table(["family", "pair", "A and B", "runs"], rows)
+
+
+def methods_table() -> str:
+    """Every benchmarked method: its name, what it is, and the options of the product it runs with."""
+    from benchmarks.methods import METHODS
+
+    def options(method) -> str:
+        return ", ".join(f"`{k}={v!r}`" for k, v in method.options.items()) or "(none: the defaults)"
+
+    return _table(["method", "what", "options"], [[f"`{m.name}`", m.label, options(m)] for m in METHODS])
+
+
+def _method_table(grouped: dict[str, list[dict]], rows: tuple, columns: tuple, value, first: tuple | None) -> str:
+    """``rows`` (title, pair) × ``columns`` (title, method) of ``value(runs, method)``; ``first``: an
+    extra first column (title, cell(runs))."""
+    header = ["pair", *([first[0]] if first else []), *(title for title, _ in columns)]
+    body = []
+    for title, pair in rows:
+        runs = grouped.get(pair, [])
+        if not runs:
+            continue
+        cells = [first[1](runs)] if first else []
+        body.append([title, *cells, *(_fmt(value(runs, method)) for _, method in columns)])
+    return _table(header, body)
+
+
+ENCODER_ROWS = (
+    ("ViT digits, seeds, d = 32", "vit-digits-d32"),
+    ("ViT digits, seeds, d = 64", "vit-digits-d64"),
+    ("ViT digits, seeds, d = 128", "vit-digits-d128"),
+    ("ViT digits vs MNIST", "vit-digits-vs-mnist"),
+    ("BERT seeds", "bert-rt"),
+    ("BERT sentiment vs party", "bert-sentiment-vs-party"),
+    ("MiniLM siblings", "minilm-siblings"),
+    ("BERT siblings", "bert-siblings"),
+    ("ViT siblings", "vit-siblings"),
+)
+ENCODER_COLUMNS = (
+    ("average", "average"), ("wm-rot (paper)", "wm-rot"), ("act-perm", "act-perm"), ("RaOT", "raot"),
+    ("RaOT + RegMean", "raot+regmean"), ("RaOT + least squares", "raot+lsq"), ("default, no refit", "default-norefit"),
+    ("**default**", "default"), ("default, confident teacher", "default+refit-confident"),
+)  # fmt: skip
+
+
+def encoder_headline() -> str:
+    """Accuracy with A's head at α = ½ of the main methods on every encoder pair (``results/results.json``)."""
+    parent = ("parent A", lambda runs: _fmt([float(r["parents"]["a"]["accuracy"]) for r in runs]))
+    return _method_table(_grouped(_load("results/results.json")), ENCODER_ROWS, ENCODER_COLUMNS, _accuracies, parent)
+
+
+DECODER_ROWS = (
+    ("Llama, d = 32", "llama-seeds-d32"), ("Llama, d = 64", "llama-seeds-d64"), ("Llama, d = 128", "llama-seeds-d128"),
+    ("Llama, d = 128, 4 layers", "llama-seeds-d128-l4"), ("GPT-2, d = 32", "gpt2-seeds-d32"),
+    ("GPT-2, d = 64", "gpt2-seeds-d64"), ("GPT-2, d = 128", "gpt2-seeds-d128"),
+    ("GPT-2, d = 128, 4 layers", "gpt2-seeds-d128-l4"), ("Llama siblings", "llama-siblings"),
+)  # fmt: skip
+DECODER_COLUMNS = (
+    ("average", "average"), ("act-perm", "act-perm"), ("RaOT", "raot"), ("RaOT + RegMean", "raot+regmean"),
+    ("RaOT + learned alignment", "raot+refine"), ("RaOT + least squares", "raot+lsq"), ("**default**", "default"),
+    ("default, confident teacher", "default+refit-confident"),
+)  # fmt: skip
+
+
+def decoder_headline() -> str:
+    """Perplexity over the parents' mean of the main methods on every decoder pair."""
+    return _method_table(
+        _grouped(_load("decoders/results/results.json")), DECODER_ROWS, DECODER_COLUMNS, _perplexity_ratios, None
+    )
+
+
+MERGEKIT_ROWS = (
+    ("ViT digits, seeds, d = 64", "vit-digits-d64"), ("ViT digits, seeds, d = 128", "vit-digits-d128"),
+    ("ViT siblings", "vit-siblings"), ("BERT siblings", "bert-siblings"), ("MiniLM siblings", "minilm-siblings"),
+)  # fmt: skip
+MERGEKIT_COLUMNS = (
+    ("average", "average"), ("RaOT", "raot"), ("SLERP", "slerp"), ("SLERP after RaOT", "slerp-raot"),
+    ("TIES", "ties"), ("Model Stock", "model-stock"), ("DELLA", "della"),
+)  # fmt: skip
+
+
+def mergekit_table() -> str:
+    """mergekit's rules, as stored and after alignment, accuracy with A's head (``results/results.json``)."""
+    return _method_table(_grouped(_load("results/results.json")), MERGEKIT_ROWS, MERGEKIT_COLUMNS, _accuracies, None)
+
+
+THREE_MODEL_ROWS = (
+    ("ViT d = 64 (accuracy)", "vit-seeds-d64"), ("ViT d = 128", "vit-seeds-d128"),
+    ("Llama d = 64 (perplexity ÷ parents')", "llama-seeds-d64"), ("Llama d = 128", "llama-seeds-d128"),
+    ("Llama siblings", "llama-siblings3"),
+)  # fmt: skip
+THREE_MODEL_COLUMNS = (
+    ("plain average of 3", "average3"), ("chained pairwise (default)", "chained-default"),
+    ("three at once (default)", "default3"), ("three at once, RaOT only", "raot3"),
+    ("task arithmetic", "task_arithmetic3"), ("TIES", "ties3"),
+)  # fmt: skip
+
+
+def _three_model_value(runs: list[dict], method: str) -> list[float]:
+    out = []
+    for run in runs:
+        row = run["methods"].get(method, {})
+        value = row.get("accuracy", row.get("ratio", {}).get("reviews"))
+        if isinstance(value, (int, float)):
+            out.append(float(value))
+    return out
+
+
+def three_models_table() -> str:
+    """Three models merged at once and chained (``results/results_three_models.json``)."""
+    grouped: dict[str, list[dict]] = defaultdict(list)
+    for run in sorted(_load("results/results_three_models.json"), key=lambda r: (r["family"], r["run"])):
+        grouped[run["family"]].append(run)
+    return _method_table(grouped, THREE_MODEL_ROWS, THREE_MODEL_COLUMNS, _three_model_value, None)
+
+
+_COST_RECORDS = tuple(f"perf/{record}" for _, record, _ in COST_ROWS)
+
 BLOCKS: tuple[Block, ...] = (
     Block("README.md", "results-summary", ("results/results.json", "decoders/results/results.json"), results_summary),
-    Block("README.md", "cost-summary", tuple(f"perf/{record}" for _, record, _ in COST_ROWS), cost_summary),
+    Block("README.md", "cost-summary", _COST_RECORDS, cost_summary),
+    Block("benchmarks/README.md", "pairs", ("results/results.json",), pairs_table),
+    Block("benchmarks/README.md", "methods", (), methods_table),
+    Block("benchmarks/README.md", "encoders", ("results/results.json",), encoder_headline),
+    Block("benchmarks/README.md", "decoders", ("decoders/results/results.json",), decoder_headline),
+    Block("benchmarks/README.md", "mergekit-rules", ("results/results.json",), mergekit_table),
+    Block("benchmarks/README.md", "three-models", ("results/results_three_models.json",), three_models_table),
+    Block(
+        "benchmarks/README.md",
+        "cost",
+        tuple(f"perf/{record}" for _, record, _ in COST_ROWS),
+        lambda: cost_summary("perf/"),
+    ),
 )
 
 
