@@ -5,7 +5,8 @@
 
 Each entry of ``GENERATED`` names a markdown file, the records it is generated from and the function
 that renders it. The markdown is never edited by hand: a change goes into the record (a rerun
-appends a run to it), and this command re-renders.
+appends a run to it), and this command re-renders. The tables inside README.md and
+benchmarks/README.md are generated the same way (:mod:`benchmarks.blocks`).
 """
 
 from __future__ import annotations
@@ -159,8 +160,12 @@ def records_of(markdown: str) -> tuple[str, ...]:
 
 
 def stale() -> list[tuple[str, str]]:
-    """Every generated markdown whose committed text differs from its regeneration: (path, diff)."""
-    out = []
+    """Every generated markdown whose committed text differs from its regeneration, and every generated
+    table of README.md and benchmarks/README.md that differs from its records (:mod:`benchmarks.blocks`):
+    (path, diff)."""
+    from benchmarks.blocks import stale_blocks
+
+    out = stale_blocks()
     for entry in GENERATED:
         path = BENCH / entry.markdown
         want = entry.render()
@@ -175,15 +180,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="only compare; exit 1 if a markdown is stale")
     args = parser.parse_args(argv)
+    from benchmarks.blocks import BLOCKS, write_blocks
+
     if args.check:
         bad = stale()
         for path, diff in bad:
             print(f"benchmarks/{path} differs from its records:\n{diff}\n")
-        print(f"{len(GENERATED) - len(bad)}/{len(GENERATED)} generated markdown files match their records")
+        total = len(GENERATED) + len(BLOCKS)
+        print(f"{total - len(bad)}/{total} generated markdown files and tables match their records")
         return 1 if bad else 0
     for entry in GENERATED:
         (BENCH / entry.markdown).write_text(entry.render(), encoding="utf-8")
         print(f"wrote benchmarks/{entry.markdown} from {', '.join(entry.records)}")
+    for written in write_blocks():
+        print(f"wrote {written}")
     return 0
 
 

@@ -328,12 +328,12 @@ def test_bad_merge_files_are_refused_in_one_line(three_seeds, tmp_path, body, me
     assert not out.exists() and list(tmp_path.iterdir()) == [config]
 
 
-def test_the_readme_merge_file_runs_as_written(tmp_path, monkeypatch):
-    """The README's merge.yml and command, verbatim, in a folder holding seed-a/b/c and calib.csv."""
+def test_the_documented_merge_file_runs_as_written(tmp_path, monkeypatch):
+    """docs/usage.md's merge.yml and command, verbatim, in a folder holding seed-a/b/c and calib.csv."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
     yml = re.search(r"```yaml\n(# merge\.yml.*?)```", readme, re.S).group(1)
     command = re.search(r"```bash\n(raot-hf merge --config merge\.yml[^\n]*)\n```", readme).group(1)
     a = _save_scrambles(tmp_path, ("seed-a", "seed-b", "seed-c"), "calib.csv")
