@@ -21,6 +21,7 @@ from raot_hf.distributed import DistributedContext
 from raot_hf.errors import RaotError
 from raot_hf.io.loading import ModelSource, check_compatible
 from raot_hf.io.offload import WorkingFiles
+from raot_hf.plan import plan_for
 from raot_hf.results import Alignment, MergeResult
 from raot_hf.stages.align import calibrate_and_solve, calibrate_solve_decide
 from raot_hf.stages.calibrate import CalibrationRun, fit_phase, heldout_phase, open_calibration
@@ -254,11 +255,11 @@ def merge_checkpoints(
     (e.g. ``"8GiB"``) refuses, before any work, a merge that cannot keep under it.
 
     ``config``: a :class:`RaotConfig`, or a merge file (its path or a
-    :class:`~raot_hf.config.mergefile.MergeFile`, docs/design.md §6.9) — then the file lists the
+    :class:`~raot_hf.merging.mergefile.MergeFile`, docs/design.md §6.9) — then the file lists the
     models, ``options`` apply to each of its merges, and a merge given no calibration data is
     merged as stored, as mergekit merges it. Under ``accelerate launch`` a process other than the
     main one returns ``(None, None)`` once it has added its share of the statistics."""
-    from raot_hf.config.mergefile import MergeFile, load_merge_file
+    from raot_hf.merging.mergefile import MergeFile, load_merge_file
 
     run = dict(overwrite=overwrite, max_shard_size=max_shard_size, max_memory=max_memory, stream=stream,
                offload=offload, offload_dir=offload_dir, command=command,
@@ -293,7 +294,7 @@ def _merge(
     (configs, _), preprocessor, _ = check_before_weights(config, sources, base_source, adapter=False, early=False)
     plan = plan_execution(config, sources, base_source, configs, stream=stream, offload=offload,
                           max_memory=max_memory, max_shard_size=max_shard_size)  # fmt: skip
-    if config.needs_calibration and calibration is None and config.calibration.source is None:
+    if plan_for(config).needs_data and calibration is None and config.calibration.source is None:
         raise RaotError("this merge needs calibration data; pass --calibration (or --alignment none)")
     if plan.mode == "streamed":
         job = PlainMerge.from_config(config, sources, base_source)
@@ -364,8 +365,8 @@ def _merge_document(document, out, calibration, done: dict, said: set, *, access
     """One document of a merge file: aligned when it gives calibration data and its shape allows,
     else merged as stored by the streamed engine (docs/design.md §6.9). ``said``: the log lines
     already given for this file."""
-    from raot_hf.config.mergefile import aligned_models
     from raot_hf.io.loading import load_preprocessor, local_snapshot
+    from raot_hf.merging.mergefile import aligned_models
     from raot_hf.outputs import check_destination, parse_size
     from raot_hf.stages.load import check_before_weights
     from raot_hf.stages.stream import merge_streamed, plain_merge_of
@@ -393,7 +394,7 @@ def _merge_document(document, out, calibration, done: dict, said: set, *, access
         raise RaotError("a merge file merged as stored runs in one process; run it without accelerate launch")
     check_destination(out, run["overwrite"])
     parse_size(run["max_shard_size"])
-    if config.needs_calibration:
+    if plan_for(config).needs_data:
         raise RaotError(f"merge_method: {document.method} reads calibration data; pass --calibration DATA")
     token, trust_remote_code, allow_pickle = access
     sources = {

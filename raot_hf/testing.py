@@ -16,6 +16,8 @@ import transformers
 
 from raot_hf.errors import RaotError
 from raot_hf.hooks import Hooks
+from raot_hf.registry import Registry, registry
+from raot_hf.registry import registries_restored as registry_state_restored
 from raot_hf.symmetry.equivalence import example_inputs, output_deviation  # noqa: F401 (re-exported for tests and selfcheck)
 
 _DEBERTA = {"relative_attention": True, "pos_att_type": ["c2p", "p2c"], "max_relative_positions": -1}
@@ -69,7 +71,7 @@ class TinyArchitecture:
     variant_of: str | None = None
 
 
-_ARCHITECTURES: dict[str, TinyArchitecture] = {}
+_ARCHITECTURES: Registry[TinyArchitecture] = registry("tiny architecture")
 
 
 def register_tiny_architecture(architecture: TinyArchitecture) -> TinyArchitecture:
@@ -77,19 +79,15 @@ def register_tiny_architecture(architecture: TinyArchitecture) -> TinyArchitectu
     registration): every test that runs each architecture then runs it too. Refuses duplicates."""
     if not isinstance(architecture, TinyArchitecture):
         raise TypeError(f"register_tiny_architecture expects a TinyArchitecture, got {type(architecture).__name__}")
-    if architecture.model_type in _ARCHITECTURES:
-        raise RaotError(f"model type {architecture.model_type!r} already has a tiny architecture")
+    _ARCHITECTURES.check_free(architecture.model_type)
     if architecture.task_head not in architecture.heads or not set(architecture.heads) <= set(HEADS):
         raise RaotError(f"{architecture.model_type}: heads must be among {', '.join(HEADS)} and hold the task head")
-    _ARCHITECTURES[architecture.model_type] = architecture
-    return architecture
+    return _ARCHITECTURES.register(architecture.model_type, architecture)
 
 
 def tiny_architecture(model_type: str) -> TinyArchitecture:
     """The registered tiny architecture of ``model_type``; the error lists the registered ones."""
-    if model_type not in _ARCHITECTURES:
-        raise RaotError(f"no tiny architecture for {model_type!r}; registered: {', '.join(_ARCHITECTURES)}")
-    return _ARCHITECTURES[model_type]
+    return _ARCHITECTURES.get(model_type)
 
 
 def architectures(*, decoders: bool | None = None, rope: bool | None = None, variants: bool = False) -> list[str]:
@@ -112,20 +110,14 @@ def registries_restored():
     """Within the block, merge rules, estimators, corrections, adapters, options sections and tiny
     architectures may be registered freely: on exit every registry holds what it held before."""
     import raot_hf.adapters as adapters
-    import raot_hf.config.sections as sections
-    import raot_hf.correction.registry as corrections
-    import raot_hf.estimators.registry as estimators
-    import raot_hf.merging as merging
 
-    tables = (merging._RULES, estimators._ESTIMATORS, corrections._CORRECTIONS, adapters._REGISTRY, sections._SECTIONS)
-    tables += (_ARCHITECTURES,)
-    saved = [dict(table) for table in tables]
-    try:
-        yield
-    finally:
-        for table, before in zip(tables, saved, strict=True):  # in place: every reference to a table stays valid
-            table.clear()
-            table.update(before)
+    saved = dict(adapters._REGISTRY)
+    with registry_state_restored():
+        try:
+            yield
+        finally:
+            adapters._REGISTRY.clear()
+            adapters._REGISTRY.update(saved)
 
 
 def tiny_data(model_type: str, n: int = 64, *, vocab_size: int = 40, seed: int = 0):

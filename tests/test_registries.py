@@ -3,14 +3,19 @@
 import pytest
 import torch
 
-import raot_hf.merging as rule_table
 from raot_hf import RaotError, RaotMerger, scramble
 from raot_hf.adapters import schema_for
 from raot_hf.estimators import estimator_spec, register_estimator
-from raot_hf.estimators import registry as estimator_registry
 from raot_hf.merging import merge_rule_spec, register_merge_rule
 from raot_hf.symmetry import MLPPermutation, model_state
-from raot_hf.testing import clone, example_inputs, output_deviation, tiny_model
+from raot_hf.testing import clone, example_inputs, output_deviation, registries_restored, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def restored_registries():
+    """Every registration a test makes is undone after it."""
+    with registries_restored():
+        yield
 
 
 @pytest.fixture
@@ -24,7 +29,6 @@ def scrambled_mlp():
 def test_a_registered_estimator_is_what_the_merger_runs(scrambled_mlp, monkeypatch):
     """An oracle estimator that knows the scramble: registered, selected by name, and the merge is A."""
     a, b, transform = scrambled_mlp
-    monkeypatch.setattr(estimator_registry, "_ESTIMATORS", dict(estimator_registry._ESTIMATORS))
     calls = []
 
     def oracle(request):
@@ -44,7 +48,6 @@ def test_a_registered_estimator_is_what_the_merger_runs(scrambled_mlp, monkeypat
 
 def test_a_registered_merge_rule_gets_what_it_declares(scrambled_mlp, monkeypatch):
     a, b, _ = scrambled_mlp
-    monkeypatch.setattr(rule_table, "_RULES", dict(rule_table._RULES))
     seen = {}
 
     def take_b(states, weights, base=None, *, shrink, return_log=False):
@@ -79,15 +82,12 @@ def test_a_rule_registered_from_outside_brings_its_own_option_and_flag(tmp_path,
 
     from click.testing import CliRunner
 
-    import raot_hf.config.sections as section_table
     from raot_hf import RaotConfig
     from raot_hf.cli import main
     from raot_hf.config.options import meta
     from raot_hf.config.sections import OptionSection
     from raot_hf.testing import tiny_tokenizer
 
-    monkeypatch.setattr(rule_table, "_RULES", dict(rule_table._RULES))
-    monkeypatch.setattr(section_table, "_SECTIONS", dict(section_table._SECTIONS))
 
     @dataclass
     class ScaleOptions(OptionSection):

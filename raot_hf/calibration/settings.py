@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from raot_hf.config.options import meta
 from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
 
@@ -31,20 +32,66 @@ class CalibrationConfig(OptionSection):
 
     section, noun = "calibration", "setting"  # in from_dict errors: "unknown calibration setting(s) …"
 
-    source: str | None = None
-    config_name: str | None = None
-    split: str = "train"
-    column: str | None = None
-    num_samples: int = 512
-    max_length: int = 128
-    batch_size: int = 32
-    seed: int = 0
-    heldout_every: int = 4
-    moment_stride: int = 1
-    moment_precision: str = "auto"
-    mlp_cross_tokens: int = 16384
-    mlp_tokens_per_unit: int = 0
-    hidden_cross_tokens: int = 16384
+    source: str | None = field(
+        default=None,
+        metadata=meta("Hub dataset id, csv/json/parquet file, imagefolder or save_to_disk dir.", flag="--calibration"),
+    )
+    config_name: str | None = field(
+        default=None, metadata=meta("Dataset config name (Hub datasets).", flag="--calibration-config")
+    )
+    split: str = field(default="train", metadata=meta("Dataset split (default: train).", flag="--split"))
+    column: str | None = field(
+        default=None, metadata=meta("Text or image column (auto-detected if omitted).", flag="--column")
+    )
+    num_samples: int = field(default=512, metadata=meta("Calibration examples (default 512).", flag="--num-samples"))
+    max_length: int = field(
+        default=128, metadata=meta("Token limit per text example (default 128).", flag="--max-length")
+    )
+    batch_size: int = field(default=32, metadata=meta("Calibration batch size (default 32).", flag="--batch-size"))
+    seed: int = field(default=0, metadata=meta("Seed that draws the calibration sample (default 0)."))
+    heldout_every: int = field(
+        default=4,
+        metadata=meta(
+            "Hold out every k-th calibration example: scored by the gate, never fitted (default 4).",
+            flag="--heldout-every",
+        ),
+    )
+    moment_stride: int = field(
+        default=1,
+        metadata=meta(
+            "Fit cross moments from every s-th token only (default 1: all; s>1 is s× cheaper, noisier).",
+            flag="--moment-stride",
+        ),
+    )
+    moment_precision: str = field(
+        default="auto",
+        metadata=meta(
+            "Precision of the MLP cross moments' products (default auto: bf16 where the device runs it fast).",
+            flag="--moment-precision",
+            choices=MOMENT_PRECISIONS,
+        ),
+    )
+    mlp_cross_tokens: int = field(
+        default=16384,
+        metadata=meta(
+            "Fit tokens of each MLP cross moment, random positions (default 16384; 0: all).", flag="--mlp-cross-tokens"
+        ),
+    )
+    mlp_tokens_per_unit: int = field(
+        default=0,
+        metadata=meta(
+            "Cap the fit tokens of each MLP cross moment at N per unit, random positions (default 0: all).",
+            flag="--mlp-tokens-per-unit",
+        ),
+    )
+    hidden_cross_tokens: int = field(
+        default=16384,
+        metadata=meta(
+            "Fit tokens of each query, key, context and stream cross moment, random positions "
+            "(default 16384; 0: all).",
+            flag="--hidden-cross-tokens",
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name in ("source", "config_name", "column"):

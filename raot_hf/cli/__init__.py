@@ -20,6 +20,7 @@ from raot_hf.config import RaotConfig
 from raot_hf.config.options import CliOption, cli_options
 from raot_hf.errors import RaotError
 from raot_hf.outputs.card import gate_table_text
+from raot_hf.plan import plan_for
 from raot_hf.version import __version__
 
 logger = logging.getLogger("raot_hf.cli")
@@ -68,9 +69,9 @@ def merge_options(fn):
 
 
 def _read_config_file(name: str):
-    """The ``--config`` file ``name``: a :class:`~raot_hf.config.mergefile.MergeFile` (its merges,
+    """The ``--config`` file ``name``: a :class:`~raot_hf.merging.mergefile.MergeFile` (its merges,
     models and options) or a RaotConfig JSON; unreadable files are a one-line error."""
-    from raot_hf.config.mergefile import looks_like_merge_file, parse_text, read_merge_file
+    from raot_hf.merging.mergefile import looks_like_merge_file, parse_text, read_merge_file
 
     path = Path(name)
     if not path.is_file():
@@ -97,7 +98,7 @@ def _read_config_file(name: str):
 def _config_and_models(options: dict) -> tuple[Any, list[str], str | None]:
     """The config (a RaotConfig, or a merge file with the flags applied to each of its merges), the
     models on the command line and the base (--base)."""
-    from raot_hf.config.mergefile import MergeFile
+    from raot_hf.merging.mergefile import MergeFile
 
     loaded = _read_config_file(options["config_file"]) if options.get("config_file") else RaotConfig()
     models, base = list(options.get("models") or ()), options.get("base")
@@ -135,17 +136,17 @@ def build_config(options: dict, base: RaotConfig | None = None) -> RaotConfig:
 def _merger(options: dict):
     """The RaotMerger ``inspect`` compares: A and B, refused before any weights load when its
     options need calibration data and none is given."""
-    from raot_hf.config.mergefile import MergeFile
     from raot_hf.merger import RaotMerger
+    from raot_hf.merging.mergefile import MergeFile
 
     config, models, base = _config_and_models(options)
     if isinstance(config, MergeFile):
         if len(config.documents) > 1:
             raise RaotError("inspect compares two models; give it a merge file of one merge")
-        from raot_hf.config.mergefile import aligned_models
+        from raot_hf.merging.mergefile import aligned_models
 
         models, base, config = aligned_models(config.output)
-    if config.needs_calibration and config.calibration.source is None:  # refused before any weights load
+    if plan_for(config).needs_data and config.calibration.source is None:  # refused before any weights load
         raise RaotError("this merge needs calibration data; pass --calibration (or --alignment none)")
     if len(models) > 2:
         raise RaotError(f"inspect compares two models, got {len(models)}; inspect each pair, or merge them all")

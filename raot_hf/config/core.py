@@ -1,8 +1,9 @@
 """One typed options object for the Python API and the CLI; round-trips through JSON.
 
 The top level says what to align and how to merge; each method's options live in a section
-registered beside its code (:func:`raot_hf.config.sections.register_section`): built-in sections are
-typed fields, later ones are held alike as ``config.<section>``. Flat keys of earlier versions
+registered beside its code (:func:`raot_hf.config.sections.register_section`), read as
+``config.<section>``: this module imports no method, and reads the merge rules and estimators it
+validates from their registries (:mod:`raot_hf.registry`). Flat keys of earlier versions
 (``gate_z``, ``gate=False`` …), sections under earlier names (``group``, now ``models``) and every
 section field's command-line name (``correction="none"``)
 are read by :meth:`RaotConfig.from_dict` and :meth:`RaotConfig.replace`. Field metadata (``help``,
@@ -12,64 +13,44 @@ are read by :meth:`RaotConfig.from_dict` and :meth:`RaotConfig.replace`. Field m
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from difflib import get_close_matches
 from typing import Any
 
-from raot_hf.calibration.settings import CalibrationConfig
 from raot_hf.config.options import check_choice, check_field_types, check_non_negative_int, option_keywords
-from raot_hf.config.refit import RefitOptions
 from raot_hf.config.sections import registered_sections
-from raot_hf.correction import CorrectionOptions
 from raot_hf.errors import RaotError
-from raot_hf.estimators import available_estimators
-from raot_hf.estimators.soft_ot import SoftOTOptions
-from raot_hf.estimators.weight_based import WeightMatchingOptions
-from raot_hf.gate import GATE_OBJECTIVES, GateOptions
-from raot_hf.merging import HEAD_POLICIES, available_merge_rules, merge_rule_spec
-from raot_hf.merging.base_rules import BaseRuleOptions
-from raot_hf.merging.nary import ModelsOptions
-from raot_hf.merging.rules import FisherOptions, RegMeanOptions
-from raot_hf.refine import RefineOptions
+from raot_hf.registry import registry
 from raot_hf.version import __version__
-
-#: The estimators registered when this module was imported, and "none" (validation and the CLI read
-#: the live registry: :func:`alignments`).
-ALIGNMENTS = (*available_estimators(), "none")
 
 
 def alignments() -> tuple[str, ...]:
     """The registered estimators now, and "none"."""
-    return (*available_estimators(), "none")
+    return (*registry("alignment", fixed=("none",)), "none")
+
+
+def merge_rules() -> tuple[str, ...]:
+    """The registered merge rules now, sorted."""
+    return tuple(sorted(registry("merge rule")))
 
 
 SCOPES = ("mlp", "heads", "residual")
 RESIDUAL_MODES = ("auto", "permutation", "rotation")
-#: The merge rules registered when this module was imported (validation reads the live registry).
-MERGER_RULES = tuple(available_merge_rules())
+#: Which classifier head the merged model keeps: A's, B's (two models) or the models' average.
+HEAD_POLICIES = ("a", "b", "average")
 DTYPES = ("float32", "float64", "bfloat16", "float16", "auto")
 #: Sections of earlier versions → their names now: a config or merge file written before the
 #: rename still reads (``group`` was the options of a merge of several models, now ``models``).
 RENAMED_SECTIONS = {"group": "models"}
 
-__all__ = [
-    "ALIGNMENTS",
-    "DTYPES",
-    "GATE_OBJECTIVES",
-    "HEAD_POLICIES",
-    "MERGER_RULES",
-    "RENAMED_SECTIONS",
-    "RESIDUAL_MODES",
-    "SCOPES",
-    "RaotConfig",
-]
+__all__ = ["DTYPES", "HEAD_POLICIES", "RENAMED_SECTIONS", "RESIDUAL_MODES", "SCOPES", "RaotConfig", "alignments"]
 
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
     return {"help": text, **extra}
 
 
-@dataclass
+@dataclass(init=False)
 class RaotConfig:
     """Every option of a merge (each field's ``help`` says what it does).
 
@@ -81,8 +62,10 @@ class RaotConfig:
       ``rope_restricted`` off: free Q/K maps on RoPE models, inexact (an ablation).
     * ``merge_rule``: a rule of :mod:`raot_hf.merging`'s registry (the base-relative ones need a base,
       docs/design.md §6); ``alpha``: weight of B′ (0 gives A; base-relative: of B's task vector).
-    * ``correction`` (docs/design.md §6.7), ``models`` (a merge of several models, §6.9), ``refine`` (§5.6),
-      ``refit`` (§6.11), ``gate``, ``calibration`` and each method's options: their sections.
+    * Each method's options are a **section** registered beside the method's code
+      (:func:`raot_hf.config.sections.register_section`) and read as ``config.<section>``:
+      ``gate``, ``calibration``, ``correction`` (docs/design.md §6.7), ``models`` (a merge of several
+      models, §6.9), ``refine`` (§5.6), ``refit`` (§6.11), the rules' and estimators' own.
     """
 
     alignment: str = field(default="activation", metadata=_help("Estimator (default activation).", choices=alignments))
@@ -101,25 +84,14 @@ class RaotConfig:
         metadata=_help("RoPE models: Q/K maps rotate within rotary pairs only, the exact symmetry "
                        "(off: a free per-head rotation, inexact; an ablation)."),
     )  # fmt: skip
-    gate: GateOptions = field(default_factory=GateOptions)
     merge_rule: str = field(
         default="linear",
         metadata=_help(
-            "Merge rule (default linear); task_arithmetic, ties and dare_ties need --base.",
-            choices=available_merge_rules,
+            "Merge rule (default linear); task_arithmetic, ties and dare_ties need --base.", choices=merge_rules
         ),
     )
     alpha: float = field(default=0.5, metadata=_help("Weight of B′ in the merge (default 0.5)."))
     head: str = field(default="a", metadata=_help("Classifier head policy (default a).", choices=HEAD_POLICIES))
-    weight: WeightMatchingOptions = field(default_factory=WeightMatchingOptions)
-    soft_ot: SoftOTOptions = field(default_factory=SoftOTOptions)
-    regmean: RegMeanOptions = field(default_factory=RegMeanOptions)
-    fisher: FisherOptions = field(default_factory=FisherOptions)
-    base_rules: BaseRuleOptions = field(default_factory=BaseRuleOptions)
-    models: ModelsOptions = field(default_factory=ModelsOptions)
-    correction: CorrectionOptions = field(default_factory=CorrectionOptions)
-    refine: RefineOptions = field(default_factory=RefineOptions)
-    refit: RefitOptions = field(default_factory=RefitOptions)
     dtype: str = field(default="auto", metadata=_help("Dtype the models load in (default auto).", choices=DTYPES))
     seed: int = field(
         default=0, metadata=_help("Seed of dare_ties' masks, the Fisher's examples and the check inputs (default 0).")
@@ -127,21 +99,33 @@ class RaotConfig:
     check_batches: int = field(
         default=1, metadata=_help("Held-out batches the B′ ≡ B functional check replays (default 1).")
     )
-    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     version: str = field(default=__version__, metadata={"cli": False})
-    #: Registered sections that are not typed fields (added from outside the package), by name.
-    extra: dict[str, Any] = field(default_factory=dict, metadata={"cli": False}, repr=False)
+    #: Every registered section's options, by section name (read as ``config.<section>``).
+    sections: dict[str, Any] = field(default_factory=dict, metadata={"cli": False}, repr=False)
+
+    def __init__(self, **options: Any) -> None:
+        """Top-level options and whole sections (objects or dicts) by name; every other field and
+        section takes its default."""
+        sections = options.pop("sections", None) or {}
+        top = {f.name: f for f in fields(self) if f.name != "sections"}
+        unknown = sorted(set(options) - set(top) - set(registered_sections()))
+        if unknown:
+            raise RaotError(f"unknown option(s) {', '.join(map(repr, unknown))}; valid: "
+                            f"{', '.join([*top, *registered_sections()])}")  # fmt: skip
+        for name, f in top.items():
+            setattr(self, name, options.pop(name) if name in options else f.default)
+        self.sections = {**sections, **options}
+        self.__post_init__()
 
     @classmethod
-    def extra_sections(cls) -> dict[str, type]:
-        """The registered sections that are not typed fields (each gets its CLI flags too)."""
-        typed = {f.name for f in fields(cls)}
-        return {name: sec for name, sec in registered_sections().items() if name not in typed}
+    def section_classes(cls) -> dict[str, type]:
+        """Every registered section (each gets its CLI flags), by name."""
+        return registered_sections()
 
     def __getattr__(self, name: str) -> Any:
-        extra = self.__dict__.get("extra") or {}
-        if name in extra:
-            return extra[name]
+        sections = self.__dict__.get("sections") or {}
+        if name in sections:
+            return sections[name]
         raise AttributeError(f"{type(self).__name__} has no option {name!r}")
 
     def __post_init__(self) -> None:
@@ -152,7 +136,7 @@ class RaotConfig:
             raise RaotError(f"scope={self.scope!r} must be a list of {', '.join(SCOPES)} (or a comma-separated string)")
         self.scope = tuple(self.scope)
         check_field_types(self)
-        check_choice("alignment", self.alignment, (*available_estimators(), "none"))
+        check_choice("alignment", self.alignment, alignments())
         for s in self.scope:
             check_choice("scope entry", s, SCOPES)
         if len(set(self.scope)) != len(self.scope):
@@ -164,32 +148,31 @@ class RaotConfig:
             raise RaotError(f"alpha={self.alpha} must lie in [0, 1] (the weight of B′; 0 keeps A)")
         for name in ("check_batches", "seed"):
             check_non_negative_int(name, getattr(self, name))
-        check_choice("merge_rule", self.merge_rule, tuple(available_merge_rules()))
-        if merge_rule_spec(self.merge_rule).needs_base:
+        check_choice("merge_rule", self.merge_rule, merge_rules())
+        if registry("merge rule").get(self.merge_rule).needs_base:
             self._check_base_relative()
 
     def _normalise_sections(self) -> None:
-        """Sections given as dicts become their option objects, ``gate=True/False`` becomes
-        ``gate.enabled``; registered sections that are not typed fields are held in ``extra``."""
-        typed = {f.name for f in fields(self)}
-        unknown = sorted(set(self.extra) - set(registered_sections()))
+        """Every registered section becomes its option object (given as one, as a dict, or absent:
+        the defaults); a section with a ``switch`` field takes a bare value as that field's
+        (``gate=False`` is ``gate.enabled=False``)."""
+        unknown = sorted(set(self.sections) - set(registered_sections()))
         if unknown:
             raise RaotError(f"unknown options section(s) {', '.join(map(repr, unknown))}; registered: "
                             f"{', '.join(registered_sections())}")  # fmt: skip
+        normalised = {}
         for name, cls in registered_sections().items():
-            value = getattr(self, name) if name in typed else self.extra.get(name, cls())
+            value = self.sections.get(name, cls())
             if isinstance(value, cls):
                 pass
             elif isinstance(value, dict):
                 value = cls.from_dict(value)
-            elif name == "gate":
-                value = GateOptions(enabled=value)
+            elif getattr(cls, "switch", None):  # ``gate=False``: the section's on/off field
+                value = cls(**{cls.switch: value})
             else:
                 raise RaotError(f"{name}={value!r} must be a {cls.__name__} or a dict of its settings")
-            if name in typed:
-                setattr(self, name, value)
-            else:
-                self.extra[name] = value
+            normalised[name] = value
+        self.sections = normalised
 
     def _check_base_relative(self) -> None:
         """Base-relative rules need A, B and the base in one basis (docs/design.md §6): refuse the
@@ -206,14 +189,6 @@ class RaotConfig:
                 f"base's basis, but {why}; use alignment='activation' with the gate (it checks the pair) or 'none'"
             )
 
-    @property
-    def needs_calibration(self) -> bool:
-        """Whether this merge reads calibration data (an activation estimate, RegMean's Grams, a
-        Fisher or an explicit post-merge correction; :class:`raot_hf.plan.MergePlan`)."""
-        from raot_hf.plan import plan_for
-
-        return plan_for(self).needs_data
-
     def lookup(self, path: str) -> Any:
         """The value of the dotted field ``path``, e.g. ``cfg.lookup("base_rules.density")``."""
         value: Any = self
@@ -222,11 +197,10 @@ class RaotConfig:
         return value
 
     def to_dict(self) -> dict[str, Any]:
-        """The options as a nested JSON-safe dict: one dict per section, the registered extra
-        sections beside the typed ones (the inverse of :meth:`from_dict`)."""
-        d = asdict(self)
-        extra = d.pop("extra", {})
-        d.update({name: section.to_dict() for name, section in self.extra.items()} if extra is not None else {})
+        """The options as a nested JSON-safe dict: the top-level fields and one dict per section
+        (the inverse of :meth:`from_dict`)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sections"}
+        d.update({name: section.to_dict() for name, section in self.sections.items()})
         d["scope"] = list(self.scope)
         return d
 
@@ -237,7 +211,7 @@ class RaotConfig:
         unknown keys are an error that lists the valid ones."""
         if not isinstance(data, dict):
             raise RaotError(f"options must be a dict of option names to values, got {type(data).__name__}")
-        typed = {f.name for f in fields(cls)} - {"extra"}
+        typed = {f.name for f in fields(cls)} - {"sections"}
         known = typed | set(registered_sections()) | set(RENAMED_SECTIONS)
         keywords = option_keywords()
         unknown = sorted(str(k) for k in set(data) - known - set(keywords))
@@ -251,8 +225,7 @@ class RaotConfig:
             )
         data = _fold_keywords({}, data)
         data.pop("version", None)
-        extra = {k: data.pop(k) for k in list(data) if k not in typed}
-        return cls(**data, extra=extra)
+        return cls(**data)
 
     def to_json(self) -> str:
         """:meth:`to_dict` as indented JSON with sorted keys."""

@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from raot_hf.calibration.settings import CalibrationConfig
 from raot_hf.config.sections import registered_sections
 from raot_hf.errors import RaotError
 
@@ -96,52 +95,9 @@ def option_keywords() -> dict[str, tuple[str, str]]:
     return out
 
 
-#: CLI metadata of CalibrationConfig's fields (that class keeps plain fields): today's flags.
-CALIBRATION_CLI: dict[str, dict[str, Any]] = {
-    "source": {
-        "flag": "--calibration",
-        "help": "Hub dataset id, csv/json/parquet file, imagefolder or save_to_disk dir.",
-    },
-    "config_name": {"flag": "--calibration-config", "help": "Dataset config name (Hub datasets)."},
-    "split": {"flag": "--split", "help": "Dataset split (default: train)."},
-    "column": {"flag": "--column", "help": "Text or image column (auto-detected if omitted)."},
-    "num_samples": {"flag": "--num-samples", "help": "Calibration examples (default 512)."},
-    "max_length": {"flag": "--max-length", "help": "Token limit per text example (default 128)."},
-    "batch_size": {"flag": "--batch-size", "help": "Calibration batch size (default 32)."},
-    "seed": {"help": "Seed that draws the calibration sample (default 0)."},
-    "heldout_every": {
-        "flag": "--heldout-every",
-        "help": "Hold out every k-th calibration example: scored by the gate, never fitted (default 4).",
-    },
-    "moment_stride": {
-        "flag": "--moment-stride",
-        "help": "Fit cross moments from every s-th token only (default 1: all; s>1 is s× cheaper, noisier).",
-    },
-    "moment_precision": {
-        "flag": "--moment-precision",
-        "choices": ("auto", "float32", "bfloat16"),
-        "help": "Precision of the MLP cross moments' products (default auto: bf16 where the device runs it fast).",
-    },
-    "mlp_cross_tokens": {
-        "flag": "--mlp-cross-tokens",
-        "help": "Fit tokens of each MLP cross moment, random positions (default 16384; 0: all).",
-    },
-    "mlp_tokens_per_unit": {
-        "flag": "--mlp-tokens-per-unit",
-        "help": "Cap the fit tokens of each MLP cross moment at N per unit, random positions (default 0: all).",
-    },
-    "hidden_cross_tokens": {
-        "flag": "--hidden-cross-tokens",
-        "help": "Fit tokens of each query, key, context and stream cross moment, random positions "
-        "(default 16384; 0: all).",
-    },
-}
-_EXTERNAL_METADATA: dict[type, dict[str, dict[str, Any]]] = {CalibrationConfig: CALIBRATION_CLI}
-
-
 def field_metadata(cls: type, f: dataclasses.Field) -> Mapping[str, Any]:
-    """``f``'s metadata, with the CLI table of a class whose fields carry none (CalibrationConfig)."""
-    return {**f.metadata, **_EXTERNAL_METADATA.get(cls, {}).get(f.name, {})}
+    """``f``'s metadata (its help line, flag and choices)."""
+    return f.metadata
 
 
 def field_default(f: dataclasses.Field) -> Any:
@@ -173,9 +129,6 @@ def cli_options(cls: type, prefix: tuple[str, ...] = ()) -> list[CliOption]:
     """Every option field of the dataclass ``cls``, recursively into its sections, as a
     :class:`CliOption` (fields with ``cli=False`` metadata are skipped)."""
     out: list[CliOption] = []
-    extra = cls.extra_sections() if not prefix and hasattr(cls, "extra_sections") else {}
-    for name, section in extra.items():  # sections registered beside a method, not typed fields
-        out += cli_options(section, (name,))
     for f in dataclasses.fields(cls):
         meta = field_metadata(cls, f)
         if meta.get("cli", True) is False:
@@ -191,6 +144,9 @@ def cli_options(cls: type, prefix: tuple[str, ...] = ()) -> list[CliOption]:
         flag = meta.get("flag") or "--" + "-".join(path).replace("_", "-")
         choices = tuple(choices) if choices is not None else None
         out.append(CliOption(path, flag, "__".join(path), _kind(default), choices, meta.get("help")))
+    sections = cls.section_classes() if not prefix and hasattr(cls, "section_classes") else {}
+    for name, section in sections.items():  # the sections registered beside their methods
+        out += cli_options(section, (name,))
     return out
 
 

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from raot_hf.errors import RaotError
+from raot_hf.registry import Registry, registry
 
 
 class OptionSection:
@@ -15,6 +16,8 @@ class OptionSection:
 
     section = "options"
     noun = "option"
+    #: The field a bare value of the section sets (``gate=False`` → ``enabled``), or None.
+    switch: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as a JSON-safe dict (the inverse of :meth:`from_dict`)."""
@@ -35,7 +38,7 @@ class OptionSection:
 
 # ------------------------------------------------------------------------------- the registry
 
-_SECTIONS: dict[str, type] = {}
+_SECTIONS: Registry[type] = registry("options section")
 
 
 def register_section(cls: type) -> type:
@@ -54,14 +57,9 @@ def register_section(cls: type) -> type:
     ]
     if missing:
         raise TypeError(f"options section {name!r}: every field needs a default ({', '.join(missing)} has none)")
-    if name in _SECTIONS and _SECTIONS[name] is not cls:
-        raise RaotError(
-            f"options section {name!r} is already registered by {_SECTIONS[name].__name__}; pick another name"
-        )
-    _SECTIONS[name] = cls
-    return cls
+    return _SECTIONS.register(name, cls, same=lambda old, new: old is new)
 
 
 def registered_sections() -> dict[str, type]:
     """Section name → options class, in registration order."""
-    return dict(_SECTIONS)
+    return dict(_SECTIONS.items())

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from raot_hf.errors import RaotError, lookup
+from raot_hf.registry import Registry, registry
 
 #: The methods that are not registrations: "auto" chooses one per merge, "none" runs no pass.
 CHOOSING_METHODS = ("auto", "none")
@@ -59,12 +59,12 @@ class CorrectionSpec:
     description: str = ""
 
 
-_CORRECTIONS: dict[str, CorrectionSpec] = {}
+_CORRECTIONS: Registry[CorrectionSpec] = registry("correction", fixed=CHOOSING_METHODS)
 
 
 def available_corrections() -> list[str]:
     """Every valid ``correction.method``: ``auto``, ``none``, then the registered ones in order."""
-    return [*CHOOSING_METHODS, *_CORRECTIONS]
+    return list(_CORRECTIONS.names())
 
 
 def register_correction(
@@ -72,35 +72,27 @@ def register_correction(
 ) -> Callable:
     """Register ``fn`` as ``correction.method=name`` (see :class:`CorrectionSpec`), selectable at
     once; refuses bad names, non-callables and duplicates."""
-    if not isinstance(name, str) or not name or name in CHOOSING_METHODS:
-        raise TypeError(f"a correction name must be a non-empty string other than 'auto' and 'none', got {name!r}")
     if not callable(fn):
         raise TypeError(f"correction {name!r} must be callable, got {type(fn).__name__}")
     for what, value in (("readers", readers), ("report", report)):
         if value is not None and not callable(value):
             raise TypeError(f"correction {name!r}: {what} must be callable, got {type(value).__name__}")
-    if name in _CORRECTIONS:
-        valid = ", ".join(available_corrections())
-        raise RaotError(f"correction {name!r} is already registered; pick another name (valid: {valid})")
-    _CORRECTIONS[name] = CorrectionSpec(name, fn, readers, report, description)
+    _CORRECTIONS.register(name, CorrectionSpec(name, fn, readers, report, description))
     return fn
 
 
 def unregister_correction(name: str) -> CorrectionSpec:
     """Remove the registered correction ``name``; returns its registration."""
-    if name not in _CORRECTIONS:
-        raise RaotError(f"correction {name!r} is not registered; registered: {', '.join(_CORRECTIONS)}")
-    return _CORRECTIONS.pop(name)
+    return _CORRECTIONS.unregister(name)
 
 
 def get_correction(name: str) -> CorrectionSpec:
     """The registration of correction ``name``; the error lists the valid names."""
-    registered, valid = ", ".join(_CORRECTIONS), ", ".join(available_corrections())
-    return lookup(_CORRECTIONS, name, f"unknown correction {name!r}; registered: {registered} (valid methods: {valid})")
+    return _CORRECTIONS.get(name)
 
 
 def correction_description(name: str) -> str:
     """How the model card names correction ``name``: its description, else its name."""
 
-    spec = _CORRECTIONS.get(name)
+    spec = _CORRECTIONS.get(name) if name in _CORRECTIONS else None
     return spec.description if spec is not None and spec.description else name

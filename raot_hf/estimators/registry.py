@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from raot_hf.errors import RaotError
+from raot_hf.registry import Registry, registry
 
 
 @dataclass
@@ -53,7 +53,7 @@ class EstimatorSpec:
     description: str = ""
 
 
-_ESTIMATORS: dict[str, EstimatorSpec] = {}
+_ESTIMATORS: Registry[EstimatorSpec] = registry("alignment", fixed=("none",))
 
 
 def available_estimators() -> list[str]:
@@ -73,26 +73,21 @@ def register_estimator(
 ) -> Callable:
     """Register ``fn`` as ``alignment=name`` (bad names, non-callables and duplicates refused);
     ``config``: its options section, registered with it and handed over as ``request.options``."""
-    if not isinstance(name, str) or not name or name == "none":
-        raise TypeError(f"an estimator name must be a non-empty string other than 'none', got {name!r}")
     if not callable(fn):
         raise TypeError(f"estimator {name!r} must be callable, got {type(fn).__name__}")
-    if name in _ESTIMATORS:
-        raise RaotError(f"estimator {name!r} is already registered; registered: {', '.join(_ESTIMATORS)}")
+    _ESTIMATORS.check_free(name)
     if config is not None:
         from raot_hf.config.sections import register_section
 
         register_section(config)
         options = config.section
-    _ESTIMATORS[name] = EstimatorSpec(name, fn, needs_statistics, gated, options, description)
+    _ESTIMATORS.register(name, EstimatorSpec(name, fn, needs_statistics, gated, options, description))
     return fn
 
 
 def estimator_spec(name: str) -> EstimatorSpec:
     """The registration of estimator ``name``; the error lists the valid names."""
-    if name not in _ESTIMATORS:
-        raise RaotError(f"unknown alignment {name!r}; valid: {', '.join([*_ESTIMATORS, 'none'])}")
-    return _ESTIMATORS[name]
+    return _ESTIMATORS.get(name)
 
 
 def finite(*moments) -> bool:

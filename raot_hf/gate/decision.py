@@ -180,7 +180,7 @@ class GateOptions(OptionSection):
     ablation). ``sibling_check``: identity-dominated estimates keep the identity everywhere (§5.4).
     """
 
-    section = "gate"
+    section, switch = "gate", "enabled"
 
     enabled: bool = field(
         default=True, metadata=meta("Let the identity compete with every estimate (default on).", "gate", flag="--gate")

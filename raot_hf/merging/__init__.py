@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raot_hf.config.sections import register_section
-from raot_hf.errors import RaotError
 from raot_hf.merging.base_rules import (
     MAX_RELATIVE_TASK_NORM,
     BaseRuleOptions,
@@ -40,6 +39,7 @@ from raot_hf.merging.mergekit_rules import (
     passthrough,
     slerp,
 )
+from raot_hf.merging.nary import ModelsOptions
 from raot_hf.merging.rules import (
     HEAD_POLICIES,
     FisherOptions,
@@ -52,6 +52,7 @@ from raot_hf.merging.rules import (
     merge_regmean,
     shrink_gram,
 )
+from raot_hf.registry import Registry, registry
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class MergeRuleSpec:
     base_role: str = "model"
 
 
-_RULES: dict[str, MergeRuleSpec] = {}
+_RULES: Registry[MergeRuleSpec] = registry("merge rule")
 
 
 def available_merge_rules() -> list[str]:
@@ -110,28 +111,20 @@ def register_merge_rule(
     ``max_models``. ``config``: the rule's :class:`~raot_hf.config.sections.OptionSection`, registered
     with it (``RaotConfig``, its JSON and the CLI's flags know it); the rule gets every field of it
     unless ``options`` says otherwise. Refuses non-callables and duplicate names."""
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"a merge rule name must be a non-empty string, got {name!r}")
     if not callable(fn):
         raise TypeError(f"merge rule {name!r} must be callable, got {type(fn).__name__}")
-    if name in _RULES:
-        raise RaotError(
-            f"merge rule {name!r} is already registered; pick another name (registered: "
-            f"{', '.join(available_merge_rules())})."
-        )
+    _RULES.check_free(name)
     if config is not None:
         register_section(config)
         if options is None:
             options = {f.name: f"{config.section}.{f.name}" for f in dataclasses.fields(config)}
-    _RULES[name] = MergeRuleSpec(name, fn, options=dict(options or {}), **flags)
+    _RULES.register(name, MergeRuleSpec(name, fn, options=dict(options or {}), **flags))
     return fn
 
 
 def merge_rule_spec(name: str) -> MergeRuleSpec:
     """The registration of rule ``name``; the error lists the valid names."""
-    if name not in _RULES:
-        raise RaotError(f"unknown merge rule {name!r}; valid: {', '.join(available_merge_rules())}.")
-    return _RULES[name]
+    return _RULES.get(name)
 
 
 def nary_merge_rules() -> list[str]:
@@ -235,6 +228,7 @@ __all__ = [
     "merge_task_arithmetic",
     "merge_ties",
     "MergekitOptions",
+    "ModelsOptions",
     "nary_merge_rules",
     "random_keep_rescaled",
     "register_merge_rule",

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from huggingface_hub.utils import tqdm
 
+from raot_hf.config.core import HEAD_POLICIES
 from raot_hf.config.options import check_field_types, check_non_negative_int, meta
 from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
@@ -40,7 +41,6 @@ SINGULAR_PIVOT_RATIO = 1e-12
 #: The ridge added to a singular RegMean system, relative to the mean of its diagonal.
 RIDGE_RELATIVE = 1e-8
 #: The head policies of :func:`merge_heads`.
-HEAD_POLICIES = ("a", "b", "average")
 
 
 # ----------------------------------------------------------------------------- validation

@@ -138,7 +138,7 @@ class OutputVocabulary:
 
 def build_vocabulary(spec, tokenizers: dict[int, Any], rows: dict[int, int], base: int | None, order: list[int],
                      refs: dict[Any, int]) -> OutputVocabulary:  # fmt: skip
-    """The output vocabulary of a ``tokenizer:`` spec (:class:`raot_hf.config.mergefile.TokenizerSpec`).
+    """The output vocabulary of a ``tokenizer:`` spec (:class:`raot_hf.merging.mergefile.TokenizerSpec`).
     ``tokenizers``: checkpoint index → its tokenizer (a fresh copy: the output's is changed in
     place); ``rows``: each checkpoint's embedding rows; ``base``: the base's index (None: the first
     in ``order``, the checkpoints in the merge file's order); ``refs``: model reference → index."""

@@ -27,6 +27,7 @@ from raot_hf.io.offload import WorkingFiles
 from raot_hf.merging import base_relative_rules, merge_rule_spec
 from raot_hf.merging.siblings import base_state_for, check_base_use, check_task_norms
 from raot_hf.outputs.shards import parse_size
+from raot_hf.plan import plan_for
 from raot_hf.stages.calibrate import check_calibration_early
 from raot_hf.stages.context import BaseModel, StageTimer
 from raot_hf.stages.offload import check_parking_room, choose_offload, load_layerwise
@@ -91,7 +92,7 @@ def check_before_weights(
         if src_base is not None:
             check_base_tokenizer(pre_a, load_preprocessor(src_base))
     sample = None
-    if early and config.needs_calibration and config.calibration.source is not None and pre_a is not None:
+    if early and plan_for(config).needs_data and config.calibration.source is not None and pre_a is not None:
         sample = check_calibration_early(config.calibration, pre_a)
     return (configs, cfg_base), pre_a, sample
 

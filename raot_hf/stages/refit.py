@@ -20,6 +20,7 @@ import torch
 from torch.func import functional_call
 from transformers.pytorch_utils import Conv1D
 
+from raot_hf.config.refit import RefitOptions
 from raot_hf.errors import RaotError
 from raot_hf.gate import paired_test
 from raot_hf.gate.fidelity import layer_module_names
@@ -106,7 +107,7 @@ def check_refit(pairs: list[PairContext]) -> None:
     (the refit holds the whole model's graph), or an output target the models cannot serve
     (:func:`_output_target_problem`)."""
     ctx = pairs[0]
-    cfg = ctx.config.refit
+    cfg: RefitOptions = ctx.config.refit
     if not cfg.requested:
         return
     if len(ctx.working_files):
@@ -124,7 +125,7 @@ def refit_decision(members: list[Member]) -> tuple[bool, str]:
     :data:`AUTO_MAX_PARAMETERS` parameters, and no base-relative rule merges it (siblings keep
     their rule's merge)."""
     ctx = members[0].ctx
-    cfg = ctx.config.refit
+    cfg: RefitOptions = ctx.config.refit
     if cfg.mode == "off" or not cfg.steps:
         return False, "off"
     if cfg.mode == "on":
@@ -253,7 +254,7 @@ def refit_targets(members: list[Member], calibration=None, early=None) -> RefitT
     work, :func:`check_refit`). While the one sweep has still to align B (docs/design.md §5.7) only
     the output target is made, from B itself: B′ is an exact symmetry of B, so their outputs agree."""
     ctx = members[0].ctx
-    cfg = ctx.config.refit
+    cfg: RefitOptions = ctx.config.refit
     if not refit_decision(members)[0]:
         return None
     run = members[0].run or open_calibration(ctx, calibration, early)
@@ -384,7 +385,7 @@ def refit_merged(members: list[Member], targets: RefitTargets | None) -> dict[st
     parameter as it was. Returns the report's ``refit`` record (None when the refit is off; whether
     it ran and why when ``auto`` chose not to)."""
     ctx = members[0].ctx
-    cfg = ctx.config.refit
+    cfg: RefitOptions = ctx.config.refit
     if cfg.mode == "off" or not cfg.steps:
         return None
     run, why = refit_decision(members)

@@ -6,7 +6,7 @@ safetensors checkpoints are read, merged by the rule and written a few tensors a
 meta-device skeleton of the output: memory holds one chunk of every model and one output shard,
 and the result is the in-memory merge's, bit for bit. A :class:`PlainMerge` says what runs: the
 checkpoints, the output's slices of their layers, and the rule's parameters at every level (the
-command line's options, or a merge file's, :mod:`raot_hf.config.mergefile`). Any ``transformers``
+command line's options, or a merge file's, :mod:`raot_hf.merging.mergefile`). Any ``transformers``
 checkpoint merges this way, with or without an adapter: layers are found from the tensor names.
 """
 
@@ -111,11 +111,11 @@ class PlainMerge:
 
 
 def plain_merge_of(document, config, sources: dict) -> PlainMerge:
-    """The merge a merge-file document (:class:`raot_hf.config.mergefile.MergeDocument`) describes,
+    """The merge a merge-file document (:class:`raot_hf.merging.mergefile.MergeDocument`) describes,
     merged as stored: ``config`` its RaotConfig (``raot:`` and the flags), ``sources`` each model
     reference's :class:`ModelSource`. mergekit's parameter names become the rule's keywords; a
     model's parameter given nowhere takes mergekit's default (the weight: 1/N)."""
-    from raot_hf.config.mergefile import rule_keywords
+    from raot_hf.merging.mergefile import rule_keywords
 
     spec = merge_rule_spec(document.method)
     refs = {ref: i for i, ref in enumerate(document.models())}

@@ -127,11 +127,11 @@ VALUE_FOR_FLAG = {
 def _field_paths(cls, prefix=()):
     """Every RaotConfig field, recursively into its sections, as a dotted path (no ``version``:
     the stamp of the writing version, not an option)."""
-    if not prefix:  # sections registered beside a method, held outside the typed fields
-        for name, section in cls.extra_sections().items():
+    if not prefix:  # the sections registered beside their methods
+        for name, section in cls.section_classes().items():
             yield from _field_paths(section, (name,))
     for f in dataclasses.fields(cls):
-        if f.name in ("version", "extra") and not prefix:
+        if f.name in ("version", "sections") and not prefix:
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if dataclasses.is_dataclass(default):
@@ -259,7 +259,7 @@ def test_legacy_flat_keys_are_read_everywhere():
 def test_the_earlier_section_name_group_reads_as_models(tmp_path):
     """A config or merge file written when the several-model options were called ``group`` still
     reads; ``to_dict`` writes ``models``."""
-    from raot_hf.config.mergefile import read_merge_file
+    from raot_hf.merging.mergefile import read_merge_file
 
     old = {"group": {"weights": [0.5, 0.25, 0.25], "reference": "central"}, "alpha": 0.25}
     path = tmp_path / "old.json"

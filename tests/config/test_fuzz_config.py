@@ -25,10 +25,10 @@ FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 # Known choices per string option, so that valid values are drawn often enough to pass.
 CHOICES = {
-    "alignment": config_module.ALIGNMENTS,
+    "alignment": config_module.alignments(),
     "residual": config_module.RESIDUAL_MODES,
     "head": config_module.HEAD_POLICIES,
-    "merge_rule": config_module.MERGER_RULES,
+    "merge_rule": config_module.core.merge_rules(),
     "dtype": config_module.DTYPES,
     "objective": GATE_OBJECTIVES,
 }
@@ -81,9 +81,10 @@ def _field_default(cls, name):
 
 def _config_dicts():
     values = {}
+    for name, section in SECTIONS.items():
+        values[name] = _section_dicts(section) | JUNK
     for f in dataclasses.fields(RaotConfig):
-        if f.name in SECTIONS:
-            values[f.name] = _section_dicts(SECTIONS[f.name]) | JUNK
+        if f.name == "sections":
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         values[f.name] = _plausible(f.name, default) | JUNK
@@ -152,10 +153,10 @@ def test_any_json_text_builds_a_config_or_raises_raot_error(text):
 SENTINEL = "sentinel: options parsed, no model loaded"
 
 VALUE_OPTIONS = {
-    "--alignment": st.sampled_from(config_module.ALIGNMENTS) | st.text(max_size=6),
+    "--alignment": st.sampled_from(config_module.alignments()) | st.text(max_size=6),
     "--scope": st.sampled_from(("mlp", "heads,residual", "none", "mlp,mlp", "attention", "")),
     "--residual": st.sampled_from(config_module.RESIDUAL_MODES) | st.text(max_size=6),
-    "--merge-rule": st.sampled_from(config_module.MERGER_RULES) | st.just("ties"),
+    "--merge-rule": st.sampled_from(config_module.core.merge_rules()) | st.just("ties"),
     "--head": st.sampled_from(config_module.HEAD_POLICIES) | st.just("c"),
     "--dtype": st.sampled_from(config_module.DTYPES) | st.just("int8"),
     "--alpha": st.floats(-1, 2).map(repr) | st.sampled_from(("nan", "inf", "x", "1e309", "")),
