@@ -43,8 +43,8 @@ METHODS: dict[str, tuple[dict[str, Any], bool, bool]] = {
     "chained-average": ({"alignment": "none"}, False, True),
     "chained-default": ({}, False, True),
     "task_arithmetic3": ({"merge_rule": "task_arithmetic"}, True, False),
-    "ties3": ({"merge_rule": "ties", "base_rules": {"density": 0.5}}, True, False),
-    "dare_ties3": ({"merge_rule": "dare_ties", "base_rules": {"density": 0.5}}, True, False),
+    "ties3": ({"merge_rule": "ties", "task_vectors": {"density": 0.5}}, True, False),
+    "dare_ties3": ({"merge_rule": "dare_ties", "task_vectors": {"density": 0.5}}, True, False),
 }
 SEED_METHODS = ("average3", "raot3", "default3", "chained-average", "chained-default")
 SIBLING_METHODS = ("average3", "default3", "chained-default", "task_arithmetic3", "ties3", "dare_ties3")

@@ -38,7 +38,7 @@ def _config_option(option: CliOption):
     if option.kind is bool:
         return click.option(f"{option.flag}/--no-{option.flag[2:]}", option.dest, default=None, help=option.help)
     kind = click.Choice(list(option.choices)) if option.choices else {int: int, float: float}.get(option.kind)
-    return click.option(option.flag, option.dest, type=kind, help=option.help)
+    return click.option(option.flag, *option.aliases, option.dest, type=kind, help=option.help)
 
 
 def merge_options(fn):

@@ -107,6 +107,7 @@ class RaotConfig:
         """Top-level options and whole sections (objects or dicts) by name; every other field and
         section takes its default."""
         sections = options.pop("sections", None) or {}
+        options = current_section_names(options)
         top = {f.name: f for f in fields(self) if f.name != "sections"}
         unknown = sorted(set(options) - set(top) - set(registered_sections()))
         if unknown:
@@ -212,7 +213,7 @@ class RaotConfig:
         if not isinstance(data, dict):
             raise RaotError(f"options must be a dict of option names to values, got {type(data).__name__}")
         typed = {f.name for f in fields(cls)} - {"sections"}
-        known = typed | set(registered_sections()) | set(RENAMED_SECTIONS)
+        known = typed | set(registered_sections()) | _earlier_sections()
         keywords = option_keywords()
         unknown = sorted(str(k) for k in set(data) - known - set(keywords))
         if unknown:
@@ -253,14 +254,36 @@ class RaotConfig:
 
 def current_section_names(options: dict[str, Any]) -> dict[str, Any]:
     """``options`` with every section given under an earlier name (:data:`RENAMED_SECTIONS`) moved
-    to its name now; a section given under both names is an error."""
+    to its name now, and every setting a section's ``moved_from`` names moved into it; a section
+    given under both names is an error."""
     out = dict(options)
     for old, new in RENAMED_SECTIONS.items():
         if old in out:
             if new in out:
                 raise RaotError(f"options give both {old!r} (the earlier name of {new!r}) and {new!r}; keep {new!r}")
             out[new] = out.pop(old)
+    for name, cls in registered_sections().items():
+        for path, field_name in getattr(cls, "moved_from", {}).items():
+            section, old_field = path.split(".")
+            if not (isinstance(out.get(section), dict) and old_field in out[section]):
+                continue
+            earlier = dict(out[section])
+            value = earlier.pop(old_field)
+            target = out.get(name, {})
+            target = dict(target.to_dict() if hasattr(target, "to_dict") else target)
+            target.setdefault(field_name, value)
+            out[name] = target
+            if earlier or section in registered_sections():
+                out[section] = earlier
+            else:
+                out.pop(section)
     return out
+
+
+def _earlier_sections() -> set[str]:
+    """Sections of earlier versions whose settings live elsewhere now (still read)."""
+    moved = {path.split(".")[0] for cls in registered_sections().values() for path in getattr(cls, "moved_from", {})}
+    return set(RENAMED_SECTIONS) | moved
 
 
 def _is_section_value(name: str, value: Any) -> bool:

@@ -1,7 +1,8 @@
 """Option-section helpers of :class:`raot_hf.RaotConfig` and the table that turns a config class
 into command-line flags (:func:`cli_options`). Field metadata: ``help``, ``flag`` (default
-``--{section}-{field}``), ``choices`` (a tuple or a callable returning one), ``cli=False`` (no option)
-and ``legacy`` (the flat key of earlier versions, used in messages). Must not import :mod:`raot_hf.config`.
+``--{section}-{field}``), ``choices`` (a tuple or a callable returning one), ``cli=False`` (no option),
+``legacy`` (the flat key of earlier versions, used in messages) and ``aliases`` (earlier flags,
+still read). Must not import :mod:`raot_hf.config`.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def option_keywords() -> dict[str, tuple[str, str]]:
             if meta.get("cli", True) is False or dataclasses.is_dataclass(field_default(f)):
                 continue
             flag = meta.get("flag") or f"--{name}-{f.name}".replace("_", "-")
-            out.setdefault(flag_keyword(flag), (name, f.name))
+            for each in (flag, *meta.get("aliases", ())):
+                out.setdefault(flag_keyword(each), (name, f.name))
     return out
 
 
@@ -116,6 +118,7 @@ class CliOption:
     kind: type
     choices: tuple[str, ...] | None
     help: str | None
+    aliases: tuple[str, ...] = ()
 
 
 def _kind(default: Any) -> type:
@@ -143,7 +146,8 @@ def cli_options(cls: type, prefix: tuple[str, ...] = ()) -> list[CliOption]:
             choices = choices()
         flag = meta.get("flag") or "--" + "-".join(path).replace("_", "-")
         choices = tuple(choices) if choices is not None else None
-        out.append(CliOption(path, flag, "__".join(path), _kind(default), choices, meta.get("help")))
+        aliases = tuple(meta.get("aliases", ()))
+        out.append(CliOption(path, flag, "__".join(path), _kind(default), choices, meta.get("help"), aliases))
     sections = cls.section_classes() if not prefix and hasattr(cls, "section_classes") else {}
     for name, section in sections.items():  # the sections registered beside their methods
         out += cli_options(section, (name,))

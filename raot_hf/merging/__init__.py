@@ -15,7 +15,7 @@ from typing import Any
 from raot_hf.config.sections import register_section
 from raot_hf.merging.base_rules import (
     MAX_RELATIVE_TASK_NORM,
-    BaseRuleOptions,
+    TaskVectorOptions,
     check_base_states,
     elect_signs,
     keep_top_magnitudes,
@@ -64,7 +64,7 @@ class MergeRuleSpec:
       ``transposed_weights=`` (the weights stored (in, out), GPT-2's ``Conv1D``) (RegMean).
     * ``needs_fisher``: called with ``fishers=`` (one diagonal Fisher per model).
     * ``per_tensor``: each output tensor depends only on the same-named inputs (chunked merges).
-    * ``options``: rule keyword → :class:`raot_hf.RaotConfig` path (e.g. ``base_rules.density``).
+    * ``options``: rule keyword → :class:`raot_hf.RaotConfig` path (e.g. ``task_vectors.density``).
     * ``max_models``: the most models the rule merges (SLERP's two); None: any number.
     * ``layered``: options may vary by layer or module; called with ``layer_count=``.
     * ``absolute_weights``: reads the weights as given (mergekit's); gets ``models.densities`` for two models too.
@@ -160,9 +160,9 @@ def apply_rule(spec: MergeRuleSpec, states: list, weights: list[float], **inputs
 #: with one value per model, and mergekit's default).
 _GTA_FILE = {"lambda": "scale", "normalize": "normalize", "rescale": "rescale", "int8_mask": "int8_mask"}
 _GTA_MODEL = {"weight": ("weights", None), "density": ("densities", 1.0)}
-_TASK = {"needs_base": True, "per_tensor": True, "config": BaseRuleOptions, "file_parameters": _GTA_FILE}
+_TASK = {"needs_base": True, "per_tensor": True, "config": TaskVectorOptions, "file_parameters": _GTA_FILE}
 _MERGEKIT = {"per_tensor": True, "layered": True, "config": MergekitOptions}
-_TIES = {"density": "base_rules.density", "scale": "base_rules.task_scale"}
+_TIES = {"density": "task_vectors.density", "scale": "task_vectors.scale"}
 _WEIGHT = {"weight": ("weights", None)}
 register_merge_rule(
     "linear", merge_linear, per_tensor=True, file_parameters={"normalize": "normalize"}, model_parameters=_WEIGHT
@@ -171,7 +171,7 @@ register_merge_rule("regmean", merge_regmean, needs_grams=True, config=RegMeanOp
 register_merge_rule("fisher", merge_fisher, needs_fisher=True, config=FisherOptions, options={})
 register_merge_rule(
     "task_arithmetic", merge_task_arithmetic, **_TASK, model_parameters=_GTA_MODEL,
-    options={"scale": "base_rules.task_scale"},
+    options={"scale": "task_vectors.scale"},
 )  # fmt: skip
 register_merge_rule("ties", merge_ties, **_TASK, options=_TIES, model_parameters=_GTA_MODEL)
 for _name, _rule in (("dare_ties", merge_dare_ties), ("dare_linear", merge_dare_linear)):
@@ -191,12 +191,13 @@ register_merge_rule(
     file_parameters={"filter_wise": "filter_wise"},
 )  # fmt: skip
 for _name, _rule in (("della", della), ("della_linear", della_linear)):
-    _options = {"density": "mergekit.density", "epsilon": "mergekit.epsilon", "scale": "mergekit.scale", "seed": "seed"}
+    _options = {"density": "task_vectors.density", "epsilon": "task_vectors.epsilon", "scale": "task_vectors.scale",
+                "seed": "seed"}  # fmt: skip
     _model = {**_GTA_MODEL, "epsilon": ("epsilons", 0.15)}
     register_merge_rule(_name, _rule, **_MERGEKIT, needs_base=True, absolute_weights=True, options=_options,
                         file_parameters=_GTA_FILE, model_parameters=_model)  # fmt: skip
 for _name, _rule in (("breadcrumbs", breadcrumbs), ("breadcrumbs_ties", breadcrumbs_ties)):
-    _options = {"density": "mergekit.density", "gamma": "mergekit.gamma", "scale": "mergekit.scale"}
+    _options = {"density": "task_vectors.density", "gamma": "task_vectors.gamma", "scale": "task_vectors.scale"}
     _model = {**_GTA_MODEL, "gamma": ("gammas", 0.01)}
     register_merge_rule(_name, _rule, **_MERGEKIT, needs_base=True, absolute_weights=True, options=_options,
                         file_parameters=_GTA_FILE, model_parameters=_model)  # fmt: skip

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from raot_hf.config.options import check_field_types, meta
+from raot_hf.config.options import meta
 from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
 from raot_hf.merging.layered import check_setting, count_layers, evaluate_setting
@@ -405,25 +405,43 @@ def merge_dare_linear(states, weights, base=None, *, return_log=False, **options
     return task_vector_rule("dare_linear", states, weights, base, return_log=return_log, **options)
 
 
+def _layered_field(help: str, legacy: str | None = None, **extra: Any) -> Any:
+    return field(default=None, metadata=meta(help, legacy, **extra))
+
+
 @register_section
 @dataclass
-class BaseRuleOptions(OptionSection):
-    """Options of ``task_arithmetic``, ``ties`` and ``dare_ties`` (``task_scale`` is λ)."""
+class TaskVectorOptions(OptionSection):
+    """Options of the task-vector rules (:data:`TASK_VECTOR_RULES`: task arithmetic, TIES, DARE,
+    DELLA, Breadcrumbs), with mergekit's names; None: the rule's default. Each may vary by layer or
+    module (:mod:`raot_hf.merging.layered`), e.g. ``0,0.5,1`` or ``self_attn=0,1;mlp=1,0;default=0.5``."""
 
-    section = "base_rules"
+    section = "task_vectors"
+    #: Where these settings lived in earlier versions (still read): ``section.field`` → field.
+    moved_from = {
+        "base_rules.density": "density", "base_rules.task_scale": "scale", "mergekit.density": "density",
+        "mergekit.epsilon": "epsilon", "mergekit.gamma": "gamma", "mergekit.scale": "scale",
+    }  # fmt: skip
 
-    density: float = field(
-        default=0.2,
-        metadata=meta(
-            "ties / dare_ties: fraction of each task vector kept (default 0.2).", "density", flag="--density"
-        ),
-    )
-    task_scale: float = field(
-        default=1.0,
-        metadata=meta("Base-relative rules: λ in base + λ·Σ wᵢτᵢ (default 1).", "task_scale", flag="--task-scale"),
-    )
+    density: Any = _layered_field(
+        "Fraction of each task vector kept (default: ties / dare_ties 0.2, the others 1).", "density",
+        flag="--density", aliases=("--mergekit-density",),
+    )  # fmt: skip
+    scale: Any = _layered_field(
+        "λ in base + λ·Σ wᵢτᵢ, mergekit's lambda (default 1).", "task_scale", flag="--task-scale",
+        aliases=("--mergekit-scale",),
+    )  # fmt: skip
+    epsilon: Any = _layered_field(
+        "della: keep probabilities span density ± epsilon (default 0.15).", flag="--epsilon",
+        aliases=("--mergekit-epsilon",),
+    )  # fmt: skip
+    gamma: Any = _layered_field(
+        "breadcrumbs: fraction of largest task-vector entries dropped (default 0.01).", flag="--gamma",
+        aliases=("--mergekit-gamma",),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
-        check_field_types(self)
-        if not 0.0 < self.density <= 1.0:
+        for name in ("density", "scale", "epsilon", "gamma"):
+            setattr(self, name, check_setting(name, getattr(self, name)))
+        if isinstance(self.density, float) and not 0.0 < self.density <= 1.0:
             raise RaotError(f"density={self.density} must lie in (0, 1] (the fraction of each task vector kept)")

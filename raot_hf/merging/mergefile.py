@@ -65,9 +65,11 @@ DTYPES = {
 }  # fmt: skip
 _SLICE_KEYS = ("sources", "parameters", "base_model")
 #: A merge file's parameters → the ``mergekit`` options section of an aligned merge.
-_MERGEKIT_SECTION = {
-    "t": "t", "density": "density", "epsilon": "epsilon", "gamma": "gamma", "lambda": "scale",
-    "filter_wise": "filter_wise", "nuslerp_row_wise": "row_wise", "nuslerp_flatten": "flatten",
+#: The whole merge's parameters of the rules that vary by layer → (their section, field).
+_SECTION_OF = {
+    "t": ("mergekit", "t"), "filter_wise": ("mergekit", "filter_wise"), "nuslerp_row_wise": ("mergekit", "row_wise"),
+    "nuslerp_flatten": ("mergekit", "flatten"), "density": ("task_vectors", "density"),
+    "epsilon": ("task_vectors", "epsilon"), "gamma": ("task_vectors", "gamma"), "lambda": ("task_vectors", "scale"),
 }  # fmt: skip
 _SOURCE_KEYS = ("model", "layer_range", "parameters")
 
@@ -547,16 +549,17 @@ def aligned_models(document: MergeDocument):
             raise RaotError(f"parameters: {name}: {top[name]} with calibration data: an aligned merge runs "
                             f"{document.method} as defined; remove it, {fix}")  # fmt: skip
     if spec.layered:
-        section = dict(config.get("mergekit") or {})
-        section.update({_MERGEKIT_SECTION[k]: v for k, v in top.items() if k in _MERGEKIT_SECTION})
-        config["mergekit"] = section
+        for key, value in top.items():
+            if key in _SECTION_OF:
+                section, name = _SECTION_OF[key]
+                config[section] = {**config.get(section, {}), name: value}
     else:
-        rules = dict(config.get("base_rules") or {})
+        rules = dict(config.get("task_vectors") or {})
         if "lambda" in top:
-            rules["task_scale"] = number("lambda", top["lambda"], "parameters:")
+            rules["scale"] = number("lambda", top["lambda"], "parameters:")
         if "density" in top:
             rules["density"] = number("density", top["density"], "parameters:")
-        config["base_rules"] = rules
+        config["task_vectors"] = rules
     from raot_hf.config import RaotConfig
 
     return [str(s.model) for s in sources], (str(base) if base is not None else None), RaotConfig.from_dict(config)

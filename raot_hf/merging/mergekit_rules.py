@@ -225,17 +225,12 @@ class MergekitOptions(OptionSection):
     section = "mergekit"
 
     t: Any = _setting_field("slerp: interpolation from the reference (0) to the other model (1); required.", "--t")
-    density: Any = _setting_field("della / breadcrumbs: fraction of each task vector kept (default 1).")
-    epsilon: Any = _setting_field("della: keep probabilities span density ± epsilon (default 0.15).")
-    gamma: Any = _setting_field("breadcrumbs: fraction of largest task-vector entries dropped (default 0.01).")
-    scale: Any = _setting_field("della / breadcrumbs: mergekit's lambda, the task-vector scale (default 1).")
     filter_wise: bool = field(default=False, metadata=meta("model_stock: one ratio per row (default off)."))
     row_wise: bool = field(default=False, metadata=meta("nuslerp: interpolate columns (default off: rows)."))
     flatten: bool = field(default=True, metadata=meta("nuslerp: interpolate whole tensors (default on)."))
 
     def __post_init__(self) -> None:
-        for name in ("t", "density", "epsilon", "gamma", "scale"):
-            setattr(self, name, check_setting(name, getattr(self, name)))
+        self.t = check_setting("t", self.t)
         for name in ("filter_wise", "row_wise", "flatten"):
             if not isinstance(getattr(self, name), bool):
                 raise RaotError(f"mergekit.{name}={getattr(self, name)!r} must be true or false")

@@ -199,7 +199,8 @@ def two_model_config(config):
     total = sum(weights)
     changes: dict[str, Any] = {"alpha": weights[1] / total}
     if config.merge_rule == "task_arithmetic":
-        changes["base_rules"] = {**config.base_rules.to_dict(), "task_scale": config.base_rules.task_scale * total}
+        scale = 1.0 if config.task_vectors.scale is None else config.task_vectors.scale
+        changes["task_vectors"] = {**config.task_vectors.to_dict(), "scale": scale * total}
     if config.models.densities:
         raise RaotError("--densities sets one density per model for three or more; with two use --density")
     return config.replace(**changes, models={**config.models.to_dict(), "weights": []})

@@ -61,8 +61,8 @@ FLAGS_BEFORE = {
     "--soft-ot-reg": "soft_ot.reg",
     "--regmean-shrink": "regmean.shrink",
     "--fisher-samples": "fisher.samples",
-    "--density": "base_rules.density",
-    "--task-scale": "base_rules.task_scale",
+    "--density": "task_vectors.density",
+    "--task-scale": "task_vectors.scale",
     "--calibration": "calibration.source",
     "--calibration-config": "calibration.config_name",
     "--split": "calibration.split",
@@ -107,8 +107,8 @@ LEGACY = {
     "soft_ot_reg": (0.3, "soft_ot.reg"),
     "regmean_shrink": (0.5, "regmean.shrink"),
     "fisher_samples": (32, "fisher.samples"),
-    "density": (0.3, "base_rules.density"),
-    "task_scale": (2.0, "base_rules.task_scale"),
+    "density": (0.3, "task_vectors.density"),
+    "task_scale": (2.0, "task_vectors.scale"),
 }
 # One value per click type that every field of that type accepts and that no default equals.
 VALUE_FOR_TYPE = {click.INT: "5", click.FLOAT: "0.125", click.STRING: "mlp"}
@@ -117,10 +117,10 @@ VALUE_FOR_FLAG = {
     "--weights": ("0.5,0.25", (0.5, 0.25)),
     "--densities": ("0.5,0.25", (0.5, 0.25)),
     "--t": ("self_attn=0,1;default=0.5", {"self_attn": [0.0, 1.0], "default": 0.5}),
-    "--mergekit-density": ("0,0.5,1", [0.0, 0.5, 1.0]),
-    "--mergekit-epsilon": ("0.1", 0.1),
-    "--mergekit-gamma": ("0.02", 0.02),
-    "--mergekit-scale": ("1.5", 1.5),
+    "--density": ("0,0.5,1", [0.0, 0.5, 1.0]),
+    "--epsilon": ("0.1", 0.1),
+    "--gamma": ("0.02", 0.02),
+    "--task-scale": ("1.5", 1.5),
 }
 
 
@@ -230,7 +230,7 @@ def test_flags_override_the_config_file_and_nothing_else(tmp_path):
     path = tmp_path / "cfg.json"
     path.write_text(RaotConfig.from_dict({"gate_z": 2.0, "density": 0.4, "alpha": 0.25}).to_json())
     cfg = _parse("merge", ["--config", str(path), "--density", "0.3", "--no-gate"])
-    assert (cfg.gate.z, cfg.base_rules.density, cfg.alpha, cfg.gate.enabled) == (2.0, 0.3, 0.25, False)
+    assert (cfg.gate.z, cfg.task_vectors.density, cfg.alpha, cfg.gate.enabled) == (2.0, 0.3, 0.25, False)
     path.write_text(json.dumps({"gate": False, "regmean_shrink": 0.5}))  # an old flat file
     cfg = _parse("inspect", ["--config", str(path), "--gate"])
     assert (cfg.gate.enabled, cfg.regmean.shrink) == (True, 0.5)
@@ -287,7 +287,7 @@ def test_unknown_keys_are_one_line_errors_listing_the_valid_names():
     with pytest.raises(RaotError) as info:
         RaotConfig.from_dict({"gate_zz": 1})
     message = str(info.value)
-    assert "\n" not in message and "'gate_zz'" in message and "gate_z" in message and "base_rules" in message
+    assert "\n" not in message and "'gate_zz'" in message and "gate_z" in message and "task_vectors" in message
     with pytest.raises(RaotError, match="unknown gate option.*'zz'.*valid: .*min_gain"):
         RaotConfig.from_dict({"gate": {"zz": 1}})
     with pytest.raises(RaotError, match="weight=5 must be a WeightMatchingOptions"):
@@ -306,7 +306,8 @@ def test_nested_json_round_trips():
     )
     text = cfg.to_json()
     data = json.loads(text)
-    assert data["gate"]["z"] == 2.5 and data["base_rules"] == {"density": 0.3, "task_scale": 2.0}
+    assert data["gate"]["z"] == 2.5
+    assert data["task_vectors"] == {"density": 0.3, "scale": 2.0, "epsilon": None, "gamma": None}
     assert data["version"] and not {"gate_z", "density", "regmean_shrink"} & set(data)
     again = RaotConfig.from_json(text)
     assert again == cfg and again.to_json() == text
@@ -384,3 +385,18 @@ def test_an_unknown_keyword_names_the_closest_valid_one():
     # nested sections keep working, and a section name with a plain value sets its flag's field
     cfg = RaotConfig().replace(correction="none", calibration={"moment_precision": "float32"}, gate=False)
     assert (cfg.correction.method, cfg.calibration.moment_precision, cfg.gate.enabled) == ("none", "float32", False)
+
+
+def test_settings_of_earlier_sections_are_read_where_they_live_now():
+    """A config or report written when the task-vector rules' settings lived in ``base_rules`` and
+    ``mergekit`` reads into ``task_vectors``; the earlier flags still set them."""
+    from raot_hf.merging import TaskVectorOptions
+
+    earlier = {"merge_rule": "della", "base_rules": {"density": 0.3, "task_scale": 2.0}, "mergekit": {"epsilon": 0.1, "t": 0.5}}
+    config = RaotConfig.from_dict(earlier)
+    assert config.task_vectors == TaskVectorOptions(density=0.3, scale=2.0, epsilon=0.1)
+    assert config.mergekit.t == 0.5 and RaotConfig.from_json(config.to_json()) == config
+    command = main.get_command(None, "merge")
+    for flag in ("--mergekit-density", "--density"):
+        params = command.make_context("merge", ["A", "B", "--out", "m", flag, "0.4"]).params
+        assert build_config(params).task_vectors.density == 0.4

@@ -214,7 +214,7 @@ OPTION_TO_FIELD = {
     "--min-heldout-tokens": "gate.min_heldout_tokens",
     "--fisher-samples": "fisher.samples",
     "--gate-examples": "gate.examples",
-    "--density": "base_rules.density",
+    "--density": "task_vectors.density",
     "--check-batches": "check_batches",
     "--calibration-seed": "calibration.seed",
     "--heldout-every": "calibration.heldout_every",

@@ -243,7 +243,7 @@ def test_cli_ties_merge_of_siblings(siblings, tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"]
     report = json.loads((out / "raot_report.json").read_text())
     assert report["shares_basis"] and not report["applied_transform"]["transforms"]
-    assert report["settings"]["merge_rule"] == "ties" and report["settings"]["base_rules"]["density"] == 0.3
+    assert report["settings"]["merge_rule"] == "ties" and report["settings"]["task_vectors"]["density"] == 0.3
     assert report["merge"]["rule"] == "ties" and report["merge"]["settings"]["densities"] == [0.3, 0.3]
     totals = report["merge"]["totals"]  # top 30 % of each task vector kept, in every tensor
     assert all(0.29 <= totals[f"kept_{i}"] / totals["entries"] <= 0.3 for i in (1, 2))
