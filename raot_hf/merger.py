@@ -199,9 +199,10 @@ class RaotMerger:
         alignment, stats, run = calibrate_solve_decide(self.pair, calibration, self.early_calibration)
         return alignment, stats, (run.fingerprint if run is not None else None)
 
-    def merge(self, calibration=None) -> MergeResult:
+    def merge(self, calibration=None, *, command: str | None = None) -> MergeResult:
         """Estimate, gate, apply to B, check B′ ≡ B, merge into model A's object (no third copy), and
-        return a :class:`MergeResult`; with more models each is aligned to the reference (docs/design.md §6.9)."""
+        return a :class:`MergeResult`; with more models each is aligned to the reference (docs/design.md §6.9).
+        ``command``: the command line that ran the merge, for the report."""
         self._refuse_after_merge()
         check_refit(self.pairs)
         central = len(self.models) > 2 and self.config.models.reference == "central"
@@ -213,9 +214,8 @@ class RaotMerger:
         merge_log = merge_weights(members, members_folded(members))
         refit = refit_merged(members, targets)  # docs/design.md §6.11
         quality = merged_quality(members, quality_sets, parents)
-        report = build_report(members, self.sources, merge_log, quality, self.reference_log)
-        if refit is not None:
-            report["refit"] = refit
+        report = build_report(members, self.sources, merge_log, quality, reference_log=self.reference_log,
+                              refit=refit, command=command)  # fmt: skip
         source_a, files = self.source_a.name_or_path, self.working_files
         result = MergeResult(
             self.model_a, report, members[0].alignment, self.preprocessor, source_a, working_files=files
@@ -316,11 +316,9 @@ def _merge(
         merger.dist.close()
         return None, None
     try:
-        result = merger.merge(calibration)
+        result = merger.merge(calibration, command=command)
     finally:
         merger.dist.close()
-    if command:
-        result.report["command"] = command
     return result.save_pretrained(out, overwrite=overwrite, max_shard_size=plan.shard_bytes), result.report
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ import torch
 from raot_hf.gate import GateDecision
 from raot_hf.gate.verdict import BasisVerdict, Verdict
 from raot_hf.io.offload import WorkingFiles
+from raot_hf.outputs.record import MergeReport
 from raot_hf.symmetry import TransformSequence
 
 
@@ -56,7 +56,7 @@ class MergeResult:
     """The merged model, the alignment behind it and the provenance report."""
 
     model: torch.nn.Module
-    report: dict[str, Any]
+    report: MergeReport
     alignment: Alignment
     preprocessor: Any = None
     source_a: str | None = None
@@ -71,22 +71,18 @@ class MergeResult:
         """Write a directory ``from_pretrained`` loads, with model card and ``raot_report.json``."""
         from raot_hf.outputs import model_card_context, write_merged_repo
 
-        start = time.perf_counter()
-        report = dict(self.report)
-        path = write_merged_repo(
+        return write_merged_repo(
             out_dir,
             self.model,
             preprocessor_source=self.preprocessor if self.preprocessor is not None else self.source_a,
-            report=report,
-            card=model_card_context(report),
+            report=self.report,
+            card=model_card_context(self.report),
             overwrite=overwrite,
             max_shard_size=max_shard_size,
             transform=self.alignment.applied,
             more_transforms=self.more_transforms,
             working_files=self.working_files,
         )
-        self.report.setdefault("timings", {})["write"] = time.perf_counter() - start
-        return path
 
     def push_to_hub(self, repo_id: str, *, folder: str | Path | None = None, **kwargs) -> str:
         """Save (to ``folder`` or a temporary directory) and upload with :func:`raot_hf.hub.push_to_hub`."""

@@ -320,7 +320,7 @@ def test_imports_run_one_way_merger_stages_results_outputs():
 
 
 #: Identifiers outside raot_hf/symmetry/ that may say "group": each names the symmetry group.
-SYMMETRY_GROUP_NAMES = {"random_group_element"}
+SYMMETRY_GROUP_NAMES = {"random_group_element", "residual_exact_group"}  # the residual stream's exact symmetry group
 
 
 def _defined_names(tree: ast.AST):

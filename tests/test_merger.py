@@ -157,7 +157,7 @@ def test_saved_output_reloads_identically_and_cli_matches_api(tmp_path):
     card = (out_api / "README.md").read_text()
     assert "tags:" in card and "raot" in card and "library_name: transformers" in card
     report = json.loads((out_api / "raot_report.json").read_text())
-    assert report["decisions"] and report["inputs"]["a"]["files"]
+    assert report["decisions"] and report["models"][0]["files"]
     # the applied alignment, bit-exact, next to the report: B′ = load_transform(...) applied to B
     from raot_hf.symmetry import load_transform, transform_model
 

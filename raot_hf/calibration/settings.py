@@ -87,8 +87,7 @@ class CalibrationConfig(OptionSection):
     hidden_cross_tokens: int = field(
         default=16384,
         metadata=meta(
-            "Fit tokens of each query, key, context and stream cross moment, random positions "
-            "(default 16384; 0: all).",
+            "Fit tokens of each query, key, context and stream cross moment, random positions (default 16384; 0: all).",
             flag="--hidden-cross-tokens",
         ),
     )

@@ -4,6 +4,7 @@ built from it (docs/design.md §6)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -67,11 +68,12 @@ def _method_description(alignment: str | None) -> str | None:
     return alignment
 
 
-def model_card_context(report: dict[str, Any]) -> dict[str, Any]:
-    """The ``card`` dict :func:`raot_hf.outputs.card.render_model_card` renders, from a report."""
+def model_card_context(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``card`` dict :func:`raot_hf.outputs.card.render_model_card` renders, from a report (a
+    :class:`~raot_hf.outputs.record.MergeReport` or its JSON form)."""
     settings = report.get("settings", {})
-    inputs = report.get("inputs", {})
-    a, b = inputs.get("a", {}), inputs.get("b", {})
+    models = report.get("models") or []
+    a, b = (models[0] if models else {}), (models[1] if len(models) > 1 else {})
     arch = a.get("architecture", "")
     tag = next((t for suffix, t in _PIPELINE_TAGS.items() if arch.endswith(suffix)), None)
     method = _method_description(settings.get("alignment"))
@@ -79,15 +81,13 @@ def model_card_context(report: dict[str, Any]) -> dict[str, Any]:
     if method and precision:
         method += f"; MLP cross moments from {precision['used']} products ({precision['why']})"
     scope = settings.get("scope") or []
-    base = inputs.get("base") or {}
+    base = report.get("base") or {}
     return {
         "model_a": a.get("id", "A"),
         "model_b": b.get("id", "B"),
         "revision_a": a.get("commit") or a.get("revision"),
         "revision_b": b.get("commit") or b.get("revision"),
-        "more_models": [
-            {"id": m.get("id"), "revision": m.get("commit") or m.get("revision")} for m in inputs.get("models", [])[2:]
-        ],
+        "more_models": [{"id": m.get("id"), "revision": m.get("commit") or m.get("revision")} for m in models[2:]],
         "method": method,
         "merge_rule": _with_refit(_rule_description(report), report.get("refit")),
         "base_model": base.get("id"),
@@ -112,9 +112,7 @@ def model_card_context(report: dict[str, Any]) -> dict[str, Any]:
             report.get("summary", ""), report.get("verdict"), describe_quality(report.get("quality"))
         ),
         "command": report.get("command")
-        or _command(
-            [a.get("id"), b.get("id"), *(m.get("id") for m in inputs.get("models", [])[2:])], settings, base.get("id")
-        ),
+        or _command([a.get("id"), b.get("id"), *(m.get("id") for m in models[2:])], settings, base.get("id")),
         "pipeline_tag": tag,
         "version": report.get("raot_hf_version", __version__),
     }
@@ -216,6 +214,7 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"report value of type {type(value).__name__} is not JSON serializable")
 
 
-def report_to_json(report: dict) -> str:
-    """The report as written to ``raot_report.json``: indented, sorted keys, final newline."""
-    return json.dumps(report, indent=2, sort_keys=True, default=_json_default) + "\n"
+def report_to_json(report: Mapping[str, Any]) -> str:
+    """The report (a :class:`~raot_hf.outputs.record.MergeReport` or its JSON form) as written to
+    ``raot_report.json``: indented, sorted keys, final newline."""
+    return json.dumps(dict(report), indent=2, sort_keys=True, default=_json_default) + "\n"

@@ -22,7 +22,7 @@ from raot_hf.stages.apply import apply_and_check
 from raot_hf.stages.context import PairContext
 from raot_hf.stages.correct import corrected_merge
 from raot_hf.stages.decide import decide
-from raot_hf.stages.members import Member, member_models, model_weights
+from raot_hf.stages.members import AlignedModel, member_models, model_weights
 from raot_hf.stages.sweep import sweep_merge
 from raot_hf.symmetry import load_state, model_state, storage_of
 
@@ -42,7 +42,7 @@ def _finite_gram_keys(gram_keys: dict[str, str], grams: list[dict]) -> dict[str,
     return usable
 
 
-def _grams(members: list[Member], folded: bool) -> tuple[list[dict], dict[str, str], set[str]]:
+def _grams(members: list[AlignedModel], folded: bool) -> tuple[list[dict], dict[str, str], set[str]]:
     """Every model's Grams in the reference basis (the reference's from the first pass), the
     RegMean weights whose Grams are finite in all of them, and the weights stored (in, out)."""
     ref = members[0].ctx
@@ -60,7 +60,7 @@ def _grams(members: list[Member], folded: bool) -> tuple[list[dict], dict[str, s
     return grams, _finite_gram_keys(keys, grams), transposed
 
 
-def _fishers(members: list[Member], names: set[str]) -> list[dict]:
+def _fishers(members: list[AlignedModel], names: set[str]) -> list[dict]:
     """Label-free diagonal Fishers of every model (measured after alignment, since a rotation does
     not map a diagonal Fisher onto a diagonal one) on the calibration set."""
     from raot_hf.merging.fisher import diagonal_fisher
@@ -79,7 +79,7 @@ def _fishers(members: list[Member], names: set[str]) -> list[dict]:
         return [diagonal_fisher(model, batches(), **kw) for model in member_models(members)]
 
 
-def rule_inputs(members: list[Member], spec: MergeRuleSpec, folded: bool, trunk: set[str]) -> dict[str, Any]:
+def rule_inputs(members: list[AlignedModel], spec: MergeRuleSpec, folded: bool, trunk: set[str]) -> dict[str, Any]:
     """What the rule reads besides the models and their weights."""
     inputs = rule_options(spec, members[0].ctx.config, len(members) + 1, names=trunk)
     if spec.needs_grams:
@@ -151,7 +151,7 @@ def merge_trunks(
     return log
 
 
-def merged_heads(members: list[Member], states: list[dict], head: list[str], weights: list[float]) -> dict:
+def merged_heads(members: list[AlignedModel], states: list[dict], head: list[str], weights: list[float]) -> dict:
     """The classifier head by the head policy (:func:`raot_hf.merging.merge_heads`): the reference's,
     the weighted average, or (two models) B′'s, for which A's module takes B′'s head and label config first."""
     ref = members[0].ctx
@@ -177,7 +177,7 @@ def correction_method(ctx: PairContext, moved: bool, spec: MergeRuleSpec, run) -
     return "lsq", "auto: the gate moved B (the parents differ in basis)"
 
 
-def _swept(members: list[Member], spec: MergeRuleSpec, weights: list[float]) -> RuleLog | None:
+def _swept(members: list[AlignedModel], spec: MergeRuleSpec, weights: list[float]) -> RuleLog | None:
     """The one sweep (docs/design.md §5.7) of a model whose gate waited for it: the member gets its
     alignment and checks; returns the rule's log of the merge it wrote, or None when the merge is
     still to be written (the gate vetoed, or too few gate examples: then the gate and apply ran
@@ -203,7 +203,7 @@ def _swept(members: list[Member], spec: MergeRuleSpec, weights: list[float]) -> 
     return swept.log
 
 
-def merge_weights(members: list[Member], folded: bool) -> RuleLog:
+def merge_weights(members: list[AlignedModel], folded: bool) -> RuleLog:
     """Merge the reference and every aligned model into the reference's module; returns the rule's log."""
     ref = members[0].ctx
     cfg = ref.config
@@ -235,7 +235,7 @@ def merge_weights(members: list[Member], folded: bool) -> RuleLog:
     return _logged(members, log, spec, weights)
 
 
-def _write_heads(members: list[Member], weights: list[float]) -> None:
+def _write_heads(members: list[AlignedModel], weights: list[float]) -> None:
     """The classifier heads merged by the head policy into the reference's module."""
     ref = members[0].ctx
     head = sorted(ref.schema.head_params)
@@ -246,7 +246,7 @@ def _write_heads(members: list[Member], weights: list[float]) -> None:
         load_state(ref.model_a, merged_heads(members, states, head, weights), working_files=ref.working_files)
 
 
-def _logged(members: list[Member], log: RuleLog, spec: MergeRuleSpec, weights: list[float]) -> RuleLog:
+def _logged(members: list[AlignedModel], log: RuleLog, spec: MergeRuleSpec, weights: list[float]) -> RuleLog:
     cfg = members[0].ctx.config
     models = member_models(members)
     if len(models) > 2:

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 
 from raot_hf.adapters.schema import ModelSchema
+from raot_hf.config import RaotConfig
 from raot_hf.distributed import DistributedContext
 from raot_hf.io.offload import WorkingFiles
+from raot_hf.plan import MergePlan, plan_for
 
 
 class StageTimer:
@@ -61,7 +63,7 @@ class PairContext:
     model_a: torch.nn.Module
     model_b: torch.nn.Module
     schema: ModelSchema
-    config: Any  # raot_hf.RaotConfig
+    config: RaotConfig
     preprocessor: Any
     dist: DistributedContext
     timer: StageTimer = field(default_factory=StageTimer)
@@ -72,12 +74,10 @@ class PairContext:
     # weights releases their pages through it; empty for an in-memory merge (releases do nothing)
     working_files: WorkingFiles = field(default_factory=WorkingFiles)
 
-    # what this merge will do (raot_hf.plan.MergePlan), decided once from the options
-    plan: Any = field(init=False, default=None)
+    # what this merge will do, decided once from the options
+    plan: MergePlan = field(init=False)
 
     def __post_init__(self):
-        from raot_hf.plan import plan_for
-
         self.plan = plan_for(self.config)
 
     @property
@@ -96,8 +96,7 @@ def on_device_of(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dic
 @contextmanager
 def one_thread():
     """Run the solve on one intra-op thread: its many small operations (k×k correlations, batched h×h
-    SVDs, scipy assignments) mostly wait for the slowest thread in parallel — BERT-base on a loaded
-    2-core machine: 5.6–8 s with one thread vs 26–78 s with two (1.5 s either way when quiet)."""
+    SVDs, scipy assignments) mostly wait for the slowest thread in parallel (docs/design.md §7.2)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

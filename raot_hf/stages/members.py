@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from raot_hf.calibration.statistics import CalibrationStatistics
 from raot_hf.errors import RaotError
 from raot_hf.memory import release_freed_memory
 from raot_hf.merging import merge_rule_spec, nary_merge_rules
@@ -21,7 +22,7 @@ from raot_hf.outputs import Check
 from raot_hf.results import Alignment
 from raot_hf.stages.align import calibrate_and_solve
 from raot_hf.stages.apply import apply_and_check
-from raot_hf.stages.calibrate import open_calibration
+from raot_hf.stages.calibrate import CalibrationRun, open_calibration
 from raot_hf.stages.context import PairContext
 from raot_hf.stages.decide import alignment_decisions, decide
 from raot_hf.stages.quality import merge_quality, quality_inputs, reference_outputs
@@ -34,14 +35,14 @@ _STAGE = {"stage": True}  # a line the CLI shows by default (raot_hf.cli.verbosi
 
 
 @dataclass
-class Member:
+class AlignedModel:
     """One non-reference model after its alignment: pair context, alignment, the statistics RegMean
     reads, calibration run, checks, and both models' norm affines for RegMean's Grams (§6.2)."""
 
     ctx: PairContext
     alignment: Alignment
-    stats: Any
-    run: Any
+    stats: CalibrationStatistics | None
+    run: CalibrationRun | None
     checks: list[Check]
     norms: tuple[dict, dict] | None
     # the gate still to run, in the merge's one sweep (docs/design.md §5.7): then ``alignment`` is
@@ -79,7 +80,7 @@ def check_models(config, n: int, distributed: bool = False) -> None:
         raise RaotError(f"a merge of {n} models runs in one process; run it without accelerate launch")
 
 
-def align_member(ctx: PairContext, calibration, early, like=None, alone: bool = False) -> Member:
+def align_member(ctx: PairContext, calibration, early, like=None, alone: bool = False) -> AlignedModel:
     """Align one model to the reference, nothing merged; ``like``: an earlier member's calibration
     run; ``alone``: the only model besides the reference, whose gate may then run in the merge's
     one sweep (:func:`raot_hf.stages.sweep.sweep_applies`) instead of here."""
@@ -87,7 +88,7 @@ def align_member(ctx: PairContext, calibration, early, like=None, alone: bool = 
     stats, run, parts, logs = calibrate_and_solve(ctx, calibration, early, like)
     rows = alignment_decisions(ctx, parts, stats) if stats is not None else []
     if sweep_applies(ctx, parts, rows, stats, run, alone):
-        return Member(ctx, None, None, run, [], norms, pending=PendingGate(parts, logs, rows, stats))
+        return AlignedModel(ctx, None, None, run, [], norms, pending=PendingGate(parts, logs, rows, stats))
     alignment = decide(ctx, parts, logs, stats, run)
     release_freed_memory(ctx.working_files)  # the gate's captured layer calls
     if not ctx.plan.grams:
@@ -98,14 +99,14 @@ def align_member(ctx: PairContext, calibration, early, like=None, alone: bool = 
     if run is None and ctx.config.correction.method not in ("none", "auto"):  # the correction reads data
         run = open_calibration(ctx, calibration, early, like)
     checks = apply_and_check(ctx, alignment, run) + refine_and_check(ctx, alignment, run)
-    return Member(ctx, alignment, stats, run, checks, norms)
+    return AlignedModel(ctx, alignment, stats, run, checks, norms)
 
 
-def align_all(pairs: list[PairContext], calibration, early, like=None) -> list[Member]:
+def align_all(pairs: list[PairContext], calibration, early, like=None) -> list[AlignedModel]:
     """Align every model to the reference in turn, on one calibration sample read once. Once an
     alignment has folded the reference's norms (§3.3), each later model is folded before its own pass,
     so its gate compares merges of one parametrisation; at the end, if any folded, every model is."""
-    members: list[Member] = []
+    members: list[AlignedModel] = []
     for i, ctx in enumerate(pairs, start=2):
         if len(pairs) > 1:
             logger.info("aligning model %d of %d to the reference", i, len(pairs) + 1, extra=_STAGE)
@@ -120,23 +121,23 @@ def align_all(pairs: list[PairContext], calibration, early, like=None) -> list[M
     return members
 
 
-def members_folded(members: list[Member]) -> bool:
+def members_folded(members: list[AlignedModel]) -> bool:
     """Whether an alignment folded the reference's norms (§3.3)."""
     return any(m.ctx.unfolded_norms is not None for m in members)
 
 
-def member_models(members: list[Member]) -> list[torch.nn.Module]:
+def member_models(members: list[AlignedModel]) -> list[torch.nn.Module]:
     """The reference, then every aligned model, in order."""
     return [members[0].ctx.model_a, *(m.ctx.model_b for m in members)]
 
 
-def parents_before_merge(members: list[Member]) -> tuple[list, list]:
+def parents_before_merge(members: list[AlignedModel]) -> tuple[list, list]:
     """Each pair's check rows and the reference's outputs on them (before the merge writes into it)."""
     sets = [quality_inputs(m.ctx, m.run) for m in members]
     return sets, [reference_outputs(m.ctx, x) for m, x in zip(members, sets, strict=True)]
 
 
-def merged_quality(members: list[Member], sets: list, parents: list) -> list[dict | None]:
+def merged_quality(members: list[AlignedModel], sets: list, parents: list) -> list[dict | None]:
     """The merged model against the reference (``parents``: its outputs from before the merge) and
     against each aligned model (one record per model)."""
     return [merge_quality(m.ctx, x, p) for m, x, p in zip(members, sets, parents, strict=True)]

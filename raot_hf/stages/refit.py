@@ -31,7 +31,7 @@ from raot_hf.refine import calibration_examples
 from raot_hf.stages.calibrate import open_calibration
 from raot_hf.stages.context import PairContext, on_device_of
 from raot_hf.stages.correct import target_mix
-from raot_hf.stages.members import Member, member_models, model_weights
+from raot_hf.stages.members import AlignedModel, member_models, model_weights
 
 logger = logging.getLogger("raot_hf.stages.refit")
 
@@ -117,7 +117,7 @@ def check_refit(pairs: list[PairContext]) -> None:
         raise RaotError(problem[0])
 
 
-def refit_decision(members: list[Member]) -> tuple[bool, str]:
+def refit_decision(members: list[AlignedModel]) -> tuple[bool, str]:
     """Whether this merge is refitted, and why. ``auto`` refits where the post-merge correction runs
     — the gate moved B (while the one sweep has still to decide, it may) — and the refit is
     affordable and has something to follow: the merge read calibration data and is in memory, the
@@ -149,7 +149,7 @@ def refit_decision(members: list[Member]) -> tuple[bool, str]:
     return True, "auto: the gate moved B (the parents differ in basis)"
 
 
-def moved_any(members: list[Member]) -> bool | None:
+def moved_any(members: list[AlignedModel]) -> bool | None:
     """Whether the gate moved any model (None while the one sweep has still to decide)."""
     if any(m.pending is not None for m in members):
         return None
@@ -247,7 +247,7 @@ def confident_mix(distributions: list[torch.Tensor], weights: list[float]) -> to
     return (alpha * stacked).sum(dim=0)
 
 
-def refit_targets(members: list[Member], calibration=None, early=None) -> RefitTargets | None:
+def refit_targets(members: list[AlignedModel], calibration=None, early=None) -> RefitTargets | None:
     """The refit's fit and held-out targets (None where the merge is not refitted,
     :func:`refit_decision`): call after every model is aligned and before the merge writes into the
     reference, whose outputs are one parent's (the merge refused a refit that cannot run before any
@@ -379,7 +379,7 @@ def _descend(refit: _Refit, targets: RefitTargets, cfg, best_loss: float) -> tup
     return best, best_step, curve, step
 
 
-def refit_merged(members: list[Member], targets: RefitTargets | None) -> dict[str, Any] | None:
+def refit_merged(members: list[AlignedModel], targets: RefitTargets | None) -> dict[str, Any] | None:
     """Refit the merged model (the reference's module, after the merge) to ``targets``; keep the refit
     iff it beats the merge without it on the judged half of the held-out examples, else leave every
     parameter as it was. Returns the report's ``refit`` record (None when the refit is off; whether

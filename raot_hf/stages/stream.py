@@ -29,6 +29,7 @@ from raot_hf.merging.base_rules import median_ratio, task_norm_ratio
 from raot_hf.merging.layered import count_layers, first_setting, layer_index, with_layer
 from raot_hf.merging.log import RuleLog
 from raot_hf.merging.siblings import refuse_unrelated
+from raot_hf.outputs.record import AS_STORED, BaseRecord, MergeReport, ModelRecord
 from raot_hf.stages.combine import CHUNK_BYTES, merge_by_chunks
 
 logger = logging.getLogger("raot_hf.stages.stream")
@@ -329,7 +330,7 @@ def _output_config(job: PlainMerge, reading: _Reading, origins: list[tuple[int, 
 
 
 def merge_streamed(job: PlainMerge, configs: list, out, *, overwrite: bool = False, max_shard_size="2GB",
-                   command: str | None = None, preprocessor=None) -> tuple[Path, dict[str, Any]]:  # fmt: skip
+                   command: str | None = None, preprocessor=None) -> tuple[Path, MergeReport]:  # fmt: skip
     """Run ``job`` (local safetensors checkpoints, ``configs`` read and checked) tensor by tensor into
     the directory ``out``; returns its path and the report. ``preprocessor``: the donor's (loaded)."""
     from raot_hf.outputs import write_merged_repo
@@ -363,16 +364,13 @@ def merge_streamed(job: PlainMerge, configs: list, out, *, overwrite: bool = Fal
 
     written: dict[str, Any] = {}
 
-    def report() -> dict[str, Any]:
+    def report() -> MergeReport:
         medians = None
         if job.base is not None and spec.needs_base:  # each model's median relative distance from the base (§6.6)
             medians = [median_ratio(ratios.get(c, [])) for c in sorted(ratios)]
             refuse_unrelated({job.labels[c]: median_ratio(r) for c, r in sorted(ratios.items())})
-        result = plain_report(job, reading, log, medians, time.perf_counter() - started)
-        if command:
-            result["command"] = command
-        written["report"] = result
-        return result
+        written["report"] = plain_report(job, reading, log, medians, time.perf_counter() - started, command)
+        return written["report"]
 
     path = write_merged_repo(out, output, preprocessor_source=tokenizer, report=report, weights=weights(),
                              overwrite=overwrite, max_shard_size=max_shard_size)  # fmt: skip
@@ -494,32 +492,33 @@ def _with_chat_template(job: PlainMerge, reading: _Reading, tokenizer):
     return tokenizer
 
 
-def plain_report(job: PlainMerge, reading: _Reading, merge_log: RuleLog, medians, seconds) -> dict[str, Any]:
+def plain_report(
+    job: PlainMerge, reading: _Reading, merge_log: RuleLog, medians, seconds: float, command: str | None = None
+) -> MergeReport:
     """The provenance report of a plain merge: no alignment, no calibration, every model listed."""
-    from raot_hf.stages.provenance import inputs_of, report_of
+    from raot_hf.stages.provenance import checkpoint_record
 
     base = job.base if merge_rule_spec(job.rule).needs_base else None
-    models = [i for i in range(len(job.checkpoints)) if i != base]
-    described = {i: inputs_of(job.checkpoints[i], reading.skeleton) for i in models}
-    first, second = described[models[0]], described[models[1] if len(models) > 1 else models[0]]
-    inputs: dict[str, Any] = {"a": first, "b": second}
-    inputs["models"] = [{"model": n, **described[i]} for n, i in enumerate(models, start=1)]
-    if base is not None:
-        inputs["base"] = {**inputs_of(job.checkpoints[base], reading.skeleton), "relative_task_norms": medians}
+    merged = [i for i in range(len(job.checkpoints)) if i != base]
+    models = tuple(
+        ModelRecord(n, "merged", checkpoint_record(job.checkpoints[i], reading.skeleton))
+        for n, i in enumerate(merged, start=1)
+    )
+    base_record = (
+        BaseRecord(checkpoint_record(job.checkpoints[base], reading.skeleton), medians) if base is not None else None
+    )
+    verdict = AS_STORED
     if job.stacked:
         verdict = "alignment does not apply: passthrough and stacked slices copy layers as stored"
-    else:
-        verdict = "no alignment requested: the checkpoints were merged as stored, tensor by tensor"
     schema = None
     if has_adapter(reading.configs[job.donor].model_type):
         from raot_hf.adapters import schema_for
 
         schema = schema_for(reading.skeleton)
-    report = report_of(
-        schema, job.config, inputs, [], merge_log, execution="streamed", timings={"streamed merge": seconds},
-        verdict=verdict, model_type=reading.configs[job.donor].model_type,
-        summary=f"{len(models)} checkpoints merged by {job.rule}, streamed from their files",
+    return MergeReport(
+        models, job.config, "streamed", merge_log, reading.configs[job.donor].model_type,
+        schema.norm if schema is not None else None, schema.residual.exact if schema is not None else None,
+        base=base_record, timings={"streamed merge": seconds}, command=command, merge_file=job.document,
+        unaligned_verdict=verdict,
+        unaligned_summary=f"{len(merged)} checkpoints merged by {job.rule}, streamed from their files",
     )  # fmt: skip
-    if job.document is not None:
-        report["merge_file"] = job.document
-    return report

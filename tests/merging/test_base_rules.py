@@ -247,8 +247,8 @@ def test_cli_ties_merge_of_siblings(siblings, tmp_path):
     assert report["merge"]["rule"] == "ties" and report["merge"]["settings"]["densities"] == [0.3, 0.3]
     totals = report["merge"]["totals"]  # top 30 % of each task vector kept, in every tensor
     assert all(0.29 <= totals[f"kept_{i}"] / totals["entries"] <= 0.3 for i in (1, 2))
-    assert report["inputs"]["base"]["files"]["model.safetensors"]
-    assert report["inputs"]["base"]["trunk_params_not_in_base"] == [
+    assert report["base"]["files"]["model.safetensors"]
+    assert report["base"]["trunk_params_not_in_base"] == [
         "bert.pooler.dense.bias",
         "bert.pooler.dense.weight",
     ]

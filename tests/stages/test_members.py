@@ -52,12 +52,12 @@ def test_three_scrambles_of_one_model_merge_back_to_it(model_type):
     reference = clone(a)
     result = RaotMerger.from_models(a, b, c, preprocessor=pre).merge(calibration=data)
     assert output_deviation(reference, result.model, example_inputs(reference), relative=True) <= 1e-5
-    records = result.report["models"]
-    assert [r["model"] for r in records] == [2, 3]
+    assert [m["model"] for m in result.report["models"]] == [1, 2, 3] and result.report["models"][0]["alignment"] is None
+    records = [m["alignment"] for m in result.report["models"][1:]]
     for record in records:  # every transform of every model applied, each checked exact
         assert all(d["applied"] for d in record["decisions"]) and record["applied_exact"]
         assert all(check["passed"] for check in record["checks"])
-    assert [m["role"] for m in result.report["inputs"]["models"]] == ["reference", "aligned", "aligned"]
+    assert [m["role"] for m in result.report["models"]] == ["reference", "aligned", "aligned"]
 
 
 def test_transforms_of_every_model_are_written(tmp_path):
@@ -185,7 +185,7 @@ def test_three_siblings_are_detected_and_merged_by_the_rule(three_siblings, rule
         *models, preprocessor=tiny_tokenizer(), base_model=base, merge_rule=rule, weights=WEIGHTS, density=0.5
     )
     result = merger.merge(calibration=tiny_text_dataset(96))
-    assert all(r["shares_basis"] for r in result.report["models"]) and result.report["shares_basis"]
+    assert all(m["alignment"]["shares_basis"] for m in result.report["models"][1:]) and result.report["shares_basis"]
     assert not any(d["applied"] for d in result.report["decisions"])
     fn = {"task_arithmetic": merge_task_arithmetic, "ties": merge_ties, "dare_ties": merge_dare_ties}[rule]
     head = {"classifier.weight", "classifier.bias"}
@@ -298,7 +298,7 @@ raot:
     assert output_deviation(a, from_file, x, relative=True) <= 1e-5
     report = json.loads((tmp_path / "yml" / "raot_report.json").read_text())
     assert report["merge"]["settings"]["weights"] == [0.5, 0.25, 0.25]
-    assert [m["model"] for m in report["models"]] == [2, 3]
+    assert [m["model"] for m in report["models"]] == [1, 2, 3]
 
 
 @pytest.mark.parametrize(

@@ -83,7 +83,7 @@ def test_no_model_is_loaded_while_streaming(tmp_path, monkeypatch):
     monkeypatch.setattr(loading, "load_model", refuse)
     monkeypatch.setattr(loading, "load_base_model", refuse)
     out, report = merge_checkpoints(*paths[1:], out=tmp_path / "o", base=paths[0], alignment="none", merge_rule="ties")
-    assert report["execution"] == "streamed" and [m["model"] for m in report["inputs"]["models"]] == [1, 2, 3]
+    assert report["execution"] == "streamed" and [m["model"] for m in report["models"]] == [1, 2, 3]
     assert "ties" in (out / "README.md").read_text()
 
 
