@@ -243,9 +243,10 @@ def worker_merge(args) -> dict:
 
         merger.timer.stage = labelled_stage
         result = merger.merge()
-        sampler.stage = "write"
+        sampler.stage, written = "write", time.perf_counter()
         with tempfile.TemporaryDirectory(dir=work) as out:
             result.save_pretrained(Path(out) / "merged")
+        write_seconds = time.perf_counter() - written
         total = time.perf_counter() - start
     peak = _status_kib("VmHWM") * 1024
     recovery = _recovery(work, result.model, args)  # after the peak: it loads A once more
@@ -262,7 +263,7 @@ def worker_merge(args) -> dict:
         "gram_bytes": gram_bytes,
         "total_s": total,
         "cpu_s": time.process_time(),
-        "timings": dict(result.report["timings"]),
+        "timings": {**result.report["timings"], "write": write_seconds},
         "tokens": int(result.report["calibration"]["fit_tokens"] + result.report["calibration"]["heldout_tokens"]),
         "moment_tokens": int(result.report["calibration"]["moment_tokens"]),
         "moment_precision": result.report["calibration"].get("moment_precision"),
