@@ -13,8 +13,8 @@ import gc
 def release_freed_memory(working_files=None) -> None:
     """Collect the young garbage generations and return the heap's free pages to the OS (glibc's
     ``malloc_trim``; a no-op where it is not available). A full collection is left to Python: it
-    walks every object of transformers' import (~0.2 s), while the tensors a stage frees are freed
-    when their last reference goes. The resident weight pages of the offloaded models in
+    walks every object of transformers' import, while the tensors a stage frees are freed when
+    their last reference goes. The resident weight pages of the offloaded models in
     ``working_files`` (:class:`raot_hf.io.offload.WorkingFiles`; None: an in-memory merge) are
     dropped too."""
     gc.collect(1)

@@ -35,8 +35,7 @@ def quadratic_dtype(param_dtype: torch.dtype) -> torch.dtype:
 
 
 #: Rows × columns of one float64 block in the moment updates: 2¹⁹ entries, 4 MiB — small enough
-#: to stay in cache while it is summed, squared and summed again (a 4,096 × 3,072 float32 batch's
-#: sums took 2.6 × as long through 16 MiB blocks, which each pass reads from memory again).
+#: to stay in cache while it is summed, squared and summed again (docs/design.md §4.3).
 _BLOCK_ENTRIES = 1 << 19
 #: Rows × columns of the centred rows one float32 or float64 co-moment product takes: 2²¹ entries
 #: (8 MiB per side in float32). Each product adds into every entry of the k × k sum, so fewer, larger

@@ -22,9 +22,9 @@ from raot_hf.memory import release_freed_memory
 
 logger = logging.getLogger("raot_hf.stages.offload")
 
-#: The interpreter with torch and transformers imported (measured ~370 MiB).
+#: The interpreter with torch and transformers imported (about 370 MiB, benchmarks/perf/).
 RUNTIME_BYTES = 400 * 2**20
-#: An in-memory aligned merge peaks at about this many times the checkpoints (measured 2–3.3 ×).
+#: An in-memory aligned merge peaks at about this many times the checkpoints (benchmarks/perf/).
 IN_MEMORY_FACTOR = 3.5
 #: Activations, temporaries and the gate's captured calls beside the statistics, per model byte of
 #: the largest layer (a layer's weights touched, merged and transformed at once).
