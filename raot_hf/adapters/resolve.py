@@ -245,7 +245,12 @@ class _Resolver:
         for module in head.readers:
             if f"{module}.weight" in self.params:
                 w, b = self.linear(module)
-                self.add(residual, w, 1, False, "head_reader")
+                copies = self.params[w].shape[1] // self.d
+                if copies > 1:  # reads several tokens' streams side by side (DINOv2: [class, mean patch])
+                    for c in range(copies):
+                        self.add(residual, w, 1, False, "head_reader", tuple(range(c * self.d, (c + 1) * self.d)))
+                else:
+                    self.add(residual, w, 1, False, "head_reader")
                 final_readers.append((w, b))
         if head.tied is not None:
             dense, norm, decoder = head.tied
