@@ -69,6 +69,7 @@ _DECODERS = {
     "gemma3_text": ("Gemma3TextConfig", "Gemma3", {"sliding_window": 10, "final_logit_softcapping": 30.0}),
     "phi3": ("Phi3Config", "Phi3", {}),
     "olmo2": ("Olmo2Config", "Olmo2", {}),
+    "smollm3": ("SmolLM3Config", "SmolLM3", {"no_rope_layer_interval": 2}),
     "gpt_neox": (
         "GPTNeoXConfig",
         "GPTNeoX",
@@ -286,7 +287,7 @@ for _arch in (
     # the families of docs/design.md §9: each an exact group of its own
     *(
         TinyArchitecture(t, tiny_decoder_config, _decoder_class, ("causal", "base", "sequence"), "causal")
-        for t in ("qwen3", "gemma2", "gemma3_text", "phi3", "gpt_neox", "olmo2")
+        for t in ("qwen3", "gemma2", "gemma3_text", "phi3", "gpt_neox", "olmo2", "smollm3")
     ),
     TinyArchitecture("distilbert", tiny_config, _encoder_class, (*_TEXT_HEADS, "qa"), "sequence"),
     TinyArchitecture("electra", tiny_config, _encoder_class, ("base", "sequence", "token"), "sequence"),
