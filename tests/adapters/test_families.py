@@ -460,3 +460,25 @@ def test_plain_rules_merge_every_family(model_type, rule):
             assert torch.equal(value, mean.to(value.dtype)), name
         else:
             assert torch.allclose(value.double(), mean, rtol=1e-6, atol=1e-6), name
+
+
+def test_the_readme_table_lists_every_family_and_its_tests():
+    """README's table of what runs where names every registered model type once, and each cell
+    links a test that exists."""
+    from pathlib import Path
+
+    from raot_hf import supported_model_types
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Architectures", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "[✓]" in line]
+    listed = [t for row in rows for t in re.findall(r"`([\w-]+)`", row.split("|")[1])]
+    assert sorted(listed) == supported_model_types()
+    links = dict(re.findall(r"^\[(\w+)\]: (tests/[\w/]+\.py#\w+)$", section, re.MULTILINE))
+    for row in rows:
+        cells = re.findall(r"\[✓\]\[(\w+)\]", row)
+        assert len(cells) == 4 and all(c in links for c in cells), row
+    for target in links.values():
+        path, test = target.split("#")
+        assert f"def {test}(" in (root / path).read_text(encoding="utf-8"), target
