@@ -210,6 +210,34 @@ def test_layer_scale_folds_into_its_writer_before_the_stream_rotates():
     assert _deviation(model, transform_model(clone(model), without, rotation)) > 1e-3
 
 
+def test_gemma_norms_fold_with_their_offset():
+    """Gemma's norms scale by 1 + w: a fold moves 1 + w into the readers and leaves w = 0 (the
+    weight of a norm that multiplies by 1), exactly."""
+    from raot_hf.symmetry import fold_model, is_folded
+
+    model = tiny_model("gemma2", "causal")
+    schema = schema_for(model)
+    assert schema.folds and all(f.offset == 1.0 and f.identity_weight == 0.0 for f in schema.folds)
+    folded = fold_model(clone(model), schema)
+    assert is_folded(dict(folded.named_parameters()), schema)
+    assert torch.all(folded.model.layers[0].input_layernorm.weight == 0)
+    assert _deviation(model, folded) <= 1e-9
+
+
+def test_electra_with_small_embeddings_starts_the_stream_at_their_projection():
+    """ELECTRA's embeddings of size E < d are projected into the stream: the projection is the
+    stream's writer there, the tables are left as they are, and the whole group stays exact."""
+    from raot_hf.symmetry import random_group_element
+
+    model = tiny_model("electra", "sequence", embedding_size=8, hidden_size=16)
+    schema = schema_for(model)
+    writers = {m.name for m in schema.residual.members if m.role == "writer"}
+    assert "electra.embeddings_project.weight" in writers and not any("word_embeddings" in w for w in writers)
+    assert schema.stream_modules[0] == "electra.embeddings_project"
+    transform = random_group_element(schema, seed=6)
+    assert _deviation(model, transform_model(clone(model), schema, transform)) <= 1e-9
+
+
 # ------------------------------------------------------------- a permutation from the equations
 # Per layout, the parameters a stream permutation and an MLP unit permutation move, as the modeling
 # code of transformers names them: (pattern, axis) pairs. A fused MLP input holds a unit's row in
