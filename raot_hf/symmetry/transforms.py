@@ -387,8 +387,8 @@ class HeadAlignment(Transform):
         if (
             schema.kv_space(self.layer, "k") is None
             and self.exact
-            and (schema.rotary_dims is not None or schema.qk_turns is not None)
-        ):
+            and (schema.qk_structure == "rope" or schema.qk_turns is not None)
+        ):  # heads without KV spaces of their own (ModernBERT, GPT-NeoX): their Q/K maps checked here
             check_qk_blocks(self.qk, schema, self.layer)
         if schema.kv_space(self.layer, "k") is not None:
             kv_perm, qk_kv, vo_kv = shared_kv_blocks(schema, self.layer, self.perm, self.qk, self.vo, rope=self.exact)
