@@ -122,7 +122,7 @@ def test_find_cycle_sees_a_cycle_and_a_dag():
 
 def test_import_graph_resolves_absolute_relative_and_submodule_imports():
     graph = import_graph()
-    assert "raot_hf.adapters.schema" in graph["raot_hf.adapters.base"]
+    assert "raot_hf.adapters.schema" in graph["raot_hf.adapters.resolve"]
     assert "raot_hf.merger" in graph["raot_hf"]
     assert all(target.startswith("raot_hf") for targets in graph.values() for target in targets)
 

@@ -233,17 +233,17 @@ def test_broken_exact_transform_raises(monkeypatch):
     """Fault injection: a schema that forgets one writer makes the 'exact' transform inexact —
     the functional check must catch it rather than warn."""
     from raot_hf import EquivalenceError
-    from raot_hf.adapters import base
+    from raot_hf.adapters import resolve
 
-    original = base.Adapter.build_schema
+    original = resolve.build_schema
 
-    def forgetful(self, model):
-        schema = original(self, model)
+    def forgetful(spec, model):
+        schema = original(spec, model)
         res = schema.residual
         res.members = [m for m in res.members if not m.name.endswith("layer.0.output.dense.bias")]
         return schema
 
-    monkeypatch.setattr(base.Adapter, "build_schema", forgetful)
+    monkeypatch.setattr(resolve, "build_schema", forgetful)
     a, b = _pair("bert", "sequence")
     pre, data = _data("bert")
     with pytest.raises(EquivalenceError, match="exact transform changed"):

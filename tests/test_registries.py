@@ -88,7 +88,6 @@ def test_a_rule_registered_from_outside_brings_its_own_option_and_flag(tmp_path,
     from raot_hf.config.sections import OptionSection
     from raot_hf.testing import tiny_tokenizer
 
-
     @dataclass
     class ScaleOptions(OptionSection):
         section = "scale_b"

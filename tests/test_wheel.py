@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from raot_hf import supported_model_types
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,8 +23,9 @@ import sys
 from pathlib import Path
 import raot_hf
 assert Path(raot_hf.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()), raot_hf.__file__
-from raot_hf import RaotMerger
+from raot_hf import RaotMerger, supported_model_types
 from raot_hf.testing import tiny_model, tiny_tokenizer
+assert len(supported_model_types()) == int(sys.argv[3]), supported_model_types()
 a, b = tiny_model("bert", "sequence", seed=0), tiny_model("bert", "sequence", seed=1)
 result = RaotMerger.from_models(a, b, preprocessor=tiny_tokenizer(), alignment="none").merge()
 result.save_pretrained(sys.argv[2])
@@ -45,6 +48,9 @@ def test_wheel_ships_the_model_card_template(wheel):
         assert "raot_hf/templates/raot_merge.md" in names, sorted(n for n in names if "template" in n or ".md" in n)
         assert zf.read("raot_hf/templates/raot_merge.md").decode() == TEMPLATE.read_text(encoding="utf-8")
         assert "raot_hf/merger.py" in names
+        # every family's spec ships as package data, and the wheel's registry reads them all
+        specs = sorted((ROOT / "raot_hf" / "adapters" / "families").glob("*.json"))
+        assert specs and all(f"raot_hf/adapters/families/{p.name}" in names for p in specs)
         assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
 
 
@@ -55,7 +61,7 @@ def test_merge_from_the_installed_wheel_writes_the_template_card(wheel, tmp_path
     out = tmp_path / "merged"
     env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
-        [sys.executable, "-c", MERGE_FROM_WHEEL, str(site), str(out)],
+        [sys.executable, "-c", MERGE_FROM_WHEEL, str(site), str(out), str(len(supported_model_types()))],
         capture_output=True,
         text=True,
         env=env,

@@ -1,4 +1,6 @@
-"""Architecture adapters: a registry from ``config.model_type`` to an :class:`Adapter`.
+"""Architecture families as data: a registry from ``config.model_type`` to a
+:class:`~raot_hf.adapters.spec.FamilySpec` (docs/design.md §2). The built-in families are the JSON
+files of ``raot_hf/adapters/families/``, one per family; :func:`register_adapter` adds another.
 
 >>> from raot_hf.adapters import get_adapter, schema_for
 >>> schema = schema_for(model)  # doctest: +SKIP
@@ -6,29 +8,83 @@
 
 from __future__ import annotations
 
+import json
+from importlib import resources
+
 import torch
 
-from raot_hf.adapters import bert, deberta, gpt2, llama, vit
-from raot_hf.adapters.base import Adapter, HeadTemplate, LayerTemplate
+from raot_hf.adapters import resolve
 from raot_hf.adapters.schema import Fold, HeadReadout, LayerSchema, Member, ModelSchema, Space
+from raot_hf.adapters.spec import (
+    AttentionSpec,
+    ConfigCheck,
+    ConfigKeys,
+    EmbeddingSpec,
+    FamilySpec,
+    HeadSpec,
+    MLPSpec,
+    NormSpec,
+    PositionSpec,
+    merged,
+)
 from raot_hf.errors import RaotError
+from raot_hf.registry import Registry, registry
 
-_REGISTRY: dict[str, Adapter] = {}
+#: The name the rest of the package (and earlier versions) gives a family's description.
+Adapter = FamilySpec
+
+#: The families by the ``config.model_type`` they serve.
+_REGISTRY: Registry[FamilySpec] = registry("model type")
 
 
-def register_adapter(adapter: Adapter, *, overwrite: bool = False) -> Adapter:
-    """Register ``adapter`` for each of its ``model_types``; refuses silent replacement."""
-    if not isinstance(adapter, Adapter):
-        raise TypeError(f"register_adapter expects an Adapter, got {type(adapter).__name__}")
-    if adapter.norm not in ("pre", "post"):
-        raise ValueError(f"adapter {adapter.name}: norm must be 'pre' or 'post', got {adapter.norm!r}")
-    if adapter.norm == "pre" and not adapter.final_norm:
-        raise ValueError(f"adapter {adapter.name}: a pre-LN adapter needs final_norm")
+def register_adapter(adapter: FamilySpec, *, overwrite: bool = False) -> FamilySpec:
+    """Register ``adapter`` (a validated :class:`FamilySpec`) for each of its ``model_types``;
+    refuses silent replacement (``overwrite``: replace the family of a type already served)."""
+    if not isinstance(adapter, FamilySpec):
+        raise TypeError(f"register_adapter expects a FamilySpec, got {type(adapter).__name__}")
+    adapter.validate()
     for model_type in adapter.model_types:
-        if model_type in _REGISTRY and not overwrite:
-            raise ValueError(f"model type {model_type!r} already has adapter {_REGISTRY[model_type].name!r}")
-        _REGISTRY[model_type] = adapter
+        if model_type in _REGISTRY and overwrite:
+            _REGISTRY.unregister(model_type)
+        _REGISTRY.check_free(model_type)
+    for model_type in adapter.model_types:
+        _REGISTRY.register(model_type, adapter)
     return adapter
+
+
+def load_family(data: dict, known: dict[str, dict] | None = None) -> FamilySpec:
+    """A family from its JSON data; ``"extends": name`` starts from the family ``name`` of
+    ``known`` (raw data by family name) or of the registry."""
+    data = dict(data)
+    parent = data.pop("extends", None)
+    if parent is not None:
+        if known is not None and parent in known:
+            base = _raw_family(known[parent], known)
+        else:
+            registered = {spec.name: spec for _, spec in _REGISTRY.items()}
+            if parent not in registered:
+                raise ValueError(f"family {data.get('name')!r} extends unknown family {parent!r}")
+            base = registered[parent].to_dict()
+        data = merged(base, data)
+    return FamilySpec.from_dict(data)
+
+
+def _raw_family(data: dict, known: dict[str, dict]) -> dict:
+    """``data`` with its ``extends`` chain resolved (plain JSON data)."""
+    data = dict(data)
+    parent = data.pop("extends", None)
+    return data if parent is None else merged(_raw_family(known[parent], known), data)
+
+
+def builtin_families() -> list[FamilySpec]:
+    """The families shipped with the package (``raot_hf/adapters/families/*.json``), by file name."""
+    folder = resources.files("raot_hf.adapters") / "families"
+    raw = {}
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".json"):
+            data = json.loads(entry.read_text(encoding="utf-8"))
+            raw[data["name"]] = data
+    return [load_family(data, raw) for data in raw.values()]
 
 
 def supported_model_types() -> list[str]:
@@ -36,23 +92,28 @@ def supported_model_types() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_adapter(model_type: str) -> Adapter:
-    """The adapter for ``model_type``; the error lists the supported types."""
+def get_adapter(model_type: str) -> FamilySpec:
+    """The family of ``model_type``; the error lists the supported types."""
     if model_type not in _REGISTRY:
         raise RaotError(
             f"model type {model_type!r} has no raot_hf adapter; supported: {', '.join(supported_model_types())}."
         )
-    return _REGISTRY[model_type]
+    return _REGISTRY.get(model_type)
 
 
 def is_decoder(model_type: str) -> bool:
-    """Whether ``model_type``'s adapter is a causal decoder (False for unsupported types)."""
-    return model_type in _REGISTRY and _REGISTRY[model_type].decoder
+    """Whether ``model_type``'s family is a causal decoder (False for unsupported types)."""
+    return model_type in _REGISTRY and _REGISTRY.get(model_type).decoder
 
 
 def modality_of(model_type: str) -> str:
     """What ``model_type`` reads — ``"text"`` or ``"image"`` (text for unsupported types)."""
-    return _REGISTRY[model_type].modality if model_type in _REGISTRY else "text"
+    return _REGISTRY.get(model_type).modality if model_type in _REGISTRY else "text"
+
+
+def compatibility_keys(model_type: str) -> tuple[str, ...]:
+    """Config fields two parents of ``model_type`` must share beyond the shape keys (its family's)."""
+    return _REGISTRY.get(model_type).compatible_keys if model_type in _REGISTRY else ()
 
 
 def schema_for(model: torch.nn.Module) -> ModelSchema:
@@ -60,24 +121,34 @@ def schema_for(model: torch.nn.Module) -> ModelSchema:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "model_type"):
         raise RaotError(f"{type(model).__name__} is not a transformers model (no config.model_type).")
-    return get_adapter(config.model_type).build_schema(model)
+    return resolve.build_schema(get_adapter(config.model_type), model)
 
 
-for _adapter in (*bert.ADAPTERS, *deberta.ADAPTERS, *vit.ADAPTERS, *gpt2.ADAPTERS, *llama.ADAPTERS):
-    register_adapter(_adapter)
+for _family in builtin_families():
+    register_adapter(_family)
 
 __all__ = [
     "Adapter",
+    "AttentionSpec",
+    "ConfigCheck",
+    "ConfigKeys",
+    "EmbeddingSpec",
+    "FamilySpec",
     "Fold",
     "HeadReadout",
-    "HeadTemplate",
+    "HeadSpec",
     "LayerSchema",
-    "LayerTemplate",
+    "MLPSpec",
     "Member",
     "ModelSchema",
+    "NormSpec",
+    "PositionSpec",
     "Space",
+    "builtin_families",
+    "compatibility_keys",
     "get_adapter",
     "is_decoder",
+    "load_family",
     "modality_of",
     "register_adapter",
     "schema_for",

@@ -36,7 +36,8 @@ class Space:
     """A vector space inside the model on which one symmetry factor acts (``kind``: ``"residual"``,
     ``"mlp"``, ``"qk"`` or ``"vo"``). ``exact`` names the largest group that acts exactly:
     ``"orthogonal"`` (heads; a folded RMSNorm stream), ``"permutation"`` (MLP units; a post-LN
-    stream) or ``"mean_fixing"`` (a folded pre-LN LayerNorm stream)."""
+    stream), ``"signed_permutation"`` (an RMSNorm stream carrying norm weights, docs/design.md §9.2)
+    or ``"mean_fixing"`` (a folded pre-LN LayerNorm stream)."""
 
     name: str
     kind: str
@@ -48,12 +49,20 @@ class Space:
 
 @dataclass(frozen=True)
 class Fold:
-    """A pre-LN LayerNorm whose affine part folds into the readers that follow it (§3.3)."""
+    """A pre-LN LayerNorm whose affine part folds into the readers that follow it (§3.3), or a
+    per-channel scale that folds into the writers before it (LayerScale, ``writers``: §9.8)."""
 
     norm_weight: str
     norm_bias: str | None  # None: an RMSNorm (no shift)
     readers: tuple[tuple[str, str | None], ...]  # (weight, bias) of each Linear reading the norm
-    transposed: tuple[str, ...] = ()  # reader weights stored (in, out), as GPT-2's Conv1D
+    transposed: tuple[str, ...] = ()  # weights stored (in, out), as GPT-2's Conv1D
+    offset: float = 0.0  # the norm multiplies by offset + weight (Gemma: 1 + w)
+    writers: tuple[tuple[str, str | None], ...] = ()  # (weight, bias) of the Linears whose output it scales
+
+    @property
+    def identity_weight(self) -> float:
+        """The stored weight of a folded norm: the one that multiplies by 1."""
+        return 1.0 - self.offset
 
 
 @dataclass(frozen=True)
@@ -116,6 +125,17 @@ class ModelSchema:
     # The dtype the norms compute in whatever the model's dtype (transformers' RMSNorm: float32),
     # or None (the model's own): B′ ≡ B is then checked at that precision (docs/design.md §8).
     norm_dtype: str | None = None
+    # What a family's extra nonlinearities leave of the head group (docs/design.md §9).
+    # ``rotary_dims``: under RoPE the leading dims of a head that rotate, paired (p, p + r/2); the
+    # other h − r dims take any orthogonal Q/K map (None: the whole head rotates). ``qk_turns``: Q/K
+    # maps turn each rotary pair by multiples of 2π/qk_turns only (2: sign flips, 4: quarter turns;
+    # None: any angle), as per-head Q/K norms require. ``qk_scales``: whether per-head Q/K scales
+    # are exact (a norm after the projection absorbs them). ``head_permutation``: whether a layer's
+    # heads may be permuted (a score bias shared by every layer ties them in place).
+    rotary_dims: int | None = None
+    qk_turns: int | None = None
+    qk_scales: bool = True
+    head_permutation: bool = True
 
     @property
     def residual(self) -> Space:
@@ -138,6 +158,16 @@ class ModelSchema:
     def kv_space(self, layer: int, kind: str) -> Space | None:
         """The KV-head space (``kind`` "k" or "v") of a schema with shared KV heads, else None."""
         return self.spaces.get(f"layers.{layer}.{kind}")
+
+    @property
+    def attention_size(self) -> int:
+        """H·h: the size of the query and attention-context spaces (the hidden size where the heads tile it)."""
+        return self.num_heads * self.head_size
+
+    @property
+    def rotary_size(self) -> int:
+        """The dims of a head that rotate under RoPE (the whole head unless ``rotary_dims`` says less)."""
+        return self.head_size if self.rotary_dims is None else self.rotary_dims
 
     @property
     def kv_heads(self) -> int:

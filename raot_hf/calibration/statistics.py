@@ -388,12 +388,13 @@ class SplitStatistics:
         pass reaches it. The stream's d×d sums and rows are float64 whatever the model's dtype
         (massive-activation tokens meet every other there: docs/design.md §4.3)."""
         L, d, f = schema.num_layers, schema.hidden_size, schema.intermediate_size
+        a = schema.attention_size  # H·h: the hidden size where the heads tile it
         kw = dict(device=device, quad_dtype=quad_dtype)
         return cls(
             mlp=[Moments.zeros(f, product_dtype=mlp_product_dtype, defer=defer_mlp, **kw) for _ in range(L)],
-            q=[Moments.zeros(d, defer=defer_mlp, **kw) for _ in range(L)],
-            k=[Moments.zeros(d, defer=defer_mlp, **kw) for _ in range(L)],
-            ctx=[Moments.zeros(d, defer=defer_mlp, **kw) for _ in range(L)],
+            q=[Moments.zeros(a, defer=defer_mlp, **kw) for _ in range(L)],
+            k=[Moments.zeros(a, defer=defer_mlp, **kw) for _ in range(L)],
+            ctx=[Moments.zeros(a, defer=defer_mlp, **kw) for _ in range(L)],
             stream=Moments.zeros(d, device=device, quad_dtype=_F64, product_dtype=_F64),
             tokens=torch.zeros((), dtype=_F64, device=device),
             moment_tokens=torch.zeros((), dtype=_F64, device=device),
@@ -416,12 +417,12 @@ class HeldoutStatistics:
 
     @classmethod
     def zeros(cls, schema: ModelSchema, *, device=None) -> HeldoutStatistics:
-        L, d, f = schema.num_layers, schema.hidden_size, schema.intermediate_size
+        L, d, f, a = schema.num_layers, schema.hidden_size, schema.intermediate_size, schema.attention_size
         return cls(
             mlp=[PairedDiagonal.zeros(f, device=device) for _ in range(L)],
-            q=[PairedDiagonal.zeros(d, device=device) for _ in range(L)],
-            k=[PairedDiagonal.zeros(d, device=device) for _ in range(L)],
-            ctx=[PairedDiagonal.zeros(d, device=device) for _ in range(L)],
+            q=[PairedDiagonal.zeros(a, device=device) for _ in range(L)],
+            k=[PairedDiagonal.zeros(a, device=device) for _ in range(L)],
+            ctx=[PairedDiagonal.zeros(a, device=device) for _ in range(L)],
             stream=PairedDiagonal.zeros(d, device=device),
             tokens=torch.zeros((), dtype=_F64, device=device),
         )

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import transformers
 
-from raot_hf.adapters import get_adapter, is_decoder, supported_model_types
+from raot_hf.adapters import compatibility_keys, get_adapter, is_decoder, supported_model_types
 from raot_hf.errors import RaotError
 from raot_hf.io.checkpoint import check_finite
 
@@ -293,7 +293,8 @@ def check_compatible(config_a, config_b, *, head_policy: str = "a", ignore: tupl
             "merge two checkpoints of one architecture."
         )
     decoder = is_decoder(config_a.model_type)
-    for key in _SHAPE_KEYS + (_DECODER_KEYS if decoder else ()):
+    # beyond the shape keys, the fields a family's function depends on (its spec's ``compatible_keys``)
+    for key in _SHAPE_KEYS + (_DECODER_KEYS if decoder else ()) + compatibility_keys(config_a.model_type):
         va, vb = getattr(config_a, key, None), getattr(config_b, key, None)
         if va != vb and key not in ignore:
             raise RaotError(f"A and B differ in {key} ({va} vs {vb}); merge two checkpoints of the same shape.")

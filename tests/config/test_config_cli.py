@@ -392,7 +392,11 @@ def test_settings_of_earlier_sections_are_read_where_they_live_now():
     ``mergekit`` reads into ``task_vectors``; the earlier flags still set them."""
     from raot_hf.merging import TaskVectorOptions
 
-    earlier = {"merge_rule": "della", "base_rules": {"density": 0.3, "task_scale": 2.0}, "mergekit": {"epsilon": 0.1, "t": 0.5}}
+    earlier = {
+        "merge_rule": "della",
+        "base_rules": {"density": 0.3, "task_scale": 2.0},
+        "mergekit": {"epsilon": 0.1, "t": 0.5},
+    }
     config = RaotConfig.from_dict(earlier)
     assert config.task_vectors == TaskVectorOptions(density=0.3, scale=2.0, epsilon=0.1)
     assert config.mergekit.t == 0.5 and RaotConfig.from_json(config.to_json()) == config

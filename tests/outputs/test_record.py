@@ -24,7 +24,11 @@ def three_model_report():
     scramble(b, seed=1)
     scramble(c, seed=2)
     pre, data = tiny_data("bert", 64)
-    return RaotMerger.from_models(clone(a), b, c, preprocessor=pre).merge(calibration=data, command="raot-hf merge …").report
+    return (
+        RaotMerger.from_models(clone(a), b, c, preprocessor=pre)
+        .merge(calibration=data, command="raot-hf merge …")
+        .report
+    )
 
 
 def test_the_report_is_typed_and_its_json_round_trips(three_model_report):

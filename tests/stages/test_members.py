@@ -52,7 +52,9 @@ def test_three_scrambles_of_one_model_merge_back_to_it(model_type):
     reference = clone(a)
     result = RaotMerger.from_models(a, b, c, preprocessor=pre).merge(calibration=data)
     assert output_deviation(reference, result.model, example_inputs(reference), relative=True) <= 1e-5
-    assert [m["model"] for m in result.report["models"]] == [1, 2, 3] and result.report["models"][0]["alignment"] is None
+    assert [m["model"] for m in result.report["models"]] == [1, 2, 3] and result.report["models"][0][
+        "alignment"
+    ] is None
     records = [m["alignment"] for m in result.report["models"][1:]]
     for record in records:  # every transform of every model applied, each checked exact
         assert all(d["applied"] for d in record["decisions"]) and record["applied_exact"]

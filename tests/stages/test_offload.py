@@ -119,9 +119,7 @@ def test_checkpoints_are_read_into_working_files_as_from_pretrained_loads_them(m
     from raot_hf.io.loading import ModelSource, load_config, load_model, model_class
     from raot_hf.io.offload import load_offloaded
 
-    heads = {"vit": "image", "deit": "teacher", "gpt2": "causal", "llama": "causal", "mistral": "causal"}
-    tiny_model(model_type, heads.get(model_type, "causal" if model_type == "qwen2" else "sequence"),
-               dtype=dtype).save_pretrained(tmp_path / "m")  # fmt: skip
+    tiny_model(model_type, tiny_architecture(model_type).task_head, dtype=dtype).save_pretrained(tmp_path / "m")
     source = ModelSource(str(tmp_path / "m"))
     config = load_config(source, "A")
     want = load_model(source, "A", config=config)
