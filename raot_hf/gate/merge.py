@@ -8,10 +8,10 @@ average of W0 with a rotated W0 is damaged. So the gate scores each estimate by 
 the merge is for — how closely the merged computation follows both parents — on a small fixed
 set of held-out examples (the *gate set*):
 
-* **per layer, block-local**: layer l's merged parameters ``(1−α)·θ_A + α·T(θ_B)`` with and
-  without the layer's head estimate, then with and without its MLP estimate given the heads'
-  decision, evaluated on A's layer at A's captured call and at B′'s (B's in A's basis); the
-  residual candidate (it touches every layer) is part of both sides. Fidelity per example is
+* **per layer, block-local**: layer l's merged parameters ``(1−α)·θ_A + α·T(θ_B)`` with all its
+  estimates against the same without one of them — each estimate judged given the others,
+  backward elimination — evaluated on A's layer at A's captured call and at B′'s (B's in A's
+  basis); the residual candidate (it touches every layer) is part of both sides. Fidelity per example is
   defined in :mod:`raot_hf.gate.fidelity` (1 − relative squared error of the merged block's
   output to each parent's, over real tokens, weighted 1−α and α);
 * **model level**: the merged model with the accepted set (residual map included) against the

@@ -18,8 +18,8 @@ logger = logging.getLogger("raot_hf.stages.apply")
 
 
 #: Tolerated B′ ≡ B deviation of a 16-bit model, in units of its dtype's machine epsilon: storing
-#: the transformed weights rounds them, and scrambles of tiny bf16 / fp16 models (2–16 layers;
-#: Llama, GPT-2, ViT) deviate by 0.3–2.3 eps (docs/design.md §5.5).
+#: the transformed weights rounds them, a few eps on a scramble; a broken transform deviates by O(1)
+#: (docs/design.md §5.5).
 HALF_PRECISION_EPS = 16
 
 
