@@ -41,6 +41,8 @@ _DECODERS = {
     "llama": ("LlamaConfig", "Llama", {}),
     "mistral": ("MistralConfig", "Mistral", {"sliding_window": 4}),
     "qwen2": ("Qwen2Config", "Qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+    # mixtures of experts (docs/design.md §10): 4 experts, top-2
+    "mixtral": ("MixtralConfig", "Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 #: Each head's transformers class suffix (``Bert`` + ``ForMaskedLM``).
@@ -58,7 +60,8 @@ class TinyArchitecture:
     head of :data:`HEADS`; the ``heads`` the symmetry tests run; the ``task_head`` merge tests use;
     ``rope``: rotary positions with grouped-query attention and RMSNorm; ``variant_of``: a registered
     architecture whose modeling code this one copies (the per-architecture merge tests run that one
-    only). Decoder or not, and the modality, come from its adapter."""
+    only); ``experts``: a mixture-of-experts family (its own tests run it, docs/design.md §10).
+    Decoder or not, and the modality, come from its adapter."""
 
     model_type: str
     config: Callable[..., transformers.PretrainedConfig]
@@ -67,6 +70,7 @@ class TinyArchitecture:
     task_head: str
     rope: bool = False
     variant_of: str | None = None
+    experts: bool = False
 
 
 _ARCHITECTURES: dict[str, TinyArchitecture] = {}
@@ -92,10 +96,13 @@ def tiny_architecture(model_type: str) -> TinyArchitecture:
     return _ARCHITECTURES[model_type]
 
 
-def architectures(*, decoders: bool | None = None, rope: bool | None = None, variants: bool = False) -> list[str]:
+def architectures(
+    *, decoders: bool | None = None, rope: bool | None = None, variants: bool = False, experts: bool | None = False
+) -> list[str]:
     """The registered tiny architectures' model types in registration order (the per-architecture tests'
     one list): only decoders / encoders (``decoders`` True / False), only / no RoPE family (``rope``),
-    and with ``variants`` those that copy another's modeling code."""
+    with ``variants`` those that copy another's modeling code, and the mixture-of-experts families
+    only (``experts`` True), none (False, the default: they have tests of their own) or with the rest (None)."""
     from raot_hf.adapters import is_decoder
 
     return [
@@ -104,6 +111,7 @@ def architectures(*, decoders: bool | None = None, rope: bool | None = None, var
         if (variants or arch.variant_of is None)
         and (decoders is None or is_decoder(t) == decoders)
         and (rope is None or arch.rope == rope)
+        and (experts is None or arch.experts == experts)
     ]
 
 
@@ -195,6 +203,9 @@ def tiny_model(model_type: str, head: str = "base", *, seed: int = 0, dtype=torc
     cfg, cls = arch.config(model_type, **config), arch.model_class(model_type, head)
     torch.manual_seed(seed)
     model = cls(cfg)
+    if dtype == torch.float64 and hasattr(model, "set_experts_implementation") and _has_experts(model):
+        # transformers' default (grouped_mm) has no float64 kernel; the reference loop computes the same
+        model.set_experts_implementation("eager")
     g = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -204,6 +215,11 @@ def tiny_model(model_type: str, head: str = "base", *, seed: int = 0, dtype=torc
                 is_norm |= name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight"))  # GPT-2
                 p.copy_(1.0 + noise if is_norm else noise)
     return model.to(dtype).eval()
+
+
+def _has_experts(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds a mixture-of-experts block (3-D expert weights)."""
+    return any(p.ndim == 3 for p in model.parameters())
 
 
 def _encoder_class(model_type: str, head: str):
@@ -223,6 +239,12 @@ for _arch in (
     *(
         TinyArchitecture(t, tiny_decoder_config, _decoder_class, ("causal", "base", "sequence"), "causal", rope=True)
         for t in ("llama", "mistral", "qwen2")
+    ),
+    *(
+        TinyArchitecture(
+            t, tiny_decoder_config, _decoder_class, ("causal", "base", "sequence"), "causal", rope=True, experts=True
+        )  # fmt: skip
+        for t in ("mixtral",)
     ),
 ):
     register_tiny_architecture(_arch)
@@ -249,6 +271,7 @@ def _unit_rows(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
 def trained_like(
     model: torch.nn.Module, *, seed: int = 0, qk_gain: float = 2.0, massive: float | None = None,
     triggers: tuple[int, ...] = (2, 3), twins: float | None = None, twin_layer: int | None = None,
+    expert_twins: bool = False,
 ) -> torch.nn.Module:  # fmt: skip
     """Make a tiny random model compute like a trained one, in place, and return it: unit-gain
     matrices (N(0, 1/fan-in); embeddings N(0, 1)), queries and keys scaled by ``qk_gain``.
@@ -256,12 +279,18 @@ def trained_like(
     ``triggers`` tokens only (LLMs' massive activations). ``twins``: MLP units 0 and 1 of
     ``twin_layer`` (default the middle one) are near-twin massive units (about ``twins`` and 0.35 ×
     as much on the first token, correlating at ~0.999 along different directions), their margin
-    below bf16 rounding (docs/design.md §4.3)."""
+    below bf16 rounding (docs/design.md §4.3). ``expert_twins`` (mixtures of experts, docs/design.md
+    §10): experts 0 and 1 of the middle layer are near twins (expert 1 is expert 0 moved by 2 %, its
+    units correlating at ~0.9998 with expert 0's, closer than bf16 products can order) and experts 2
+    and 3 of the first layer route alike (router row 3 is row 2 moved by 2 %)."""
     from transformers.pytorch_utils import Conv1D
 
     g = torch.Generator().manual_seed(int(seed) + 7919)
     stored_in_out = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Conv1D)}  # GPT-2
     for name, p in model.named_parameters():
+        if p.ndim == 3:  # a mixture of experts' stacked weights (E, out, in): each expert's unit gain
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) / p.shape[2] ** 0.5)
+            continue
         if p.ndim != 2:
             continue
         embedding = isinstance(model.get_submodule(name.rsplit(".", 1)[0]), torch.nn.Embedding)
@@ -285,7 +314,28 @@ def trained_like(
         _plant_massive_activation(model, float(massive), tuple(triggers), g)
     if twins is not None:
         _plant_near_twins(model, float(twins), twin_layer, g)
+    if expert_twins:
+        _plant_expert_twins(model, g)
     return model
+
+
+def _plant_expert_twins(model: torch.nn.Module, g: torch.Generator, moved: float = 0.02) -> None:
+    from raot_hf.adapters import schema_for
+
+    blocks = schema_for(model).expert_layers
+    if not blocks or blocks[0].num_experts < 4:
+        raise RaotError("expert twins need a mixture-of-experts model with at least 4 experts per layer")
+    params = dict(model.named_parameters())
+
+    def near(x: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn(x.shape, generator=g, dtype=torch.float64)
+        return x + moved * x.double().norm() / noise.norm() * noise
+
+    twin = blocks[len(blocks) // 2]
+    for name in (twin.gate_up, twin.down):  # expert 1 ≈ expert 0, routed by its own router row
+        params[name][1] = near(params[name][0]).to(params[name].dtype)
+    router = params[f"{blocks[0].router}.weight"]
+    router[3] = near(router[2]).to(router.dtype)  # experts 2 and 3 chosen for nearly the same tokens
 
 
 def _scale_queries_and_keys(model: torch.nn.Module, gain: float) -> None:
@@ -473,6 +523,7 @@ def exact_rmsnorm():
     casts to float32, so the ≤ 1e-9 float64 symmetry checks run the formula without the cast)."""
     from transformers.models.llama import modeling_llama
     from transformers.models.mistral import modeling_mistral
+    from transformers.models.mixtral import modeling_mixtral
     from transformers.models.qwen2 import modeling_qwen2
 
     def forward(self, hidden_states):
@@ -480,6 +531,7 @@ def exact_rmsnorm():
         return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
     classes = (modeling_llama.LlamaRMSNorm, modeling_mistral.MistralRMSNorm, modeling_qwen2.Qwen2RMSNorm)
+    classes += (modeling_mixtral.MixtralRMSNorm,)
     saved = [c.forward for c in classes]
     try:
         for c in classes:

@@ -203,13 +203,33 @@ class ConfigCheck:
 
 @dataclass(frozen=True)
 class ExpertsSpec:
-    """Reserved for mixture-of-experts layers (not resolved yet): the router reading the stream and
-    the experts' module list, each expert an MLP (``mlp``); a permutation of the experts moves the
-    router's rows with them, and each expert's units permute on their own."""
+    """A mixture-of-experts block in place of a layer's MLP (docs/design.md §10), relative to the
+    layer: the ``router`` (a module whose ``weight`` (E, d) — and ``bias`` if any — reads the stream
+    and scores each expert) and the ``experts`` module holding every expert's weights as 3-D
+    parameters, as transformers ≥ 5 stores them: ``mlp.inputs`` names the (E, parts·f, d) input
+    parameter (``fused_parts`` 2: [gate | up] rows per expert), ``mlp.output`` the (E, d, f) output
+    one. A permutation of the experts moves the router's rows with them; each expert's units permute
+    on their own. ``num_experts``, ``top_k`` and ``intermediate_size`` are config expressions;
+    ``normalize``: the chosen experts' weights renormalised to sum 1 — ``"always"``, ``"never"``, or
+    a config field (``norm_topk_prob``). ``shared``: an MLP every token passes through beside the
+    routed experts (Qwen2-MoE), with ``shared_gate`` its sigmoid gate reading the stream. A layer
+    whose experts parameter is missing is a dense layer (Qwen-MoE's ``mlp_only_layers``)."""
 
     router: str
     experts: str
     mlp: MLPSpec
+    num_experts: str = "num_local_experts or num_experts"
+    top_k: str = "num_experts_per_tok"
+    intermediate_size: str = "moe_intermediate_size or intermediate_size"
+    normalize: str = "always"
+    shared: MLPSpec | None = None
+    shared_gate: str | None = None
+
+    def renormalised(self, config) -> bool:
+        """Whether the top-k weights are renormalised to sum 1 (``normalize`` read on ``config``)."""
+        if self.normalize in ("always", "never"):
+            return self.normalize == "always"
+        return bool(getattr(config, self.normalize, False))
 
 
 @dataclass(frozen=True)
@@ -357,8 +377,12 @@ class FamilySpec:
             bad("a pre-norm family needs norms.final")
         if self.mlp.fused_parts > 1 and len(self.mlp.inputs) != 1:
             bad("a fused MLP input is one module")
-        if self.experts is not None or self.towers:
-            bad("mixture-of-experts layers and two-tower models are not resolved yet")
+        if self.towers:
+            bad("two-tower models are not resolved yet")
+        if self.experts is not None and (
+            len(self.experts.mlp.inputs) != 1 or self.experts.mlp.fused_parts not in (1, 2)
+        ):
+            bad("experts.mlp names one 3-D input parameter holding one or two parts ([gate | up]) per expert")
         if not self.heads:
             bad("needs at least one head")
         return self
@@ -397,7 +421,7 @@ def _nested(cls) -> dict[str, type]:
             "positions": PositionSpec,
             "experts": ExpertsSpec,
         }
-    return {"mlp": MLPSpec} if cls is ExpertsSpec else {}
+    return {"mlp": MLPSpec, "shared": MLPSpec} if cls is ExpertsSpec else {}
 
 
 def _tupled(value):

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import transformers
 
-from raot_hf.adapters import get_adapter, is_decoder, supported_model_types
+from raot_hf.adapters import compatibility_keys, get_adapter, is_decoder, supported_model_types
 from raot_hf.errors import RaotError
 
 logger = logging.getLogger("raot_hf.io.loading")
@@ -258,7 +258,8 @@ def check_compatible(config_a, config_b, *, head_policy: str = "a") -> None:
             "merge two checkpoints of one architecture."
         )
     decoder = is_decoder(config_a.model_type)
-    for key in _SHAPE_KEYS + (_DECODER_KEYS if decoder else ()):
+    family_keys = compatibility_keys(config_a.model_type)
+    for key in _SHAPE_KEYS + (_DECODER_KEYS if decoder else ()) + family_keys:
         va, vb = getattr(config_a, key, None), getattr(config_b, key, None)
         if va != vb:
             raise RaotError(f"A and B differ in {key} ({va} vs {vb}); merge two checkpoints of the same shape.")
