@@ -288,12 +288,13 @@ def trained_like(
     g = torch.Generator().manual_seed(int(seed) + 7919)
     stored_in_out = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Conv1D)}  # GPT-2
     for name, p in model.named_parameters():
-        if p.ndim == 3:  # a mixture of experts' stacked weights (E, out, in): each expert's unit gain
+        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        if p.ndim == 3 and type(owner).__name__.endswith("Experts"):  # (E, out, in): each expert's unit gain
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) / p.shape[2] ** 0.5)
             continue
         if p.ndim != 2:
             continue
-        embedding = isinstance(model.get_submodule(name.rsplit(".", 1)[0]), torch.nn.Embedding)
+        embedding = isinstance(owner, torch.nn.Embedding)
         if embedding or "position_embeddings" in name or "cls_token" in name:
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
             continue

@@ -409,6 +409,8 @@ class StatisticsCollector:
         return None if keep is None else keep.to(device)
 
     def _rows(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        if x.ndim == 2 and x.shape[0] == self._shape[0] * self._shape[1]:  # a router reads the tokens flattened
+            x = x.reshape(*self._shape, x.shape[-1])
         if tuple(x.shape[:2]) != self._shape:  # sequence dims must agree across modules
             raise RuntimeError(f"activation with leading shape {tuple(x.shape[:2])} != {self._shape}")
         flat = x.reshape(-1, x.shape[-1])
@@ -453,8 +455,8 @@ class StatisticsCollector:
             if self.phase == "fit":
                 self.stats.fit.experts[layer].update(x_a, x_b, self._moment_index)
             return
-        a = router_probabilities(self._rows(x_a.reshape(*self._shape, x_a.shape[-1]), self._moment_index))
-        b = router_probabilities(self._rows(x_b.reshape(*self._shape, x_b.shape[-1]), self._moment_index))
+        a = router_probabilities(self._rows(x_a, self._moment_index))
+        b = router_probabilities(self._rows(x_b, self._moment_index))
         if self.phase == "fit":
             self.stats.fit.experts[layer].router.update(a, b)
             return
