@@ -453,6 +453,7 @@ class SplitStatistics:
         pass reaches it. The stream's d×d sums and rows are float64 whatever the model's dtype
         (massive-activation tokens meet every other there: docs/design.md §4.3)."""
         L, d = schema.num_layers, schema.hidden_size
+        a = schema.attention_size  # H·h: the hidden size where the heads tile it
         kw = dict(device=device, quad_dtype=quad_dtype)
         experts = {b.layer: ExpertMoments.zeros(b, product_dtype=mlp_product_dtype, **kw) for b in schema.expert_layers}
         return cls(
@@ -460,9 +461,9 @@ class SplitStatistics:
                 Moments.zeros(schema.mlp_size(i), product_dtype=mlp_product_dtype, defer=defer_mlp, **kw)
                 for i in range(L)
             ],
-            q=[Moments.zeros(d, defer=defer_mlp, **kw) for _ in range(L)],
-            k=[Moments.zeros(d, defer=defer_mlp, **kw) for _ in range(L)],
-            ctx=[Moments.zeros(d, defer=defer_mlp, **kw) for _ in range(L)],
+            q=[Moments.zeros(a, defer=defer_mlp, **kw) for _ in range(L)],
+            k=[Moments.zeros(a, defer=defer_mlp, **kw) for _ in range(L)],
+            ctx=[Moments.zeros(a, defer=defer_mlp, **kw) for _ in range(L)],
             stream=Moments.zeros(d, device=device, quad_dtype=_F64, product_dtype=_F64),
             tokens=torch.zeros((), dtype=_F64, device=device),
             moment_tokens=torch.zeros((), dtype=_F64, device=device),
@@ -487,14 +488,14 @@ class HeldoutStatistics:
 
     @classmethod
     def zeros(cls, schema: ModelSchema, *, device=None) -> HeldoutStatistics:
-        L, d = schema.num_layers, schema.hidden_size
+        L, d, a = schema.num_layers, schema.hidden_size, schema.attention_size
         experts = {b.layer: PairedDiagonal.zeros(b.num_experts, device=device) for b in schema.expert_layers}
         return cls(
             experts=experts,
             mlp=[PairedDiagonal.zeros(schema.mlp_size(i), device=device) for i in range(L)],
-            q=[PairedDiagonal.zeros(d, device=device) for _ in range(L)],
-            k=[PairedDiagonal.zeros(d, device=device) for _ in range(L)],
-            ctx=[PairedDiagonal.zeros(d, device=device) for _ in range(L)],
+            q=[PairedDiagonal.zeros(a, device=device) for _ in range(L)],
+            k=[PairedDiagonal.zeros(a, device=device) for _ in range(L)],
+            ctx=[PairedDiagonal.zeros(a, device=device) for _ in range(L)],
             stream=PairedDiagonal.zeros(d, device=device),
             tokens=torch.zeros((), dtype=_F64, device=device),
         )

@@ -23,6 +23,7 @@ from raot_hf.symmetry.transforms import (
     MLPPermutation,
     ResidualPermutation,
     ResidualRotation,
+    ResidualSignedPermutation,
     Transform,
 )
 
@@ -75,6 +76,7 @@ def estimate_head_alignment(
     return_log: bool = False,
     num_kv_heads: int | None = None,
     rope: bool = False,
+    schema=None,
 ):
     """Head correspondence, within-head Q/K and V/O rotations and per-head scales as one exact
     assignment; with ``num_kv_heads`` or ``rope`` the decoder solver runs instead
@@ -87,20 +89,22 @@ def estimate_head_alignment(
     only π estimated (the permutation-only baseline).
     """
     H, h = num_heads, head_size
-    if rope or (num_kv_heads is not None and num_kv_heads != num_heads):
+    structured = schema is not None and (schema.qk_turns is not None or schema.rotary_dims is not None)
+    if rope or structured or (num_kv_heads is not None and num_kv_heads != num_heads):
         from raot_hf.estimators.shared_kv import estimate_shared_kv_heads
 
-        kw = dict(rope=rope, rotations=rotations, scales=scales, return_log=return_log)
+        kw = dict(rope=rope, rotations=rotations, scales=scales, return_log=return_log, schema=schema)
         return estimate_shared_kv_heads(q, k, ctx, layer, H, num_kv_heads or H, h, **kw)
     c_qk, c_vo = normalised_blocks(q, k, ctx, H, h, rope=False)
     ar = torch.arange(H)
+    permute = schema is None or schema.head_permutation  # a score bias shared by the layers: heads stay (§9.7)
     if rotations:
         score = 0.5 * (torch.linalg.svdvals(c_qk).sum(-1) + torch.linalg.svdvals(c_vo).sum(-1))
-        perm = assign(score)
+        perm = assign(score) if permute else ar.clone()
         r_qk, r_vo = procrustes(c_qk[ar, perm]), procrustes(c_vo[ar, perm])
     else:
         score = 0.5 * (c_qk.diagonal(dim1=-2, dim2=-1).sum(-1) + c_vo.diagonal(dim1=-2, dim2=-1).sum(-1))
-        perm = assign(score)
+        perm = assign(score) if permute else ar.clone()
         r_qk = r_vo = torch.eye(h, dtype=_F64).expand(H, h, h).clone()
     parts: list[Transform] = [HeadAlignment(layer, perm, r_qk, r_vo)]
     if rotations and scales:
@@ -159,8 +163,14 @@ def estimate_residual_map(stats: Moments, *, mode: str = "rotation", return_log:
     elif mode == "permutation":
         # new coordinate j of B′ takes B's coordinate perm[j], matched to A's coordinate j
         transform = ResidualPermutation(assign(stats.correlation()))
+    elif mode == "signed_permutation":
+        # a coordinate matched with its sign flipped correlates at −1: assign on |corr|, keep the sign
+        corr = stats.correlation()
+        perm = assign(corr.abs())
+        matched = corr[torch.arange(d), perm]
+        transform = ResidualSignedPermutation(perm, torch.where(matched < 0, -1.0, 1.0).to(_F64))
     else:
-        raise ValueError(f"mode must be 'rotation', 'orthogonal' or 'permutation', got {mode!r}")
+        raise ValueError(f"mode must be 'rotation', 'orthogonal', 'permutation' or 'signed_permutation', got {mode!r}")
     if not return_log:
         return transform
     log = {"mode": mode, "dim": d}
@@ -178,6 +188,8 @@ def _fit_permutation_gains(stats: Moments, transform: ResidualPermutation) -> to
     cross = stats.raw_cross()
     ea = stats.sq_a.clamp_min(1e-300)
     est = cross[torch.arange(d), transform.perm] / (ea * stats.sq_b[transform.perm].clamp_min(1e-300)).sqrt()
+    if isinstance(transform, ResidualSignedPermutation):
+        est = est * transform.signs
     return est - cross.diagonal() / (ea * stats.sq_b.clamp_min(1e-300)).sqrt()
 
 
@@ -216,9 +228,12 @@ def candidate_maps(
     H, h = num_heads, head_size
     maps: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
 
-    def permute(perm: torch.Tensor):
+    def permute(perm: torch.Tensor, signs: torch.Tensor | None = None):
         perm = perm.to(device)
-        return lambda b: b.index_select(1, perm)
+        if signs is None:
+            return lambda b: b.index_select(1, perm)
+        signs = _per_dtype(signs.to(device))
+        return lambda b: b.index_select(1, perm) * signs(b.dtype)
 
     def rotate_heads(perm: torch.Tensor, rot: torch.Tensor):
         perm, rot = perm.to(device), _per_dtype(rot.to(device))
@@ -246,7 +261,7 @@ def candidate_maps(
             for site, factor in (("q", qk), ("k", 1 / qk), ("ctx", vo)):
                 maps[(site, t.layer)] = scaled(maps.get((site, t.layer)), factor)
         elif isinstance(t, ResidualPermutation):
-            maps[("stream", None)] = permute(t.perm)
+            maps[("stream", None)] = permute(t.perm, getattr(t, "signs", None))
         elif isinstance(t, ResidualRotation):
             o = _per_dtype(t.matrix.to(device))
             maps[("stream", None)] = lambda b, o=o: b @ o(b.dtype)

@@ -34,6 +34,8 @@ def residual_mode(schema, requested: str) -> str:
     rotation of an RMSNorm stream ranges over all of O(d) (``"orthogonal"``, docs/design.md §8)."""
     if requested in ("auto", "rotation") and schema.residual.exact == "orthogonal":
         return "orthogonal"
+    if requested == "auto" and schema.residual.exact == "signed_permutation":
+        return "signed_permutation"  # an RMSNorm stream with norm weights in it (docs/design.md §9.2)
     if requested == "auto":
         return "rotation" if schema.residual.exact == "mean_fixing" else "permutation"
     return requested
@@ -42,7 +44,9 @@ def residual_mode(schema, requested: str) -> str:
 def is_identity(t: Transform) -> bool:
     """True when ``t`` is exactly the identity (the gate then has nothing to decide)."""
     if isinstance(t, (MLPPermutation, ResidualPermutation)):
-        return bool(torch.equal(t.perm, torch.arange(len(t.perm))))
+        signs = getattr(t, "signs", None)
+        same_signs = signs is None or bool(torch.all(signs == 1))
+        return bool(torch.equal(t.perm, torch.arange(len(t.perm)))) and same_signs
     if isinstance(t, HeadAlignment):
         eye = torch.eye(t.qk.shape[-1], dtype=torch.float64)
         return (
@@ -84,7 +88,7 @@ def _layer_candidates(request: EstimationRequest, i: int) -> tuple[list[Transfor
         if finite(fit.q[i], fit.k[i], fit.ctx[i]):
             rope = schema.qk_structure == "rope"
             options = {"rotations": cfg.rotations, "scales": cfg.head_scales, "return_log": True}
-            options.update(num_kv_heads=schema.num_kv_heads, rope=rope and cfg.rope_restricted)
+            options.update(num_kv_heads=schema.num_kv_heads, rope=rope and cfg.rope_restricted, schema=schema)
             fitted, log = estimate_head_alignment(fit.q[i], fit.k[i], fit.ctx[i], i, H, h, **options)
             t, *rescale = fitted
             if rope and not cfg.rope_restricted:  # the ablation: free Q/K maps, inexact under RoPE

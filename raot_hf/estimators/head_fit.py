@@ -36,47 +36,56 @@ def procrustes(n: torch.Tensor) -> torch.Tensor:
     return vh.transpose(-1, -2) @ u.transpose(-1, -2)
 
 
-def scale_unit_energy(sq: torch.Tensor, H: int, h: int, rope: bool) -> torch.Tensor:
+def scale_unit_energy(sq: torch.Tensor, H: int, h: int, rope: bool, rotary: int | None = None) -> torch.Tensor:
     """(H, g) summed squares per scale unit (the dims one positive scale acts on): each rotary pair
-    (dims p, p + h/2; g = h/2) under RoPE, else the whole head (g = 1)."""
+    (dims p, p + r/2; r = ``rotary``, the whole head by default) under RoPE, and the dims that do
+    not rotate together (docs/design.md §9.4); else the whole head (g = 1)."""
     e = sq.to(_F64).reshape(H, h)
     if rope:
-        half = h // 2
-        return e[:, :half] + e[:, half:]
+        r = h if rotary is None else rotary
+        half = r // 2
+        pairs = e[:, :half] + e[:, half:r]
+        return pairs if r == h else torch.cat([pairs, e[:, r:].sum(-1, keepdim=True)], -1)
     return e.sum(-1, keepdim=True)
 
 
-def _per_dim(e: torch.Tensor, h: int) -> torch.Tensor:
-    """(H, g) scale-unit energies → (H, h): each dimension carries its unit's energy."""
-    return e.expand(-1, h) if e.shape[1] == 1 else torch.cat([e, e], -1)
+def per_dim(e: torch.Tensor, h: int, rotary: int | None = None) -> torch.Tensor:
+    """(…, g) scale-unit values → (…, h): each dimension carries its unit's value."""
+    if e.shape[-1] == 1:
+        return e.expand(*e.shape[:-1], h)
+    if rotary is None or rotary == h:
+        return torch.cat([e, e], -1)
+    pairs, free = e[..., :-1], e[..., -1:]
+    return torch.cat([pairs, pairs, free.expand(*free.shape[:-1], h - rotary)], -1)
 
 
-def _normalised(m: Moments, H: int, h: int, rope: bool) -> torch.Tensor:
+def _normalised(m: Moments, H: int, h: int, rope: bool, rotary: int | None = None) -> torch.Tensor:
     """Cross blocks of one site divided by √(E_A·E_B) of the row's and the column's scale unit."""
-    ea = _per_dim(scale_unit_energy(m.sq_a, H, h, rope), h)
-    eb = _per_dim(scale_unit_energy(m.sq_b, H, h, rope), h)
+    ea = per_dim(scale_unit_energy(m.sq_a, H, h, rope, rotary), h, rotary)
+    eb = per_dim(scale_unit_energy(m.sq_b, H, h, rope, rotary), h, rotary)
     z = (ea[:, None, :, None] * eb[None, :, None, :]).clamp_min(_TINY).sqrt()
     return blocks(m.raw_cross(), H, h) / z
 
 
-def pair_weights(q: Moments, k: Moments, H: int, h: int) -> torch.Tensor:
-    """(H, H, h/2) weights of the rotary pairs of each head pair, summing to 1: the pair's
-    scale-invariant energy (E_q,A·E_k,A·E_q,B·E_k,B)^¼ over the head pair's total."""
-    eqa, eka = scale_unit_energy(q.sq_a, H, h, True), scale_unit_energy(k.sq_a, H, h, True)
-    eqb, ekb = scale_unit_energy(q.sq_b, H, h, True), scale_unit_energy(k.sq_b, H, h, True)
+def pair_weights(q: Moments, k: Moments, H: int, h: int, rotary: int | None = None) -> torch.Tensor:
+    """(H, H, g) weights of the scale units (rotary pairs; the dims that do not rotate) of each head
+    pair, summing to 1: the unit's scale-invariant energy (E_q,A·E_k,A·E_q,B·E_k,B)^¼ over the head
+    pair's total."""
+    eqa, eka = scale_unit_energy(q.sq_a, H, h, True, rotary), scale_unit_energy(k.sq_a, H, h, True, rotary)
+    eqb, ekb = scale_unit_energy(q.sq_b, H, h, True, rotary), scale_unit_energy(k.sq_b, H, h, True, rotary)
     g = ((eqa * eka)[:, None, :] * (eqb * ekb)[None, :, :]).clamp_min(0).pow(0.25)
     return g / g.sum(-1, keepdim=True).clamp_min(_TINY)
 
 
-def normalised_blocks(q: Moments, k: Moments, ctx: Moments, H: int, h: int, *, rope: bool):
+def normalised_blocks(q: Moments, k: Moments, ctx: Moments, H: int, h: int, *, rope: bool, rotary: int | None = None):
     """(C_qk, C_vo), each (H, H, h, h): C_qk = ½·(N_q/√(E_q,A·E_q,B) + N_k/√(E_k,A·E_k,B)) per
     scale unit (rotary pairs weighted by :func:`pair_weights` under RoPE), C_vo = N_ctx/√(…)
     per head. Their best-rotation values (nuclear norm, or Σ over pairs of the pair optimum)
     lie in [0, 1] and are 1 for the true match of an exact symmetry, scales included."""
-    c_qk = 0.5 * (_normalised(q, H, h, rope) + _normalised(k, H, h, rope))
+    c_qk = 0.5 * (_normalised(q, H, h, rope, rotary) + _normalised(k, H, h, rope, rotary))
     if rope:
-        w = pair_weights(q, k, H, h)
-        c_qk = c_qk * torch.cat([w, w], -1)[..., None]
+        w = pair_weights(q, k, H, h, rotary)
+        c_qk = c_qk * per_dim(w, h, rotary)[..., None]
     return c_qk, _normalised(ctx, H, h, False)
 
 
@@ -87,16 +96,17 @@ def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
 
 
 def matched_scales(
-    q: Moments, k: Moments, ctx: Moments, rows: torch.Tensor, cols: torch.Tensor, H: int, h: int, *, rope: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: Moments, k: Moments, ctx: Moments, rows: torch.Tensor, cols: torch.Tensor, H: int, h: int, *, rope: bool,
+    rotary: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The scales that undo B's for A's query heads ``rows`` matched to B's ``cols``: ``(qk_scale,
     vo_scale)``, qk_scale of shape (g,) (g = h/2 under RoPE, else 1), acting on B′ *after* the
     rotations (q ← a·q, k ← k/a, v ← c·v). By energy balance s⁴ = (E_q,B/E_q,A)·(E_k,A/E_k,B),
     a = 1/s and c = √(E_ctx,A/E_ctx,B): exact on an exact symmetry."""
-    eqa = scale_unit_energy(q.sq_a, H, h, rope)[rows].sum(0)
-    eka = scale_unit_energy(k.sq_a, H, h, rope)[rows].sum(0)
-    eqb = scale_unit_energy(q.sq_b, H, h, rope)[cols].sum(0)
-    ekb = scale_unit_energy(k.sq_b, H, h, rope)[cols].sum(0)
+    eqa = scale_unit_energy(q.sq_a, H, h, rope, rotary)[rows].sum(0)
+    eka = scale_unit_energy(k.sq_a, H, h, rope, rotary)[rows].sum(0)
+    eqb = scale_unit_energy(q.sq_b, H, h, rope, rotary)[cols].sum(0)
+    ekb = scale_unit_energy(k.sq_b, H, h, rope, rotary)[cols].sum(0)
     s4 = _ratio(eqb, eqa) * _ratio(eka, ekb)
     eva = scale_unit_energy(ctx.sq_a, H, h, False)[rows].sum()
     evb = scale_unit_energy(ctx.sq_b, H, h, False)[cols].sum()

@@ -300,7 +300,8 @@ def _align_layer_heads(
 ) -> dict[str, Any]:
     """One layer's head alignment (``align``) then rescaling (``rescale``), appended to ``parts``;
     returns the ``heads`` log. Layers with shared KV heads or RoPE: :func:`align_shared_kv_heads`."""
-    if schema.kv_space(layer, "k") is not None:
+    structured = schema.qk_structure == "rope" or schema.qk_turns is not None  # Q/K maps with a structure (§8.2, §9)
+    if schema.kv_space(layer, "k") is not None or structured:
         if not align:
             return {}
         transform, log = align_shared_kv_heads(
@@ -315,8 +316,9 @@ def _align_layer_heads(
         "vo_distance_before": feature_distance(vo_a, vo_b),
     }
     if align:
+        match = match_heads and schema.head_permutation  # a bias shared by the layers keeps heads in place (§9.7)
         perm, r_qk, r_vo, score = align_heads(
-            qk_a.stacked(), qk_b.stacked(), vo_a.stacked(), vo_b.stacked(), schema.num_heads, match_heads, rotations
+            qk_a.stacked(), qk_b.stacked(), vo_a.stacked(), vo_b.stacked(), schema.num_heads, match, rotations
         )
         parts.append(HeadAlignment(layer, perm, r_qk, r_vo))
         qk_b = _block_transform(qk_b, perm, r_qk)

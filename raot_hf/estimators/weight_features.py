@@ -36,6 +36,8 @@ def space_features(state: Mapping[str, torch.Tensor], space: Space) -> SpaceFeat
     """Gather the members of ``space`` from ``state`` as rows over the space axis (float64)."""
     covariant, contravariant = [], []
     for member in space.members:
+        if member.role in ("norm", "norm_bias"):  # a norm weight moves by |M| (its signs pass through): not a row
+            continue
         x = state[member.name].to(_F64).movedim(member.axis, -1)
         idx = member.index_tensor()
         if idx is not None:

@@ -17,7 +17,7 @@ import torch
 from raot_hf.adapters.schema import ModelSchema
 from raot_hf.errors import RaotError
 from raot_hf.estimators.head_fit import assign
-from raot_hf.estimators.shared_kv import _identity_fit, _match_query_heads, _orthogonal_fit, _rope_fit
+from raot_hf.estimators.shared_kv import _identity_fit, _match_query_heads, _orthogonal_fit, qk_fit_for
 from raot_hf.estimators.weight_features import space_features
 from raot_hf.symmetry.transforms import HeadAlignment
 
@@ -65,14 +65,18 @@ def align_shared_kv_heads(
 ) -> tuple[HeadAlignment, dict[str, Any]]:
     """One decoder layer's head alignment from weights (per-KV-head maps, with ``match_heads`` a
     KV-head assignment): the transform and its log (KV-head pair scores, chosen and same-index)."""
-    H, kv = schema.num_heads, schema.kv_heads
+    H, kv, h = schema.num_heads, schema.kv_heads, schema.head_size
     queries_per_kv = H // kv
+    match_heads = match_heads and schema.head_permutation
     blocks = {}
-    for name in ("qk", "k", "vo", "v"):
+    kv_spaces = schema.kv_space(layer, "k") is not None  # else keys and values are in the qk / vo spaces
+    for name in ("qk", "k", "vo", "v") if kv_spaces else ("qk", "vo"):
         space = schema.space(f"layers.{layer}.{name}")
         fa, fb = space_features(state_a, space).stacked(), space_features(state_b, space).stacked()
         blocks[name] = _diagonal_blocks(fa, fb, H if name in ("qk", "vo") else kv)
-    fit_qk = (_rope_fit if schema.qk_structure == "rope" else _orthogonal_fit) if rotations else _identity_fit
+    if not kv_spaces:
+        blocks["k"] = blocks["v"] = torch.zeros(kv, kv, h, h, dtype=_F64)
+    fit_qk = qk_fit_for(schema) if rotations else _identity_fit
     fit_vo = _orthogonal_fit if rotations else _identity_fit
     score = torch.zeros(kv, kv, dtype=_F64)
     maps = {}
@@ -102,7 +106,8 @@ def align_shared_kv_heads(
 
 def check_shared_kv_options(schema: ModelSchema, rescale: bool) -> None:
     """Refuse the paper's per-head rescaling on a schema with shared KV heads or RoPE (not implemented there)."""
-    if rescale and (schema.kv_space(0, "k") is not None):
+    structured = schema.qk_structure == "rope" or schema.qk_turns is not None
+    if rescale and (schema.kv_space(0, "k") is not None or structured):
         raise RaotError(
             f"weight-based rescaling is not implemented for {schema.model_type} (shared-KV / RoPE heads); "
             "turn weight.rescale off (--no-weight-rescale)"

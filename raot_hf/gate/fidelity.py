@@ -261,7 +261,11 @@ class MergedParameters:
     def _folded(self, state: dict) -> dict:
         state = dict(state)
         if self.fold:
-            local = [f for f in self.schema.folds if f.norm_weight in state and all(w in state for w, _ in f.readers)]
+            local = [
+                f
+                for f in self.schema.folds
+                if f.norm_weight in state and all(w in state for w, _ in (*f.readers, *f.writers))
+            ]
             fold_layernorms(state, dataclasses.replace(self.schema, folds=local))
         return state
 

@@ -59,16 +59,16 @@ def aligned_grams(
     if folded is None:
         folded = needs_folding(schema, actions)
     folds = schema.folds if folded else ()
-    fold_of = {w: (fold.norm_weight, fold.norm_bias) for fold in folds for w, _ in fold.readers}
+    fold_of = {w: (fold.norm_weight, fold.norm_bias, fold.offset) for fold in folds for w, _ in fold.readers}
     grams_a, grams_b = {}, {}
     for weight, key in stats.gram_keys.items():
         gram: Gram = stats.grams[key]
         ga, gb = gram.a.to(torch.float64, copy=True), gram.b.to(torch.float64, copy=True)
         if weight in fold_of:
-            wn, bn = fold_of[weight]
+            wn, bn, offset = fold_of[weight]
             norms_a, norms_b = unfolded_norms or ({}, {})
-            ga = _unfold(ga, gram.sum_a, gram.n, *_original_norm(model_a, norms_a, wn, bn))
-            gb = _unfold(gb, gram.sum_b, gram.n, *_original_norm(model_b, norms_b, wn, bn))
+            ga = _unfold(ga, gram.sum_a, gram.n, *_original_norm(model_a, norms_a, wn, bn, offset))
+            gb = _unfold(gb, gram.sum_b, gram.n, *_original_norm(model_b, norms_b, wn, bn, offset))
         space = _input_space(schema, weight, weight in transposed)
         if space is not None and space.name in actions:
             m = actions[space.name].dense(space.size)
@@ -77,11 +77,13 @@ def aligned_grams(
     return grams_a, grams_b
 
 
-def _original_norm(model: torch.nn.Module, saved: dict, weight: str, bias: str | None):
+def _original_norm(model: torch.nn.Module, saved: dict, weight: str, bias: str | None, offset: float = 0.0):
     """The norm's affine from before the fold (``saved``), else the model's current one; an
-    RMSNorm (``bias`` None) has a zero shift."""
+    RMSNorm (``bias`` None) has a zero shift; ``offset``: the norm scales by offset + weight."""
     params = dict(model.named_parameters())
     gamma = saved[weight] if weight in saved else params[weight].detach()
+    if offset:
+        gamma = gamma.to(torch.float64) + offset
     if bias is None:
         return gamma, torch.zeros_like(gamma)
     return gamma, saved[bias] if bias in saved else params[bias].detach()

@@ -40,15 +40,18 @@ class RefineParameters:
         d, K, h = schema.hidden_size, schema.kv_heads, schema.head_size
         rope = schema.qk_structure == "rope"
         n = d - 1 if schema.stream_centered else d
+        # a partially rotary head or Q/K norms leave no continuous Q/K map of this form (docs/design.md
+        # §9): the Q/K maps (and, under Q/K norms, their scales) stay the identity
+        qk_free = schema.rotary_dims is None and schema.qk_turns is None
 
-        def z(*shape):
-            return torch.zeros(*shape, dtype=_F64, requires_grad=True)
+        def z(*shape, free=True):
+            return torch.zeros(*shape, dtype=_F64, requires_grad=free)
 
         return cls(
             schema,
             z(n, n) if stream else None,
-            {i: z(K, h // 2) if rope else z(K, h, h) for i in layers},
-            {i: z(K, h // 2) if rope else z(K) for i in layers},
+            {i: z(K, h // 2, free=qk_free) if rope else z(K, h, h, free=qk_free) for i in layers},
+            {i: z(K, h // 2, free=qk_free and schema.qk_scales) if rope else z(K, free=qk_free) for i in layers},
             {i: z(K, h, h) for i in layers},
             {i: z(K) for i in layers},
         )
@@ -56,7 +59,7 @@ class RefineParameters:
     def tensors(self) -> list[torch.Tensor]:
         out = [] if self.stream is None else [self.stream]
         for per_layer in (self.qk, self.qk_scale, self.vo, self.vo_scale):
-            out += list(per_layer.values())
+            out += [t for t in per_layer.values() if t.requires_grad]
         return out
 
     # -- the group elements ----------------------------------------------------------------------

@@ -29,6 +29,8 @@ def _contract(t: torch.Tensor, member: Member, action: SpaceAction, precision: t
         x = t.movedim(member.axis, -1)
         src = action.perm if idx is None else idx[action.perm]
         moved = x[..., src]
+        if action.signs is not None:  # a signed permutation: ±1, exact in any dtype
+            moved = moved * action.signs.to(moved.dtype)
     else:
         x = t.to(precision).movedim(member.axis, -1)
         sub = x if idx is None else x[..., idx]
@@ -73,8 +75,10 @@ def _norm_weight(gamma: torch.Tensor, action: SpaceAction, second_moment: torch.
     """γ′ for a LayerNorm in a space mapped by O (§3.3): exact for permutations; for a rotation the
     least-squares γ′_j = (S′·A)_jj / S′_jj with A = Oᵀ·diag(γ)·O and S′ the second moment of
     z′ = z·O (S′ = I: Σᵢ O_ij²·γ_i)."""
-    if action.perm is not None:
+    if action.perm is not None:  # signs pass through a norm: its weight only moves
         return gamma[action.perm]
+    if action.diagonal is not None:  # a scale before the norm is absorbed by it (only 1 is exact there)
+        return gamma
     o = action.matrix.to(_F64)
     g = gamma.to(_F64)
     if second_moment is None:
@@ -151,17 +155,27 @@ def fold_layernorms(state: dict[str, torch.Tensor], schema: ModelSchema) -> dict
                 )
     for fold in schema.folds:
         g = state[fold.norm_weight].to(_F64, copy=True)
+        if fold.offset:  # the norm multiplies by offset + weight (Gemma's 1 + w)
+            g = g + fold.offset
+        for w_name, b_name in fold.writers:  # a scale of the writers' outputs (LayerScale): rows and bias
+            w = state[w_name].to(_F64)
+            scaled = w * g if w_name in fold.transposed else w * g[:, None]
+            state[w_name] = scaled.to(state[w_name].dtype)
+            if b_name is not None:
+                state[b_name] = (state[b_name].to(_F64) * g).to(state[b_name].dtype)
         beta = None if fold.norm_bias is None else state[fold.norm_bias].to(_F64, copy=True)
         for w_name, b_name in fold.readers:
             w = state[w_name].to(_F64)
+            copies = w.shape[0 if w_name in fold.transposed else -1] // len(g)  # a reader of several tokens' norms
+            gr, br = (g, beta) if copies == 1 else (g.repeat(copies), None if beta is None else beta.repeat(copies))
             if w_name in fold.transposed:  # (in, out) storage: W ← diag(γ)·W, b ← b + βᵀ·W
-                shift, scaled = (None if beta is None else beta @ w), w * g[:, None]
+                shift, scaled = (None if br is None else br @ w), w * gr[:, None]
             else:
-                shift, scaled = (None if beta is None else w @ beta), w * g
+                shift, scaled = (None if br is None else w @ br), w * gr
             if b_name is not None and shift is not None:
                 state[b_name] = (state[b_name].to(_F64) + shift).to(state[b_name].dtype)
             state[w_name] = scaled.to(state[w_name].dtype)
-        state[fold.norm_weight] = torch.ones_like(state[fold.norm_weight])
+        state[fold.norm_weight] = torch.full_like(state[fold.norm_weight], fold.identity_weight)
         if fold.norm_bias is not None:
             state[fold.norm_bias] = torch.zeros_like(state[fold.norm_bias])
     return state
@@ -169,7 +183,7 @@ def fold_layernorms(state: dict[str, torch.Tensor], schema: ModelSchema) -> dict
 
 def _fold_is_identity(state: Mapping[str, torch.Tensor], fold) -> bool:
     """Whether a norm's affine is already γ = 1 (and β = 0 where it has a shift)."""
-    unit = bool(torch.all(state[fold.norm_weight] == 1))
+    unit = bool(torch.all(state[fold.norm_weight] == fold.identity_weight))
     return unit and (fold.norm_bias is None or bool(torch.all(state[fold.norm_bias] == 0)))
 
 
@@ -250,7 +264,7 @@ def _fold_parameters(model, schema: ModelSchema, names: set[str] = frozenset(), 
     """``names`` and every parameter a LayerNorm fold touches, written through to ``model``
     (``working_files``: the model's when it is offloaded, docs/design.md §7.4)."""
     names = set(names) | {n for f in schema.folds for n in (f.norm_weight, f.norm_bias) if n}
-    names |= {n for f in schema.folds for r in f.readers for n in r if n}
+    names |= {n for f in schema.folds for r in (*f.readers, *f.writers) for n in r if n}
     return _WriteThrough(model, names, working_files)
 
 

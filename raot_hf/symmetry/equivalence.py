@@ -30,6 +30,15 @@ def select_primary(out, rows: int | None = None) -> dict[str, torch.Tensor]:
             res[key] = value if rows is None else value[:rows]
     if "logits" in res or "start_logits" in res:
         res.pop("last_hidden_state", None)
+    pooled, hidden = res.get("pooler_output"), res.get("last_hidden_state")
+    # a pooled output that is the first token's stream vector (DINOv2) is in the stream basis and says nothing more
+    if (
+        pooled is not None
+        and hidden is not None
+        and pooled.shape == hidden[:, 0].shape
+        and torch.equal(pooled, hidden[:, 0])
+    ):
+        res.pop("pooler_output")
     return res
 
 
@@ -76,7 +85,10 @@ def deviation_forms(
         if mask is not None and diff.ndim >= 2 and diff.shape[:2] == tuple(mask.shape):
             m = mask.to("cpu", torch.float64)
             m = m[..., None] if diff.ndim == 3 else m
-            diff, r = diff * m, r * m
+            # padding positions are left out, whatever they hold (a padded query may be NaN)
+            diff, r = torch.where(m > 0, diff, 0.0), torch.where(m > 0, r, 0.0)
+        if not (torch.isfinite(diff).all() and torch.isfinite(r).all()):  # NaN would compare as no deviation
+            return {"max": float("inf"), "norm": float("inf")}
         for form, (d, scale) in (("max", (diff.max(), r.max())), ("norm", (diff.norm(), r.norm()))):
             d, scale = float(d), float(scale)
             worst[form] = max(worst[form], d / max(scale, 1e-30) if relative else d)

@@ -18,9 +18,12 @@ from raot_hf.symmetry.transforms import (
     MLPPermutation,
     ResidualPermutation,
     ResidualRotation,
+    ResidualSignedPermutation,
     Transform,
     TransformSequence,
+    partial_rope_blocks,
     rope_blocks,
+    turn_blocks,
 )
 
 _F64 = torch.float64
@@ -72,6 +75,10 @@ def random_group_element(
             parts.append(ResidualRotation(random_orthogonal(schema.hidden_size, g)))
         elif mode == "rotation":
             parts.append(ResidualRotation(mean_fixing(random_orthogonal(schema.hidden_size - 1, g))))
+        elif mode == "permutation" and schema.residual.exact == "signed_permutation":
+            perm = torch.randperm(schema.hidden_size, generator=g)
+            signs = 2.0 * torch.randint(0, 2, (schema.hidden_size,), generator=g, dtype=_F64) - 1
+            parts.append(ResidualSignedPermutation(perm, signs))
         elif mode == "permutation":
             parts.append(ResidualPermutation(torch.randperm(schema.hidden_size, generator=g)))
         else:
@@ -85,19 +92,63 @@ def random_group_element(
         if "heads" in kinds and shares_kv:
             parts.append(random_shared_kv_heads(schema, layer, g))
         elif "heads" in kinds:
-            qk = torch.stack([random_orthogonal(h, g) for _ in range(H)])
+            if _structured_qk(schema):
+                qk = random_qk_blocks(schema, H, g)
+            else:
+                qk = torch.stack([random_orthogonal(h, g) for _ in range(H)])
             vo = torch.stack([random_orthogonal(h, g) for _ in range(H)])
-            parts.append(HeadAlignment(layer, torch.randperm(H, generator=g), qk, vo))
+            perm = torch.randperm(H, generator=g) if schema.head_permutation else torch.arange(H)
+            parts.append(HeadAlignment(layer, perm, qk, vo))
         if "rescale" in kinds:
             n = schema.kv_heads if shares_kv else H
-            # under RoPE one Q/K scale per rotary pair (s on q, 1/s on k commutes with the rotations)
-            a_shape = (n, h // 2) if schema.qk_structure == "rope" else (n,)
-            a = torch.exp(0.5 * torch.randn(*a_shape, generator=g, dtype=_F64))
+            a = random_qk_scales(schema, n, g)
             c = torch.exp(0.5 * torch.randn(n, generator=g, dtype=_F64))
             if shares_kv:  # one scale per KV head, shared by its query heads
                 a, c = (x.repeat_interleave(H // n, 0) for x in (a, c))
             parts.append(HeadRescale(layer, a, c))
     return TransformSequence(parts)
+
+
+def _structured_qk(schema: ModelSchema) -> bool:
+    """Whether a schema's Q/K maps are more than per-head orthogonal maps (positions, Q/K norms)."""
+    return schema.qk_structure == "rope" or schema.qk_turns is not None
+
+
+def random_qk_blocks(schema: ModelSchema, n: int, g: torch.Generator) -> torch.Tensor:
+    """``n`` random Q/K maps (n, h, h) of the group a schema leaves (docs/design.md §8.2, §9): a
+    rotation per rotary pair under RoPE (a turn by a multiple of 2π/``qk_turns`` under Q/K norms),
+    Haar-orthogonal on the dims that do not rotate."""
+    h, r = schema.head_size, schema.rotary_size if schema.qk_structure == "rope" else 0
+    if schema.qk_turns is not None:
+        if not r:  # no positions: the norm leaves sign flips of single dims
+            signs = 2.0 * torch.randint(0, 2, (n, h), generator=g, dtype=_F64) - 1
+            return torch.diag_embed(signs)
+        rotary = turn_blocks(torch.randint(0, schema.qk_turns, (n, r // 2), generator=g), schema.qk_turns)
+    elif schema.rotary_dims is None:
+        return rope_blocks(2 * torch.pi * torch.rand(n, h // 2, generator=g, dtype=_F64))
+    else:
+        rotary = rope_blocks(2 * torch.pi * torch.rand(n, r // 2, generator=g, dtype=_F64))
+    if r == h:
+        return rotary
+    free = torch.stack([random_orthogonal(h - r, g) for _ in range(n)])
+    return partial_rope_blocks(rotary, free)
+
+
+def random_qk_scales(schema: ModelSchema, n: int, g: torch.Generator) -> torch.Tensor:
+    """``n`` heads' random Q/K scales e^{0.5·N(0,1)}: one per head, one per rotary pair under RoPE
+    (s on q, 1/s on k commutes with the rotations), per dim of a partially rotary head (a pair's two
+    dims share one, the dims that do not rotate another); all 1 where a Q/K norm absorbs them."""
+    h = schema.head_size
+    if not schema.qk_scales:
+        return torch.ones(n, dtype=_F64)
+    if schema.qk_structure != "rope":
+        return torch.exp(0.5 * torch.randn(n, generator=g, dtype=_F64))
+    if schema.rotary_dims is None:
+        return torch.exp(0.5 * torch.randn(n, h // 2, generator=g, dtype=_F64))
+    r = schema.rotary_dims
+    pairs = torch.exp(0.5 * torch.randn(n, r // 2, generator=g, dtype=_F64))
+    free = torch.exp(0.5 * torch.randn(n, 1, generator=g, dtype=_F64)).expand(n, h - r)
+    return torch.cat([pairs, pairs, free], -1)
 
 
 def random_shared_kv_heads(schema: ModelSchema, layer: int, g: torch.Generator) -> HeadAlignment:
@@ -106,11 +157,14 @@ def random_shared_kv_heads(schema: ModelSchema, layer: int, g: torch.Generator) 
     one Q/K and one V/O map per KV head (Haar-orthogonal, or random 2×2 rotations per rotary pair under RoPE)."""
     H, kv, h = schema.num_heads, schema.kv_heads, schema.head_size
     queries_per_kv = H // kv
-    kv_perm = torch.randperm(kv, generator=g)
-    within = torch.stack([torch.randperm(queries_per_kv, generator=g) for _ in range(kv)])
-    perm = (kv_perm[:, None] * queries_per_kv + within).reshape(H)
-    if schema.qk_structure == "rope":
-        qk = rope_blocks(2 * torch.pi * torch.rand(kv, h // 2, generator=g, dtype=_F64))
+    if schema.head_permutation:
+        kv_perm = torch.randperm(kv, generator=g)
+        within = torch.stack([torch.randperm(queries_per_kv, generator=g) for _ in range(kv)])
+        perm = (kv_perm[:, None] * queries_per_kv + within).reshape(H)
+    else:
+        perm = torch.arange(H)
+    if _structured_qk(schema):
+        qk = random_qk_blocks(schema, kv, g)
     else:
         qk = torch.stack([random_orthogonal(h, g) for _ in range(kv)])
     vo = torch.stack([random_orthogonal(h, g) for _ in range(kv)])

@@ -37,6 +37,9 @@ class SpaceAction:
     blocks: tuple[torch.Tensor, torch.Tensor] | None = None
     contra_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
     diagonal: torch.Tensor | None = None
+    #: with ``perm``, a sign per new position: ``new[..., j] = signs[j]·old[..., perm[j]]`` (a signed
+    #: permutation, docs/design.md §9.2); None: all +1
+    signs: torch.Tensor | None = None
 
     def dense(self, n: int) -> torch.Tensor:
         if self.matrix is not None:
@@ -44,7 +47,7 @@ class SpaceAction:
         if self.diagonal is not None:
             return torch.diag(self.diagonal.to(_F64))
         m = torch.zeros(n, n, dtype=_F64)
-        m[self.perm, torch.arange(n)] = 1.0
+        m[self.perm, torch.arange(n)] = 1.0 if self.signs is None else self.signs.to(_F64)
         return m
 
     def inverse_transpose(self) -> SpaceAction:
@@ -59,7 +62,11 @@ class SpaceAction:
     def then(self, other: SpaceAction, n: int) -> SpaceAction:
         """Apply ``self`` then ``other`` (contractions compose as M₁·M₂)."""
         if self.perm is not None and other.perm is not None:
-            return SpaceAction(perm=self.perm[other.perm])
+            if self.signs is None and other.signs is None:
+                return SpaceAction(perm=self.perm[other.perm])
+            first = torch.ones(len(self.perm), dtype=_F64) if self.signs is None else self.signs.to(_F64)
+            second = torch.ones(len(other.perm), dtype=_F64) if other.signs is None else other.signs.to(_F64)
+            return SpaceAction(perm=self.perm[other.perm], signs=first[other.perm] * second)
         if self.diagonal is not None and other.diagonal is not None:
             return SpaceAction(diagonal=self.diagonal.to(_F64) * other.diagonal.to(_F64), orthogonal=False)
         contra = contra_blocks = None
@@ -145,6 +152,57 @@ def rope_blocks(angles: torch.Tensor) -> torch.Tensor:
     return m
 
 
+def turn_blocks(turns: torch.Tensor, quarter: int) -> torch.Tensor:
+    """(…, r/2) integers → (…, r, r) maps turning each rotary pair by ``turns``·2π/``quarter``,
+    with entries exactly 0 and ±1 (signed permutations): the Q/K maps left by per-head Q/K norms
+    (docs/design.md §9.1)."""
+    angles = turns.to(_F64) * (2 * torch.pi / quarter)
+    return torch.round(rope_blocks(angles))
+
+
+def partial_rope_blocks(rotary: torch.Tensor, free: torch.Tensor) -> torch.Tensor:
+    """The Q/K maps of a partially rotary head (docs/design.md §9.4): the rotary pairs' maps
+    ``rotary`` (…, r, r) on the first r dims, any map ``free`` (…, h − r, h − r) on the rest."""
+    r, rest = rotary.shape[-1], free.shape[-1]
+    m = torch.zeros(*rotary.shape[:-2], r + rest, r + rest, dtype=_F64)
+    m[..., :r, :r] = rotary.to(_F64)
+    m[..., r:, r:] = free.to(_F64)
+    return m
+
+
+def check_qk_blocks(blocks: torch.Tensor, schema: ModelSchema, layer: int) -> None:
+    """Refuse Q/K maps outside the group a schema's positions and per-head norms leave (docs/design.md
+    §8.2, §9): under RoPE only 2×2 rotations within rotary pairs (p, p + r/2), any map on the dims that
+    do not rotate, nothing across; under Q/K norms only turns by multiples of 2π/``qk_turns``."""
+    if schema.qk_structure == "rope" and schema.rotary_dims is None and schema.qk_turns is None:
+        _check_rope(blocks, layer)
+        return
+    h = blocks.shape[-1]
+    r = schema.rotary_size if schema.qk_structure == "rope" else 0
+    if r:
+        half = r // 2
+        p = torch.arange(half)
+        rot = blocks[..., :r, :r]
+        angles = torch.atan2(rot[..., p, p + half], rot[..., p, p])
+        expected = rope_blocks(angles)
+        if schema.qk_turns is not None:
+            step = 2 * torch.pi / schema.qk_turns
+            expected = turn_blocks(torch.round(angles / step), schema.qk_turns)
+        off = [blocks[..., :r, r:], blocks[..., r:, :r]]
+        if not torch.allclose(rot, expected, atol=1e-8) or any(x.abs().max() > 1e-8 for x in off if x.numel()):
+            allowed = "rotate" if schema.qk_turns is None else f"turn by multiples of 360°/{schema.qk_turns}"
+            raise RaotError(
+                f"layer {layer}: a Q/K map of this model must {allowed} each rotary pair (i, i + {half}) and mix "
+                "nothing else; this one does not commute with the position rotations or the Q/K norms"
+            )
+    elif schema.qk_turns is not None and h:
+        eye = torch.eye(h, dtype=_F64)
+        signs = torch.diagonal(blocks, dim1=-2, dim2=-1)
+        flips_only = torch.allclose(blocks, eye * signs[..., None, :], atol=1e-8)
+        if not flips_only or not torch.allclose(signs.abs(), torch.ones_like(signs)):
+            raise RaotError(f"layer {layer}: a Q/K map of this model may only flip signs of dims (its Q/K norms)")
+
+
 def _check_rope(blocks: torch.Tensor, layer: int) -> None:
     """Refuse Q/K maps that do not commute with RoPE: only 2×2 rotations within rotary pairs do."""
     h = blocks.shape[-1]
@@ -183,8 +241,8 @@ def shared_kv_blocks(
                 f"layer {layer}: the query heads of one KV head need one {name} map (they share its keys/values)"
             )
         maps.append(per_kv[:, 0])
-    if rope and schema.qk_structure == "rope":
-        _check_rope(maps[0], layer)
+    if rope and schema.qk_structure == "rope" or schema.qk_turns is not None:
+        check_qk_blocks(maps[0], schema, layer)
     return kv_perm[:, 0], maps[0], maps[1]
 
 
@@ -303,7 +361,8 @@ class HeadAlignment(Transform):
         # checking the maps (RoPE's commutant, one map per KV head) costs more than acting with them
         # on a small layer, and a merge asks for a layer's actions once per candidate set it scores:
         # made once per schema and state of the tensors
-        shape = (schema.num_heads, schema.head_size, schema.kv_heads, schema.qk_structure)
+        shape = (schema.num_heads, schema.head_size, schema.kv_heads, schema.qk_structure, schema.rotary_dims,
+                 schema.qk_turns, schema.head_permutation)  # fmt: skip
         key = (id(schema), shape, *((t.data_ptr(), t._version) for t in (self.perm, self.qk, self.vo)))
         made = self.__dict__.get("_made")
         if made is None or made[0] != key:
@@ -316,10 +375,21 @@ class HeadAlignment(Transform):
         for name, r in (("qk", self.qk), ("vo", self.vo)):
             if r.shape != (H, h, h):
                 raise RaotError(f"layer {self.layer} {name} maps: expected shape {(H, h, h)}, got {tuple(r.shape)}")
+        if not schema.head_permutation and not torch.equal(self.perm, torch.arange(H)):
+            raise RaotError(
+                f"layer {self.layer}: the heads of a {schema.model_type} model may not be permuted (a score bias "
+                "shared by every layer indexes them); keep the heads in place"
+            )
         out = {
             schema.qk_space(self.layer).name: head_action(self.perm, self.qk),
             schema.vo_space(self.layer).name: head_action(self.perm, self.vo),
         }
+        if (
+            schema.kv_space(self.layer, "k") is None
+            and self.exact
+            and (schema.rotary_dims is not None or schema.qk_turns is not None)
+        ):
+            check_qk_blocks(self.qk, schema, self.layer)
         if schema.kv_space(self.layer, "k") is not None:
             kv_perm, qk_kv, vo_kv = shared_kv_blocks(schema, self.layer, self.perm, self.qk, self.vo, rope=self.exact)
             out[schema.kv_space(self.layer, "k").name] = head_action(kv_perm, qk_kv)
@@ -350,8 +420,13 @@ class UnrestrictedHeadAlignment(HeadAlignment):
 
 
 def _spread(scale: torch.Tensor, h: int) -> torch.Tensor:
-    """Scales per dimension: a (n,) scale covers its head's h dims, a (n, h/2) one each rotary pair's two dims."""
-    return scale.repeat_interleave(h) if scale.ndim == 1 else torch.cat([scale, scale], -1).reshape(-1)
+    """Scales per dimension: a (n,) scale covers its head's h dims, a (n, h/2) one each rotary pair's
+    two dims, a (n, h) one each dim (a partially rotary head, docs/design.md §9.4)."""
+    if scale.ndim == 1:
+        return scale.repeat_interleave(h)
+    if scale.shape[-1] == h:
+        return scale.reshape(-1)
+    return torch.cat([scale, scale], -1).reshape(-1)
 
 
 @dataclass
@@ -384,15 +459,21 @@ class HeadRescale(Transform):
         def diag(s):
             return SpaceAction(diagonal=_spread(s, h), orthogonal=False)
 
-        if self.qk_scale.ndim == 2 and self.qk_scale.shape[1:] != (h // 2,):
+        if self.qk_scale.ndim == 2 and self.qk_scale.shape[1:] not in ((h // 2,), (h,)):
             raise RaotError(f"layer {self.layer} per-pair Q/K scales: expected (heads, {h // 2}) values")
-        out = {
-            schema.qk_space(self.layer).name: diag(self.qk_scale),
-            schema.vo_space(self.layer).name: diag(self.vo_scale),
-        }
+        scales_qk = schema.qk_scales
+        if not scales_qk and not torch.all(self.qk_scale == 1):
+            raise RaotError(
+                f"layer {self.layer}: a norm of the queries and keys absorbs their scales in a {schema.model_type} "
+                "model, so Q/K scales are not a symmetry there; scale values and outputs only"
+            )
+        out = {schema.vo_space(self.layer).name: diag(self.vo_scale)}
+        if scales_qk:
+            out = {schema.qk_space(self.layer).name: diag(self.qk_scale), **out}
         if schema.kv_space(self.layer, "k") is not None:  # one scale per KV head, shared by its query heads
             queries_per_kv = schema.num_heads // schema.kv_heads
-            for kind, scale in (("k", self.qk_scale), ("v", self.vo_scale)):
+            kinds = (("k", self.qk_scale), ("v", self.vo_scale)) if scales_qk else (("v", self.vo_scale),)
+            for kind, scale in kinds:
                 per_kv = scale.view(schema.kv_heads, queries_per_kv, *scale.shape[1:])
                 if not torch.equal(per_kv, per_kv[:, :1].expand_as(per_kv)):
                     raise RaotError(
@@ -427,6 +508,33 @@ class ResidualPermutation(Transform):
     def describe(self):
         moved = int((self.perm != torch.arange(len(self.perm))).sum())
         return f"residual: permutation moving {moved}/{len(self.perm)} coordinates"
+
+
+@dataclass
+class ResidualSignedPermutation(ResidualPermutation):
+    """Permute the residual-stream coordinates and flip some signs: ``new[..., j] = signs[j]·old[..., perm[j]]``.
+    Exact on an RMSNorm stream whose norm weights cannot fold (docs/design.md §9.2): the weights
+    move with the coordinates, the signs pass through every norm."""
+
+    signs: torch.Tensor = None
+    kind: ClassVar[str] = "residual_signed_permutation"
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.signs = torch.ones(len(self.perm), dtype=_F64) if self.signs is None else _tensor(self.signs)
+        if not bool(torch.all(self.signs.abs() == 1)):
+            raise RaotError("residual signed permutation: signs must be +1 or −1")
+
+    def exact_for(self, schema):
+        return schema.residual.exact in ("signed_permutation", "orthogonal") or bool(torch.all(self.signs == 1))
+
+    def actions(self, schema):
+        _check_perm(self.perm, schema.hidden_size, "residual permutation")
+        return {"residual": SpaceAction(perm=self.perm, signs=self.signs)}
+
+    def describe(self):
+        flipped = int((self.signs < 0).sum())
+        return super().describe() + f", {flipped} signs flipped"
 
 
 @dataclass
