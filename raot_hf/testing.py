@@ -43,7 +43,12 @@ _DECODERS = {
     "qwen2": ("Qwen2Config", "Qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
     # mixtures of experts (docs/design.md §10): 4 experts, top-2
     "mixtral": ("MixtralConfig", "Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3Moe", {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True}),
+    "olmoe": ("OlmoeConfig", "Olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2Moe", {"num_experts": 4, "num_experts_per_tok": 2}),
 }
+#: a mixture of experts' expert width is the tiny config's intermediate_size; Qwen2-MoE's shared expert is wider
+_EXPERT_WIDTH = {"qwen3_moe": "moe_intermediate_size", "qwen2_moe": "moe_intermediate_size"}
 
 #: Each head's transformers class suffix (``Bert`` + ``ForMaskedLM``).
 HEADS = {
@@ -180,6 +185,10 @@ def tiny_decoder_config(
         kw.update(num_hidden_layers=num_layers, intermediate_size=intermediate_size, max_position_embeddings=64)
         if model_type == "qwen2":
             kw["layer_types"] = ["sliding_attention"] + ["full_attention"] * (num_layers - 1)
+        if model_type in _EXPERT_WIDTH:
+            kw[_EXPERT_WIDTH[model_type]] = intermediate_size
+        if model_type == "qwen2_moe":
+            kw["shared_expert_intermediate_size"] = intermediate_size + 8
     kw.update(extra)
     kw.update(overrides)
     return getattr(transformers, cfg_name)(**kw)
@@ -241,10 +250,13 @@ for _arch in (
         for t in ("llama", "mistral", "qwen2")
     ),
     *(
-        TinyArchitecture(
-            t, tiny_decoder_config, _decoder_class, ("causal", "base", "sequence"), "causal", rope=True, experts=True
-        )  # fmt: skip
-        for t in ("mixtral",)
+        TinyArchitecture(t, tiny_decoder_config, _decoder_class, heads, "causal", rope=True, experts=True)
+        for t, heads in (
+            ("mixtral", ("causal", "base", "sequence")),
+            ("qwen3_moe", ("causal", "base", "sequence")),
+            ("olmoe", ("causal", "base")),  # transformers has no OLMoE sequence classifier
+            ("qwen2_moe", ("causal", "base", "sequence")),
+        )
     ),
 ):
     register_tiny_architecture(_arch)
@@ -525,14 +537,18 @@ def exact_rmsnorm():
     from transformers.models.llama import modeling_llama
     from transformers.models.mistral import modeling_mistral
     from transformers.models.mixtral import modeling_mixtral
+    from transformers.models.olmoe import modeling_olmoe
     from transformers.models.qwen2 import modeling_qwen2
+    from transformers.models.qwen2_moe import modeling_qwen2_moe
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
 
     def forward(self, hidden_states):
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
     classes = (modeling_llama.LlamaRMSNorm, modeling_mistral.MistralRMSNorm, modeling_qwen2.Qwen2RMSNorm)
-    classes += (modeling_mixtral.MixtralRMSNorm,)
+    classes += (modeling_mixtral.MixtralRMSNorm, modeling_qwen3_moe.Qwen3MoeRMSNorm, modeling_olmoe.OlmoeRMSNorm)
+    classes += (modeling_qwen2_moe.Qwen2MoeRMSNorm,)
     saved = [c.forward for c in classes]
     try:
         for c in classes:
