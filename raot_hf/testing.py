@@ -55,6 +55,7 @@ HEADS = {
     "causal": "ForCausalLM", "base": "Model", "sequence": "ForSequenceClassification",
     "token": "ForTokenClassification", "mlm": "ForMaskedLM", "qa": "ForQuestionAnswering",
     "image": "ForImageClassification", "teacher": "ForImageClassificationWithTeacher",
+    "projection": "ModelWithProjection",
 }  # fmt: skip
 
 
@@ -65,8 +66,9 @@ class TinyArchitecture:
     head of :data:`HEADS`; the ``heads`` the symmetry tests run; the ``task_head`` merge tests use;
     ``rope``: rotary positions with grouped-query attention and RMSNorm; ``variant_of``: a registered
     architecture whose modeling code this one copies (the per-architecture merge tests run that one
-    only); ``experts``: a mixture-of-experts family (its own tests run it, docs/design.md §10).
-    Decoder or not, and the modality, come from its adapter."""
+    only); ``experts``: a mixture-of-experts family (its own tests run it, docs/design.md §10);
+    ``tower``: one tower of a two-tower model (likewise, §11). Decoder or not, and the modality, come
+    from its adapter."""
 
     model_type: str
     config: Callable[..., transformers.PretrainedConfig]
@@ -76,6 +78,7 @@ class TinyArchitecture:
     rope: bool = False
     variant_of: str | None = None
     experts: bool = False
+    tower: bool = False
 
 
 _ARCHITECTURES: dict[str, TinyArchitecture] = {}
@@ -102,12 +105,18 @@ def tiny_architecture(model_type: str) -> TinyArchitecture:
 
 
 def architectures(
-    *, decoders: bool | None = None, rope: bool | None = None, variants: bool = False, experts: bool | None = False
+    *,
+    decoders: bool | None = None,
+    rope: bool | None = None,
+    variants: bool = False,
+    experts: bool | None = False,
+    towers: bool | None = False,
 ) -> list[str]:
     """The registered tiny architectures' model types in registration order (the per-architecture tests'
     one list): only decoders / encoders (``decoders`` True / False), only / no RoPE family (``rope``),
     with ``variants`` those that copy another's modeling code, and the mixture-of-experts families
-    only (``experts`` True), none (False, the default: they have tests of their own) or with the rest (None)."""
+    only (``experts`` True), none (False, the default: they have tests of their own) or with the rest
+    (None); the towers of two-tower models likewise (``towers``)."""
     from raot_hf.adapters import is_decoder
 
     return [
@@ -117,6 +126,7 @@ def architectures(
         and (decoders is None or is_decoder(t) == decoders)
         and (rope is None or arch.rope == rope)
         and (experts is None or arch.experts == experts)
+        and (towers is None or arch.tower == towers)
     ]
 
 
@@ -226,6 +236,78 @@ def tiny_model(model_type: str, head: str = "base", *, seed: int = 0, dtype=torc
     return model.to(dtype).eval()
 
 
+# Two-tower models (docs/design.md §11): each tower's config class and model-class prefix.
+_TOWERS = {
+    "clip_text_model": ("CLIPTextConfig", "CLIPText"),
+    "clip_vision_model": ("CLIPVisionConfig", "CLIPVision"),
+    "siglip_text_model": ("SiglipTextConfig", "SiglipText"),
+    "siglip_vision_model": ("SiglipVisionConfig", "SiglipVision"),
+}
+_DUALS = {"clip": ("CLIPConfig", "CLIPModel", "clip_text_model", "clip_vision_model"),
+          "siglip": ("SiglipConfig", "SiglipModel", "siglip_text_model", "siglip_vision_model")}  # fmt: skip
+
+
+def tiny_tower_config(model_type: str, *, hidden_size=16, num_heads=4, num_layers=2, intermediate_size=24, **overrides):
+    """A small config of one tower of a two-tower model: text over :func:`tiny_tokenizer`'s 40 words
+    ([PAD] 0, [CLS] 2 as the start, [SEP] 3 as the end of text), images of 8 × 8 in patches of 4; a
+    CLIP tower's projection narrower than the tower (hidden_size − 4)."""
+    cfg_name, _ = _TOWERS[model_type]
+    kw = dict(hidden_size=hidden_size, num_attention_heads=num_heads, num_hidden_layers=num_layers,
+              intermediate_size=intermediate_size)  # fmt: skip
+    if "text" in model_type:
+        kw.update(vocab_size=40, max_position_embeddings=32, pad_token_id=0, bos_token_id=2, eos_token_id=3)
+    else:
+        kw.update(image_size=8, patch_size=4, num_channels=3)
+    if model_type.startswith("clip"):
+        kw["projection_dim"] = hidden_size - 4
+    kw.update(overrides)
+    return getattr(transformers, cfg_name)(**kw)
+
+
+def _tower_class(model_type: str, head: str):
+    return getattr(transformers, _TOWERS[model_type][1] + HEADS[head])
+
+
+def tiny_dual_model(model_type: str, *, seed: int = 0, dtype=torch.float64, **shape) -> torch.nn.Module:
+    """A randomly initialised two-tower model (``clip`` or ``siglip``) of two tiny towers
+    (:func:`tiny_tower_config`'s shapes, ``shape`` for both); norm affines and biases randomised as
+    :func:`tiny_model` does."""
+    cfg_name, cls_name, text_type, vision_type = _DUALS[model_type]
+    text, vision = tiny_tower_config(text_type, **shape), tiny_tower_config(vision_type, **shape)
+    extra = {"projection_dim": text.projection_dim} if model_type == "clip" else {}
+    config = getattr(transformers, cfg_name)(text_config=text.to_dict(), vision_config=vision.to_dict(), **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(config)
+    g = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "logit" not in name:
+                noise = 0.2 * torch.randn(p.shape, generator=g)
+                p.copy_(1.0 + noise if "norm" in name.lower() and name.endswith("weight") else noise)
+    return model.to(dtype).eval()
+
+
+def tiny_dual_processor(model_type: str):
+    """The processor of a tiny two-tower model: :func:`tiny_tokenizer` (ids and mask only) and an
+    8 × 8 image processor."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.model_input_names = ["input_ids", "attention_mask"]
+    if model_type == "clip":
+        images = transformers.CLIPImageProcessor(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
+        return transformers.CLIPProcessor(image_processor=images, tokenizer=tokenizer)
+    images = transformers.SiglipImageProcessor(size={"height": 8, "width": 8})
+    return transformers.SiglipProcessor(image_processor=images, tokenizer=tokenizer)
+
+
+def tiny_paired_dataset(n: int = 64, seed: int = 0):
+    """An in-memory ``datasets.Dataset`` of random 8 × 8 images with random captions (``image``, ``text``)."""
+    import datasets
+
+    images, texts = tiny_image_dataset(n, seed=seed)["image"], tiny_text_dataset(n, seed=seed)["text"]
+    features = datasets.Features({"image": datasets.Image(), "text": datasets.Value("string")})
+    return datasets.Dataset.from_dict({"image": images, "text": texts}, features=features)
+
+
 def _has_experts(model: torch.nn.Module) -> bool:
     """Whether ``model`` holds a mixture-of-experts block (3-D expert weights)."""
     return any(p.ndim == 3 for p in model.parameters())
@@ -256,6 +338,15 @@ for _arch in (
             ("qwen3_moe", ("causal", "base", "sequence")),
             ("olmoe", ("causal", "base")),  # transformers has no OLMoE sequence classifier
             ("qwen2_moe", ("causal", "base", "sequence")),
+        )
+    ),
+    *(
+        TinyArchitecture(t, tiny_tower_config, _tower_class, (head,), head, tower=True)
+        for t, head in (
+            ("clip_text_model", "projection"),
+            ("clip_vision_model", "projection"),
+            ("siglip_text_model", "base"),
+            ("siglip_vision_model", "base"),
         )
     ),
 ):
@@ -312,7 +403,7 @@ def trained_like(
             continue
         fan_in = p.shape[0] if name in stored_in_out else p.shape[1]
         p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) / fan_in**0.5)
-    d = model.config.hidden_size
+    d = getattr(model.config, "hidden_size", None)  # a two-tower model's towers have their own
     matched = False
     for name, p in model.named_parameters():
         if name.endswith(("q_proj.weight", "k_proj.weight")):

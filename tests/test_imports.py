@@ -191,9 +191,10 @@ def test_every_adapter_has_a_tiny_architecture_the_tests_run():
     from raot_hf.adapters import get_adapter, supported_model_types
     from raot_hf.testing import architectures, tiny_architecture
 
-    tested = {get_adapter(t).name for t in architectures(experts=None)}  # mixtures of experts: tests of their own
+    every_kind = {"experts": None, "towers": None}  # mixtures of experts and towers have tests of their own
+    tested = {get_adapter(t).name for t in architectures(**every_kind)}
     assert {get_adapter(t).name for t in supported_model_types()} == tested
-    every, direct = architectures(variants=True, experts=None), architectures(experts=None)
+    every, direct = architectures(variants=True, **every_kind), architectures(**every_kind)
     assert set(every) <= set(supported_model_types())
     assert all(tiny_architecture(t).variant_of in direct for t in every if t not in direct)
 

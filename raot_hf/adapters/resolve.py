@@ -328,6 +328,8 @@ class _Resolver:
                 w, b = self.linear(module)
                 self.add(residual, w, 1, False, "head_reader")
                 final_readers.append((w, b))
+        for name, axis, covariant in head.stream:  # a probe written in the stream's basis, fused readers' columns
+            self.add(residual, name, axis, covariant, "writer" if covariant else "head_reader")
         if head.tied is not None:
             dense, norm, decoder = head.tied
             w, b = self.linear(dense)

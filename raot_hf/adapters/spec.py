@@ -174,12 +174,17 @@ class HeadSpec:
     (``readers``, full names); ``tied``: the (dense, norm, decoder) of a masked-LM transform tied to
     the stream through the word embeddings; ``reads_final_norm``: whether the final norm folds into
     the readers (a base model returns the norm's output: it cannot); ``trunk``: the head shares the
-    trunk's vocabulary and is merged with it (a causal LM's ``lm_head``)."""
+    trunk's vocabulary and is merged with it (a causal LM's ``lm_head``); ``stream``: other parameter
+    axes in the final stream's basis."""
 
     readers: tuple[str, ...] = ()
     tied: tuple[str, str, str] | None = None
     reads_final_norm: bool = True
     trunk: bool = False
+    #: (parameter, axis, covariant) in the final stream's basis beyond the readers' Linears: SigLIP's
+    #: attention-pooling probe (a query written in the stream's basis) and the columns of its fused
+    #: in-projection (docs/design.md §11.1)
+    stream: tuple[tuple[str, int, bool], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -234,12 +239,66 @@ class ExpertsSpec:
 
 @dataclass(frozen=True)
 class TowerSpec:
-    """Reserved for two-tower models (not resolved yet): one tower (a family of its own, by name)
-    under ``prefix`` and the projection into the joint space."""
+    """One tower of a two-tower model (docs/design.md §11): its family (by name), the attribute of
+    the two-tower model holding it (``prefix``) and its projection into the joint space
+    (``projection``: a module of the two-tower model beside the tower; None where the tower's own
+    head projects); ``wrapper``: the transformers class holding the tower and its projection, which
+    the tower's merge runs on (None: the tower itself)."""
 
     family: str
     prefix: str
-    projection: str
+    projection: str | None = None
+    wrapper: str | None = None
+
+
+@dataclass(frozen=True)
+class JointSpec:
+    """The joint space of a two-tower model (full parameter names): ``writers`` (parameter, axis)
+    write it — the projections' rows and biases, a pooling head's output rows; ``readers``
+    (parameter, axis) read it inside a tower's head; ``norm``: a LayerNorm in it (SigLIP's pooling
+    head), folded into the ``norm_readers`` (Linear modules with a bias) before a rotation."""
+
+    writers: tuple[tuple[str, int], ...]
+    readers: tuple[tuple[str, int], ...] = ()
+    norm: str | None = None
+    norm_readers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DualEncoderSpec:
+    """A two-tower model (CLIP, SigLIP; docs/design.md §11): its ``towers`` (each a family of its
+    own), the ``joint`` space their projections write, where one orthogonal map acts on both, and
+    the ``scalars`` outside both (the logit scale and bias), merged by the rule. JSON round trip as
+    :class:`FamilySpec`'s (``raot_hf/adapters/dual/*.json``)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    towers: tuple[TowerSpec, ...]
+    joint: JointSpec
+    scalars: tuple[str, ...] = ()
+    description: str = ""
+
+    def validate(self) -> DualEncoderSpec:
+        if not self.name or not self.model_types:
+            raise ValueError(f"dual encoder {self.name!r}: needs a name and at least one model type")
+        if len(self.towers) != 2 or len({t.prefix for t in self.towers}) != 2:
+            raise ValueError(f"dual encoder {self.name!r}: needs two towers under two prefixes")
+        if not self.joint.writers:
+            raise ValueError(f"dual encoder {self.name!r}: the joint space needs its writers")
+        if self.joint.norm is not None and not self.joint.norm_readers:
+            raise ValueError(f"dual encoder {self.name!r}: a norm in the joint space folds into its readers")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DualEncoderSpec:
+        data = dict(data)
+        where = f"dual encoder {data.get('name')!r}"
+        towers = tuple(_build(TowerSpec, t, f"{where}.towers") for t in data.pop("towers", ()))
+        joint = _build(JointSpec, data.pop("joint", None), f"{where}.joint")
+        return _build(cls, {**data, "towers": towers, "joint": joint}, where).validate()
 
 
 # --------------------------------------------------------------------- layouts, from the config
