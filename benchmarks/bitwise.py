@@ -284,6 +284,20 @@ def _git(*args: str) -> str:
         return ""
 
 
+def _machine() -> dict:
+    """The platform, the CPU's model and its bf16 matrix instructions (which decide ``auto``), torch."""
+    cpu, flags = platform.processor(), ""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        cpu = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), cpu)
+        flags = next((line for line in info.splitlines() if line.startswith("flags")), "")
+    except OSError:
+        pass
+    bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in flags.split()]
+    cores = os.cpu_count()
+    return {"platform": platform.platform(), "cpu": cpu, "bf16": bf16, "cores": cores, "torch": torch.__version__}
+
+
 def record(out: Path, only: list[str] | None, trained: bool, cases: tuple[str, ...], commit: str = "") -> dict:
     torch.set_num_threads(1)
     import raot_hf
@@ -295,7 +309,7 @@ def record(out: Path, only: list[str] | None, trained: bool, cases: tuple[str, .
         "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "raot_hf": str(Path(raot_hf.__file__).resolve().parent),
         "command": " ".join(sys.argv),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__},
+        "machine": _machine(),
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "schemas": schema_records(types),
         "merges": {},
@@ -340,15 +354,19 @@ def compare(before: dict, after: dict) -> list[str]:
         old, new = before[section], after[section]
         for key in sorted(set(old) - set(new)):
             lines.append(f"{section}: {key} only in the first record")
-        for key in sorted(set(new) - set(old)):
-            lines.append(f"{section}: {key} only in the second record (not compared)")
+        added = sorted(set(new) - set(old))
+        if added:
+            families = sorted({key.split("/")[0] for key in added})
+            lines.append(f"{section}: {len(added)} only in the second record, not compared ({', '.join(families)})")
         for key in sorted(set(old) & set(new)):
             a, b = old[key], new[key]
             if section == "schemas":
                 diff = sorted({path.split("[")[0] for path in _schema_diff(a, b, "")})
             else:
                 diff = [n for n in sorted(set(a) | set(b)) if a.get(n) != b.get(n)]
-            if diff:
+            if diff == [".notes"]:  # human-readable remarks only: no stage reads them
+                lines.append(f"{section}: {key} notes (text) differ")
+            elif diff:
                 lines.append(f"{section}: {key} differs in {len(diff)}: {', '.join(diff[:6])}")
     return lines
 
@@ -365,6 +383,7 @@ def main(argv=None) -> int:
     cmp = sub.add_parser("compare", help="compare two records; exit status 1 on a difference")
     cmp.add_argument("first", type=Path)
     cmp.add_argument("second", type=Path)
+    cmp.add_argument("--out", type=Path, help="also write the comparison (both records' provenance) as JSON")
     args = parser.parse_args(argv)
     if args.command == "record":
         only = [t for t in args.only.split(",") if t] or None
@@ -377,6 +396,17 @@ def main(argv=None) -> int:
     print("\n".join(lines) if lines else "no difference")
     schemas = len(set(first["schemas"]) & set(second["schemas"]))
     print(f"compared {len(shared)} merges ({tensors} tensors) and {schemas} schemas")
+    if args.out is not None:
+        keys = ("commit", "dirty", "command", "machine", "when")
+        summary = {
+            "records": [{k: rec.get(k) for k in keys} for rec in (first, second)],
+            "command": " ".join(sys.argv),
+            "merges_compared": len(shared),
+            "tensors_compared": tensors,
+            "schemas_compared": schemas,
+            "differences": lines,
+        }
+        args.out.write_text(json.dumps(summary, indent=1) + "\n")
     return 1 if any("differs" in line or "only in the first" in line for line in lines) else 0
 
 

@@ -33,7 +33,24 @@ _CONFIGS = {
     "deberta": ("DebertaConfig", "Deberta", _DEBERTA),
     "vit": ("ViTConfig", "ViT", {"image_size": 8, "patch_size": 4, "num_channels": 3}),
     "deit": ("DeiTConfig", "DeiT", {"image_size": 8, "patch_size": 4, "num_channels": 3}),
+    "distilbert": ("DistilBertConfig", "DistilBert", {"pad_token_id": 0}),
+    "electra": ("ElectraConfig", "Electra", {}),
+    "mpnet": ("MPNetConfig", "MPNet", {"pad_token_id": 1}),
+    "modernbert": (
+        "ModernBertConfig",
+        "ModernBert",
+        {
+            "local_attention": 4,
+            "pad_token_id": 0,
+            "bos_token_id": 2,
+            "eos_token_id": 3,
+            "cls_token_id": 2,
+            "sep_token_id": 3,
+        },
+    ),
+    "dinov2": ("Dinov2Config", "Dinov2", {"image_size": 8, "patch_size": 4, "num_channels": 3}),
 }
+_IMAGES = ("vit", "deit", "dinov2")
 
 # Decoders (docs/design.md §8): class prefix and config overrides; GQA with 8 query / 2 KV heads.
 _DECODERS = {
@@ -41,6 +58,27 @@ _DECODERS = {
     "llama": ("LlamaConfig", "Llama", {}),
     "mistral": ("MistralConfig", "Mistral", {"sliding_window": 4}),
     "qwen2": ("Qwen2Config", "Qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+    "qwen3": ("Qwen3Config", "Qwen3", {}),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2",
+        # a window past every padding run of the tests' batches: a padded query that sees only padding
+        # is NaN in Gemma's eager attention, and NaN reaches every token of its text
+        {"sliding_window": 10, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    ),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3", {"sliding_window": 10, "final_logit_softcapping": 30.0}),
+    "phi3": ("Phi3Config", "Phi3", {}),
+    "olmo2": ("Olmo2Config", "Olmo2", {}),
+    "smollm3": ("SmolLM3Config", "SmolLM3", {"no_rope_layer_interval": 2}),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        "GPTNeoX",
+        {
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            "hidden_dropout": 0.0,
+            "attention_dropout": 0.0,
+        },
+    ),
     # mixtures of experts (docs/design.md §10): 4 experts, top-2
     "mixtral": ("MixtralConfig", "Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3Moe", {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True}),
@@ -49,6 +87,13 @@ _DECODERS = {
 }
 #: a mixture of experts' expert width is the tiny config's intermediate_size; Qwen2-MoE's shared expert is wider
 _EXPERT_WIDTH = {"qwen3_moe": "moe_intermediate_size", "qwen2_moe": "moe_intermediate_size"}
+# Decoders whose heads span more than the hidden size in the tiny models (head_dim · H = 2d, as Gemma's do)
+_WIDE_HEADS = ("gemma2", "gemma3_text")
+# Decoders whose config sets head_dim itself (Qwen3: 128 by default): the tiny models tile the hidden size
+_OWN_HEAD_DIM = ("qwen3", "gemma2", "gemma3_text")
+# Class names that are not the family prefix + the head's suffix
+_CLASS_NAMES = {("gemma3_text", "base"): "Gemma3TextModel",
+                ("gemma3_text", "sequence"): "Gemma3TextForSequenceClassification"}  # fmt: skip
 
 #: Each head's transformers class suffix (``Bert`` + ``ForMaskedLM``).
 HEADS = {
@@ -169,10 +214,18 @@ def tiny_config(model_type: str, *, hidden_size=16, num_heads=4, num_layers=2, i
     kw = dict(hidden_size=hidden_size, num_attention_heads=num_heads, num_hidden_layers=num_layers)
     kw.update(intermediate_size=intermediate_size, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     kw["num_labels"] = overrides.pop("num_labels", 3)
-    if model_type not in ("vit", "deit"):
+    if model_type not in _IMAGES:
         kw.update(vocab_size=40, max_position_embeddings=32, type_vocab_size=2)
     kw.update(extra)
     kw.update(overrides)
+    if model_type == "distilbert":  # DistilBERT names its MLP width and dropouts apart
+        kw.update(hidden_dim=kw.pop("intermediate_size"), dropout=0.0, attention_dropout=0.0)
+    elif model_type == "dinov2":  # the MLP width is mlp_ratio · d, an integer ratio
+        kw["mlp_ratio"] = max(1, round(kw.pop("intermediate_size") / hidden_size))
+    elif model_type == "electra":
+        kw.setdefault("embedding_size", hidden_size)
+    elif model_type == "modernbert":  # (its default layer types: every third layer global, the others local)
+        kw.update(attention_dropout=0.0, mlp_dropout=0.0, embedding_dropout=0.0)
     return getattr(transformers, cfg_name)(**kw)
 
 
@@ -193,7 +246,11 @@ def tiny_decoder_config(
     else:
         kw.update(hidden_size=hidden_size, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads)
         kw.update(num_hidden_layers=num_layers, intermediate_size=intermediate_size, max_position_embeddings=64)
-        if model_type == "qwen2":
+        if model_type == "gpt_neox":  # one KV head per query head
+            kw.pop("num_key_value_heads")
+        if model_type in _OWN_HEAD_DIM:
+            kw["head_dim"] = (2 if model_type in _WIDE_HEADS else 1) * hidden_size // num_heads
+        if model_type in ("qwen2", "gemma2", "gemma3_text"):
             kw["layer_types"] = ["sliding_attention"] + ["full_attention"] * (num_layers - 1)
         if model_type in _EXPERT_WIDTH:
             kw[_EXPERT_WIDTH[model_type]] = intermediate_size
@@ -201,6 +258,8 @@ def tiny_decoder_config(
             kw["shared_expert_intermediate_size"] = intermediate_size + 8
     kw.update(extra)
     kw.update(overrides)
+    if model_type in _WIDE_HEADS:
+        kw.setdefault("query_pre_attn_scalar", kw["head_dim"])
     return getattr(transformers, cfg_name)(**kw)
 
 
@@ -208,7 +267,7 @@ def _decoder_class(model_type: str, head: str):
     suffix = "LMHeadModel" if model_type == "gpt2" and head == "causal" else HEADS[head]
     if head not in ("causal", "base", "sequence"):
         raise RaotError(f"decoders have heads causal, base and sequence, not {head!r}")
-    return getattr(transformers, _DECODERS[model_type][1] + suffix)
+    return getattr(transformers, _CLASS_NAMES.get((model_type, head), _DECODERS[model_type][1] + suffix))
 
 
 def tiny_model(model_type: str, head: str = "base", *, seed: int = 0, dtype=torch.float64, **config) -> torch.nn.Module:
@@ -232,6 +291,7 @@ def tiny_model(model_type: str, head: str = "base", *, seed: int = 0, dtype=torc
                 noise = 0.2 * torch.randn(p.shape, generator=g)
                 is_norm = name.endswith("LayerNorm.weight") or "norm" in name.lower() and name.endswith("weight")
                 is_norm |= name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight"))  # GPT-2
+                is_norm |= name.endswith("lambda1")  # LayerScale (DINOv2)
                 p.copy_(1.0 + noise if is_norm else noise)
     return model.to(dtype).eval()
 
@@ -331,6 +391,16 @@ for _arch in (
         TinyArchitecture(t, tiny_decoder_config, _decoder_class, ("causal", "base", "sequence"), "causal", rope=True)
         for t in ("llama", "mistral", "qwen2")
     ),
+    # the families of docs/design.md §9: each an exact group of its own
+    *(
+        TinyArchitecture(t, tiny_decoder_config, _decoder_class, ("causal", "base", "sequence"), "causal")
+        for t in ("qwen3", "gemma2", "gemma3_text", "phi3", "gpt_neox", "olmo2", "smollm3")
+    ),
+    TinyArchitecture("distilbert", tiny_config, _encoder_class, (*_TEXT_HEADS, "qa"), "sequence"),
+    TinyArchitecture("electra", tiny_config, _encoder_class, ("base", "sequence", "token"), "sequence"),
+    TinyArchitecture("mpnet", tiny_config, _encoder_class, _TEXT_HEADS, "sequence"),
+    TinyArchitecture("modernbert", tiny_config, _encoder_class, _TEXT_HEADS, "sequence"),
+    TinyArchitecture("dinov2", tiny_config, _encoder_class, ("base", "image"), "image"),
     *(
         TinyArchitecture(t, tiny_decoder_config, _decoder_class, heads, "causal", rope=True, experts=True)
         for t, heads in (
@@ -354,15 +424,22 @@ for _arch in (
 
 
 def _decoder_parts(model: torch.nn.Module):
-    """(base module, embedding, layers, names) of a decoder: the layer modules and, per layer, the
-    attention output, MLP input (gate/up or c_fc) and MLP output modules."""
-    if model.config.model_type == "gpt2":
-        base = getattr(model, "transformer", model)
-        names = {"o": "attn.c_proj", "fc1": ("mlp.c_fc",), "fc2": "mlp.c_proj"}
-        return base, base.wte, base.h, names, base.wpe
-    base = getattr(model, "model", model)
-    names = {"o": "self_attn.o_proj", "fc1": ("mlp.gate_proj", "mlp.up_proj"), "fc2": "mlp.down_proj"}
-    return base, base.embed_tokens, base.layers, names, None
+    """A decoder's parts, located through its family's spec and schema: (embedding tables — the
+    token table first —, layer modules, module names per layer relative to the layer — ``o``,
+    ``fc1`` (the MLP's input modules), ``fc2`` —, whether weights are stored (in, out), the number of
+    unit blocks in each MLP input, and the norm on the MLP's output if the family has one)."""
+    from raot_hf.adapters import get_adapter, schema_for
+
+    spec, schema = get_adapter(model.config.model_type), schema_for(model)
+    params = dict(model.named_parameters())
+    tables = [
+        params[m.name]
+        for m in schema.residual.members
+        if m.role == "writer" and isinstance(model.get_submodule(m.name.rsplit(".", 1)[0]), torch.nn.Embedding)
+    ]
+    layers = [model.get_submodule(layer.module) for layer in schema.layers]
+    names = {"o": spec.attention.o, "fc1": spec.mlp.inputs, "fc2": spec.mlp.output, "mlp_out": spec.norms.mlp_out}
+    return tables, layers, names, spec.transposed, spec.mlp.fused_parts, spec.norms.offset
 
 
 def _unit_rows(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -379,7 +456,8 @@ def trained_like(
     """Make a tiny random model compute like a trained one, in place, and return it: unit-gain
     matrices (N(0, 1/fan-in); embeddings N(0, 1)), queries and keys scaled by ``qk_gain``.
     ``massive`` (decoders): layer 1's MLP unit 0 writes that value into two stream dimensions on the
-    ``triggers`` tokens only (LLMs' massive activations). ``twins``: MLP units 0 and 1 of
+    ``triggers`` tokens only (LLMs' massive activations; where a norm follows the MLP, that value
+    times the stream's typical entry when it exceeds 1). ``twins``: MLP units 0 and 1 of
     ``twin_layer`` (default the middle one) are near-twin massive units (about ``twins`` and 0.35 ×
     as much on the first token, correlating at ~0.999 along different directions), their margin
     below bf16 rounding (docs/design.md §4.3). ``expert_twins`` (mixtures of experts, docs/design.md
@@ -414,6 +492,7 @@ def trained_like(
             matched = True
     if not matched:  # BERT / RoBERTa (query, key), DeBERTa-v2 (query_proj, key_proj), DeBERTa v1 (in_proj)
         _scale_queries_and_keys(model, qk_gain)
+    _scale_qk_norms(model, qk_gain)
     if massive is not None:
         _plant_massive_activation(model, float(massive), tuple(triggers), g)
     if twins is not None:
@@ -456,6 +535,21 @@ def _scale_queries_and_keys(model: torch.nn.Module, gain: float) -> None:
             weight[rows] *= gain
 
 
+def _scale_qk_norms(model: torch.nn.Module, gain: float) -> None:
+    """A norm of the queries and keys (Qwen3, Gemma 3, OLMo 2) undoes their projections' scale: its
+    weight carries the gain instead (offset + weight scaled, Gemma's 1 + w)."""
+    from raot_hf.adapters import get_adapter
+
+    spec = get_adapter(model.config.model_type)
+    att = spec.attention
+    if not att.q_norm:
+        return
+    suffixes = tuple(f"{m}.weight" for m in (att.q_norm, att.k_norm) if m)
+    for name, p in model.named_parameters():
+        if name.endswith(suffixes):
+            p.copy_((p + spec.norms.offset) * gain - spec.norms.offset)
+
+
 def _plant_near_twins(model: torch.nn.Module, amplitude: float, layer: int | None, g: torch.Generator) -> None:
     from raot_hf.adapters import schema_for
 
@@ -485,13 +579,14 @@ def _plant_near_twins(model: torch.nn.Module, amplitude: float, layer: int | Non
             if unit == 1:
                 noise = torch.randn(row.shape, generator=g, dtype=torch.float64)
                 row = row + 0.05 * per_reader * noise / noise.numel() ** 0.5
+            at = unit if m.index is None else m.index[unit]  # a fused input: the unit's row in its block
             if m.axis == 0:
-                w[unit] = row.to(w.dtype)
+                w[at] = row.to(w.dtype)
             else:
-                w[:, unit] = row.to(w.dtype)
+                w[:, at] = row.to(w.dtype)
         for m in members:
             if m.role == "fc1" and params[m.name].ndim == 1:
-                params[m.name][unit] = 0.0
+                params[m.name][unit if m.index is None else m.index[unit]] = 0.0
         for m in writers:
             w = params[m.name]
             column = torch.randn(w.shape[1 - m.axis], generator=g, dtype=torch.float64) * 2.0 / amplitude
@@ -502,22 +597,22 @@ def _plant_near_twins(model: torch.nn.Module, amplitude: float, layer: int | Non
 
 
 def _plant_massive_activation(model, amplitude: float, triggers: tuple[int, ...], g: torch.Generator) -> None:
-    if model.config.model_type not in _DECODERS:
-        raise RaotError("massive activations are planted in decoders only (gpt2, llama, mistral, qwen2)")
+    from raot_hf.adapters import get_adapter, is_decoder
+
+    if not is_decoder(model.config.model_type):
+        raise RaotError("massive activations are planted in decoders only")
     if model.config.num_hidden_layers < 2:
         raise RaotError("massive activations need at least 2 layers (layer 1's MLP writes them)")
-    conv1d = model.config.model_type == "gpt2"
-    _, emb, layers, names, wpe = _decoder_parts(model)
-    d = emb.weight.shape[1]
+    tables, layers, names, conv1d, parts, norm_offset = _decoder_parts(model)
+    w = tables[0]
+    d = w.shape[1]
     direction = torch.randn(d, generator=g, dtype=torch.float64)
-    if conv1d:  # LayerNorm centers each token: a direction with a mean would pick up every token's
-        direction -= direction.mean()
+    if get_adapter(model.config.model_type).norms.kind == "layer":  # LayerNorm centers each token: a
+        direction -= direction.mean()  # direction with a mean would pick up every token's
     direction /= direction.norm()
     off = torch.eye(d, dtype=torch.float64) - torch.outer(direction, direction)
-    w = emb.weight
-    w.copy_(w.double() @ off)
-    if wpe is not None:
-        wpe.weight.copy_(wpe.weight.double() @ off)
+    for table in tables:
+        table.copy_(table.double() @ off)
     for t in triggers:
         w[t] = d**0.5 * direction
     # nothing before layer 1's MLP writes along the direction (writers' output rows projected off)
@@ -533,15 +628,33 @@ def _plant_massive_activation(model, amplitude: float, triggers: tuple[int, ...]
             norm.bias.copy_(norm.bias.double() @ off)
     mlp_in = [layers[1].get_submodule(m) for m in names["fc1"]]
     for lin in mlp_in:
-        _unit_rows(lin.weight, conv1d)[0] = 4.0 * direction
-        if lin.bias is not None:
-            lin.bias[0] = 0.0
+        units = _unit_rows(lin.weight, conv1d).shape[0] // parts
+        for block in range(parts):  # a fused input holds the unit's row in every block (gate, up)
+            _unit_rows(lin.weight, conv1d)[block * units] = 4.0 * direction
+            if lin.bias is not None:
+                lin.bias[block * units] = 0.0
     out = layers[1].get_submodule(names["fc2"])
     column = torch.zeros(d, dtype=torch.float64)
     column[[1, d // 2]] = 1.0
     _unit_rows(out.weight, conv1d)[:, 0] = column
-    # scale unit 0's output so the triggers' stream reaches ``amplitude``
     ids = torch.tensor([[triggers[0], *range(5, 9)]])
+    if names["mlp_out"]:
+        # a norm on the MLP's output (Gemma, OLMo 2) rescales it: no other unit writes the two
+        # dimensions, and the norm's weight there, not the column, sets the amplitude
+        rows = _unit_rows(out.weight, conv1d)
+        rows[[1, d // 2], 1:] = 0.0
+        if out.bias is not None:
+            out.bias[[1, d // 2]] = 0.0
+        # massive against the stream's typical entry (Gemma scales its embeddings by √d); the norm
+        # is not linear in its weight's two entries, so the scale is refined a few times
+        norm = layers[1].get_submodule(names["mlp_out"]).weight
+        for _ in range(4):
+            hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[2]
+            target = amplitude * max(1.0, float(hidden[0, 1:].abs().median()))
+            reached = float(hidden[0, 0, [1, d // 2]].abs().max())
+            norm[[1, d // 2]] = (norm[[1, d // 2]] + norm_offset) * (target / max(reached, 1e-12)) - norm_offset
+        return
+    # scale unit 0's output so the triggers' stream reaches ``amplitude``
     hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[2]
     reached = float(hidden[0, 0, [1, d // 2]].abs().max())
     _unit_rows(out.weight, conv1d)[:, 0] = column * (amplitude / max(reached, 1e-12))
@@ -623,28 +736,34 @@ def tiny_image_dataset(n: int = 64, size: int = 8, seed: int = 0):
 
 @contextlib.contextmanager
 def exact_rmsnorm():
-    """Within the block, the Llama-family RMSNorms compute in their input dtype (transformers'
-    casts to float32, so the ≤ 1e-9 float64 symmetry checks run the formula without the cast)."""
-    from transformers.models.llama import modeling_llama
-    from transformers.models.mistral import modeling_mistral
-    from transformers.models.mixtral import modeling_mixtral
-    from transformers.models.olmoe import modeling_olmoe
-    from transformers.models.qwen2 import modeling_qwen2
-    from transformers.models.qwen2_moe import modeling_qwen2_moe
-    from transformers.models.qwen3_moe import modeling_qwen3_moe
+    """Within the block, transformers' RMSNorms compute in their input dtype (they cast to float32,
+    so the ≤ 1e-9 float64 symmetry checks run the same formula without the cast): every RMSNorm class
+    of the modeling modules loaded so far, Gemma's 1 + w ones included."""
+    import inspect
+    import sys
 
-    def forward(self, hidden_states):
+    def scaled(self, hidden_states):  # w · x / rms(x)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
-    classes = (modeling_llama.LlamaRMSNorm, modeling_mistral.MistralRMSNorm, modeling_qwen2.Qwen2RMSNorm)
-    classes += (modeling_mixtral.MixtralRMSNorm, modeling_qwen3_moe.Qwen3MoeRMSNorm, modeling_olmoe.OlmoeRMSNorm)
-    classes += (modeling_qwen2_moe.Qwen2MoeRMSNorm,)
-    saved = [c.forward for c in classes]
+    def offset(self, hidden_states):  # (1 + w) · x / rms(x)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return hidden_states * torch.rsqrt(variance + self.eps) * (1.0 + self.weight)
+
+    patched = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("transformers.models.") or not name.rsplit(".", 1)[-1].startswith("modeling_"):
+            continue
+        for cls in vars(module).values():
+            if not (isinstance(cls, type) and cls.__name__.endswith("RMSNorm") and cls.__module__ == name):
+                continue
+            source = inspect.getsource(cls.forward)
+            formula = offset if "1.0 + self.weight" in source else scaled if "variance_epsilon" in source else None
+            if formula is not None:
+                patched.append((cls, cls.forward))
+                cls.forward = formula
     try:
-        for c in classes:
-            c.forward = forward
         yield
     finally:
-        for c, f in zip(classes, saved, strict=True):
-            c.forward = f
+        for cls, forward in patched:
+            cls.forward = forward

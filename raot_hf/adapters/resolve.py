@@ -326,7 +326,12 @@ class _Resolver:
         for module in head.readers:
             if f"{module}.weight" in self.params:
                 w, b = self.linear(module)
-                self.add(residual, w, 1, False, "head_reader")
+                copies = self.params[w].shape[1] // self.d
+                if copies > 1:  # reads several tokens' streams side by side (DINOv2: [class, mean patch])
+                    for c in range(copies):
+                        self.add(residual, w, 1, False, "head_reader", tuple(range(c * self.d, (c + 1) * self.d)))
+                else:
+                    self.add(residual, w, 1, False, "head_reader")
                 final_readers.append((w, b))
         for name, axis, covariant in head.stream:  # a probe written in the stream's basis, fused readers' columns
             self.add(residual, name, axis, covariant, "writer" if covariant else "head_reader")

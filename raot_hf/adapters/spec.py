@@ -10,7 +10,7 @@ norms. Code is written only where the mathematics differs from what the fields e
 
 Every field round-trips JSON (:meth:`FamilySpec.to_dict` / :meth:`FamilySpec.from_dict`); a file
 may start from another family's with ``"extends": "<name>"`` and override some fields (nested
-objects are merged key by key, lists replaced).
+objects are merged key by key, lists replaced; a head set to null is removed).
 """
 
 from __future__ import annotations
@@ -437,7 +437,7 @@ class FamilySpec:
         if self.mlp.fused_parts > 1 and len(self.mlp.inputs) != 1:
             bad("a fused MLP input is one module")
         if self.towers:
-            bad("two-tower models are not resolved yet")
+            bad("towers belong to a two-tower spec (DualEncoderSpec, adapters/dual/), not to a family")
         if self.experts is not None and (
             len(self.experts.mlp.inputs) != 1 or self.experts.mlp.fused_parts not in (1, 2)
         ):
@@ -502,7 +502,8 @@ def _build(cls, data: dict[str, Any], where: str):
         if key in nested and value is not None:
             kwargs[key] = _build(nested[key], value, f"{where}.{key}")
         elif cls is FamilySpec and key == "heads":
-            kwargs[key] = {s: _build(HeadSpec, h, f"{where}.heads.{s}") for s, h in value.items()}
+            # null removes a head the extended family has
+            kwargs[key] = {s: _build(HeadSpec, h, f"{where}.heads.{s}") for s, h in value.items() if h is not None}
         elif cls is FamilySpec and key == "checks":
             kwargs[key] = tuple(_build(ConfigCheck, c, f"{where}.checks") for c in value)
         elif cls is FamilySpec and key == "towers":

@@ -334,7 +334,7 @@ def _finite_json(value):
 @click.option(
     "--model-type",
     default="all",
-    help="bert, roberta, deberta, deberta-v2, vit, deit, gpt2, llama, mistral, qwen2 or all.",
+    help="A model type with a tiny test architecture (raot_hf.testing.architectures(): bert, llama, gemma2, ...) or all.",
 )
 @click.option("--debug", is_flag=True)
 @friendly_errors

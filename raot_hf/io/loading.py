@@ -258,8 +258,8 @@ def check_compatible(config_a, config_b, *, head_policy: str = "a") -> None:
             "merge two checkpoints of one architecture."
         )
     decoder = is_decoder(config_a.model_type)
-    family_keys = compatibility_keys(config_a.model_type)
-    for key in _SHAPE_KEYS + (_DECODER_KEYS if decoder else ()) + family_keys:
+    # beyond the shape keys, the fields a family's function depends on (its spec's ``compatible_keys``)
+    for key in _SHAPE_KEYS + (_DECODER_KEYS if decoder else ()) + compatibility_keys(config_a.model_type):
         va, vb = getattr(config_a, key, None), getattr(config_b, key, None)
         if va != vb:
             raise RaotError(f"A and B differ in {key} ({va} vs {vb}); merge two checkpoints of the same shape.")

@@ -83,13 +83,17 @@ def deviation_forms(
         c = candidate[key].detach().to("cpu", torch.float64)
         if key == "last_hidden_state" and stream_map is not None:
             r = r @ stream_map.to("cpu", torch.float64)
-        diff, r = (r - c).abs(), r.abs()
+        # where the reference is not finite the candidate must not be either (a model that overflows
+        # on some input is still compared elsewhere); a non-finite entry of one side only is an
+        # infinite deviation (NaN would otherwise compare as none)
+        same_fault = ~torch.isfinite(r) & ~torch.isfinite(c)
+        diff, r = torch.where(same_fault, 0.0, (r - c).abs()), torch.where(same_fault, 0.0, r.abs())
         if mask is not None and diff.ndim >= 2 and diff.shape[:2] == tuple(mask.shape):
             m = mask.to("cpu", torch.float64)
             m = m[..., None] if diff.ndim == 3 else m
             # padding positions are left out, whatever they hold (a padded query may be NaN)
             diff, r = torch.where(m > 0, diff, 0.0), torch.where(m > 0, r, 0.0)
-        if not (torch.isfinite(diff).all() and torch.isfinite(r).all()):  # NaN would compare as no deviation
+        if not (torch.isfinite(diff).all() and torch.isfinite(r).all()):
             return {"max": float("inf"), "norm": float("inf")}
         for form, (d, scale) in (("max", (diff.max(), r.max())), ("norm", (diff.norm(), r.norm()))):
             d, scale = float(d), float(scale)

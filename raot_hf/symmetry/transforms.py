@@ -241,7 +241,7 @@ def shared_kv_blocks(
                 f"layer {layer}: the query heads of one KV head need one {name} map (they share its keys/values)"
             )
         maps.append(per_kv[:, 0])
-    if rope and schema.qk_structure == "rope" or schema.qk_turns is not None:
+    if rope and (schema.qk_structure == "rope" or schema.qk_turns is not None):
         check_qk_blocks(maps[0], schema, layer)
     return kv_perm[:, 0], maps[0], maps[1]
 

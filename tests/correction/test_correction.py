@@ -97,9 +97,9 @@ def test_one_forward_per_layer_equals_one_forward_per_input(model_type, head):
         a, b = _model(model_type, head), _model(model_type, head, seed=1)
         pre, data = _data(model_type)
         correction = {"method": "lsq", "batch_size": batch_size, "compete": False}
-        merged.append(
-            RaotMerger.from_models(a, b, preprocessor=pre, correction=correction).merge(calibration=data).model
-        )
+        # the refit after the correction is a descent of its own (docs/design.md §6.11): left out
+        options = dict(preprocessor=pre, correction=correction, refit={"mode": "off"})
+        merged.append(RaotMerger.from_models(a, b, **options).merge(calibration=data).model)
     assert output_deviation(merged[0], merged[1], example_inputs(merged[0]), relative=True) <= 1e-3
 
 

@@ -63,7 +63,7 @@ def _merge(a, b, pre, data, tmp_path, offload: bool):
     )
 
 
-@pytest.mark.parametrize("model_type", ARCHS)
+@pytest.mark.parametrize("model_type", architectures(experts=None))  # mixtures of experts too (§10)
 def test_layerwise_merge_is_the_in_memory_merge(model_type, tmp_path):
     """Same decisions, same B′ ≡ B deviation, and the same merged weights to float rounding: the
     calibration pass ran layer by layer (the stream moment sums its sites in another order)."""
@@ -119,9 +119,7 @@ def test_checkpoints_are_read_into_working_files_as_from_pretrained_loads_them(m
     from raot_hf.io.loading import ModelSource, load_config, load_model, model_class
     from raot_hf.io.offload import load_offloaded
 
-    heads = {"vit": "image", "deit": "teacher", "gpt2": "causal", "llama": "causal", "mistral": "causal"}
-    tiny_model(model_type, heads.get(model_type, "causal" if model_type == "qwen2" else "sequence"),
-               dtype=dtype).save_pretrained(tmp_path / "m")  # fmt: skip
+    tiny_model(model_type, tiny_architecture(model_type).task_head, dtype=dtype).save_pretrained(tmp_path / "m")
     source = ModelSource(str(tmp_path / "m"))
     config = load_config(source, "A")
     want = load_model(source, "A", config=config)
