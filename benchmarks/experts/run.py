@@ -61,7 +61,7 @@ def moe_config():
 def train_moe(model, texts: tuple[str, ...], seed: int) -> dict[str, Any]:
     """AdamW with warm-up and cosine decay (the decoder benchmarks' recipe), next-token loss plus the
     router's load-balancing loss; returns the last losses."""
-    from benchmarks.decoders.lm import _batches
+    from benchmarks.decoders.lm import encode
 
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.01)
@@ -71,7 +71,12 @@ def train_moe(model, texts: tuple[str, ...], seed: int) -> dict[str, Any]:
     )
     model.train()
     recent: list[float] = []
-    for batch in _batches(texts, BATCH, STEPS, generator):
+    order: list[int] = []
+    for _ in range(STEPS):  # shuffled texts, a fresh permutation per epoch (the decoder benchmarks' order)
+        if len(order) < BATCH:
+            order += torch.randperm(len(texts), generator=generator).tolist()
+        chosen, order = order[:BATCH], order[BATCH:]
+        batch = encode([texts[i] for i in chosen])
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
         out = model(**batch, labels=labels)
         out.loss.backward()  # the next-token loss plus router_aux_loss_coef × the balancing loss
