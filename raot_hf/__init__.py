@@ -3,6 +3,7 @@ exact symmetries (rotation-aware optimal transport, RaOT)."""
 
 from raot_hf.adapters import get_adapter, register_adapter, schema_for, supported_model_types
 from raot_hf.config import RaotConfig
+from raot_hf.dual import DualEncoderMerger  # registers itself with RaotMerger, for two-tower models
 from raot_hf.errors import EquivalenceError, RaotError
 from raot_hf.merger import Alignment, MergeResult, RaotMerger, merge_checkpoints
 from raot_hf.symmetry import scramble
@@ -10,6 +11,7 @@ from raot_hf.version import __version__
 
 __all__ = [
     "merge_checkpoints",
+    "DualEncoderMerger",
     "Alignment",
     "MergeResult",
     "RaotConfig",

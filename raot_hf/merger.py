@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from raot_hf.adapters import schema_for
+from raot_hf.adapters import is_dual_encoder, schema_for
 from raot_hf.calibration.statistics import CalibrationStatistics
 from raot_hf.config import RaotConfig
 from raot_hf.distributed import DistributedContext
@@ -137,6 +137,11 @@ class RaotMerger:
         ``offload_dir`` (default: the system's temporary directory) — automatically when an
         in-memory merge would not fit in ``max_memory`` (e.g. ``"8GiB"``; default: the memory
         available); the result is the same (docs/design.md §7.4)."""
+        if _dual_encoder_type(a, revision, token):  # two towers and a joint space (docs/design.md §11)
+            if more:
+                raise RaotError("two-tower models merge two at a time; pass two models")
+            config = prepare_config(_with_options(config, options), 2, base is not None)
+            return _TWO_TOWERS[0].from_pretrained(a, b, config=config, base=base, allow_pickle=allow_pickle)
         config = prepare_config(_with_options(config, options), 2 + len(more), base is not None)
         access = dict(token=token, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
         loaded = load_pair(a, b, config, *more, revision=revision, revision_b=revision_b, base=base,
@@ -160,6 +165,10 @@ class RaotMerger:
         base-relative rules, may be A's class or the bare model A's head class wraps (loaded with its own class).
         ``working_files``: the models' when they were offloaded (:func:`raot_hf.stages.offload.offload_models`)."""
         config = _with_options(config, options)
+        if is_dual_encoder(getattr(getattr(model_a, "config", None), "model_type", "")):  # docs/design.md §11
+            if more_models:
+                raise RaotError("two-tower models merge two at a time; pass two models")
+            return _TWO_TOWERS[0](model_a, model_b, config=config, processor=preprocessor, base_model=base_model)
         models = (model_a, model_b, *more_models)
         return cls(
             *models, config=config, preprocessor=preprocessor, base_model=base_model, working_files=working_files
@@ -236,6 +245,28 @@ class RaotMerger:
         return run
 
 
+#: The merger of two-tower models (:class:`raot_hf.dual.DualEncoderMerger`, which registers itself on
+#: import with :func:`register_two_tower_merger`): ``RaotMerger`` hands such a pair to it.
+_TWO_TOWERS: list[type] = []
+
+
+def register_two_tower_merger(cls: type) -> type:
+    """Register the class that merges two-tower models (docs/design.md §11)."""
+    _TWO_TOWERS[:] = [cls]
+    return cls
+
+
+def _dual_encoder_type(source, revision=None, token=None) -> bool:
+    """Whether the checkpoint at ``source`` is a two-tower model (its config read alone)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(source), revision=revision, token=token)
+    except (OSError, ValueError, KeyError):
+        return False  # the loader says what is wrong with it
+    return is_dual_encoder(config.model_type)
+
+
 def merge_checkpoints(
     *models: str | Path, out: str | Path, base: str | Path | None = None, config=None, calibration=None,
     overwrite: bool = False, max_shard_size: str | int = "2GB", max_memory: str | int | None = None,
@@ -292,6 +323,13 @@ def _merge(
     parse_size(max_shard_size)
     sources, base_source = model_sources(models, base, *revisions, access)
     (configs, _), preprocessor, _ = check_before_weights(config, sources, base_source, adapter=False, early=False)
+    if _dual_encoder_type(models[0], revisions[0], access[0]):  # tower by tower, in memory (docs/design.md §11)
+        if DistributedContext.detect().is_distributed:
+            raise RaotError("a two-tower merge runs in one process; run it without accelerate launch")
+        merger = RaotMerger.from_pretrained(*models, config=config, allow_pickle=access[2],
+                                            **({"base": base} if base else {}))  # fmt: skip
+        result = merger.merge(calibration)
+        return result.save_pretrained(out, overwrite=overwrite, max_shard_size=max_shard_size), result.report
     plan = plan_execution(config, sources, base_source, configs, stream=stream, offload=offload,
                           max_memory=max_memory, max_shard_size=max_shard_size)  # fmt: skip
     if plan_for(config).needs_data and calibration is None and config.calibration.source is None:

@@ -81,7 +81,14 @@ _DECODERS = {
             "attention_dropout": 0.0,
         },
     ),
+    # mixtures of experts (docs/design.md §10): 4 experts, top-2
+    "mixtral": ("MixtralConfig", "Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3Moe", {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True}),
+    "olmoe": ("OlmoeConfig", "Olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2Moe", {"num_experts": 4, "num_experts_per_tok": 2}),
 }
+#: a mixture of experts' expert width is the tiny config's intermediate_size; Qwen2-MoE's shared expert is wider
+_EXPERT_WIDTH = {"qwen3_moe": "moe_intermediate_size", "qwen2_moe": "moe_intermediate_size"}
 # Decoders whose heads span more than the hidden size in the tiny models (head_dim · H = 2d, as Gemma's do)
 _WIDE_HEADS = ("gemma2", "gemma3_text")
 # Decoders whose config sets head_dim itself (Qwen3: 128 by default): the tiny models tile the hidden size
@@ -95,6 +102,7 @@ HEADS = {
     "causal": "ForCausalLM", "base": "Model", "sequence": "ForSequenceClassification",
     "token": "ForTokenClassification", "mlm": "ForMaskedLM", "qa": "ForQuestionAnswering",
     "image": "ForImageClassification", "teacher": "ForImageClassificationWithTeacher",
+    "projection": "ModelWithProjection",
 }  # fmt: skip
 
 
@@ -105,7 +113,9 @@ class TinyArchitecture:
     head of :data:`HEADS`; the ``heads`` the symmetry tests run; the ``task_head`` merge tests use;
     ``rope``: rotary positions with grouped-query attention and RMSNorm; ``variant_of``: a registered
     architecture whose modeling code this one copies (the per-architecture merge tests run that one
-    only). Decoder or not, and the modality, come from its adapter."""
+    only); ``experts``: a mixture-of-experts family (its own tests run it, docs/design.md §10);
+    ``tower``: one tower of a two-tower model (likewise, §11). Decoder or not, and the modality, come
+    from its adapter."""
 
     model_type: str
     config: Callable[..., transformers.PretrainedConfig]
@@ -114,6 +124,8 @@ class TinyArchitecture:
     task_head: str
     rope: bool = False
     variant_of: str | None = None
+    experts: bool = False
+    tower: bool = False
 
 
 _ARCHITECTURES: Registry[TinyArchitecture] = registry("tiny architecture")
@@ -135,10 +147,19 @@ def tiny_architecture(model_type: str) -> TinyArchitecture:
     return _ARCHITECTURES.get(model_type)
 
 
-def architectures(*, decoders: bool | None = None, rope: bool | None = None, variants: bool = False) -> list[str]:
+def architectures(
+    *,
+    decoders: bool | None = None,
+    rope: bool | None = None,
+    variants: bool = False,
+    experts: bool | None = False,
+    towers: bool | None = False,
+) -> list[str]:
     """The registered tiny architectures' model types in registration order (the per-architecture tests'
     one list): only decoders / encoders (``decoders`` True / False), only / no RoPE family (``rope``),
-    and with ``variants`` those that copy another's modeling code."""
+    with ``variants`` those that copy another's modeling code, and the mixture-of-experts families
+    only (``experts`` True), none (False, the default: they have tests of their own) or with the rest
+    (None); the towers of two-tower models likewise (``towers``)."""
     from raot_hf.adapters import is_decoder
 
     return [
@@ -147,6 +168,8 @@ def architectures(*, decoders: bool | None = None, rope: bool | None = None, var
         if (variants or arch.variant_of is None)
         and (decoders is None or is_decoder(t) == decoders)
         and (rope is None or arch.rope == rope)
+        and (experts is None or arch.experts == experts)
+        and (towers is None or arch.tower == towers)
     ]
 
 
@@ -214,6 +237,10 @@ def tiny_decoder_config(
             kw["head_dim"] = (2 if model_type in _WIDE_HEADS else 1) * hidden_size // num_heads
         if model_type in ("qwen2", "gemma2", "gemma3_text"):
             kw["layer_types"] = ["sliding_attention"] + ["full_attention"] * (num_layers - 1)
+        if model_type in _EXPERT_WIDTH:
+            kw[_EXPERT_WIDTH[model_type]] = intermediate_size
+        if model_type == "qwen2_moe":
+            kw["shared_expert_intermediate_size"] = intermediate_size + 8
     kw.update(extra)
     kw.update(overrides)
     if model_type in _WIDE_HEADS:
@@ -239,6 +266,9 @@ def tiny_model(model_type: str, head: str = "base", *, seed: int = 0, dtype=torc
     cfg, cls = arch.config(model_type, **config), arch.model_class(model_type, head)
     torch.manual_seed(seed)
     model = cls(cfg)
+    if dtype == torch.float64 and hasattr(model, "set_experts_implementation") and _has_experts(model):
+        # transformers' default (grouped_mm) has no float64 kernel; the reference loop computes the same
+        model.set_experts_implementation("eager")
     g = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -249,6 +279,83 @@ def tiny_model(model_type: str, head: str = "base", *, seed: int = 0, dtype=torc
                 is_norm |= name.endswith("lambda1")  # LayerScale (DINOv2)
                 p.copy_(1.0 + noise if is_norm else noise)
     return model.to(dtype).eval()
+
+
+# Two-tower models (docs/design.md §11): each tower's config class and model-class prefix.
+_TOWERS = {
+    "clip_text_model": ("CLIPTextConfig", "CLIPText"),
+    "clip_vision_model": ("CLIPVisionConfig", "CLIPVision"),
+    "siglip_text_model": ("SiglipTextConfig", "SiglipText"),
+    "siglip_vision_model": ("SiglipVisionConfig", "SiglipVision"),
+}
+_DUALS = {"clip": ("CLIPConfig", "CLIPModel", "clip_text_model", "clip_vision_model"),
+          "siglip": ("SiglipConfig", "SiglipModel", "siglip_text_model", "siglip_vision_model")}  # fmt: skip
+
+
+def tiny_tower_config(model_type: str, *, hidden_size=16, num_heads=4, num_layers=2, intermediate_size=24, **overrides):
+    """A small config of one tower of a two-tower model: text over :func:`tiny_tokenizer`'s 40 words
+    ([PAD] 0, [CLS] 2 as the start, [SEP] 3 as the end of text), images of 8 × 8 in patches of 4; a
+    CLIP tower's projection narrower than the tower (hidden_size − 4)."""
+    cfg_name, _ = _TOWERS[model_type]
+    kw = dict(hidden_size=hidden_size, num_attention_heads=num_heads, num_hidden_layers=num_layers,
+              intermediate_size=intermediate_size)  # fmt: skip
+    if "text" in model_type:
+        kw.update(vocab_size=40, max_position_embeddings=32, pad_token_id=0, bos_token_id=2, eos_token_id=3)
+    else:
+        kw.update(image_size=8, patch_size=4, num_channels=3)
+    if model_type.startswith("clip"):
+        kw["projection_dim"] = hidden_size - 4
+    kw.update(overrides)
+    return getattr(transformers, cfg_name)(**kw)
+
+
+def _tower_class(model_type: str, head: str):
+    return getattr(transformers, _TOWERS[model_type][1] + HEADS[head])
+
+
+def tiny_dual_model(model_type: str, *, seed: int = 0, dtype=torch.float64, **shape) -> torch.nn.Module:
+    """A randomly initialised two-tower model (``clip`` or ``siglip``) of two tiny towers
+    (:func:`tiny_tower_config`'s shapes, ``shape`` for both); norm affines and biases randomised as
+    :func:`tiny_model` does."""
+    cfg_name, cls_name, text_type, vision_type = _DUALS[model_type]
+    text, vision = tiny_tower_config(text_type, **shape), tiny_tower_config(vision_type, **shape)
+    extra = {"projection_dim": text.projection_dim} if model_type == "clip" else {}
+    config = getattr(transformers, cfg_name)(text_config=text.to_dict(), vision_config=vision.to_dict(), **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(config)
+    g = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "logit" not in name:
+                noise = 0.2 * torch.randn(p.shape, generator=g)
+                p.copy_(1.0 + noise if "norm" in name.lower() and name.endswith("weight") else noise)
+    return model.to(dtype).eval()
+
+
+def tiny_dual_processor(model_type: str):
+    """The processor of a tiny two-tower model: :func:`tiny_tokenizer` (ids and mask only) and an
+    8 × 8 image processor."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.model_input_names = ["input_ids", "attention_mask"]
+    if model_type == "clip":
+        images = transformers.CLIPImageProcessor(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
+        return transformers.CLIPProcessor(image_processor=images, tokenizer=tokenizer)
+    images = transformers.SiglipImageProcessor(size={"height": 8, "width": 8})
+    return transformers.SiglipProcessor(image_processor=images, tokenizer=tokenizer)
+
+
+def tiny_paired_dataset(n: int = 64, seed: int = 0):
+    """An in-memory ``datasets.Dataset`` of random 8 × 8 images with random captions (``image``, ``text``)."""
+    import datasets
+
+    images, texts = tiny_image_dataset(n, seed=seed)["image"], tiny_text_dataset(n, seed=seed)["text"]
+    features = datasets.Features({"image": datasets.Image(), "text": datasets.Value("string")})
+    return datasets.Dataset.from_dict({"image": images, "text": texts}, features=features)
+
+
+def _has_experts(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds a mixture-of-experts block (3-D expert weights)."""
+    return any(p.ndim == 3 for p in model.parameters())
 
 
 def _encoder_class(model_type: str, head: str):
@@ -279,6 +386,24 @@ for _arch in (
     TinyArchitecture("mpnet", tiny_config, _encoder_class, _TEXT_HEADS, "sequence"),
     TinyArchitecture("modernbert", tiny_config, _encoder_class, _TEXT_HEADS, "sequence"),
     TinyArchitecture("dinov2", tiny_config, _encoder_class, ("base", "image"), "image"),
+    *(
+        TinyArchitecture(t, tiny_decoder_config, _decoder_class, heads, "causal", rope=True, experts=True)
+        for t, heads in (
+            ("mixtral", ("causal", "base", "sequence")),
+            ("qwen3_moe", ("causal", "base", "sequence")),
+            ("olmoe", ("causal", "base")),  # transformers has no OLMoE sequence classifier
+            ("qwen2_moe", ("causal", "base", "sequence")),
+        )
+    ),
+    *(
+        TinyArchitecture(t, tiny_tower_config, _tower_class, (head,), head, tower=True)
+        for t, head in (
+            ("clip_text_model", "projection"),
+            ("clip_vision_model", "projection"),
+            ("siglip_text_model", "base"),
+            ("siglip_vision_model", "base"),
+        )
+    ),
 ):
     register_tiny_architecture(_arch)
 
@@ -311,6 +436,7 @@ def _unit_rows(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
 def trained_like(
     model: torch.nn.Module, *, seed: int = 0, qk_gain: float = 2.0, massive: float | None = None,
     triggers: tuple[int, ...] = (2, 3), twins: float | None = None, twin_layer: int | None = None,
+    expert_twins: bool = False,
 ) -> torch.nn.Module:  # fmt: skip
     """Make a tiny random model compute like a trained one, in place, and return it: unit-gain
     matrices (N(0, 1/fan-in); embeddings N(0, 1)), queries and keys scaled by ``qk_gain``.
@@ -319,21 +445,28 @@ def trained_like(
     times the stream's typical entry when it exceeds 1). ``twins``: MLP units 0 and 1 of
     ``twin_layer`` (default the middle one) are near-twin massive units (about ``twins`` and 0.35 ×
     as much on the first token, correlating at ~0.999 along different directions), their margin
-    below bf16 rounding (docs/design.md §4.3)."""
+    below bf16 rounding (docs/design.md §4.3). ``expert_twins`` (mixtures of experts, docs/design.md
+    §10): experts 0 and 1 of the middle layer are near twins (expert 1 is expert 0 moved by 2 %, its
+    units correlating at ~0.9998 with expert 0's, closer than bf16 products can order) and experts 2
+    and 3 of the first layer route alike (router row 3 is row 2 moved by 2 %)."""
     from transformers.pytorch_utils import Conv1D
 
     g = torch.Generator().manual_seed(int(seed) + 7919)
     stored_in_out = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Conv1D)}  # GPT-2
     for name, p in model.named_parameters():
+        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        if p.ndim == 3 and type(owner).__name__.endswith("Experts"):  # (E, out, in): each expert's unit gain
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) / p.shape[2] ** 0.5)
+            continue
         if p.ndim != 2:
             continue
-        embedding = isinstance(model.get_submodule(name.rsplit(".", 1)[0]), torch.nn.Embedding)
+        embedding = isinstance(owner, torch.nn.Embedding)
         if embedding or "position_embeddings" in name or "cls_token" in name:
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
             continue
         fan_in = p.shape[0] if name in stored_in_out else p.shape[1]
         p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) / fan_in**0.5)
-    d = model.config.hidden_size
+    d = getattr(model.config, "hidden_size", None)  # a two-tower model's towers have their own
     matched = False
     for name, p in model.named_parameters():
         if name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -349,7 +482,28 @@ def trained_like(
         _plant_massive_activation(model, float(massive), tuple(triggers), g)
     if twins is not None:
         _plant_near_twins(model, float(twins), twin_layer, g)
+    if expert_twins:
+        _plant_expert_twins(model, g)
     return model
+
+
+def _plant_expert_twins(model: torch.nn.Module, g: torch.Generator, moved: float = 0.02) -> None:
+    from raot_hf.adapters import schema_for
+
+    blocks = schema_for(model).expert_layers
+    if not blocks or blocks[0].num_experts < 4:
+        raise RaotError("expert twins need a mixture-of-experts model with at least 4 experts per layer")
+    params = dict(model.named_parameters())
+
+    def near(x: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn(x.shape, generator=g, dtype=torch.float64)
+        return x + moved * x.double().norm() / noise.norm() * noise
+
+    twin = blocks[len(blocks) // 2]
+    for name in (twin.gate_up, twin.down):  # expert 1 ≈ expert 0, routed by its own router row
+        params[name][1] = near(params[name][0]).to(params[name].dtype)
+    router = params[f"{blocks[0].router}.weight"]
+    router[3] = near(router[2]).to(router.dtype)  # experts 2 and 3 chosen for nearly the same tokens
 
 
 def _scale_queries_and_keys(model: torch.nn.Module, gain: float) -> None:
@@ -369,8 +523,10 @@ def _scale_queries_and_keys(model: torch.nn.Module, gain: float) -> None:
 def _scale_qk_norms(model: torch.nn.Module, gain: float) -> None:
     """A norm of the queries and keys (Qwen3, Gemma 3, OLMo 2) undoes their projections' scale: its
     weight carries the gain instead (offset + weight scaled, Gemma's 1 + w)."""
-    from raot_hf.adapters import get_adapter
+    from raot_hf.adapters import get_adapter, is_dual_encoder
 
+    if is_dual_encoder(model.config.model_type):  # CLIP's and SigLIP's towers have no such norm
+        return
     spec = get_adapter(model.config.model_type)
     att = spec.attention
     if not att.q_norm:

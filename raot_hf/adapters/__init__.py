@@ -19,6 +19,7 @@ from raot_hf.adapters.spec import (
     AttentionSpec,
     ConfigCheck,
     ConfigKeys,
+    DualEncoderSpec,
     EmbeddingSpec,
     FamilySpec,
     HeadSpec,
@@ -127,11 +128,62 @@ def schema_for(model: torch.nn.Module) -> ModelSchema:
 for _family in builtin_families():
     register_adapter(_family)
 
+
+# -- two-tower models (docs/design.md §11) ------------------------------------------------------------
+_DUAL: Registry[DualEncoderSpec] = registry("two-tower model type")
+
+
+def register_dual_encoder(spec: DualEncoderSpec, *, overwrite: bool = False) -> DualEncoderSpec:
+    """Register a two-tower model for each of its ``model_types`` (its towers' families must be
+    registered); refuses silent replacement."""
+    if not isinstance(spec, DualEncoderSpec):
+        raise TypeError(f"register_dual_encoder expects a DualEncoderSpec, got {type(spec).__name__}")
+    families = {f.name for _, f in _REGISTRY.items()}
+    missing = [t.family for t in spec.validate().towers if t.family not in families]
+    if missing:
+        raise ValueError(f"dual encoder {spec.name!r}: tower families {missing} are not registered")
+    for model_type in spec.model_types:
+        if model_type in _DUAL and overwrite:
+            _DUAL.unregister(model_type)
+        _DUAL.check_free(model_type)
+    for model_type in spec.model_types:
+        _DUAL.register(model_type, spec)
+    return spec
+
+
+def is_dual_encoder(model_type: str) -> bool:
+    """Whether ``model_type`` is a registered two-tower model (CLIP, SigLIP)."""
+    return model_type in _DUAL
+
+
+def get_dual_encoder(model_type: str) -> DualEncoderSpec:
+    return _DUAL.get(model_type)
+
+
+def tower_family(spec: DualEncoderSpec, tower) -> FamilySpec:
+    """The family of one tower of ``spec``."""
+    return next(f for _, f in _REGISTRY.items() if f.name == tower.family)
+
+
+def builtin_dual_encoders() -> list[DualEncoderSpec]:
+    """The two-tower models shipped with the package (``raot_hf/adapters/dual/*.json``), by file name."""
+    folder = resources.files("raot_hf.adapters") / "dual"
+    return [
+        DualEncoderSpec.from_dict(json.loads(entry.read_text(encoding="utf-8")))
+        for entry in sorted(folder.iterdir(), key=lambda e: e.name)
+        if entry.name.endswith(".json")
+    ]
+
+
+for _dual in builtin_dual_encoders():
+    register_dual_encoder(_dual)
+
 __all__ = [
     "Adapter",
     "AttentionSpec",
     "ConfigCheck",
     "ConfigKeys",
+    "DualEncoderSpec",
     "EmbeddingSpec",
     "FamilySpec",
     "Fold",
@@ -144,9 +196,14 @@ __all__ = [
     "NormSpec",
     "PositionSpec",
     "Space",
+    "builtin_dual_encoders",
     "builtin_families",
     "compatibility_keys",
     "get_adapter",
+    "get_dual_encoder",
+    "is_dual_encoder",
+    "register_dual_encoder",
+    "tower_family",
     "is_decoder",
     "load_family",
     "modality_of",

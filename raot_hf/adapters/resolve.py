@@ -20,7 +20,16 @@ from __future__ import annotations
 
 import torch
 
-from raot_hf.adapters.schema import Fold, HeadReadout, LayerSchema, Member, ModelSchema, Space, head_index
+from raot_hf.adapters.schema import (
+    ExpertLayer,
+    Fold,
+    HeadReadout,
+    LayerSchema,
+    Member,
+    ModelSchema,
+    Space,
+    head_index,
+)
 from raot_hf.adapters.spec import FamilySpec, HeadSpec, config_value, model_dims, rotary_factor
 from raot_hf.errors import RaotError
 
@@ -58,9 +67,9 @@ class _Resolver:
             )
         return f"{module}.weight", (f"{module}.bias" if f"{module}.bias" in self.params else None)
 
-    def add(self, space: Space, name: str | None, axis: int, cov: bool, role: str, index=None) -> None:
+    def add(self, space: Space, name: str | None, axis: int, cov: bool, role: str, index=None, **kw) -> None:
         if name is not None and name in self.params:
-            space.members.append(Member(name, axis, cov, role, index))
+            space.members.append(Member(name, axis, cov, role, index, **kw))
 
     def add_norm(self, space: Space, module: str) -> None:
         self.add(space, f"{module}.weight", 0, True, "norm")
@@ -101,7 +110,10 @@ class _Resolver:
         H, h, kv = self.H, self.h, self.kv
         qk = Space(f"layers.{i}.qk", "qk", H * h, layer=i)
         vo = Space(f"layers.{i}.vo", "vo", H * h, layer=i)
-        mlp = Space(f"layers.{i}.mlp", "mlp", self.f, exact="permutation", layer=i)
+        moe = self._is_moe_layer(p)
+        mlp_spec = spec.experts.shared if moe else spec.mlp  # a mixture-of-experts layer's dense MLP: its shared expert
+        units = self._mlp_units(p, mlp_spec) if moe and mlp_spec is not None else self.f
+        mlp = Space(f"layers.{i}.mlp", "mlp", units, exact="permutation", layer=i) if mlp_spec else None
         k_space, v_space = qk, vo
         order = [qk]
         if self.kv_spaces:
@@ -110,18 +122,26 @@ class _Resolver:
             order += [k_space, vo, v_space]
         else:
             order.append(vo)
-        order.append(mlp)
+        if mlp is not None:
+            order.append(mlp)
         attn_readers, readout = self._attention_inputs(p, qk, k_space, v_space)
         self._position_projections(p, qk)
         o_w, o_b = self.linear(p + spec.attention.o)
         mlp_readers = []
+        experts = None
 
         def mlp_inputs():
-            parts = spec.mlp.fused_parts
-            for module in spec.mlp.inputs:
+            nonlocal experts
+            if moe:  # the router and the experts read the stream (§10)
+                experts, expert_spaces = self._experts_inputs(i, p, mlp_readers)
+                order.extend(expert_spaces)
+            if mlp_spec is None:
+                return
+            parts = mlp_spec.fused_parts
+            for module in mlp_spec.inputs:
                 w, b = self.linear(p + module)
                 for j in range(parts):
-                    index = None if parts == 1 else tuple(range(j * self.f, (j + 1) * self.f))
+                    index = None if parts == 1 else tuple(range(j * mlp.size, (j + 1) * mlp.size))
                     self.add(mlp, w, self.out_axis, True, "fc1", index)
                     self.add(mlp, b, 0, True, "fc1", index)
                 self.add(residual, w, self.in_axis, False, "reader")
@@ -139,16 +159,77 @@ class _Resolver:
         else:
             attention_output()
             mlp_inputs()
-        fc2_w, fc2_b = self.linear(p + spec.mlp.output)
-        self.add(mlp, fc2_w, self.in_axis, False, "fc2")
-        self.add(residual, fc2_w, self.out_axis, True, "writer")
-        self.add(residual, fc2_b, 0, True, "writer")
+        fc2_w = fc2_b = None
+        if mlp_spec is not None:
+            fc2_w, fc2_b = self.linear(p + mlp_spec.output)
+            self.add(mlp, fc2_w, self.in_axis, False, "fc2")
+            self.add(residual, fc2_w, self.out_axis, True, "writer")
+            self.add(residual, fc2_b, 0, True, "writer")
+        if experts is not None:  # every expert's output rows write the stream
+            self.add(residual, experts.down, 1, True, "writer")
         self._layer_norms(p, attn_readers, mlp_readers, (o_w, o_b), (fc2_w, fc2_b))
         self.spaces.update({s.name: s for s in order})
-        modules = [*spec.attention.input_modules(), spec.attention.o, *spec.mlp.inputs, spec.mlp.output]
+        modules = [*spec.attention.input_modules(), spec.attention.o]
+        if moe:  # the router is read like a Linear (RegMean, the corrections); the experts are not Linears
+            modules += [spec.experts.router, *((spec.experts.shared_gate,) if spec.experts.shared_gate else ())]
+        if mlp_spec is not None:
+            modules += [*mlp_spec.inputs, mlp_spec.output]
         linears = tuple(p + m for m in modules if f"{p}{m}.weight" in self.params)
         module = p.rstrip(".") if spec.decoder else None
-        self.layers.append(LayerSchema(i, readout, p + spec.attention.o, p + spec.mlp.output, linears, module))
+        hidden = p + mlp_spec.output if mlp_spec is not None else None
+        self.layers.append(LayerSchema(i, readout, p + spec.attention.o, hidden, linears, module, experts))
+
+    # -- mixture of experts (docs/design.md §10) ----------------------------------------------------
+    def _is_moe_layer(self, p: str) -> bool:
+        """Whether the layer at ``p`` holds the family's experts (a dense layer of an MoE family does not)."""
+        experts = self.spec.experts
+        return experts is not None and f"{p}{experts.experts}.{experts.mlp.inputs[0]}" in self.params
+
+    def _mlp_units(self, p: str, mlp_spec) -> int:
+        """The units of a dense MLP read from its output Linear (a shared expert's width is its own)."""
+        w = self.params[self.linear(p + mlp_spec.output)[0]]
+        return int(w.shape[0 if self.spec.transposed else 1])
+
+    def _experts_inputs(self, i: int, p: str, readers: list) -> tuple[ExpertLayer, list[Space]]:
+        """The router's rows and every expert's units: the spaces ``layers.i.router`` (E) and
+        ``layers.i.experts`` (E·f, expert-major), the stream members of the router and the experts'
+        input parameter (readers; the output parameter is added as a writer by the caller) and the
+        shared expert's gate. Returns the block's :class:`ExpertLayer` and its two spaces."""
+        spec, residual = self.spec.experts, self.residual
+        gate_up = f"{p}{spec.experts}.{spec.mlp.inputs[0]}"
+        down = f"{p}{spec.experts}.{spec.mlp.output}"
+        if down not in self.params:
+            raise RaotError(
+                f"expected parameter {down} in {self.owner}; the checkpoint does not match the {self.spec.name} layout."
+            )
+        e, parts = self.params[gate_up].shape[0], spec.mlp.fused_parts
+        f = self.params[down].shape[2]
+        if self.params[gate_up].shape[1] != parts * f:
+            raise RaotError(
+                f"{gate_up} has {self.params[gate_up].shape[1]} rows per expert, not {parts}·{f}; "
+                f"not the {self.spec.name} layout."
+            )
+        router_w, router_b = self.linear(p + spec.router)
+        router = Space(f"layers.{i}.router", "router", e, exact="permutation", layer=i)
+        self.add(router, router_w, 0, True, "router")
+        self.add(router, router_b, 0, True, "router")
+        units = Space(f"layers.{i}.experts", "experts", e * f, exact="expert_permutation", layer=i)
+        for j in range(parts):  # [gate | up]: each part's rows of every expert, expert-major
+            index = tuple(x * parts * f + j * f + u for x in range(e) for u in range(f))
+            self.add(units, gate_up, 1, True, "fc1", index if parts > 1 else None, expert_axis=0)
+        self.add(units, down, 2, False, "fc2", expert_axis=0)
+        self.add(residual, router_w, 1, False, "reader")
+        self.add(residual, gate_up, 2, False, "reader")
+        readers += [(router_w, router_b), (gate_up, None)]
+        if spec.shared_gate:
+            gate_w, gate_b = self.linear(p + spec.shared_gate)
+            self.add(residual, gate_w, 1, False, "reader")
+            readers.append((gate_w, gate_b))
+        top_k = config_value(self.config, spec.top_k)
+        block = ExpertLayer(
+            i, p + spec.router, p + spec.experts, gate_up, down, e, f, top_k, spec.renormalised(self.config), parts
+        )
+        return block, [router, units]
 
     def _attention_inputs(self, p: str, qk: Space, k_space: Space, v_space: Space):
         """The q / k / v projections: their members, the readers of the attention input (for the
@@ -252,6 +333,8 @@ class _Resolver:
                 else:
                     self.add(residual, w, 1, False, "head_reader")
                 final_readers.append((w, b))
+        for name, axis, covariant in head.stream:  # a probe written in the stream's basis, fused readers' columns
+            self.add(residual, name, axis, covariant, "writer" if covariant else "head_reader")
         if head.tied is not None:
             dense, norm, decoder = head.tied
             w, b = self.linear(dense)

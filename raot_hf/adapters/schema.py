@@ -26,6 +26,10 @@ class Member:
     covariant: bool
     role: str
     index: tuple[int, ...] | None = None
+    #: the axis of a 3-D expert parameter that indexes the experts (docs/design.md §10): the space's
+    #: positions are then (expert, position on ``axis``) pairs, expert-major, and ``index`` selects
+    #: among them (None: every pair)
+    expert_axis: int | None = None
 
     def index_tensor(self) -> torch.Tensor | None:
         return None if self.index is None else torch.tensor(self.index, dtype=torch.long)
@@ -87,9 +91,39 @@ class LayerSchema:
     index: int
     heads: HeadReadout
     context: str  # module whose *input* is the per-head context entering o
-    mlp_hidden: str  # module whose *input* is the post-activation MLP units (fc2)
+    mlp_hidden: str | None  # module whose *input* is the post-activation MLP units (fc2); None: no dense MLP
     linears: tuple[str, ...]  # every Linear (or GPT-2 Conv1D) module of the layer (RegMean)
     module: str | None = None  # the layer's own module (decoders, §8)
+    experts: ExpertLayer | None = None  # the layer's mixture-of-experts block (§10)
+
+
+@dataclass(frozen=True)
+class ExpertLayer:
+    """A layer's mixture-of-experts block (docs/design.md §10): the ``router`` module (its weight
+    (E, d) scores the experts), the ``experts`` module with its 3-D ``gate_up`` (E, parts·f, d) and
+    ``down`` (E, d, f) parameters (full names), ``parts`` 2 for [gate | up] rows; E experts of f
+    units, the ``top_k`` chosen per token, their weights renormalised or not; the schema's spaces
+    ``layers.ℓ.router`` (E: the router's rows) and ``layers.ℓ.experts`` (E·f: every expert's units,
+    expert-major)."""
+
+    layer: int
+    router: str
+    experts: str
+    gate_up: str
+    down: str
+    num_experts: int
+    units: int
+    top_k: int
+    renormalised: bool
+    parts: int = 2
+
+    @property
+    def router_space(self) -> str:
+        return f"layers.{self.layer}.router"
+
+    @property
+    def experts_space(self) -> str:
+        return f"layers.{self.layer}.experts"
 
 
 @dataclass
@@ -148,6 +182,20 @@ class ModelSchema:
 
     def mlp_space(self, layer: int) -> Space:
         return self.spaces[f"layers.{layer}.mlp"]
+
+    def has_mlp(self, layer: int) -> bool:
+        """Whether layer ``layer`` has a dense MLP (a mixture-of-experts layer may have none, or a
+        shared expert in its place: docs/design.md §10)."""
+        return f"layers.{layer}.mlp" in self.spaces
+
+    def mlp_size(self, layer: int) -> int:
+        """The units of layer ``layer``'s dense MLP (0: none)."""
+        return self.spaces[f"layers.{layer}.mlp"].size if self.has_mlp(layer) else 0
+
+    @property
+    def expert_layers(self) -> list[ExpertLayer]:
+        """The mixture-of-experts blocks, in layer order (docs/design.md §10)."""
+        return [layer.experts for layer in self.layers if layer.experts is not None]
 
     def qk_space(self, layer: int) -> Space:
         return self.spaces[f"layers.{layer}.qk"]

@@ -174,12 +174,17 @@ class HeadSpec:
     (``readers``, full names); ``tied``: the (dense, norm, decoder) of a masked-LM transform tied to
     the stream through the word embeddings; ``reads_final_norm``: whether the final norm folds into
     the readers (a base model returns the norm's output: it cannot); ``trunk``: the head shares the
-    trunk's vocabulary and is merged with it (a causal LM's ``lm_head``)."""
+    trunk's vocabulary and is merged with it (a causal LM's ``lm_head``); ``stream``: other parameter
+    axes in the final stream's basis."""
 
     readers: tuple[str, ...] = ()
     tied: tuple[str, str, str] | None = None
     reads_final_norm: bool = True
     trunk: bool = False
+    #: (parameter, axis, covariant) in the final stream's basis beyond the readers' Linears: SigLIP's
+    #: attention-pooling probe (a query written in the stream's basis) and the columns of its fused
+    #: in-projection (docs/design.md §11.1)
+    stream: tuple[tuple[str, int, bool], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -203,23 +208,97 @@ class ConfigCheck:
 
 @dataclass(frozen=True)
 class ExpertsSpec:
-    """Reserved for mixture-of-experts layers (not resolved yet): the router reading the stream and
-    the experts' module list, each expert an MLP (``mlp``); a permutation of the experts moves the
-    router's rows with them, and each expert's units permute on their own."""
+    """A mixture-of-experts block in place of a layer's MLP (docs/design.md §10), relative to the
+    layer: the ``router`` (a module whose ``weight`` (E, d) — and ``bias`` if any — reads the stream
+    and scores each expert) and the ``experts`` module holding every expert's weights as 3-D
+    parameters, as transformers ≥ 5 stores them: ``mlp.inputs`` names the (E, parts·f, d) input
+    parameter (``fused_parts`` 2: [gate | up] rows per expert), ``mlp.output`` the (E, d, f) output
+    one. A permutation of the experts moves the router's rows with them; each expert's units permute
+    on their own. ``num_experts``, ``top_k`` and ``intermediate_size`` are config expressions;
+    ``normalize``: the chosen experts' weights renormalised to sum 1 — ``"always"``, ``"never"``, or
+    a config field (``norm_topk_prob``). ``shared``: an MLP every token passes through beside the
+    routed experts (Qwen2-MoE), with ``shared_gate`` its sigmoid gate reading the stream. A layer
+    whose experts parameter is missing is a dense layer (Qwen-MoE's ``mlp_only_layers``)."""
 
     router: str
     experts: str
     mlp: MLPSpec
+    num_experts: str = "num_local_experts or num_experts"
+    top_k: str = "num_experts_per_tok"
+    intermediate_size: str = "moe_intermediate_size or intermediate_size"
+    normalize: str = "always"
+    shared: MLPSpec | None = None
+    shared_gate: str | None = None
+
+    def renormalised(self, config) -> bool:
+        """Whether the top-k weights are renormalised to sum 1 (``normalize`` read on ``config``)."""
+        if self.normalize in ("always", "never"):
+            return self.normalize == "always"
+        return bool(getattr(config, self.normalize, False))
 
 
 @dataclass(frozen=True)
 class TowerSpec:
-    """Reserved for two-tower models (not resolved yet): one tower (a family of its own, by name)
-    under ``prefix`` and the projection into the joint space."""
+    """One tower of a two-tower model (docs/design.md §11): its family (by name), the attribute of
+    the two-tower model holding it (``prefix``) and its projection into the joint space
+    (``projection``: a module of the two-tower model beside the tower; None where the tower's own
+    head projects); ``wrapper``: the transformers class holding the tower and its projection, which
+    the tower's merge runs on (None: the tower itself)."""
 
     family: str
     prefix: str
-    projection: str
+    projection: str | None = None
+    wrapper: str | None = None
+
+
+@dataclass(frozen=True)
+class JointSpec:
+    """The joint space of a two-tower model (full parameter names): ``writers`` (parameter, axis)
+    write it — the projections' rows and biases, a pooling head's output rows; ``readers``
+    (parameter, axis) read it inside a tower's head; ``norm``: a LayerNorm in it (SigLIP's pooling
+    head), folded into the ``norm_readers`` (Linear modules with a bias) before a rotation."""
+
+    writers: tuple[tuple[str, int], ...]
+    readers: tuple[tuple[str, int], ...] = ()
+    norm: str | None = None
+    norm_readers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DualEncoderSpec:
+    """A two-tower model (CLIP, SigLIP; docs/design.md §11): its ``towers`` (each a family of its
+    own), the ``joint`` space their projections write, where one orthogonal map acts on both, and
+    the ``scalars`` outside both (the logit scale and bias), merged by the rule. JSON round trip as
+    :class:`FamilySpec`'s (``raot_hf/adapters/dual/*.json``)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    towers: tuple[TowerSpec, ...]
+    joint: JointSpec
+    scalars: tuple[str, ...] = ()
+    description: str = ""
+
+    def validate(self) -> DualEncoderSpec:
+        if not self.name or not self.model_types:
+            raise ValueError(f"dual encoder {self.name!r}: needs a name and at least one model type")
+        if len(self.towers) != 2 or len({t.prefix for t in self.towers}) != 2:
+            raise ValueError(f"dual encoder {self.name!r}: needs two towers under two prefixes")
+        if not self.joint.writers:
+            raise ValueError(f"dual encoder {self.name!r}: the joint space needs its writers")
+        if self.joint.norm is not None and not self.joint.norm_readers:
+            raise ValueError(f"dual encoder {self.name!r}: a norm in the joint space folds into its readers")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DualEncoderSpec:
+        data = dict(data)
+        where = f"dual encoder {data.get('name')!r}"
+        towers = tuple(_build(TowerSpec, t, f"{where}.towers") for t in data.pop("towers", ()))
+        joint = _build(JointSpec, data.pop("joint", None), f"{where}.joint")
+        return _build(cls, {**data, "towers": towers, "joint": joint}, where).validate()
 
 
 # --------------------------------------------------------------------- layouts, from the config
@@ -357,8 +436,12 @@ class FamilySpec:
             bad("a pre-norm family needs norms.final")
         if self.mlp.fused_parts > 1 and len(self.mlp.inputs) != 1:
             bad("a fused MLP input is one module")
-        if self.experts is not None or self.towers:
-            bad("mixture-of-experts layers and two-tower models are not resolved yet")
+        if self.towers:
+            bad("towers belong to a two-tower spec (DualEncoderSpec, adapters/dual/), not to a family")
+        if self.experts is not None and (
+            len(self.experts.mlp.inputs) != 1 or self.experts.mlp.fused_parts not in (1, 2)
+        ):
+            bad("experts.mlp names one 3-D input parameter holding one or two parts ([gate | up]) per expert")
         if not self.heads:
             bad("needs at least one head")
         return self
@@ -397,7 +480,7 @@ def _nested(cls) -> dict[str, type]:
             "positions": PositionSpec,
             "experts": ExpertsSpec,
         }
-    return {"mlp": MLPSpec} if cls is ExpertsSpec else {}
+    return {"mlp": MLPSpec, "shared": MLPSpec} if cls is ExpertsSpec else {}
 
 
 def _tupled(value):

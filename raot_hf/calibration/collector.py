@@ -15,6 +15,7 @@ import torch
 
 from raot_hf.adapters.schema import ModelSchema
 from raot_hf.calibration.batches import CalibrationBatch
+from raot_hf.calibration.experts import observe_experts, router_probabilities
 from raot_hf.calibration.statistics import (
     CalibrationStatistics,
     Gram,
@@ -39,11 +40,11 @@ class _Observer:
         modules = dict(model.named_modules())
         params = dict(model.named_parameters())
 
-        def report(key, x: torch.Tensor) -> None:
+        def report(key, x) -> None:
             if self.emit is None or threading.get_ident() != self.thread or key in self.seen:
                 return
             self.seen.add(key)
-            self.emit(key, x.detach())
+            self.emit(key, x.detach() if isinstance(x, torch.Tensor) else x)
 
         def add_bias(x, bias):
             return x if bias is None else x + params[bias].detach()
@@ -83,7 +84,16 @@ class _Observer:
                 add(r.q_module, "out", out_hook(("q", i), qi, r.q_bias))
                 add(r.k_module, "out", out_hook(("k", i), ki, r.k_bias))
             add(layer.context, "in", in_hook(("ctx", i)))
-            add(layer.mlp_hidden, "in", in_hook(("mlp", i)))
+            if layer.mlp_hidden is not None:
+                add(layer.mlp_hidden, "in", in_hook(("mlp", i)))
+            if layer.experts is not None:  # the router's scores, then each expert's units (docs/design.md §10)
+                block = layer.experts
+                add(block.router, "out", out_hook(("router", i)))
+
+                def experts_hook(args, i=i, block=block, module=modules[block.experts]):
+                    report(("experts", i), observe_experts(module, block, args[0], args[1]))
+
+                add(block.experts, "in", experts_hook)
         for j, name in enumerate(schema.stream_modules):
             add(name, "out", out_hook(("stream", j)))
         for name in gram_modules:
@@ -399,6 +409,8 @@ class StatisticsCollector:
         return None if keep is None else keep.to(device)
 
     def _rows(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        if x.ndim == 2 and x.shape[0] == self._shape[0] * self._shape[1]:  # a router reads the tokens flattened
+            x = x.reshape(*self._shape, x.shape[-1])
         if tuple(x.shape[:2]) != self._shape:  # sequence dims must agree across modules
             raise RuntimeError(f"activation with leading shape {tuple(x.shape[:2])} != {self._shape}")
         flat = x.reshape(-1, x.shape[-1])
@@ -408,6 +420,9 @@ class StatisticsCollector:
 
     def _consume(self, key: tuple, x_a: torch.Tensor, x_b: torch.Tensor) -> None:
         kind, which = key
+        if kind in ("router", "experts"):
+            self._consume_experts(kind, which, x_a, x_b)
+            return
         if self._shape is None:
             self._index_rows(x_a)
         if kind == "gram":
@@ -430,3 +445,20 @@ class StatisticsCollector:
         target = self.stats.heldout.stream if kind == "stream" else getattr(self.stats.heldout, kind)[which]
         fmap = self.candidates.get((kind, which))
         target.update(a, b, b if fmap is None else fmap(b))
+
+    def _consume_experts(self, kind: str, layer: int, x_a, x_b) -> None:
+        """A mixture-of-experts block's router scores or experts' units (docs/design.md §10), over
+        the flattened (batch·sequence) tokens the block reads, this phase's moment rows kept."""
+        if not self.moments or self._shape is None:
+            return
+        if kind == "experts":
+            if self.phase == "fit":
+                self.stats.fit.experts[layer].update(x_a, x_b, self._moment_index)
+            return
+        a = router_probabilities(self._rows(x_a, self._moment_index))
+        b = router_probabilities(self._rows(x_b, self._moment_index))
+        if self.phase == "fit":
+            self.stats.fit.experts[layer].router.update(a, b)
+            return
+        fmap = self.candidates.get(("router", layer))
+        self.stats.heldout.experts[layer].update(a, b, b if fmap is None else fmap(b))

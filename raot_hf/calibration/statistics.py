@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from raot_hf.adapters.schema import ModelSchema
+from raot_hf.adapters.schema import ExpertLayer, ModelSchema
 
 _F64 = torch.float64
 
@@ -350,6 +350,67 @@ class PairedDiagonal:
         return torch.where(denom > eps, cov / denom.clamp_min(eps), torch.zeros_like(cov))
 
 
+@dataclass
+class ExpertMoments:
+    """The fit statistics of one mixture-of-experts layer (see the module docstring): ``router``
+    (E), the routed counts ``routed_a``, ``routed_b`` (E) and ``both`` (E × E), and ``units``, the
+    E × E pairs' unit moments, row-major (pair (a, b) at a·E + b)."""
+
+    router: Moments
+    routed_a: torch.Tensor
+    routed_b: torch.Tensor
+    both: torch.Tensor
+    units: list[Moments]
+
+    @classmethod
+    def zeros(cls, block: ExpertLayer, *, device=None, quad_dtype=_F64, product_dtype=None) -> ExpertMoments:
+        e, f = block.num_experts, block.units
+        router = Moments.zeros(e, device=device, quad_dtype=_F64, product_dtype=_F64)
+        units = [
+            Moments.zeros(f, device=device, quad_dtype=quad_dtype, product_dtype=product_dtype) for _ in range(e * e)
+        ]
+        z = torch.zeros(e, dtype=_F64, device=device)
+        return cls(router, z, z.clone(), torch.zeros(e, e, dtype=_F64, device=device), units)
+
+    @property
+    def num_experts(self) -> int:
+        return self.routed_a.numel()
+
+    def pair(self, a: int, b: int) -> Moments:
+        """The unit moments of expert ``a`` of A and expert ``b`` of B."""
+        return self.units[a * self.num_experts + b]
+
+    def update(self, a, b, rows: torch.Tensor | None) -> None:
+        """Add one batch of two :class:`~raot_hf.calibration.experts.ExpertObservation` s: their
+        ``rows`` (the moment rows among the T tokens; None: all)."""
+        e = self.num_experts
+        routed_a, routed_b = a.routed(e), b.routed(e)
+        keep = torch.zeros(routed_a.shape[0], dtype=torch.bool, device=routed_a.device)
+        keep[slice(None) if rows is None else rows.to(keep.device)] = True
+        routed_a &= keep[:, None]
+        routed_b &= keep[:, None]
+        self.routed_a += routed_a.sum(0).to(_F64).to(self.routed_a.device)
+        self.routed_b += routed_b.sum(0).to(_F64).to(self.routed_b.device)
+        self.both += (routed_a.T.to(_F64) @ routed_b.to(_F64)).to(self.both.device)
+        # position of each token within each expert's routed rows (before the moment rows are kept)
+        place_a = a.routed(e).long().cumsum(0) - 1
+        place_b = b.routed(e).long().cumsum(0) - 1
+        for i in range(e):
+            for j in range(e):
+                common = (routed_a[:, i] & routed_b[:, j]).nonzero().squeeze(1)
+                if common.numel():
+                    self.pair(i, j).update(a.units[i][place_a[common, i]], b.units[j][place_b[common, j]])
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [*self.router.tensors(), self.routed_a, self.routed_b, self.both]
+        for m in self.units:
+            out += m.tensors()
+        return out
+
+    def moments(self) -> list[Moments]:
+        return [self.router, *self.units]
+
+
 def _site_tensors(split, *counts: torch.Tensor) -> list[torch.Tensor]:
     """Every sum of a split, in a fixed order: its counts, the stream's, then each layer's
     MLP, q, k and context sums (the order the all-reduce and the tests rely on)."""
@@ -357,6 +418,8 @@ def _site_tensors(split, *counts: torch.Tensor) -> list[torch.Tensor]:
     for of_site in (split.mlp, split.q, split.k, split.ctx):
         for m in of_site:
             out += m.tensors()
+    for layer in sorted(split.experts):  # mixture-of-experts layers (docs/design.md §10)
+        out += split.experts[layer].tensors()
     return out
 
 
@@ -371,6 +434,7 @@ class SplitStatistics:
     stream: Moments
     tokens: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=_F64))  # real fit tokens
     moment_tokens: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=_F64))  # of them, in moments
+    experts: dict = field(default_factory=dict)  # layer → ExpertMoments (docs/design.md §10)
 
     @classmethod
     def zeros(
@@ -387,17 +451,22 @@ class SplitStatistics:
         ``defer_mlp``: every layer's co-moments are created empty, allocated when a layer-by-layer
         pass reaches it. The stream's d×d sums and rows are float64 whatever the model's dtype
         (massive-activation tokens meet every other there: docs/design.md §4.3)."""
-        L, d, f = schema.num_layers, schema.hidden_size, schema.intermediate_size
+        L, d = schema.num_layers, schema.hidden_size
         a = schema.attention_size  # H·h: the hidden size where the heads tile it
         kw = dict(device=device, quad_dtype=quad_dtype)
+        experts = {b.layer: ExpertMoments.zeros(b, product_dtype=mlp_product_dtype, **kw) for b in schema.expert_layers}
         return cls(
-            mlp=[Moments.zeros(f, product_dtype=mlp_product_dtype, defer=defer_mlp, **kw) for _ in range(L)],
+            mlp=[
+                Moments.zeros(schema.mlp_size(i), product_dtype=mlp_product_dtype, defer=defer_mlp, **kw)
+                for i in range(L)
+            ],
             q=[Moments.zeros(a, defer=defer_mlp, **kw) for _ in range(L)],
             k=[Moments.zeros(a, defer=defer_mlp, **kw) for _ in range(L)],
             ctx=[Moments.zeros(a, defer=defer_mlp, **kw) for _ in range(L)],
             stream=Moments.zeros(d, device=device, quad_dtype=_F64, product_dtype=_F64),
             tokens=torch.zeros((), dtype=_F64, device=device),
             moment_tokens=torch.zeros((), dtype=_F64, device=device),
+            experts=experts,
         )
 
     def tensors(self) -> list[torch.Tensor]:
@@ -414,12 +483,15 @@ class HeldoutStatistics:
     ctx: list[PairedDiagonal]
     stream: PairedDiagonal
     tokens: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=_F64))
+    experts: dict = field(default_factory=dict)  # layer → PairedDiagonal of the router probabilities (§10)
 
     @classmethod
     def zeros(cls, schema: ModelSchema, *, device=None) -> HeldoutStatistics:
-        L, d, f, a = schema.num_layers, schema.hidden_size, schema.intermediate_size, schema.attention_size
+        L, d, a = schema.num_layers, schema.hidden_size, schema.attention_size
+        experts = {b.layer: PairedDiagonal.zeros(b.num_experts, device=device) for b in schema.expert_layers}
         return cls(
-            mlp=[PairedDiagonal.zeros(f, device=device) for _ in range(L)],
+            experts=experts,
+            mlp=[PairedDiagonal.zeros(schema.mlp_size(i), device=device) for i in range(L)],
             q=[PairedDiagonal.zeros(a, device=device) for _ in range(L)],
             k=[PairedDiagonal.zeros(a, device=device) for _ in range(L)],
             ctx=[PairedDiagonal.zeros(a, device=device) for _ in range(L)],
@@ -456,7 +528,8 @@ class CalibrationStatistics:
         if self.fit is None:
             return []
         fit = self.fit
-        return [fit.stream, *fit.mlp, *fit.q, *fit.k, *fit.ctx]
+        experts = [m for layer in sorted(fit.experts) for m in fit.experts[layer].moments()]
+        return [fit.stream, *fit.mlp, *fit.q, *fit.k, *fit.ctx, *experts]
 
     def absorb(self, other: CalibrationStatistics) -> None:
         """Add the other phase's statistics: its held-out sums (or fit moments), Grams and examples."""

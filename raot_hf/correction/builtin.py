@@ -1,6 +1,6 @@
 """The built-in corrections (docs/design.md §6.7), registered by name: ``lsq`` (merged-input
-least squares, with the final readers' refit) and ``repair`` (REPAIR statistics), and the sites
-each reads in a layer."""
+least squares, with the final readers' refit), ``repair`` (REPAIR statistics) and ``router`` (the
+mixture-of-experts routers alone, by ``lsq``'s fit, §10.4), and the sites each reads in a layer."""
 
 from __future__ import annotations
 
@@ -39,7 +39,9 @@ def repair_sites(model, schema: ModelSchema, index: int, prefix: str) -> tuple[l
     A space whose members are not a module's own weight and bias (DeBERTa v1's ``v_bias`` added
     after the fused projection) cannot be folded and is skipped, with the reason."""
     params = dict(model.named_parameters())
-    spaces = (("v", schema.kv_space(index, "v") or schema.vo_space(index)), ("mlp", schema.mlp_space(index)))
+    spaces = (("v", schema.kv_space(index, "v") or schema.vo_space(index)),)
+    if schema.has_mlp(index):  # a mixture-of-experts layer's experts are not one module's rows
+        spaces += (("mlp", schema.mlp_space(index)),)
     sites, skipped = [], []
     for kind, space in spaces:
         members = [m for m in space.members if m.covariant and m.role in ("v", "fc1")]
@@ -62,6 +64,22 @@ def least_squares(request: CorrectionRequest):
     inputs. Layers of one class call their sites in one order, found once (``memo["shared_inputs"]``)."""
     sites = linear_sites(request.model, request.schema, request.index, request.name)
     shared = request.memo.setdefault("shared_inputs", {})
+    key = (type(request.layer.module_a), tuple(s.module for s in sites))
+    if key not in shared:
+        shared[key] = shared_input_sites(request.layer, request.rule, [s.module for s in sites])
+    return least_squares_layer(
+        request.layer, request.rule, sites, mix=request.mix, shrink=request.options.shrink, shared=shared[key]
+    )
+
+
+def router_recalibration(request: CorrectionRequest):
+    """``router``: each mixture-of-experts router refitted alone, as ``lsq`` refits a Linear — to the
+    parents' mixed router logits on the merged model's own inputs (docs/design.md §10.4); every
+    other parameter keeps the rule's merge, and a dense layer is left as the rule made it."""
+    block = request.schema.layers[request.index].experts
+    router = None if block is None else f"{block.router}.weight"
+    sites = [s for s in linear_sites(request.model, request.schema, request.index, request.name) if s.weight == router]
+    shared = request.memo.setdefault("router_inputs", {})
     key = (type(request.layer.module_a), tuple(s.module for s in sites))
     if key not in shared:
         shared[key] = shared_input_sites(request.layer, request.rule, [s.module for s in sites])
@@ -96,3 +114,6 @@ register_correction(
     description="merged-input least squares",
 )
 register_correction("repair", repair, description="REPAIR statistics")
+register_correction(
+    "router", router_recalibration, description="mixture-of-experts routers refitted to the parents' mixed routing"
+)

@@ -167,7 +167,10 @@ def recording(module: torch.nn.Module, names: list[str], on_call: Callable[[str,
     reports ``(name, input, output)`` to ``on_call``."""
     with Hooks() as hooks:
         for name in names:
-            hooks.on_output(module.get_submodule(name), lambda args, out, n=name: on_call(n, args[0], out))
+            # a router returns (logits, scores, chosen experts): its output rows are the logits (§10)
+            hooks.on_output(
+                module.get_submodule(name), lambda args, out, n=name: on_call(n, args[0], first_tensor(out))
+            )
         yield
 
 

@@ -15,6 +15,7 @@ from raot_hf.calibration.precision import correlation_error_bound
 from raot_hf.calibration.statistics import Moments, PairedDiagonal
 from raot_hf.estimators.head_fit import assign, matched_scales, normalised_blocks, procrustes
 from raot_hf.estimators.ties import resolve_near_ties, unit_mismatch
+from raot_hf.symmetry.experts import ExpertAlignment
 from raot_hf.symmetry.group import mean_axis_basis, mean_fixing
 from raot_hf.symmetry.transforms import (
     HeadAlignment,
@@ -250,6 +251,8 @@ def candidate_maps(
     for t in transforms:
         if isinstance(t, MLPPermutation):
             maps[("mlp", t.layer)] = permute(t.perm)
+        elif isinstance(t, ExpertAlignment):  # the router probabilities of B′'s expert j are B's perm[j]
+            maps[("router", t.layer)] = permute(t.perm)
         elif isinstance(t, HeadAlignment):
             maps[("q", t.layer)] = maps[("k", t.layer)] = rotate_heads(t.perm, t.qk)
             maps[("ctx", t.layer)] = rotate_heads(t.perm, t.vo)

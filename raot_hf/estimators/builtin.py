@@ -10,10 +10,12 @@ import torch
 from huggingface_hub.utils import tqdm
 
 from raot_hf.estimators.activation import estimate_head_alignment, estimate_mlp_permutation, estimate_residual_map
+from raot_hf.estimators.experts import estimate_expert_alignment
 from raot_hf.estimators.registry import EstimationRequest, finite, register_estimator
 from raot_hf.estimators.soft_ot import SoftOTOptions
 from raot_hf.estimators.weight_based import WeightMatchingOptions
 from raot_hf.symmetry import (
+    ExpertAlignment,
     HeadAlignment,
     HeadRescale,
     MLPPermutation,
@@ -56,6 +58,8 @@ def is_identity(t: Transform) -> bool:
         return torch.allclose(t.matrix, torch.eye(len(t.matrix), dtype=torch.float64), atol=1e-12)
     if isinstance(t, HeadRescale):
         return bool(torch.all(t.qk_scale == 1)) and bool(torch.all(t.vo_scale == 1))
+    if isinstance(t, ExpertAlignment):
+        return t.is_identity()
     return False
 
 
@@ -64,13 +68,22 @@ def _layer_candidates(request: EstimationRequest, i: int) -> tuple[list[Transfor
     cfg, schema, fit = request.config, request.schema, request.stats.fit
     H, h = schema.num_heads, schema.head_size
     parts, logs = [], {}
-    if "mlp" in cfg.scope:
+    if "mlp" in cfg.scope and schema.has_mlp(i):
         if finite(fit.mlp[i]):
             t, log = estimate_mlp_permutation(fit.mlp[i], i, return_log=True)
         else:
             t, log = MLPPermutation(i, torch.arange(schema.mlp_space(i).size)), SKIPPED
         parts.append(t)
         logs[f"layers.{i}.mlp"] = log
+    if "mlp" in cfg.scope and i in fit.experts:  # a mixture-of-experts block (docs/design.md §10)
+        if finite(*fit.experts[i].moments()):
+            t, log = estimate_expert_alignment(fit.experts[i], i, return_log=True)
+        else:
+            block = schema.layers[i].experts
+            identity = torch.arange(block.units).expand(block.num_experts, -1)
+            t, log = ExpertAlignment(i, torch.arange(block.num_experts), identity), SKIPPED
+        parts.append(t)
+        logs[f"layers.{i}.experts"] = log
     if "heads" in cfg.scope:
         if finite(fit.q[i], fit.k[i], fit.ctx[i]):
             rope = schema.qk_structure == "rope"
@@ -95,7 +108,8 @@ def solve_layer_early(stats, schema, config, i: int, solved: dict[int, tuple]) -
     layer-by-layer calibration pass, docs/design.md §7.4)."""
     solved[i] = _layer_candidates(EstimationRequest(stats, schema, {}, {}, config, False), i)
     fit = stats.fit
-    for moments in (fit.mlp[i], fit.q[i], fit.k[i], fit.ctx[i]):
+    experts = fit.experts[i].units if i in fit.experts else []
+    for moments in (fit.mlp[i], fit.q[i], fit.k[i], fit.ctx[i], *experts):
         moments.comoment = moments.comoment.new_zeros(0, 0)
 
 

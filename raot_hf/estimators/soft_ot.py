@@ -150,7 +150,7 @@ def _layer_plans(
     """One layer's plans (MLP units, then heads), appended to ``parts``; returns its log entry."""
     H, h = schema.num_heads, schema.head_size
     entry: dict[str, Any] = {"layer": layer}
-    if "mlp" in scope:
+    if "mlp" in scope and schema.has_mlp(layer):  # a mixture's experts get no plan (§10)
         similarity = fit.mlp[layer].correlation().T  # rows: B units, columns: A units
         plan = sinkhorn_plan(similarity, reg)
         parts.append(SoftTransport(schema.mlp_space(layer).name, plan))

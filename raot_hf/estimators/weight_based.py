@@ -220,7 +220,7 @@ def estimate_weight_alignment(
     layers_log: list[dict[str, Any]] = []
     for layer in tqdm(range(schema.num_layers), desc="weight alignment", unit="layer", leave=False):
         entry: dict[str, Any] = {"layer": layer}
-        if "mlp" in scope:
+        if "mlp" in scope and schema.has_mlp(layer):  # a mixture's experts are not matched here (§10)
             entry["mlp"] = _align_mlp_units(state_a, state_b, schema, layer, parts)
         if "heads" in scope or rescale:
             options = {"align": "heads" in scope, "rescale": rescale, "match_heads": match_heads}
@@ -264,7 +264,7 @@ def _spaces_needed(schema: ModelSchema, scope: tuple[str, ...], rescale: bool) -
     """The spaces whose members the requested factors read, layer by layer."""
     need = []
     for layer in range(schema.num_layers):
-        if "mlp" in scope:
+        if "mlp" in scope and schema.has_mlp(layer):
             need.append(schema.mlp_space(layer))
         if "heads" in scope or rescale:
             need += [schema.qk_space(layer), schema.vo_space(layer)]

@@ -89,7 +89,7 @@ class GateDecision:
     deciding objective's (None where nothing was scored); ``fidelity_*`` are set under the merge
     objective, ``alignment_gain`` is the alignment objective's gain kept as a diagnostic there."""
 
-    transform: str  # "mlp" | "heads" | "residual"
+    transform: str  # "mlp" | "experts" | "heads" | "residual"
     layer: int | None
     identity: float | None  # held-out objective under the identity
     estimate: float | None  # held-out objective under the estimate

@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from raot_hf.symmetry import HeadAlignment, MLPPermutation, ResidualPermutation, ResidualRotation, Transform
+from raot_hf.symmetry import (
+    ExpertAlignment,
+    HeadAlignment,
+    MLPPermutation,
+    ResidualPermutation,
+    ResidualRotation,
+    Transform,
+)
 
 #: The estimates are identity-dominated when their median affinity is at or above this
 #: (independent pairs measure ≤ 0.05 for any single estimate) ...
@@ -76,6 +83,9 @@ def identity_affinity(t: Transform) -> tuple[str, int | None, float, int] | None
     change of basis (head rescales, soft transport)."""
     if isinstance(t, MLPPermutation):
         return "mlp", t.layer, float(_fixed_fraction(t.perm).mean()), t.perm.numel()
+    if isinstance(t, ExpertAlignment):  # an expert kept in its slot, weighted by its units kept in place
+        units = (t.units == torch.arange(t.units.shape[1])).double().mean(1)
+        return "experts", t.layer, float((_fixed_fraction(t.perm) * units).mean()), t.units.numel()
     if isinstance(t, ResidualPermutation):
         return "residual", None, float(_fixed_fraction(t.perm).mean()), t.perm.numel()
     if isinstance(t, ResidualRotation):

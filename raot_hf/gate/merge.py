@@ -52,6 +52,7 @@ from raot_hf.gate.lineage import LineageEvidence, detect_siblings
 from raot_hf.gate.verdict import BasisVerdict, ModelCheckFigures, OffPath, Verdict, affinity_phrase
 from raot_hf.io.offload import WorkingFiles
 from raot_hf.symmetry import (
+    ExpertAlignment,
     HeadAlignment,
     HeadRescale,
     MLPPermutation,
@@ -127,13 +128,16 @@ def gate_eligible(d: GateDecision) -> bool:
 
 
 def transforms_by_decision(parts: list[Transform]) -> dict[tuple, list[Transform]]:
-    """("heads" | "mlp", layer) → the transforms that decision covers (a head rescale follows its heads)."""
+    """("heads" | "mlp" | "experts", layer) → the transforms that decision covers (a head rescale
+    follows its heads)."""
     out: dict[tuple, list[Transform]] = {}
     for t in parts:
         if isinstance(t, (HeadAlignment, HeadRescale)):
             out.setdefault(("heads", t.layer), []).append(t)
         elif isinstance(t, MLPPermutation):
             out.setdefault(("mlp", t.layer), []).append(t)
+        elif isinstance(t, ExpertAlignment):  # the whole block: experts, their units, the router's rows
+            out.setdefault(("experts", t.layer), []).append(t)
     return out
 
 
@@ -192,7 +196,8 @@ class LayerGate:
     def decide_at(self, i: int, rows: dict, per_layer: dict) -> tuple[dict, list[Transform], list[Transform]]:
         """Layer ``i``'s decisions (:meth:`decide_layer`) over its re-decidable estimates, the
         accepted transforms and every re-decided estimate's (none: nothing to decide there)."""
-        keys = [k for k in (("heads", i), ("mlp", i)) if k in rows and k in per_layer and gate_eligible(rows[k])]
+        keys = [(kind, i) for kind in ("heads", "mlp", "experts")]
+        keys = [k for k in keys if k in rows and k in per_layer and gate_eligible(rows[k])]
         if not keys:
             return {}, [], []
         decided, chosen = self.decide_layer(i, keys, per_layer, rows)

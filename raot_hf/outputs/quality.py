@@ -6,7 +6,22 @@ from typing import Any
 
 
 def describe_quality(quality: dict[str, Any] | None) -> str | None:
-    """One sentence for the card and the CLI."""
+    """One sentence for the card and the CLI (and one on routing for a mixture of experts)."""
+    sentence = _describe_outputs(quality)
+    routing = _describe_routing((quality or {}).get("routing"))
+    return " ".join(s for s in (sentence, routing) if s) or None
+
+
+def _describe_routing(routing: list[dict[str, Any]] | None) -> str | None:
+    """The routing change per layer (docs/design.md §10.4), in one sentence."""
+    if not routing:
+        return None
+    layers = ", ".join(f"{r['changed_a']:.0%} / {r['changed_b']:.0%}" for r in routing)
+    span = f"{routing[0]['layer']}–{routing[-1]['layer']}"
+    return f"Its routers choose top-k experts other than A's / B′'s on {layers} of the held-out tokens (layers {span})."
+
+
+def _describe_outputs(quality: dict[str, Any] | None) -> str | None:
     if not quality or "positions" not in quality:
         return None
     n, k = quality["examples"], quality["positions"]

@@ -140,6 +140,41 @@ class BaseRecord:
         return cls(CheckpointRecord.from_dict(data), data.get("relative_task_norms"), missing)
 
 
+@dataclass(frozen=True)
+class TowersRecord:
+    """A two-tower merge's own part (docs/design.md §11): the model (``name``), the joint map's
+    gate decision and exact group, each tower's report by modality, the merged scalars and the
+    image–text retrieval on the held-out pairs (``zero_shot``: None without paired data)."""
+
+    name: str
+    joint: GateDecision | None
+    exact_group: str
+    towers: dict[str, MergeReport]
+    scalars: dict[str, Any]
+    zero_shot: dict[str, Any] | None
+    calibration_pairs: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dual_encoder": self.name,
+            "joint": {"decision": self.joint.to_dict() if self.joint else None, "exact_group": self.exact_group},
+            "towers": {m: r.to_dict() for m, r in self.towers.items()},
+            "scalars": self.scalars,
+            "zero_shot": self.zero_shot,
+            "calibration_pairs": self.calibration_pairs,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TowersRecord:
+        joint = (data.get("joint") or {}).get("decision")
+        return cls(
+            data["dual_encoder"], GateDecision(**joint) if joint else None,
+            (data.get("joint") or {}).get("exact_group", ""),
+            {m: MergeReport.from_dict(r) for m, r in (data.get("towers") or {}).items()},
+            dict(data.get("scalars") or {}), data.get("zero_shot"), int(data.get("calibration_pairs") or 0),
+        )  # fmt: skip
+
+
 #: The verdict and summary of a merge with no aligned model (merged as stored).
 AS_STORED = "no alignment requested: the checkpoints were merged as stored, tensor by tensor"
 
@@ -164,6 +199,8 @@ class MergeReport(Mapping):
     timings: dict[str, float] = field(default_factory=dict)
     command: str | None = None
     merge_file: dict[str, Any] | None = None
+    #: A two-tower model's joint map, towers, scalars and retrieval check (None for any other model).
+    two_towers: TowersRecord | None = None
     #: What the report says when no model was aligned (a merge as stored, or stacked slices).
     unaligned_verdict: str = AS_STORED
     unaligned_summary: str = ""
@@ -203,6 +240,8 @@ class MergeReport(Mapping):
             "merge_file": self.merge_file,
             "reference": self.reference,
         }
+        if self.two_towers is not None:
+            out.update(self.two_towers.to_dict())
         if not aligned:
             out.update(
                 calibration=None, decisions=[], shares_basis=False, verdict=self.unaligned_verdict,
@@ -256,7 +295,8 @@ class MergeReport(Mapping):
             RuleLog.from_dict(merge) if merge else None, data.get("model_type"), data.get("norm"),
             data.get("residual_exact_group"), base, data.get("reference"), data.get("refit"),
             dict(data.get("estimator_logs") or {}), dict(data.get("timings") or {}), data.get("command"),
-            data.get("merge_file"), verdict, summary,
+            data.get("merge_file"), TowersRecord.from_dict(data) if data.get("dual_encoder") else None,
+            verdict, summary,
             dict(data.get("versions") or {}), data.get("raot_hf_version", __version__),
         )  # fmt: skip
 

@@ -11,6 +11,7 @@ from raot_hf.gate.merge import merge_gate
 from raot_hf.results import Alignment
 from raot_hf.stages.context import PairContext
 from raot_hf.symmetry import (
+    ExpertAlignment,
     HeadAlignment,
     HeadRescale,
     MLPPermutation,
@@ -20,12 +21,14 @@ from raot_hf.symmetry import (
     is_exact,
 )
 
-_SPACE_KIND = {"mlp": "mlp", "qk": "heads", "vo": "heads", "residual": "residual"}
+_SPACE_KIND = {"mlp": "mlp", "qk": "heads", "vo": "heads", "residual": "residual", "experts": "experts"}
 
 
 def _kind_and_layer(t: Transform) -> tuple[str, int | None]:
     if isinstance(t, MLPPermutation):
         return "mlp", t.layer
+    if isinstance(t, ExpertAlignment):
+        return "experts", t.layer
     if isinstance(t, HeadAlignment):
         return "heads", t.layer
     return "residual", None
@@ -44,6 +47,8 @@ def _scored(ctx: PairContext, t: Transform, stats, unchanged: bool) -> GateDecis
     kind, layer = _kind_and_layer(t)
     if kind == "mlp":
         gains, identity = mlp_gains(ho.mlp[layer])
+    elif kind == "experts":  # per expert: the correlation of its router probabilities with A's (§10)
+        gains, identity = mlp_gains(ho.experts[layer])
     elif kind == "heads":
         gains, identity = head_gains(ho.q[layer], ho.k[layer], ho.ctx[layer], H, h)
     else:

@@ -215,6 +215,12 @@ def prepare_config(config, n: int, has_base: bool):
     if n < 2:
         raise RaotError(f"give at least two models, got {n}")
     check_base_matches_rule(config, has_base)
+    most = merge_rule_spec(config.merge_rule).max_models
+    if most is not None and n > most:
+        raise RaotError(
+            f"merge_rule={config.merge_rule!r} merges at most {most} model(s), got {n}; pick another rule"
+            + (" (passthrough copies one model: use a merge file's slices to stack layers)" if most == 1 else "")
+        )
     if n > 2:
         check_models(config, n, DistributedContext.detect().is_distributed)
         return config

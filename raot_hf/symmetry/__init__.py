@@ -13,6 +13,7 @@ from raot_hf.symmetry.apply import (
     stream_actions,
     transform_model,
 )
+from raot_hf.symmetry.experts import ExpertAlignment
 from raot_hf.symmetry.group import mean_axis_basis, mean_fixing, random_group_element, random_orthogonal, scramble
 from raot_hf.symmetry.io import TRANSFORM_NAME, load_transform, save_transform
 from raot_hf.symmetry.transforms import (
@@ -38,6 +39,7 @@ __all__ = [
     "TRANSFORM_NAME",
     "load_transform",
     "save_transform",
+    "ExpertAlignment",
     "HeadAlignment",
     "UnrestrictedHeadAlignment",
     "HeadRescale",

@@ -3,6 +3,7 @@ The arithmetic runs in float64 and each tensor is cast back to its own dtype."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 
@@ -21,6 +22,8 @@ def _contract(t: torch.Tensor, member: Member, action: SpaceAction, precision: t
     """``t`` with ``member``'s axis contracted with the action (a new tensor of t's dtype): a
     permutation only moves entries in t's dtype, a matrix is applied in ``precision`` (float64;
     float32 where the result only scores a candidate, docs/design.md §5.7)."""
+    if member.expert_axis is not None:
+        return _contract_experts(t, member, action, precision)
     idx = member.index_tensor()
     if action.perm is not None:
         x = t.movedim(member.axis, -1)
@@ -36,6 +39,18 @@ def _contract(t: torch.Tensor, member: Member, action: SpaceAction, precision: t
     if idx is not None:
         y[..., idx] = moved
     return _contiguous(y.movedim(-1, member.axis), t.dtype)
+
+
+def _contract_experts(t: torch.Tensor, member: Member, action: SpaceAction, precision: torch.dtype) -> torch.Tensor:
+    """A 3-D expert parameter's member (docs/design.md §10): its expert axis and ``member.axis``
+    flattened into one axis of (expert, position) pairs, expert-major — the space's order — and
+    contracted as one axis."""
+    x = t.movedim((member.expert_axis, member.axis), (-2, -1))
+    shape = x.shape
+    flat = x.reshape(*shape[:-2], shape[-2] * shape[-1])
+    one_axis = dataclasses.replace(member, axis=flat.ndim - 1, expert_axis=None)
+    out = _contract(flat, one_axis, action, precision).reshape(shape)
+    return _contiguous(out.movedim((-2, -1), (member.expert_axis, member.axis)), t.dtype)
 
 
 def _contiguous(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -12,6 +12,8 @@ from raot_hf.adapters import is_decoder, modality_of
 PRIMARY_KEYS = tuple(
     ["logits", "cls_logits", "distillation_logits", "start_logits", "end_logits", "pooler_output", "last_hidden_state"]
 )
+#: A dual encoder's tower projected into the joint space (docs/design.md §11): its function, as logits are a head's.
+EMBEDDING_KEYS = ("text_embeds", "image_embeds")
 
 
 def primary_outputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -24,11 +26,11 @@ def primary_outputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> 
 def select_primary(out, rows: int | None = None) -> dict[str, torch.Tensor]:
     """:func:`primary_outputs` of a model output already computed (its first ``rows`` rows)."""
     res = {}
-    for key in PRIMARY_KEYS:
+    for key in PRIMARY_KEYS + EMBEDDING_KEYS:
         value = getattr(out, key, None)
         if value is not None:
             res[key] = value if rows is None else value[:rows]
-    if "logits" in res or "start_logits" in res:
+    if "logits" in res or "start_logits" in res or any(k in res for k in EMBEDDING_KEYS):
         res.pop("last_hidden_state", None)
     pooled, hidden = res.get("pooler_output"), res.get("last_hidden_state")
     # a pooled output that is the first token's stream vector (DINOv2) is in the stream basis and says nothing more

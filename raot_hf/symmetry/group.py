@@ -11,6 +11,7 @@ from raot_hf.adapters import schema_for
 from raot_hf.adapters.schema import ModelSchema
 from raot_hf.errors import RaotError
 from raot_hf.symmetry.apply import transform_model
+from raot_hf.symmetry.experts import random_expert_alignment
 from raot_hf.symmetry.transforms import (
     HeadAlignment,
     HeadRescale,
@@ -26,7 +27,7 @@ from raot_hf.symmetry.transforms import (
 )
 
 _F64 = torch.float64
-SCRAMBLE_KINDS = ("mlp", "heads", "residual", "rescale")
+SCRAMBLE_KINDS = ("mlp", "experts", "heads", "residual", "rescale")
 
 
 def random_orthogonal(n: int, generator: torch.Generator) -> torch.Tensor:
@@ -83,8 +84,10 @@ def random_group_element(
         else:
             raise RaotError(f"residual must be 'auto', 'rotation' or 'permutation', got {residual!r}")
     for layer in range(schema.num_layers):
-        if "mlp" in kinds:
-            parts.append(MLPPermutation(layer, torch.randperm(schema.intermediate_size, generator=g)))
+        if "mlp" in kinds and schema.has_mlp(layer):
+            parts.append(MLPPermutation(layer, torch.randperm(schema.mlp_size(layer), generator=g)))
+        if "experts" in kinds and schema.layers[layer].experts is not None:
+            parts.append(random_expert_alignment(schema, layer, g))
         shares_kv = schema.kv_space(layer, "k") is not None
         if "heads" in kinds and shares_kv:
             parts.append(random_shared_kv_heads(schema, layer, g))

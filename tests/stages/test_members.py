@@ -42,7 +42,7 @@ def _trained_like(model_type):
 # ----------------------------------------------------------------------------- the spine, with three models
 
 
-@pytest.mark.parametrize("model_type", ARCHS)
+@pytest.mark.parametrize("model_type", architectures(experts=None))  # mixtures of experts too (§10)
 def test_three_scrambles_of_one_model_merge_back_to_it(model_type):
     """merge(A, s₁(A), s₂(A)) = A: each scramble is inverted on its own (whole group, scales included)."""
     a, pre, data = _trained_like(model_type)

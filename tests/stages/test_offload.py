@@ -63,7 +63,7 @@ def _merge(a, b, pre, data, tmp_path, offload: bool):
     )
 
 
-@pytest.mark.parametrize("model_type", ARCHS)
+@pytest.mark.parametrize("model_type", architectures(experts=None))  # mixtures of experts too (§10)
 def test_layerwise_merge_is_the_in_memory_merge(model_type, tmp_path):
     """Same decisions, same B′ ≡ B deviation, and the same merged weights to float rounding: the
     calibration pass ran layer by layer (the stream moment sums its sites in another order)."""
