@@ -14,7 +14,7 @@ from raot_hf.config.options import check_choice, check_field_types, meta
 from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.correction.carry import Carried, LayerCall, capture
 from raot_hf.correction.fits import Site, least_squares_layer, least_squares_readers, linear_out, repair_layer
-from raot_hf.correction.layer import LayerPass
+from raot_hf.correction.layer import KeptParents, LayerPass
 from raot_hf.correction.registry import (
     CorrectionRequest,
     CorrectionSpec,
@@ -30,6 +30,7 @@ __all__ = [
     "Carried",
     "CorrectionRequest",
     "CorrectionSpec",
+    "KeptParents",
     "LayerCall",
     "LayerPass",
     "Site",

@@ -26,6 +26,7 @@ from raot_hf.calibration import (
 )
 from raot_hf.calibration.batches import check_tokenizer_reads_text, count_calibration_examples
 from raot_hf.calibration.collector import StatisticsCollector
+from raot_hf.calibration.kept import KeptOutputs, KeptPlan, OutputCapture, site_bytes
 from raot_hf.calibration.precision import resolve_moment_precision
 from raot_hf.calibration.statistics import CalibrationStatistics
 from raot_hf.errors import RaotError
@@ -49,6 +50,11 @@ class CalibrationRun:
     check_reference: list[dict[str, torch.Tensor]] = field(default_factory=list)
     moment_precision: dict[str, str] | None = None  # requested, used and why (the fit phase sets it)
     encodings: dict = field(default_factory=dict)  # example id → its tokens: every pass tokenizes once
+    # the parents' outputs the one sweep reads, kept while the pass runs them (docs/design.md §5.7)
+    kept: OutputCapture | None = None
+    # the refit's targets, made from the pass's own forwards of A and B (§6.11): an object with
+    # ``add(phase, batch, output_a, output_b)`` (raot_hf.stages.refit.PredictionCapture)
+    predictions: Any = None
 
     def batches(self, preprocessor, batch_size: int | None = None, **shard):
         """This sample's calibration batches (``split``, ``rank``, ``world_size``; ``batch_size``
@@ -198,6 +204,32 @@ def layer_by_layer(ctx: PairContext) -> bool:
     return ctx.working_files.of(ctx.model_a) is not None and not ctx.dist.is_distributed and ctx.stats_device == home
 
 
+def keep_outputs(ctx: PairContext, run: CalibrationRun) -> OutputCapture | None:
+    """The capture of the parents' outputs that the one sweep reads (docs/design.md §5.7), into a
+    temporary file beside the offloaded models' (else the system's temporary directory), or None
+    where they would not fit in :data:`raot_hf.calibration.kept.DISK_SHARE` of its free space
+    (the sweep then runs the parents' layers again)."""
+    from raot_hf.gate.fidelity import layer_module_names
+
+    cfg, schema = ctx.config, ctx.schema
+    names = layer_module_names(ctx.model_a, schema)
+    params = dict(ctx.model_a.named_parameters())
+    sites = [
+        [m[len(name) + 1 :] for m in layer.linears if m.startswith(name + ".") and f"{m}.weight" in params]
+        for name, layer in zip(names, schema.layers, strict=True)
+    ]
+    plan = KeptPlan(names, sites, cfg.correction.examples, cfg.gate.examples)
+    store = KeptOutputs(ctx.working_files.directory)
+    per_token = 2 * site_bytes(ctx.model_a, plan)
+    if detect_modality(ctx.preprocessor) == "text":  # images: the store's own budget stops it
+        planned = per_token * plan.fit_examples * run.config.max_length
+        if planned > store.budget:
+            gib = (planned / 2**30, store.budget / 2**30)
+            store.drop("{:.1f} GiB would exceed {:.1f} GiB of the temporary directory".format(*gib))
+            return None
+    return OutputCapture({"a": ctx.model_a, "b": ctx.model_b}, plan, store)
+
+
 def _solves_early(ctx: PairContext) -> bool:
     """Whether a layer-by-layer fit phase solves each layer once it is complete (activation estimator)."""
     from raot_hf.estimators import estimator_spec
@@ -233,25 +265,43 @@ def _fold_batches(
     (then the held-out phase keeps only the check's inputs)."""
     batches = run.batches(ctx.preprocessor, **shard)
     progress = {"desc": f"calibration ({phase})", "disable": not ctx.dist.is_main}
+    capture = run.kept
+
+    def entering(batch):  # what of this batch the sweep reads later (docs/design.md §5.7)
+        return None if capture is None else capture.enter(phase, len(batch), batch.token_mask)
+
     if layer_by_layer(ctx):
         from raot_hf.calibration.sequential import observe_layer_by_layer
         from raot_hf.gate.fidelity import layer_module_names
 
-        kept = list(batches)
+        held = list(batches)
         solver = _early_solver(ctx, collector.stats, solved) if phase == "fit" else None
         names = layer_module_names(ctx.model_a, ctx.schema)
-        observe_layer_by_layer(collector, kept, names, on_layer=solver, progress=not progress["disable"],
-                               desc=progress["desc"])  # fmt: skip
+        observe_layer_by_layer(collector, held, names, on_layer=solver, progress=not progress["disable"],
+                               desc=progress["desc"], capture=capture, entering=entering)  # fmt: skip
         if phase == "heldout":
-            for batch in kept:
+            for batch in held:
                 if bool(batch.heldout.any()):
                     _keep_check_rows(ctx, run, batch, None)
         return
-    for batch in tqdm(batches, total=total, **progress):
-        output_b = collector.update(batch)
-        if phase == "heldout" and output_b is not None:
-            _keep_check_rows(ctx, run, batch, output_b)
-        trim_heap()  # the batch's activations, freed into the C heap: back to the OS (§7.2)
+    try:
+        for batch in tqdm(batches, total=total, **progress):
+            if capture is not None:
+                capture.observing(entering(batch))
+            if run.predictions is not None:
+                outputs = collector.update(batch, both=True)
+                output_b = None if outputs is None else outputs[1]
+                if outputs is not None:
+                    run.predictions.add(phase, batch, *outputs)
+                del outputs
+            else:
+                output_b = collector.update(batch)
+            if phase == "heldout" and output_b is not None:
+                _keep_check_rows(ctx, run, batch, output_b)
+            trim_heap()  # the batch's activations, freed into the C heap: back to the OS (§7.2)
+    finally:
+        if capture is not None:
+            capture.observing(None)
 
 
 def run_phase(

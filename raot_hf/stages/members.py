@@ -26,7 +26,7 @@ from raot_hf.stages.context import PairContext
 from raot_hf.stages.decide import alignment_decisions, decide
 from raot_hf.stages.quality import merge_quality, quality_inputs, reference_outputs
 from raot_hf.stages.refine import refine_and_check
-from raot_hf.stages.sweep import PendingGate, sweep_applies
+from raot_hf.stages.sweep import PendingGate, keeps_parents, sweep_applies
 from raot_hf.symmetry import fold_model, norm_affines
 
 logger = logging.getLogger("raot_hf.stages.members")
@@ -84,10 +84,14 @@ def align_member(ctx: PairContext, calibration, early, like=None, alone: bool = 
     run; ``alone``: the only model besides the reference, whose gate may then run in the merge's
     one sweep (:func:`raot_hf.stages.sweep.sweep_applies`) instead of here."""
     norms = (norm_affines(ctx.model_a, ctx.schema), norm_affines(ctx.model_b, ctx.schema)) if ctx.plan.grams else None
-    stats, run, parts, logs = calibrate_and_solve(ctx, calibration, early, like)
+    keep = alone and keeps_parents(ctx)  # the pass keeps what the sweep would run the parents for (§5.7)
+    stats, run, parts, logs = calibrate_and_solve(ctx, calibration, early, like, keep=keep, predict=alone)
     rows = alignment_decisions(ctx, parts, stats) if stats is not None else []
     if sweep_applies(ctx, parts, rows, stats, run, alone):
         return Member(ctx, None, None, run, [], norms, pending=PendingGate(parts, logs, rows, stats))
+    if run is not None and run.kept is not None:  # what the pass kept for the sweep: nothing reads it
+        run.kept.store.close()
+        run.kept = None
     alignment = decide(ctx, parts, logs, stats, run)
     release_freed_memory(ctx.working_files)  # the gate's captured layer calls
     if not ctx.plan.grams:

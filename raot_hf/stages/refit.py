@@ -181,6 +181,7 @@ class RefitTargets:
     stop: list[RefitChunk]
     judge: list[RefitChunk]
     last_layer: str
+    source: str = "parents run again"  # or "calibration pass": made from its forwards (§5.7)
 
 
 def _last_output(model: torch.nn.Module, last: str, inputs: dict, params: dict | None = None) -> torch.Tensor:
@@ -211,25 +212,82 @@ def _chunks(ctx: PairContext, run, split: str, count: int, parents: list, mix: l
     parent at a time; or the confident teacher's (:func:`confident_mix`), which holds every
     parent's distributions of one batch at once."""
     target_kind, out = ctx.config.refit.target, []
+    for example in calibration_examples(ctx, run, split, count):
+        outputs = (_output(m, target_kind, last, example["inputs"]) for m in parents)
+        target = teacher_target(outputs, mix, target_kind, ctx.config.refit.teacher)
+        out.append(_refit_chunk(example["inputs"], example["mask"], target))
+    return out
 
-    def parent_output(model, inputs) -> torch.Tensor:
-        y = _output(model, target_kind, last, inputs)
+
+def teacher_target(outputs, mix: list[float], target_kind: str = "output", teacher: str = "mix") -> torch.Tensor:
+    """The refit's target from the parents' ``outputs`` (in the order of ``mix``, an iterable read
+    one at a time for the plain mix): of their last layer's streams ``Σ w_p·y_p`` (``"hidden"``),
+    or of their predicted distributions ``Σ w_p·softmax(z_p)`` (``"output"``), or the confident
+    teacher's (:func:`confident_mix`), which holds every parent's distributions at once."""
+
+    def prepared(y: torch.Tensor) -> torch.Tensor:
         y = y.to(torch.promote_types(y.dtype, torch.float32))  # the mix in float32 at least
         return y.softmax(dim=-1) if target_kind == "output" else y
 
-    for example in calibration_examples(ctx, run, split, count):
-        target = None
-        if ctx.config.refit.teacher == "confident":  # the output target's only (RefitOptions)
-            target = confident_mix([parent_output(m, example["inputs"]) for m in parents], mix)
-        else:
-            for model, w in zip(parents, mix, strict=True):
-                y = parent_output(model, example["inputs"])
-                target = w * y if target is None else target.add_(y, alpha=w)
-        mask = example["mask"]
-        if mask is None or target.dim() == 2:  # every token counts; a classifier's example is one token
-            mask = torch.ones(target.shape[:2] if target.dim() == 3 else (target.shape[0], 1), dtype=torch.bool)
-        out.append(RefitChunk(example["inputs"], mask.to(target.device), target))
-    return out
+    if teacher == "confident":  # the output target's only (RefitOptions)
+        return confident_mix([prepared(y) for y in outputs], mix)
+    target = None
+    for y, w in zip(outputs, mix, strict=True):
+        y = prepared(y)
+        target = w * y if target is None else target.add_(y, alpha=w)
+    return target
+
+
+def _refit_chunk(inputs: dict, mask: torch.Tensor | None, target: torch.Tensor) -> RefitChunk:
+    if mask is None or target.dim() == 2:  # every token counts; a classifier's example is one token
+        mask = torch.ones(target.shape[:2] if target.dim() == 3 else (target.shape[0], 1), dtype=torch.bool)
+    return RefitChunk(inputs, mask.to(target.device), target)
+
+
+class PredictionCapture:
+    """The output target made from the calibration pass's own forwards of A and B (each parent's
+    layer runs once per calibration token over the merge, docs/design.md §5.7): the first
+    ``refit.examples`` examples of each split, batched as the calibration batches them — the
+    batches :func:`refit_targets` would run the parents on again, so the targets are the same. B's
+    predictions are B′'s: they do not depend on its basis."""
+
+    def __init__(self, ctx: PairContext):
+        self.count, self.teacher = ctx.config.refit.examples, ctx.config.refit.teacher
+        self.mix = target_mix(model_weights(ctx.config, 2))
+        self.chunks: dict[str, list[RefitChunk]] = {"fit": [], "heldout": []}
+        self.taken = {"fit": 0, "heldout": 0}
+
+    def add(self, phase: str, batch, output_a, output_b) -> None:
+        """A calibration batch of ``phase`` and both parents' outputs on it."""
+        keep = min(self.count - self.taken[phase], len(batch))
+        if keep <= 0:
+            return
+        scores = [_scores(o)[:keep] for o in (output_a, output_b)]
+        inputs = {k: v[:keep] for k, v in batch.inputs.items()}
+        mask = batch.token_mask[:keep].bool() if batch.token_mask is not None else None
+        self.chunks[phase].append(_refit_chunk(inputs, mask, teacher_target(scores, self.mix, teacher=self.teacher)))
+        self.taken[phase] += keep
+
+
+def _scores(out) -> torch.Tensor:
+    """A model output's scores, as :func:`_model_logits` reads them."""
+    return out.logits if hasattr(out, "logits") else first_tensor(out)
+
+
+def prediction_capture(ctx: PairContext) -> PredictionCapture | None:
+    """The capture of the refit's output target during the calibration pass, where a refit of this
+    pair may run on it (:func:`refit_decision`'s conditions that the models and options decide
+    before any data is read), else None."""
+    cfg = ctx.config.refit
+    if cfg.mode == "off" or not cfg.steps or cfg.target != "output":
+        return None
+    if len(ctx.working_files) or ctx.dist.is_distributed or ctx.base is not None:
+        return None
+    if merge_rule_spec(ctx.config.merge_rule).needs_base or _output_target_problem([ctx]) is not None:
+        return None
+    if cfg.mode == "auto" and sum(p.numel() for p in ctx.model_a.parameters()) > AUTO_MAX_PARAMETERS:
+        return None
+    return PredictionCapture(ctx)
 
 
 def confident_mix(distributions: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
@@ -260,15 +318,20 @@ def refit_targets(members: list[Member], calibration=None, early=None) -> RefitT
     parents = member_models(members)  # the reference before the merge, then every model (aligned, or B itself)
     mix = target_mix(model_weights(ctx.config, len(parents)))  # the correction's target weights (§6.7)
     last = layer_module_names(ctx.model_a, ctx.schema)[-1]
-    with ctx.timer.stage("refit"):
-        fit = _chunks(ctx, run, "fit", cfg.examples, parents, mix, last)
-        heldout = _chunks(ctx, run, "heldout", cfg.examples, parents, mix, last)
+    captured = run.predictions if len(members) == 1 and cfg.target == "output" else None
+    run.predictions = None
+    with ctx.timer.stage("refit"):  # from the calibration pass where it made them, else the parents run again
+        fit = captured.chunks["fit"] if captured is not None and captured.chunks["fit"] else None
+        heldout = captured.chunks["heldout"] if captured is not None and captured.chunks["heldout"] else None
+        source = "calibration pass" if fit and heldout else "parents run again"
+        fit = fit or _chunks(ctx, run, "fit", cfg.examples, parents, mix, last)
+        heldout = heldout or _chunks(ctx, run, "heldout", cfg.examples, parents, mix, last)
     if not fit:
         raise RaotError("the refit found no fit examples in the calibration data; give more or set refit steps 0")
     # the held-out examples alternate between the halves, so a batch of one example only stops
     stop = [c.rows(0) for c in heldout]
     judge = [j for j in (c.rows(1) for c in heldout) if j.mask.shape[0]]
-    return RefitTargets(fit, stop, judge, last)
+    return RefitTargets(fit, stop, judge, last, source)
 
 
 def refit_parameter_names(model: torch.nn.Module, head: set[str], parameters: str = "norms_biases") -> list[str]:
@@ -430,6 +493,7 @@ def refit_merged(members: list[Member], targets: RefitTargets | None) -> dict[st
         "kept": kept,
         "reason": reason,
         "target": cfg.target,
+        "targets_from": targets.source,
         **({"teacher": cfg.teacher} if cfg.target == "output" else {}),
         "steps": steps,
         "best_step": best_step,

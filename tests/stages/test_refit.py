@@ -77,7 +77,8 @@ def test_refit_of_a_pair_that_differs_lowers_the_heldout_loss_and_is_reported():
     and the report records the run."""
     a = _bert()
     b = scrambled_near_copy(a, seed=1, noise=0.3)
-    plain = _merge(clone(a), clone(b), refit={"mode": "off"})
+    # the last-stream target reads B′ whole: its merge runs the three stages, as the plain one here
+    plain = _merge(clone(a), clone(b), refit={"mode": "off"}, gate={"sweep": False})
     refit = _merge(clone(a), clone(b), refit={"steps": 60, "lr": 0.01, "eval_every": 10, **NORMS_HIDDEN})
     record = refit.report["refit"]
     assert record["kept"], record["reason"]
@@ -97,7 +98,7 @@ def test_a_refit_of_every_trunk_parameter_moves_weight_matrices_too():
     task head still not); the held-out loss falls and the refit is kept."""
     a = _bert()
     b = scrambled_near_copy(a, seed=1, noise=0.3)
-    plain = _merge(clone(a), clone(b), refit={"mode": "off"})
+    plain = _merge(clone(a), clone(b), refit={"mode": "off"}, gate={"sweep": False})  # as the last-stream target's
     refit = _merge(clone(a), clone(b), refit={"steps": 40, "lr": 1e-3, "eval_every": 10, "parameters": "all",
                                               "target": "hidden", "mode": "on"})  # fmt: skip
     record = refit.report["refit"]
@@ -308,3 +309,20 @@ def test_a_refit_with_the_confident_teacher_runs_is_judged_and_names_its_teacher
     assert "weighted per token by its confidence" in model_card_context(confident.report)["merge_rule"]
     hidden = _merge(clone(a), clone(b), refit={"steps": 5, "mode": "on", "target": "hidden"})
     assert "teacher" not in hidden.report["refit"]
+
+
+def test_the_targets_made_from_the_calibration_pass_are_those_the_parents_give_again(monkeypatch):
+    """The output target is made from the calibration pass's own forwards of A and B (each parent
+    layer runs once per token, docs/design.md §5.7): the same batches the refit would run the
+    parents on again, so the same targets — the refit and the merge are those of targets made
+    afresh, bit for bit."""
+    a = _bert()
+    b = scrambled_near_copy(a, seed=1, noise=0.3)
+    options = {"steps": 30, "mode": "on", "eval_every": 5}
+    captured = _merge(clone(a), clone(b), refit=options)
+    monkeypatch.setattr(refit_stage, "prediction_capture", lambda ctx: None)
+    again = _merge(clone(a), clone(b), refit=options)
+    one, two = captured.report["refit"], again.report["refit"]
+    assert one["targets_from"] == "calibration pass" and two["targets_from"] == "parents run again"
+    assert one["heldout_loss_before"] == two["heldout_loss_before"] and one["curve"] == two["curve"]
+    assert _equal_states(captured.model, again.model)
