@@ -13,10 +13,13 @@ examples stop the descent early; on the other half the refit competes with the m
 from __future__ import annotations
 
 import logging
+import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from huggingface_hub.utils import tqdm
 from torch.func import functional_call
 from transformers.pytorch_utils import Conv1D
 
@@ -33,6 +36,7 @@ from raot_hf.stages.correct import target_mix
 from raot_hf.stages.members import Member, member_models, model_weights
 
 logger = logging.getLogger("raot_hf.stages.refit")
+_STAGE = {"stage": True}  # a line the CLI shows by default (raot_hf.cli.verbosity)
 
 _OFFLOADED = (
     "refit mode 'on' runs the merged model forward and backward in memory, but the models were offloaded "
@@ -125,7 +129,7 @@ def refit_decision(members: list[Member]) -> tuple[bool, str]:
     their rule's merge)."""
     ctx = members[0].ctx
     cfg = ctx.config.refit
-    if cfg.mode == "off" or not cfg.steps:
+    if not cfg.enabled:
         return False, "off"
     if cfg.mode == "on":
         return True, "requested"
@@ -279,7 +283,7 @@ def prediction_capture(ctx: PairContext) -> PredictionCapture | None:
     pair may run on it (:func:`refit_decision`'s conditions that the models and options decide
     before any data is read), else None."""
     cfg = ctx.config.refit
-    if cfg.mode == "off" or not cfg.steps or cfg.target != "output":
+    if not cfg.enabled or cfg.target != "output":
         return None
     if len(ctx.working_files) or ctx.dist.is_distributed or ctx.base is not None:
         return None
@@ -411,14 +415,57 @@ class _Refit:
                 p.copy_(self.masters[n].to(p.dtype))
 
 
-def _descend(refit: _Refit, targets: RefitTargets, cfg, best_loss: float) -> tuple[dict, int, list, int]:
+@dataclass
+class RefitBudget:
+    """How many Adam steps the descent takes (docs/design.md §6.11): the number ``refit.steps``
+    gives, or, for ``auto``, as many as take at most ``seconds`` — ``refit.budget`` × ``rest``, the
+    time the rest of the merge took on this host — at the measured time of a step (``step_s``) and
+    of a held-out score (``score_s``, one every ``refit.eval_every`` steps), and at most
+    :data:`raot_hf.config.refit.AUTO_MAX_STEPS`. ``planned``: the steps planned (``limit`` until
+    the first step is measured)."""
+
+    limit: int
+    seconds: float | None = None
+    rest: float | None = None
+    planned: int = 0
+    step_s: float | None = None
+    score_s: float | None = None
+
+    def __post_init__(self):
+        self.planned = self.limit
+
+    def plan(self, step_s: float, score_s: float, eval_every: int) -> int:
+        """Steps whose time, with their held-out scores, fits in ``seconds`` (at least one)."""
+        self.step_s, self.score_s = step_s, score_s
+        if self.seconds is None:
+            return self.planned
+        n = int(self.seconds // max(step_s + score_s / eval_every, 1e-9))
+        while n > 1 and n * step_s + math.ceil(n / eval_every) * score_s > self.seconds:
+            n -= 1
+        self.planned = max(1, min(self.limit, n))
+        return self.planned
+
+    def to_dict(self) -> dict[str, Any]:
+        steps = "auto" if self.seconds is not None else self.limit
+        times = {"seconds": self.seconds, "rest_s": self.rest, "step_s": self.step_s, "score_s": self.score_s}
+        return {"steps": steps, "planned": self.planned, **times}
+
+
+def _descend(
+    refit: _Refit, targets: RefitTargets, cfg, best_loss: float, budget: RefitBudget, progress: bool = False
+) -> tuple[dict, int, list, int]:
     """Adam on the fit chunks (one per step, in turn), scored on the held-out ``stop`` half every
-    ``eval_every`` steps against the merge's loss there ``best_loss``; returns the best values,
-    their step (0: none beat the merge), the curve and the steps run."""
+    ``eval_every`` steps (and at the last) against the merge's loss there ``best_loss``, for the
+    steps ``budget`` plans — from the first step's time, then again from the first ``eval_every``
+    steps' and their score's; returns the best values, their step (0: none beat the merge), the
+    curve and the steps run."""
     leaves = list(refit.masters.values())
     optimizer = torch.optim.Adam(leaves, lr=cfg.lr)
     best, best_step, curve, waited, step = refit.snapshot(), 0, [], 0, 0
-    while step < cfg.steps:
+    bar = tqdm(total=budget.planned, desc="refit", disable=not progress)
+    start = time.perf_counter()
+    score_s = budget.score_s or 0.0
+    while step < budget.planned:
         loss = refit.errors([targets.fit[step % len(targets.fit)]]).mean()
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)  # no weight matrix's gradient is made
         if not step:
@@ -427,18 +474,59 @@ def _descend(refit: _Refit, targets: RefitTargets, cfg, best_loss: float) -> tup
             leaf.grad = g  # None for a parameter the final hidden state does not read: Adam leaves it
         optimizer.step()
         step += 1
-        if step % cfg.eval_every and step < cfg.steps:
+        bar.update(1)
+        if step == 1:  # the first step's time: the plan
+            steps = budget.plan(time.perf_counter() - start, score_s, cfg.eval_every)
+            _planned(budget, steps, bar, cfg.eval_every, announce=budget.seconds is None or steps < cfg.eval_every)
+        if step % cfg.eval_every and step < budget.planned:
             continue
+        scored = time.perf_counter()
         with torch.no_grad():
             value = float(refit.errors(targets.stop).mean())
+        if not curve and budget.seconds is not None and step < budget.planned:  # the first cycle's times: again
+            steps = budget.plan((scored - start) / step, time.perf_counter() - scored, cfg.eval_every)
+            _planned(budget, steps, bar, cfg.eval_every, announce=True)
         curve.append({"step": step, "train": float(loss.detach()), "heldout": value})
+        bar.set_postfix(heldout=f"{value:.4g}", refresh=False)
         if value < best_loss:
             best, best_step, best_loss, waited = refit.snapshot(), step, value, 0
         else:
             waited += 1
             if waited >= cfg.patience:
                 break
+    bar.close()
     return best, best_step, curve, step
+
+
+def _planned(budget: RefitBudget, steps: int, bar, eval_every: int, announce: bool) -> None:
+    """Tell the progress bar how many steps the budget plans; ``announce``: and the log, how long
+    they will take and why."""
+    if bar.total != steps:
+        bar.total = steps
+        bar.refresh()
+    if not announce:
+        return
+    seconds = steps * budget.step_s + math.ceil(steps / eval_every) * budget.score_s
+    if budget.seconds is None:
+        why = "refit steps"
+    else:
+        why = (
+            f"at most {budget.seconds / max(budget.rest, 1e-9):g} × the {budget.rest:.1f} s the rest of the merge took"
+        )
+    logger.info("refit: %d Adam steps at most, about %.1f s (%.3g s a step; %s)", steps, seconds, budget.step_s, why,
+                extra=_STAGE)  # fmt: skip
+
+
+def _budget(ctx: PairContext, cfg, score_s: float) -> RefitBudget:
+    """The descent's :class:`RefitBudget`: ``refit.steps`` given, or ``auto`` — ``refit.budget`` ×
+    the time every other stage of the merge has taken so far."""
+    if cfg.steps != "auto":
+        budget = RefitBudget(int(cfg.steps))
+    else:
+        rest = sum(t for name, t in ctx.timer.times.items() if name != "refit")
+        budget = RefitBudget(cfg.max_steps, cfg.budget * rest, rest)
+    budget.score_s = score_s
+    return budget
 
 
 def refit_merged(members: list[Member], targets: RefitTargets | None) -> dict[str, Any] | None:
@@ -448,16 +536,19 @@ def refit_merged(members: list[Member], targets: RefitTargets | None) -> dict[st
     it ran and why when ``auto`` chose not to)."""
     ctx = members[0].ctx
     cfg = ctx.config.refit
-    if cfg.mode == "off" or not cfg.steps:
+    if not cfg.enabled:
         return None
     run, why = refit_decision(members)
     if targets is None or not run:
         return {"ran": False, "kept": False, "reason": why, "mode": cfg.mode}
     with ctx.timer.stage("refit"), torch.enable_grad():
         refit = _Refit(ctx, targets)
+        budget = None
         with torch.no_grad():
             before = refit.errors(targets.judge, merged=True)
-            before_stop = refit.errors(targets.stop, merged=True)
+            scored = time.perf_counter()
+            before_stop = refit.errors(targets.stop, merged=True)  # timed: a held-out score's cost
+            score_s = time.perf_counter() - scored
         few = before.numel() < MIN_GATE_EXAMPLES
         followed = float(before_stop.mean()) <= FOLLOWED if before_stop.numel() else False
         if few:  # nothing to compete on: the refit could not be kept
@@ -465,7 +556,9 @@ def refit_merged(members: list[Member], targets: RefitTargets | None) -> dict[st
         if few or followed:
             best, best_step, curve, steps = {}, 0, [], 0
         else:
-            best, best_step, curve, steps = _descend(refit, targets, cfg, float(before_stop.mean()))
+            budget = _budget(ctx, cfg, score_s)
+            progress = ctx.dist.is_main
+            best, best_step, curve, steps = _descend(refit, targets, cfg, float(before_stop.mean()), budget, progress)
         after, test = before, None
         if best_step:
             refit.restore(best)
@@ -507,6 +600,7 @@ def refit_merged(members: list[Member], targets: RefitTargets | None) -> dict[st
         "heldout_gain": test.mean if test is not None else None,
         "heldout_stderr": test.stderr if test is not None else None,
         "curve": curve,
+        **({"budget": budget.to_dict()} if budget is not None else {}),
     }
     logger.info("refit: held-out loss %s → %s after %d steps (best %d): %s (%s)", record["heldout_loss_before"],
                 record["heldout_loss_after"], steps, best_step, "kept" if kept else "dropped", reason)  # fmt: skip

@@ -121,6 +121,7 @@ VALUE_FOR_FLAG = {
     "--mergekit-epsilon": ("0.1", 0.1),
     "--mergekit-gamma": ("0.02", 0.02),
     "--mergekit-scale": ("1.5", 1.5),
+    "--refit-steps": ("50", 50),  # auto, or a number
 }
 
 

@@ -3,6 +3,8 @@ B (in memory, a model with scores, at most 50 M parameters), towards the parents
 distributions or their last stream, early-stopped on half the held-out examples and kept only when
 it beats the merge without it on the other half."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -326,3 +328,42 @@ def test_the_targets_made_from_the_calibration_pass_are_those_the_parents_give_a
     assert one["targets_from"] == "calibration pass" and two["targets_from"] == "parents run again"
     assert one["heldout_loss_before"] == two["heldout_loss_before"] and one["curve"] == two["curve"]
     assert _equal_states(captured.model, again.model)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seconds=st.floats(0.01, 1000.0),
+    step_s=st.floats(1e-4, 10.0),
+    score_s=st.floats(0.0, 10.0),
+    eval_every=st.integers(1, 50),
+    limit=st.integers(1, 2000),
+)
+def test_the_budget_plans_the_most_steps_whose_time_fits(seconds, step_s, score_s, eval_every, limit):
+    """``refit.steps="auto"``: the steps planned, with a held-out score every ``eval_every`` of them
+    and one at the last, take at most the budget's seconds — one more would not fit — unless one
+    step alone is over it (the descent then takes one) or the step limit binds first."""
+    budget = refit_stage.RefitBudget(limit, seconds, seconds)
+    n = budget.plan(step_s, score_s, eval_every)
+
+    def cost(steps: int) -> float:
+        return steps * step_s + math.ceil(steps / eval_every) * score_s
+
+    assert 1 <= n <= limit
+    assert n == 1 or cost(n) <= seconds * (1 + 1e-12)
+    assert n == limit or cost(n + 1) > seconds * (1 - 1e-12)
+
+
+def test_the_default_refit_descends_for_the_steps_its_budget_plans_and_reports_them():
+    """The default (``refit.steps="auto"``): the descent's steps come from the measured time of a
+    step and of a held-out score against the rest of the merge's, and the report says so; a
+    number given runs that many steps at most, whatever the time."""
+    a = _bert()
+    b = scrambled_near_copy(a, seed=1, noise=0.3)
+    auto = _merge(clone(a), clone(b), refit={"mode": "on", "eval_every": 5})
+    record = auto.report["refit"]
+    budget = record["budget"]
+    assert budget["steps"] == "auto" and budget["rest_s"] > 0 and budget["seconds"] == pytest.approx(budget["rest_s"])
+    assert 1 <= record["steps"] <= budget["planned"] <= 1000 and budget["step_s"] > 0
+    given = _merge(clone(a), clone(b), refit={"mode": "on", "steps": 7, "eval_every": 5})
+    assert given.report["refit"]["budget"]["steps"] == given.report["refit"]["budget"]["planned"] == 7
+    assert given.report["refit"]["steps"] <= 7
