@@ -100,9 +100,12 @@ SHAPES["llama-135m-lm"] = dict(
     SHAPES["llama-135m-like"], head="causal", tie_word_embeddings=True, vocab=49152, lengths="varied"
 )
 # a classifier the default refit runs on (≤ 50 M parameters, a classification head): the
-# all-MiniLM-L6-v2 trunk (6 layers, d 384, 12 heads, f 1,536) with a two-label head; B a scrambled
-# copy of A moved by 5 % noise, so that the merge is not A and the refit has something to follow
-SHAPES["bert-6l-sequence"] = dict(SHAPES["minilm-l6"], head="sequence", num_labels=2, drift=0.05)
+# all-MiniLM-L6-v2 trunk (6 layers, d 384, 12 heads, f 1,536) with a two-label head, computing like
+# a trained one (unit-gain weights: confident predictions); B a scrambled copy of A moved by 5 %
+# noise, so that the merge is not A and the refit has something to follow
+SHAPES["bert-6l-sequence"] = dict(
+    SHAPES["minilm-l6"], head="sequence", num_labels=2, drift=0.05, dtype="float32", trained_like={}
+)
 VOCAB = 30522
 #: Targets: merge / floor per shape (docs/design.md §7.2; shapes not listed have none); the stages
 #: after the solve ≤ 2 × the floor; solve ≤ 10 s (bert-base, 2 cores); peak RSS ≤ 3 × (A + B) in

@@ -48,6 +48,8 @@ class CalibrationRun:
     fingerprint: dict[str, Any]
     check_inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
     check_reference: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    # A's outputs on the check's inputs, from the same forwards (the quality figures read them, §6.8)
+    check_reference_a: list[dict[str, torch.Tensor]] = field(default_factory=list)
     moment_precision: dict[str, str] | None = None  # requested, used and why (the fit phase sets it)
     encodings: dict = field(default_factory=dict)  # example id → its tokens: every pass tokenizes once
     # the parents' outputs the one sweep reads, kept while the pass runs them (docs/design.md §5.7)
@@ -184,17 +186,16 @@ def heldout_phase(ctx: PairContext, run: CalibrationRun, stats: CalibrationStati
         logger.warning("NaN/Inf in held-out activations: affected estimates will lose to the identity")
 
 
-def _keep_check_rows(ctx: PairContext, run: CalibrationRun, batch, output_b) -> None:
+def _keep_check_rows(ctx: PairContext, run: CalibrationRun, batch, output_b, output_a=None) -> None:
     """Keep the first held-out rows (as many as a mixed batch holds) and B's outputs on them (when
-    given) for the B′ ≡ B check."""
+    given) for the B′ ≡ B check, and A's (when given) for the quality figures."""
     if len(run.check_inputs) >= ctx.config.check_batches:
         return
     rows = max(1, run.config.batch_size // run.config.heldout_every)
     run.check_inputs.append({k: v[:rows] for k, v in batch.inputs.items()})
-    if output_b is None:
-        return
-    reference = select_primary(output_b, rows)
-    run.check_reference.append({k: v.detach().to("cpu", copy=True) for k, v in reference.items()})
+    for output, kept in ((output_b, run.check_reference), (output_a, run.check_reference_a)):
+        if output is not None:
+            kept.append({k: v.detach().to("cpu", copy=True) for k, v in select_primary(output, rows).items()})
 
 
 def layer_by_layer(ctx: PairContext) -> bool:
@@ -288,16 +289,19 @@ def _fold_batches(
         for batch in tqdm(batches, total=total, **progress):
             if capture is not None:
                 capture.observing(entering(batch))
-            if run.predictions is not None:
+            checking = phase == "heldout" and len(run.check_inputs) < ctx.config.check_batches
+            output_a = output_b = None
+            if run.predictions is not None or checking:  # A's output is read too
                 outputs = collector.update(batch, both=True)
-                output_b = None if outputs is None else outputs[1]
                 if outputs is not None:
-                    run.predictions.add(phase, batch, *outputs)
-                del outputs
+                    output_a, output_b = outputs
+                    if run.predictions is not None:
+                        run.predictions.add(phase, batch, output_a, output_b)
             else:
                 output_b = collector.update(batch)
             if phase == "heldout" and output_b is not None:
-                _keep_check_rows(ctx, run, batch, output_b)
+                _keep_check_rows(ctx, run, batch, output_b, output_a)
+            del output_a, output_b
             trim_heap()  # the batch's activations, freed into the C heap: back to the OS (§7.2)
     finally:
         if capture is not None:
@@ -323,7 +327,7 @@ def run_phase(
     shard = {"rank": ctx.dist.rank, "world_size": world, "split": phase}
     total = count_calibration_batches(run.dataset, run.config, **shard) if forward else 0
     if phase == "heldout":
-        run.check_inputs, run.check_reference = [], []
+        run.check_inputs, run.check_reference, run.check_reference_a = [], [], []
     if phase == "fit" and forward and solved is not None and _solves_early(ctx):
         collector_options["defer_mlp"] = True  # each layer's f × f sum lives only while its layer runs
     try:

@@ -135,9 +135,14 @@ def member_models(members: list[Member]) -> list[torch.nn.Module]:
 
 
 def parents_before_merge(members: list[Member]) -> tuple[list, list]:
-    """Each pair's check rows and the reference's outputs on them (before the merge writes into it)."""
+    """Each pair's check rows and the reference's outputs on them (before the merge writes into it):
+    those the calibration pass kept, where it kept them for these rows, else run now."""
     sets = [quality_inputs(m.ctx, m.run) for m in members]
-    return sets, [reference_outputs(m.ctx, x) for m, x in zip(members, sets, strict=True)]
+    outputs = []
+    for m, x in zip(members, sets, strict=True):
+        kept = m.run.check_reference_a if m.run is not None else []
+        outputs.append(list(kept) if x and len(kept) == len(x) else reference_outputs(m.ctx, x))
+    return sets, outputs
 
 
 def merged_quality(members: list[Member], sets: list, parents: list) -> list[dict | None]:

@@ -418,11 +418,13 @@ class _Refit:
 @dataclass
 class RefitBudget:
     """How many Adam steps the descent takes (docs/design.md §6.11): the number ``refit.steps``
-    gives, or, for ``auto``, as many as take at most ``seconds`` — ``refit.budget`` × ``rest``, the
-    time the rest of the merge took on this host — at the measured time of a step (``step_s``) and
-    of a held-out score (``score_s``, one every ``refit.eval_every`` steps), and at most
-    :data:`raot_hf.config.refit.AUTO_MAX_STEPS`. ``planned``: the steps planned (``limit`` until
-    the first step is measured)."""
+    gives, or, for ``auto``, the most that take at most ``seconds`` — ``refit.budget`` × ``rest``,
+    the time the rest of the merge took on this host — at the measured time of a step (``step_s``)
+    and of a held-out score (``score_s``, one every ``refit.eval_every`` steps and one at the last),
+    rounded down to ``eval_every`` × a power of two (at most ``limit``,
+    :data:`raot_hf.config.refit.AUTO_MAX_STEPS`): repeated merges on one host plan alike unless
+    the budget lies at such a boundary. ``planned``: the steps planned (``limit`` until a time is
+    known)."""
 
     limit: int
     seconds: float | None = None
@@ -435,15 +437,30 @@ class RefitBudget:
         self.planned = self.limit
 
     def plan(self, step_s: float, score_s: float, eval_every: int) -> int:
-        """Steps whose time, with their held-out scores, fits in ``seconds`` (at least one)."""
+        """Steps whose time, with their held-out scores, fits in ``seconds`` (at least ``eval_every``)."""
         self.step_s, self.score_s = step_s, score_s
         if self.seconds is None:
             return self.planned
-        n = int(self.seconds // max(step_s + score_s / eval_every, 1e-9))
-        while n > 1 and n * step_s + math.ceil(n / eval_every) * score_s > self.seconds:
-            n -= 1
-        self.planned = max(1, min(self.limit, n))
-        return self.planned
+
+        def cost(n: int) -> float:
+            return n * step_s + math.ceil(n / eval_every) * score_s
+
+        if cost(self.limit) <= self.seconds:
+            self.planned = self.limit
+            return self.planned
+        n = eval_every
+        while 2 * n < self.limit and cost(2 * n) <= self.seconds:
+            n *= 2
+        self.planned = n
+        return n
+
+    def affords(self, eval_every: int) -> bool:
+        """Whether the plan holds :data:`MIN_AUTO_SCORES` held-out scores' steps at least."""
+        return self.seconds is None or self.cost(MIN_AUTO_SCORES * eval_every, eval_every) <= self.seconds
+
+    def cost(self, steps: int, eval_every: int) -> float:
+        """The time ``steps`` steps take with their held-out scores, at the measured times."""
+        return steps * (self.step_s or 0.0) + math.ceil(steps / eval_every) * (self.score_s or 0.0)
 
     def to_dict(self) -> dict[str, Any]:
         steps = "auto" if self.seconds is not None else self.limit
@@ -475,17 +492,13 @@ def _descend(
         optimizer.step()
         step += 1
         bar.update(1)
-        if step == 1:  # the first step's time: the plan
+        if step == 1:  # the first step's measured time: the plan, held from here on
             steps = budget.plan(time.perf_counter() - start, score_s, cfg.eval_every)
-            _planned(budget, steps, bar, cfg.eval_every, announce=budget.seconds is None or steps < cfg.eval_every)
+            _planned(budget, max(steps, 1), bar, cfg.eval_every)
         if step % cfg.eval_every and step < budget.planned:
             continue
-        scored = time.perf_counter()
         with torch.no_grad():
             value = float(refit.errors(targets.stop).mean())
-        if not curve and budget.seconds is not None and step < budget.planned:  # the first cycle's times: again
-            steps = budget.plan((scored - start) / step, time.perf_counter() - scored, cfg.eval_every)
-            _planned(budget, steps, bar, cfg.eval_every, announce=True)
         curve.append({"step": step, "train": float(loss.detach()), "heldout": value})
         bar.set_postfix(heldout=f"{value:.4g}", refresh=False)
         if value < best_loss:
@@ -498,34 +511,42 @@ def _descend(
     return best, best_step, curve, step
 
 
-def _planned(budget: RefitBudget, steps: int, bar, eval_every: int, announce: bool) -> None:
-    """Tell the progress bar how many steps the budget plans; ``announce``: and the log, how long
-    they will take and why."""
+def _planned(budget: RefitBudget, steps: int, bar, eval_every: int) -> None:
+    """Tell the progress bar and the log how many steps the budget plans, about how long they will
+    take, and why."""
     if bar.total != steps:
         bar.total = steps
         bar.refresh()
-    if not announce:
-        return
-    seconds = steps * budget.step_s + math.ceil(steps / eval_every) * budget.score_s
     if budget.seconds is None:
         why = "refit steps"
     else:
         why = (
             f"at most {budget.seconds / max(budget.rest, 1e-9):g} × the {budget.rest:.1f} s the rest of the merge took"
         )
-    logger.info("refit: %d Adam steps at most, about %.1f s (%.3g s a step; %s)", steps, seconds, budget.step_s, why,
-                extra=_STAGE)  # fmt: skip
+    logger.info("refit: %d Adam steps at most, about %.1f s (%.3g s a step; %s)", steps,
+                budget.cost(steps, eval_every), budget.step_s, why, extra=_STAGE)  # fmt: skip
 
 
-def _budget(ctx: PairContext, cfg, score_s: float) -> RefitBudget:
+#: A step's cost in forwards of its examples: the forward, and the backward at about twice it.
+STEP_FORWARDS = 3.0
+#: The fewest held-out scores (of ``refit.eval_every`` steps each) an ``auto`` budget must afford
+#: for the descent to run: fewer steps rarely move the merge, and would cost their time for nothing.
+MIN_AUTO_SCORES = 2
+
+
+def _budget(ctx: PairContext, targets: RefitTargets, cfg, score_s: float) -> RefitBudget:
     """The descent's :class:`RefitBudget`: ``refit.steps`` given, or ``auto`` — ``refit.budget`` ×
-    the time every other stage of the merge has taken so far."""
+    the time every other stage of the merge has taken so far, planned first from the held-out
+    score's measured time (a step: :data:`STEP_FORWARDS` forwards of a fit chunk's examples)."""
     if cfg.steps != "auto":
         budget = RefitBudget(int(cfg.steps))
-    else:
-        rest = sum(t for name, t in ctx.timer.times.items() if name != "refit")
-        budget = RefitBudget(cfg.max_steps, cfg.budget * rest, rest)
-    budget.score_s = score_s
+        budget.score_s = score_s
+        return budget
+    rest = sum(t for name, t in ctx.timer.times.items() if name != "refit")
+    budget = RefitBudget(cfg.max_steps, cfg.budget * rest, rest)
+    scored = max(1, sum(int(c.mask.shape[0]) for c in targets.stop))
+    per_step = max(int(c.mask.shape[0]) for c in targets.fit)
+    budget.plan(STEP_FORWARDS * score_s * per_step / scored, score_s, cfg.eval_every)  # before a step is run
     return budget
 
 
@@ -553,10 +574,13 @@ def refit_merged(members: list[Member], targets: RefitTargets | None) -> dict[st
         followed = float(before_stop.mean()) <= FOLLOWED if before_stop.numel() else False
         if few:  # nothing to compete on: the refit could not be kept
             logger.warning("refit: fewer than %d held-out examples to judge it; not run", MIN_GATE_EXAMPLES)
-        if few or followed:
+        short = False
+        if not (few or followed):
+            budget = _budget(ctx, targets, cfg, score_s)
+            short = not budget.affords(cfg.eval_every)
+        if few or followed or short:
             best, best_step, curve, steps = {}, 0, [], 0
         else:
-            budget = _budget(ctx, cfg, score_s)
             progress = ctx.dist.is_main
             best, best_step, curve, steps = _descend(refit, targets, cfg, float(before_stop.mean()), budget, progress)
         after, test = before, None
@@ -576,6 +600,12 @@ def refit_merged(members: list[Member], targets: RefitTargets | None) -> dict[st
         reason = f"fewer than {MIN_GATE_EXAMPLES} held-out examples"
     elif followed:
         reason = f"the merge already follows its parents (held-out loss ≤ {FOLLOWED:g}); not run"
+    elif short:
+        reason = (
+            f"the budget affords fewer than {MIN_AUTO_SCORES * cfg.eval_every} steps (the record's budget); not run "
+            "(refit steps sets a number)"
+        )
+        logger.info("refit: %s", reason, extra=_STAGE)
     else:
         reason = "no held-out score beat the merge without the refit"
     loss = lambda errors: float(errors.mean()) if errors.numel() else None  # noqa: E731
