@@ -337,6 +337,7 @@ class CorrectionPass:
         record = {
             "method": self.method,
             "examples": int(sum(c.mask.shape[0] for c in self.chunks)),
+            "examples_per_forward": max((int(c.mask.shape[0]) for c in self.chunks), default=0),
             "tokens": tokens,
             "layers": self.layers,
             "skipped": self.skipped,
@@ -364,7 +365,8 @@ def fit_chunks(
     given; none when ``parents_run`` is False, their outputs kept from the calibration pass) and M
     (A's module with the merged non-layer trunk ``rest``) captured at layer 0."""
     cfg = ctx.config.correction
-    batches = run.batches(ctx.preprocessor, batch_size=cfg.batch_size, split="fit")
+    batch_size = cfg.examples_per_forward(len(ctx.working_files) > 0)
+    batches = run.batches(ctx.preprocessor, batch_size=batch_size, split="fit")
     names = layer_module_names(ctx.model_a, ctx.schema)
     return capture(parents, names, batches, rest, cfg.examples, parent_params, parents_run)
 
@@ -388,7 +390,8 @@ def _corrected(
     chunks = fit_chunks(ctx, run, parents, rest)
     held = None
     if cfg.gate.enabled and cfg.correction.compete:
-        heldout = run.batches(ctx.preprocessor, batch_size=cfg.correction.batch_size, split="heldout")
+        batch_size = cfg.correction.examples_per_forward(len(ctx.working_files) > 0)
+        heldout = run.batches(ctx.preprocessor, batch_size=batch_size, split="heldout")
         held = HeldoutPaths.captured(parents, names, heldout, rest, cfg.gate.examples, mix, cfg.correction.z)
         if sum(c.mask.shape[0] for c in held.chunks) < MIN_GATE_EXAMPLES:
             logger.warning("correction: fewer than %d held-out examples; every layer's correction is kept untested",

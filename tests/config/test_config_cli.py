@@ -122,6 +122,7 @@ VALUE_FOR_FLAG = {
     "--mergekit-gamma": ("0.02", 0.02),
     "--mergekit-scale": ("1.5", 1.5),
     "--refit-steps": ("50", 50),  # auto, or a number
+    "--correction-batch-size": ("16", 16),  # auto, or a number
 }
 
 
