@@ -16,22 +16,21 @@ from raot_hf.stages.solve import solve
 
 def calibrate_and_solve(
     ctx: PairContext, calibration, early=None, like: CalibrationRun | None = None, keep: bool = False,
-    predict: bool = False,
+    predict=None,
 ) -> tuple[Any, CalibrationRun | None, list, dict]:  # fmt: skip
     """The fit phase, the candidates (§7), then the held-out phase that scores them: the statistics
     (the fit moments freed), the run, the candidates and the logs; ``like``: another pair's run;
     ``keep``: the pass keeps the parents' outputs the one sweep reads (``run.kept``, §5.7);
-    ``predict``: and their predictions, the refit's target (``run.predictions``, §6.11)."""
+    ``predict(ctx)``: what keeps their predictions, the refit's target (``run.predictions``, §6.11;
+    :func:`raot_hf.stages.refit.prediction_capture`), or None."""
     stats = run = None
     solved: dict[int, tuple] = {}  # layers the layer-by-layer fit phase solves as it completes them (§7.4)
     if statistics_pass_needed(ctx.config, calibration):
         with ctx.timer.stage("calibration"):
             run = open_calibration(ctx, calibration, early, like)
             run.kept = keep_outputs(ctx, run) if keep else None
-            if predict:  # the refit's output target, from the same forwards (docs/design.md §6.11)
-                from raot_hf.stages.refit import prediction_capture
-
-                run.predictions = prediction_capture(ctx)
+            if predict is not None:  # the refit's output target, from the same forwards (docs/design.md §6.11)
+                run.predictions = predict(ctx)
             stats = fit_phase(ctx, run, solved)
     parts, logs = solve(ctx, stats, solved)
     if stats is not None:

@@ -79,13 +79,15 @@ def check_models(config, n: int, distributed: bool = False) -> None:
         raise RaotError(f"a merge of {n} models runs in one process; run it without accelerate launch")
 
 
-def align_member(ctx: PairContext, calibration, early, like=None, alone: bool = False) -> Member:
+def align_member(ctx: PairContext, calibration, early, like=None, alone: bool = False, predict=None) -> Member:
     """Align one model to the reference, nothing merged; ``like``: an earlier member's calibration
     run; ``alone``: the only model besides the reference, whose gate may then run in the merge's
-    one sweep (:func:`raot_hf.stages.sweep.sweep_applies`) instead of here."""
+    one sweep (:func:`raot_hf.stages.sweep.sweep_applies`) instead of here, and whose predictions
+    the calibration pass may keep for the refit (``predict``, :func:`calibrate_and_solve`)."""
     norms = (norm_affines(ctx.model_a, ctx.schema), norm_affines(ctx.model_b, ctx.schema)) if ctx.plan.grams else None
     keep = alone and keeps_parents(ctx)  # the pass keeps what the sweep would run the parents for (§5.7)
-    stats, run, parts, logs = calibrate_and_solve(ctx, calibration, early, like, keep=keep, predict=alone)
+    stats, run, parts, logs = calibrate_and_solve(ctx, calibration, early, like, keep=keep,
+                                                  predict=predict if alone else None)  # fmt: skip
     rows = alignment_decisions(ctx, parts, stats) if stats is not None else []
     if sweep_applies(ctx, parts, rows, stats, run, alone):
         return Member(ctx, None, None, run, [], norms, pending=PendingGate(parts, logs, rows, stats))
@@ -105,7 +107,7 @@ def align_member(ctx: PairContext, calibration, early, like=None, alone: bool = 
     return Member(ctx, alignment, stats, run, checks, norms)
 
 
-def align_all(pairs: list[PairContext], calibration, early, like=None) -> list[Member]:
+def align_all(pairs: list[PairContext], calibration, early, like=None, predict=None) -> list[Member]:
     """Align every model to the reference in turn, on one calibration sample read once. Once an
     alignment has folded the reference's norms (§3.3), each later model is folded before its own pass,
     so its gate compares merges of one parametrisation; at the end, if any folded, every model is."""
@@ -115,7 +117,7 @@ def align_all(pairs: list[PairContext], calibration, early, like=None) -> list[M
             logger.info("aligning model %d of %d to the reference", i, len(pairs) + 1, extra=_STAGE)
         if members_folded(members):
             fold_model(ctx.model_b, ctx.schema, working_files=ctx.working_files)
-        members.append(align_member(ctx, calibration, early, like, alone=len(pairs) == 1))
+        members.append(align_member(ctx, calibration, early, like, alone=len(pairs) == 1, predict=predict))
         like = like or members[-1].run
     if members_folded(members):
         for m in members:

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import raot_hf.merger as merger_module
 from raot_hf import RaotConfig, RaotError, RaotMerger, schema_for, scramble
 from raot_hf.outputs import model_card_context
 from raot_hf.stages import refit as refit_stage
@@ -323,7 +324,7 @@ def test_the_targets_made_from_the_calibration_pass_are_those_the_parents_give_a
     b = scrambled_near_copy(a, seed=1, noise=0.3)
     options = {"steps": 30, "mode": "on", "eval_every": 5}
     captured = _merge(clone(a), clone(b), refit=options)
-    monkeypatch.setattr(refit_stage, "prediction_capture", lambda ctx: None)
+    monkeypatch.setattr(merger_module, "prediction_capture", lambda ctx: None)
     again = _merge(clone(a), clone(b), refit=options)
     one, two = captured.report["refit"], again.report["refit"]
     assert one["targets_from"] == "calibration pass" and two["targets_from"] == "parents run again"
