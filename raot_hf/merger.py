@@ -37,7 +37,7 @@ from raot_hf.stages.members import (
     prepare_config,
 )
 from raot_hf.stages.provenance import build_report, transform_file
-from raot_hf.stages.refit import check_refit, refit_merged, refit_targets
+from raot_hf.stages.refit import check_refit, prediction_capture, refit_merged, refit_targets
 from raot_hf.symmetry import Transform
 
 __all__ = ["Alignment", "MergeResult", "RaotMerger", "merge_checkpoints"]
@@ -217,7 +217,7 @@ class RaotMerger:
         central = len(self.models) > 2 and self.config.models.reference == "central"
         run = self._reference_to_center(calibration) if central else None
         self.merged = True  # from here on the models change
-        members = align_all(self.pairs, calibration, self.early_calibration, run)
+        members = align_all(self.pairs, calibration, self.early_calibration, run, predict=prediction_capture)
         quality_sets, parents = parents_before_merge(members)  # A before the merge writes into it
         targets = refit_targets(members, calibration, self.early_calibration)  # likewise (None: refit off)
         merge_log = merge_weights(members, members_folded(members))

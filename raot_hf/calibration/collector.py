@@ -312,19 +312,20 @@ class StatisticsCollector:
         return batch.heldout.to(torch.bool) == (self.phase == "heldout")
 
     @torch.no_grad()
-    def update(self, batch: CalibrationBatch):
-        """Forward A and B on ``batch`` and fold this phase's rows into the sums; B's output, or None
-        (no forward) when the batch has no row of this phase."""
+    def update(self, batch: CalibrationBatch, *, both: bool = False):
+        """Forward A and B on ``batch`` and fold this phase's rows into the sums; B's output (``both``:
+        A's and B's), or None (no forward) when the batch has no row of this phase."""
         if not self.begin(batch):
             return None
         dev_a = next(self.model_a.parameters()).device
         dev_b = next(self.model_b.parameters()).device
         inputs_a = {k: v.to(dev_a) for k, v in batch.inputs.items()}
         inputs_b = {k: v.to(dev_b) for k, v in batch.inputs.items()}
-        output_b = []
-        self.observe(lambda: self.model_a(**inputs_a), lambda: output_b.append(self.model_b(**inputs_b)))
+        output_a, output_b = [], []
+        run_a = (lambda: output_a.append(self.model_a(**inputs_a))) if both else (lambda: self.model_a(**inputs_a))
+        self.observe(run_a, lambda: output_b.append(self.model_b(**inputs_b)))
         self.finish(batch)
-        return output_b[0]
+        return (output_a[0], output_b[0]) if both else output_b[0]
 
     def begin(self, batch: CalibrationBatch, rows: tuple | None = None) -> bool:
         """Start folding ``batch`` (``rows``: from :meth:`rows_state`); False if it has no row of this phase."""

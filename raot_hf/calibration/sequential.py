@@ -31,10 +31,14 @@ class _Batch:
     rows: tuple
     calls: dict[str, list[LayerCall]]
     hidden: dict[str, torch.Tensor]
+    kept: object = None  # what of the batch the capture keeps (raot_hf.calibration.kept.KeptBatch)
 
 
-def _enter(collector: StatisticsCollector, batches: Iterable[CalibrationBatch], names: list[str]) -> list[_Batch]:
-    """Every batch of this phase up to layer 0 of both models (embeddings observed), with its layer calls."""
+def _enter(
+    collector: StatisticsCollector, batches: Iterable[CalibrationBatch], names: list[str], entering=None
+) -> list[_Batch]:
+    """Every batch of this phase up to layer 0 of both models (embeddings observed), with its layer
+    calls (``entering(batch)``: what of it a capture keeps)."""
     carried = []
     models = {"a": collector.model_a, "b": collector.model_b}
     tails: dict = {}  # layer 0's output structure, learnt once for the phase (layer_calls)
@@ -52,7 +56,8 @@ def _enter(collector: StatisticsCollector, batches: Iterable[CalibrationBatch], 
             hidden[side] = layer0_call(model, names[0], on_device_of(model, batch.inputs))[1]
 
         collector.observe(lambda run=run: run("a"), lambda run=run: run("b"))
-        carried.append(_Batch(batch, collector.rows_state(), calls, hidden))
+        kept = entering(batch) if entering is not None else None
+        carried.append(_Batch(batch, collector.rows_state(), calls, hidden, kept))
     return carried
 
 
@@ -65,25 +70,37 @@ def observe_layer_by_layer(
     on_layer: Callable[[int], None] | None = None,
     progress: bool = False,
     desc: str = "calibration",
+    capture=None,
+    entering=None,
 ) -> int:
     """Fold this phase's batches into ``collector``'s sums layer by layer (``layer_names`` in order);
-    ``on_layer(i)`` runs once layer ``i`` has seen every batch. Returns the number of batches folded."""
-    carried = _enter(collector, batches, layer_names)
-    for i in tqdm(range(len(layer_names)), desc=desc, disable=not progress):
-        collector.start_layer(i)
-        module_a = collector.model_a.get_submodule(layer_names[i])
-        module_b = collector.model_b.get_submodule(layer_names[i])
-        for item in carried:
-            collector.begin(item.batch, item.rows)
-            out: dict[str, torch.Tensor] = {}
+    ``on_layer(i)`` runs once layer ``i`` has seen every batch; ``capture`` (an
+    :class:`raot_hf.calibration.kept.OutputCapture`) keeps what ``entering(batch)`` says of each
+    batch as its layers run. Returns the number of batches folded."""
+    carried = _enter(collector, batches, layer_names, entering)
+    try:
+        for i in tqdm(range(len(layer_names)), desc=desc, disable=not progress):
+            collector.start_layer(i)
+            module_a = collector.model_a.get_submodule(layer_names[i])
+            module_b = collector.model_b.get_submodule(layer_names[i])
+            for item in carried:
+                collector.begin(item.batch, item.rows)
+                out: dict[str, torch.Tensor] = {}
 
-            def run(side, module, item=item, out=out, i=i):
-                out[side] = item.calls[side][i](module, item.hidden[side])
+                def run(side, module, item=item, out=out, i=i):
+                    out[side] = item.calls[side][i](module, item.hidden[side])
 
-            collector.observe(lambda run=run, m=module_a: run("a", m), lambda run=run, m=module_b: run("b", m))
-            item.hidden, item.rows = out, collector.rows_state()
-        if on_layer is not None:
-            on_layer(i)
+                if capture is not None:
+                    capture.observing(item.kept)
+                collector.observe(lambda run=run, m=module_a: run("a", m), lambda run=run, m=module_b: run("b", m))
+                item.hidden, item.rows = out, collector.rows_state()
+            if capture is not None:
+                capture.observing(None)
+            if on_layer is not None:
+                on_layer(i)
+    finally:
+        if capture is not None:
+            capture.observing(None)
     for item in carried:
         collector.begin(item.batch, item.rows)
         collector.finish(item.batch)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from raot_hf.config.options import check_choice, check_field_types, check_non_negative_int, meta
+from raot_hf.config.options import check_choice, check_field_types, meta
 from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.errors import RaotError
 
+#: The most Adam steps a refit with ``steps="auto"`` takes, whatever its budget allows.
+AUTO_MAX_STEPS = 1000
 #: What the refit may fit (:func:`raot_hf.stages.refit.refit_parameter_names`).
 REFIT_PARAMETERS = ("norms_biases", "all")
 #: When the refit runs (:func:`raot_hf.stages.refit.refit_decision`).
@@ -43,9 +45,16 @@ class RefitOptions(OptionSection):
                       "or off.", "refit_mode",
                       flag="--refit", choices=REFIT_MODES),
     )  # fmt: skip
-    steps: int = field(
-        default=1000, metadata=meta("Refit of the merged model: Adam steps at most (default 1000; 0: off).",
-                                    "refit_steps")
+    steps: str = field(
+        default="auto",
+        metadata=meta("Refit of the merged model: Adam steps at most — auto (the default: as many as take at most "
+                      "refit budget × the time the rest of the merge took, from the step time measured on this "
+                      "host, at most 1000) or a number (0: off).", "refit_steps"),
+    )  # fmt: skip
+    budget: float = field(
+        default=1.0,
+        metadata=meta("Refit of the merged model, steps auto: its descent's time at most this many times the time "
+                      "the rest of the merge took (default 1).", "refit_budget"),
     )  # fmt: skip
     lr: float = field(
         default=1e-4, metadata=meta("Refit of the merged model: Adam's learning rate (default 0.0001).", "refit_lr")
@@ -93,16 +102,26 @@ class RefitOptions(OptionSection):
     )  # fmt: skip
 
     @property
+    def enabled(self) -> bool:
+        """Whether a refit may run at all (not ``mode="off"``, not ``steps=0``)."""
+        return self.mode != "off" and self.steps != 0
+
+    @property
+    def max_steps(self) -> int:
+        """The most steps the descent takes: the number given, or :data:`AUTO_MAX_STEPS` for ``auto``."""
+        return AUTO_MAX_STEPS if self.steps == "auto" else int(self.steps)
+
+    @property
     def requested(self) -> bool:
         """Whether the refit was asked for whatever the pair (``mode="on"``); ``auto`` refits only a
         pair whose gate moved B, which needs an alignment (docs/design.md §6.11)."""
-        return self.mode == "on" and self.steps > 0
+        return self.mode == "on" and self.enabled
 
     @property
     def reads_aligned(self) -> bool:
         """Whether a refit may run whose target is made from the aligned models (the hidden target:
         B′'s last stream is in A's basis, B's is not), which the one sweep cannot give it."""
-        return self.mode != "off" and self.steps > 0 and self.target == "hidden"
+        return self.enabled and self.target == "hidden"
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -117,7 +136,12 @@ class RefitOptions(OptionSection):
             )
         if self.z < 0:
             raise RaotError(f"refit_z={self.z} must be ≥ 0 (standard errors of the judged gain)")
-        check_non_negative_int("refit_steps", self.steps)
+        if isinstance(self.steps, str) and self.steps.strip().isdigit():  # a number from the command line
+            self.steps = int(self.steps)
+        if self.steps != "auto" and (not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 0):
+            raise RaotError(f"refit_steps={self.steps!r} must be auto or a non-negative integer (0: off)")
+        if not (isinstance(self.budget, (int, float)) and self.budget > 0):
+            raise RaotError(f"refit_budget={self.budget!r} must be > 0 (times the rest of the merge's time)")
         if not self.lr > 0:
             raise RaotError(f"refit_lr={self.lr} must be > 0 (Adam's learning rate)")
         for name, value in (

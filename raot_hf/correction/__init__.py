@@ -14,7 +14,7 @@ from raot_hf.config.options import check_choice, check_field_types, meta
 from raot_hf.config.sections import OptionSection, register_section
 from raot_hf.correction.carry import Carried, LayerCall, capture
 from raot_hf.correction.fits import Site, least_squares_layer, least_squares_readers, linear_out, repair_layer
-from raot_hf.correction.layer import LayerPass
+from raot_hf.correction.layer import KeptParents, LayerPass
 from raot_hf.correction.registry import (
     CorrectionRequest,
     CorrectionSpec,
@@ -30,6 +30,7 @@ __all__ = [
     "Carried",
     "CorrectionRequest",
     "CorrectionSpec",
+    "KeptParents",
     "LayerCall",
     "LayerPass",
     "Site",
@@ -44,6 +45,14 @@ __all__ = [
     "linear_out",
     "repair_layer",
 ]
+
+
+#: Examples per forward of the correction in memory (``batch_size="auto"``): the default 64 fit
+#: examples in one, so M's layer runs once per layer.
+IN_MEMORY_BATCH = 64
+#: ... and layer by layer, where memory is what the merge is short of: the fit in chunks, M's layer
+#: run once per input of its Linears over each (docs/design.md §6.7).
+LAYERWISE_BATCH = 16
 
 
 @register_section
@@ -68,10 +77,11 @@ class CorrectionOptions(OptionSection):
     examples: int = field(
         default=64, metadata=meta("Fit examples the correction pass runs on (default 64).", "correction_examples")
     )
-    batch_size: int = field(
-        default=64,
+    batch_size: str = field(
+        default="auto",
         metadata=meta(
-            "Examples per forward of the correction pass (default 64). When every correction example fits in "
+            "Examples per forward of the correction pass: auto (the default: 64 in memory, 16 layer by layer, "
+            "where memory is what the merge is short of) or a number. When every correction example fits in "
             "one, M's layer runs once per layer, the Linears reading one input refitted as the forward reaches "
             "them; otherwise once per input. Lower it for long sequences or large models.",
             "correction_batch_size",
@@ -107,7 +117,21 @@ class CorrectionOptions(OptionSection):
             raise RaotError(f"correction_z={self.z} must be ≥ 0 (standard errors of the held-out gain)")
         if self.examples < 1:
             raise RaotError(f"correction_examples={self.examples} must be ≥ 1 (fit examples the correction runs on)")
-        if self.batch_size < 1:
-            raise RaotError(f"correction_batch_size={self.batch_size} must be ≥ 1 (examples per correction forward)")
+        if isinstance(self.batch_size, str) and self.batch_size.strip().isdigit():  # a number from the command line
+            self.batch_size = int(self.batch_size)
+        if self.batch_size != "auto" and (
+            not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1
+        ):
+            raise RaotError(
+                f"correction_batch_size={self.batch_size!r} must be auto or an integer ≥ 1 (examples per correction "
+                "forward)"
+            )
         if not 0.0 <= self.shrink <= 1.0:
             raise RaotError(f"correction_shrink={self.shrink} must lie in [0, 1]")
+
+    def examples_per_forward(self, layer_wise: bool) -> int:
+        """``batch_size``, or for ``auto`` :data:`IN_MEMORY_BATCH` in memory and :data:`LAYERWISE_BATCH`
+        layer by layer (docs/design.md §6.7)."""
+        if self.batch_size != "auto":
+            return int(self.batch_size)
+        return LAYERWISE_BATCH if layer_wise else IN_MEMORY_BATCH

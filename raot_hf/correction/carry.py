@@ -189,11 +189,13 @@ def capture(
     merged_rest: dict,
     examples: int,
     parent_params: dict[str, dict] | None = None,
+    parents_run: bool = True,
 ) -> list[Carried]:
     """Every layer's calls and layer 0's input states of every parent (side → model; ``"a"`` the
     reference) and of M (A's module with the merged non-layer parameters ``merged_rest``) over the
     first ``examples`` rows of ``batches``; ``parent_params``: side → parameters a parent computes
-    with instead of its own (the one sweep's B′ before its module holds them, docs/design.md §5.7)."""
+    with instead of its own (the one sweep's B′ before its module holds them, docs/design.md §5.7);
+    ``parents_run`` False: M's only (the parents' outputs are read from the calibration pass)."""
     parent_params = parent_params or {}
     chunks, taken = [], 0
     tails: dict = {}  # layer 0's output structure, learnt once for the pass (layer_calls)
@@ -204,7 +206,7 @@ def capture(
         inputs = {k: v[:keep] for k, v in batch.inputs.items()}
         mask = batch.token_mask[:keep] if batch.token_mask is not None else None
         layers, hidden = {}, {}
-        runs = [(side, model, parent_params.get(side)) for side, model in parents.items()]
+        runs = [(side, model, parent_params.get(side)) for side, model in parents.items()] if parents_run else []
         runs.append(("m", parents["a"], merged_rest))
         for key, model, params in runs:
             device = next(model.parameters()).device
@@ -212,7 +214,7 @@ def capture(
                 model, layer_names, {k: v.to(device) for k, v in inputs.items()}, params, tails
             )
         if mask is None:  # images: every position the model produces is real
-            mask = torch.ones(hidden["a"].shape[:2], dtype=torch.bool)
+            mask = torch.ones(hidden["m"].shape[:2], dtype=torch.bool)
         calls = {side: every[0] for side, every in layers.items()}
         chunks.append(Carried(mask.to(torch.bool), calls, hidden, layers))
         taken += keep

@@ -73,8 +73,9 @@ class _Normal:
     def add_cross(self, x: torch.Tensor, y_mix: torch.Tensor) -> None:
         """Add one chunk's x̃ᵀȳ (its x̃ᵀx̃ summed by the caller, once for the readers of one input)."""
         dt = _product_dtype(x)
-        c = (x.to(dt).T @ y_mix.to(dt)).to(_F64)
-        self.cross = c if self.cross is None else self.cross.add_(c)
+        c = x.to(dt).T @ y_mix.to(dt)
+        # promoted exactly as it is added: the same sums as a float64 copy of the product would give
+        self.cross = c.to(_F64) if self.cross is None else self.cross.add_(c)
 
     @property
     def kept(self) -> bool:
@@ -140,12 +141,15 @@ def _solve(n: _Normal, prior: torch.Tensor, shrink: float) -> torch.Tensor:
     lhs = n.gram.mul(shrink)
     lhs.diagonal().add_(d.mul(1 - shrink))
     rhs = shrink * n.cross + (1 - shrink) * d[:, None] * prior
-    factor, info = torch.linalg.cholesky_ex(lhs)
+    # factored in place (the same bits as into a new matrix): two k × k float64 matrices at the
+    # peak, not three (the down projection of a 0.49 B model: 128 MiB each)
+    info = torch.empty((), dtype=torch.int32)
+    factor, info = torch.linalg.cholesky_ex(lhs, out=(lhs, info))
     if int(info) != 0:  # singular (dead inputs): a tiny ridge, then least squares
-        del factor
+        lhs = n.gram.mul(shrink)  # the factorisation overwrote it
+        lhs.diagonal().add_(d.mul(1 - shrink))
         lhs.diagonal().add_(1e-8 * float(d.mean()))
         return torch.linalg.lstsq(lhs, rhs).solution
-    del lhs
     return torch.cholesky_solve(rhs, factor)
 
 
@@ -201,6 +205,68 @@ def _rule_error(x: torch.Tensor, site: Site, weights: tuple, y_mix: torch.Tensor
     return miss <= SCREEN_ABOVE * float(rows_mix.pow(2).sum())
 
 
+class _Targets:
+    """The parents' mixed outputs ȳ = Σ_p w_p·y_p (float32) at each (chunk, site) and their
+    Σ_p w_p‖y_p‖² (:attr:`energy`), by ``[key]``: made all at once from a run of the parents'
+    layer, or — from the outputs the calibration pass kept (docs/design.md §5.7) — each when it is
+    first read, so that only one input's readers' targets are held at a time. ``pop`` lets one go."""
+
+    def __init__(self, layer: LayerPass, sites: list[str], mix: dict[str, float]):
+        self.mixed: dict[tuple[int, str], torch.Tensor] = {}
+        self.sums: dict[tuple[int, str], float] = {}
+        self.layer, self.mix = layer, mix
+        self.lazy = layer.kept is not None
+        self.energy = _Energy(self)
+        if self.lazy:
+            layer.parents([], lambda *_: None)  # only the states something reads move on
+        else:
+            layer.parents(sites, self.add)
+
+    def add(self, side: str, i: int, name: str, y: torch.Tensor, fresh: bool = False) -> None:
+        """Add parent ``side``'s output rows ``y`` at (chunk ``i``, site ``name``); ``fresh``: ``y`` is
+        a tensor of its own, scaled in place."""
+        w, key = self.mix[side], (i, name)
+        self.sums[key] = self.sums.get(key, 0.0) + w * _squared_norm(y)
+        if key in self.mixed:  # in place: a site's rows are as large as the layer's activations
+            self.mixed[key].add_(y.to(torch.float32), alpha=w)
+        else:
+            own = fresh and y.dtype == torch.float32
+            self.mixed[key] = (y if own else y.to(torch.float32, copy=True)).mul_(w)
+
+    def _load(self, key: tuple[int, str]) -> None:
+        if self.lazy and key not in self.mixed:
+            i, name = key
+            for side in self.mix:
+                y = self.layer.kept.rows(side, i, name)
+                if y is not None:
+                    self.add(side, i, name, y, fresh=True)
+                    del y
+
+    def __getitem__(self, key: tuple[int, str]) -> torch.Tensor:
+        self._load(key)
+        return self.mixed[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self.mixed
+
+    def __delitem__(self, key) -> None:
+        del self.mixed[key]
+
+    def pop(self, key, default=None):
+        return self.mixed.pop(key, default)
+
+
+class _Energy:
+    """:attr:`_Targets.energy`: Σ_p w_p‖y_p‖² at a (chunk, site), made with its mix."""
+
+    def __init__(self, targets: _Targets):
+        self.targets = targets
+
+    def __getitem__(self, key: tuple[int, str]) -> float:
+        self.targets._load(key)
+        return self.targets.sums[key]
+
+
 def least_squares_layer(
     layer: LayerPass, params: dict, sites: list[Site], *, mix: dict[str, float], shrink: float, shared: SharedInputs
 ) -> tuple[dict, list[torch.Tensor], dict]:
@@ -209,19 +275,8 @@ def least_squares_layer(
     (docs/design.md §6.7). ``shared``: the layer's :func:`shared_input_sites` (one per layer class).
     Returns the parameters, M's layer outputs, and the log."""
     by_module = {s.module: s for s in sites}
-    mixed: dict[tuple[int, str], torch.Tensor] = {}
-    energy: dict[tuple[int, str], float] = {}
-
-    def parent(side, i, name, y):
-        w = mix[side]
-        key = (i, name)
-        energy[key] = energy.get(key, 0.0) + w * _squared_norm(y)
-        if key in mixed:  # in place: a site's rows are as large as the layer's activations
-            mixed[key].add_(y.to(torch.float32), alpha=w)
-        else:
-            mixed[key] = y.to(torch.float32, copy=True).mul_(w)
-
-    layer.parents(list(by_module), parent)
+    targets = _Targets(layer, list(by_module), mix)
+    mixed, energy = targets, targets.energy
     params = dict(params)
     log = {}
 
@@ -286,13 +341,19 @@ def least_squares_layer(
             if (i, biased) not in inputs:
                 if any(c != i for c, _ in inputs):  # a new chunk: the last one's inputs are not read again
                     inputs.clear()
-                inputs[(i, biased)], g = _with_gram(x, biased)
-                grams[biased] = g if biased not in grams else grams[biased].add_(g)
+                augmented = _augment(x, biased).to(_product_dtype(x))
+                inputs[(i, biased)] = augmented
+                if biased in grams:  # the chunk's x̃ᵀx̃ added as computed: promoted exactly, no float64 copy
+                    grams[biased].add_(augmented.T @ augmented)
+                else:
+                    grams[biased] = _gram(augmented)
             n = normals[name]
             n.add_cross(inputs[(i, biased)], mixed[key])
             n.target += energy[key]
             n.tokens += x.shape[0]
             n.add_residual(y, mixed[key], energy[key])
+            if mixed.lazy:  # read once per pass; made again (from the kept outputs) where asked for again
+                mixed.pop(key)
 
         layer.merged(params, readers, merged, stop=shared.once)
         inputs.clear()

@@ -29,15 +29,29 @@ def _per_token(x: torch.Tensor, chunk: Carried) -> bool:
     return x.shape[:-1].numel() == chunk.mask.numel()
 
 
+@dataclass(frozen=True)
+class KeptParents:
+    """The parents' outputs of one layer on the carried chunks, kept from the calibration pass
+    (docs/design.md §5.7), so that their layer does not run again: ``rows(side, chunk, site)``, a
+    site's real-token output rows on a chunk, in the merge's basis (B′'s for B), or None where
+    nothing was kept; ``states(side, chunk)``, the layer's output there where something reads it
+    (the last layer's: the final readers' refit), else None."""
+
+    rows: Callable[[str, int, str], torch.Tensor | None]
+    states: Callable[[str, int], torch.Tensor | None]
+
+
 @dataclass
 class LayerPass:
     """Layer ``prefix`` over the carried ``chunks``: its module in every parent (``parents``: side
-    → module; ``"a"`` is the reference, whose module M's layer computes with)."""
+    → module; ``"a"`` is the reference, whose module M's layer computes with); ``kept``: the
+    parents' outputs of the layer, read instead of running their layer."""
 
     chunks: list[Carried]
     prefix: str
     parent_modules: dict[str, torch.nn.Module]
     outs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    kept: KeptParents | None = None
 
     @property
     def module_a(self) -> torch.nn.Module:
@@ -46,7 +60,21 @@ class LayerPass:
 
     def parents(self, sites: list[str], on_site: Callable[[str, int, str, torch.Tensor], None]) -> None:
         """Run every parent's layer on every chunk (``on_site(side, chunk, site, y)`` with the site's
-        output rows, in the model's precision); their outputs are the states entering the next layer."""
+        output rows, in the model's precision); their outputs are the states entering the next layer.
+        With ``kept`` outputs the sites' rows are read instead, and only the states something reads
+        are carried."""
+        if self.kept is not None:
+            self.outs = {}
+            for side in self.parent_modules:
+                for i in range(len(self.chunks)):
+                    for name in sites:
+                        y = self.kept.rows(side, i, name)
+                        if y is not None:
+                            on_site(side, i, name, y)
+                states = [self.kept.states(side, i) for i in range(len(self.chunks))]
+                if all(x is not None for x in states):
+                    self.outs[side] = states
+            return
         for side, module in self.parent_modules.items():
             out = self.outs.setdefault(side, [])
             out.clear()

@@ -77,11 +77,14 @@ class ParentPath:
     Only one layer's states are held (besides layer 0's input and the last output, which the
     model-level check reads): the gate set is not captured whole up front."""
 
-    def __init__(self, model: torch.nn.Module, layer_names: list[str], inputs: dict, tails: dict):
+    def __init__(self, model: torch.nn.Module, layer_names: list[str], inputs: dict, tails: dict, kept=None):
         self.model, self.layer_names = model, layer_names
         self.calls, self.start = layer_calls(model, layer_names, inputs, tails=tails)
         self.layer, self.hidden = 0, self.start
         self.current: Call | None = None
+        # layer index → the layer's output, kept from the calibration pass (docs/design.md §5.7):
+        # then the parent's layers do not run again
+        self.kept = kept
 
     @torch.no_grad()
     def at(self, index: int) -> Call:
@@ -90,8 +93,11 @@ class ParentPath:
             raise RaotError(f"the gate's parent path is at layer {self.layer}, not {index}; report this")
         if self.current is None:
             call = self.calls[index]
-            module = self.model.get_submodule(self.layer_names[index])
-            self.current = Call(*call.bind(self.hidden), call(module, self.hidden))
+            if self.kept is not None:
+                output = self.kept(index).to(self.hidden.device)
+            else:
+                output = call(self.model.get_submodule(self.layer_names[index]), self.hidden)
+            self.current = Call(*call.bind(self.hidden), output)
         return self.current
 
     @property
@@ -507,32 +513,41 @@ def stream_matrix(residual: Transform | None, schema: ModelSchema) -> torch.Tens
     return action.dense(schema.hidden_size)
 
 
-def gate_chunks(model_a, model_b, layer_names, batches, examples: int) -> list[GateChunk]:
+def gate_chunks(model_a, model_b, layer_names, batches, examples: int, kept=None) -> list[GateChunk]:
     """The gate set — the first ``examples`` held-out examples of ``batches`` (the held-out split,
     in id order: the same every run) — with A's and B's paths at layer 0 (:class:`ParentPath`: each
     layer's call from one forward in which no layer computes), in chunks whose ``side`` alternates
-    between halves of each batch's rows. A chunk's parents run their layers as the gate reaches them."""
+    between halves of each batch's rows. A chunk's parents run their layers as the gate reaches them,
+    or, given ``kept`` (the parents' outputs kept from the calibration pass,
+    :class:`raot_hf.calibration.kept.KeptOutputs`), read them from there."""
     chunks, taken = [], 0
     tails: dict = {}  # layer 0's output structure, learnt once (raot_hf.correction.carry.layer_calls)
-    for batch in batches:
+    for number, batch in enumerate(batches):
         picked = batch.heldout.to(torch.bool).nonzero().squeeze(1)[: examples - taken]
         half = (picked.numel() + 1) // 2
-        for side, rows in (("a", picked[:half]), ("b", picked[half:])):
+        for side, rows, span in (("a", picked[:half], (0, half)), ("b", picked[half:], (half, picked.numel()))):
             if rows.numel():
-                chunks.append(_chunk(model_a, model_b, layer_names, batch, rows, side, tails))
+                stored = None if kept is None else (number, span)
+                chunks.append(_chunk(model_a, model_b, layer_names, batch, rows, side, tails, kept, stored))
         taken += picked.numel()
         if taken >= examples:
             break
     return chunks
 
 
-def _chunk(model_a, model_b, layer_names, batch, rows: torch.Tensor, side: str, tails: dict) -> GateChunk:
-    """Rows ``rows`` of ``batch``, with A's and B's paths through their layers."""
+def _chunk(model_a, model_b, layer_names, batch, rows: torch.Tensor, side: str, tails: dict, kept=None,
+           stored=None) -> GateChunk:  # fmt: skip
+    """Rows ``rows`` of ``batch``, with A's and B's paths through their layers (``stored``: the held-out
+    batch's number and the rows' span in what ``kept`` holds of it)."""
     inputs = {k: v.index_select(0, rows) for k, v in batch.inputs.items()}
     paths = []
-    for model in (model_a, model_b):
+    for parent, model in (("a", model_a), ("b", model_b)):
         device = next(model.parameters()).device
-        paths.append(ParentPath(model, layer_names, {k: v.to(device) for k, v in inputs.items()}, tails))
+        outputs = None
+        if stored is not None:
+            number, (lo, hi) = stored
+            outputs = lambda i, p=parent, n=number, lo=lo, hi=hi: kept.rows(("gate", p, i, n), lo, hi)  # noqa: E731
+        paths.append(ParentPath(model, layer_names, {k: v.to(device) for k, v in inputs.items()}, tails, outputs))
     if batch.token_mask is None:  # images: every position the model produces is real
         mask = torch.ones(paths[0].start.shape[:2], dtype=torch.bool)
     else:

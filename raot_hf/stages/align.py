@@ -8,22 +8,29 @@ from typing import Any
 from raot_hf.distributed import statistics_pass_needed
 from raot_hf.memory import release_freed_memory
 from raot_hf.results import Alignment
-from raot_hf.stages.calibrate import CalibrationRun, fit_phase, heldout_phase, open_calibration
+from raot_hf.stages.calibrate import CalibrationRun, fit_phase, heldout_phase, keep_outputs, open_calibration
 from raot_hf.stages.context import PairContext
 from raot_hf.stages.decide import decide
 from raot_hf.stages.solve import solve
 
 
 def calibrate_and_solve(
-    ctx: PairContext, calibration, early=None, like: CalibrationRun | None = None
-) -> tuple[Any, CalibrationRun | None, list, dict]:
+    ctx: PairContext, calibration, early=None, like: CalibrationRun | None = None, keep: bool = False,
+    predict=None,
+) -> tuple[Any, CalibrationRun | None, list, dict]:  # fmt: skip
     """The fit phase, the candidates (§7), then the held-out phase that scores them: the statistics
-    (the fit moments freed), the run, the candidates and the logs; ``like``: another pair's run."""
+    (the fit moments freed), the run, the candidates and the logs; ``like``: another pair's run;
+    ``keep``: the pass keeps the parents' outputs the one sweep reads (``run.kept``, §5.7);
+    ``predict(ctx)``: what keeps their predictions, the refit's target (``run.predictions``, §6.11;
+    :func:`raot_hf.stages.refit.prediction_capture`), or None."""
     stats = run = None
     solved: dict[int, tuple] = {}  # layers the layer-by-layer fit phase solves as it completes them (§7.4)
     if statistics_pass_needed(ctx.config, calibration):
         with ctx.timer.stage("calibration"):
             run = open_calibration(ctx, calibration, early, like)
+            run.kept = keep_outputs(ctx, run) if keep else None
+            if predict is not None:  # the refit's output target, from the same forwards (docs/design.md §6.11)
+                run.predictions = predict(ctx)
             stats = fit_phase(ctx, run, solved)
     parts, logs = solve(ctx, stats, solved)
     if stats is not None:
@@ -33,6 +40,8 @@ def calibrate_and_solve(
             heldout_phase(ctx, run, stats, parts)
         release_freed_memory(ctx.working_files)
         run.fingerprint.update({"examples": stats.examples, "heldout_tokens": int(stats.heldout.tokens)})
+    if run is not None and run.kept is not None:
+        run.kept.close()  # its hooks: nothing more is kept; what was stays readable
     return stats, run, parts, logs
 
 

@@ -26,6 +26,7 @@ from raot_hf.calibration import (
 )
 from raot_hf.calibration.batches import check_tokenizer_reads_text, count_calibration_examples
 from raot_hf.calibration.collector import StatisticsCollector
+from raot_hf.calibration.kept import KeptOutputs, KeptPlan, OutputCapture, site_bytes
 from raot_hf.calibration.precision import resolve_moment_precision
 from raot_hf.calibration.statistics import CalibrationStatistics
 from raot_hf.errors import RaotError
@@ -47,8 +48,15 @@ class CalibrationRun:
     fingerprint: dict[str, Any]
     check_inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
     check_reference: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    # A's outputs on the check's inputs, from the same forwards (the quality figures read them, §6.8)
+    check_reference_a: list[dict[str, torch.Tensor]] = field(default_factory=list)
     moment_precision: dict[str, str] | None = None  # requested, used and why (the fit phase sets it)
     encodings: dict = field(default_factory=dict)  # example id → its tokens: every pass tokenizes once
+    # the parents' outputs the one sweep reads, kept while the pass runs them (docs/design.md §5.7)
+    kept: OutputCapture | None = None
+    # the refit's targets, made from the pass's own forwards of A and B (§6.11): an object with
+    # ``add(phase, batch, output_a, output_b)`` (raot_hf.stages.refit.PredictionCapture)
+    predictions: Any = None
 
     def batches(self, preprocessor, batch_size: int | None = None, **shard):
         """This sample's calibration batches (``split``, ``rank``, ``world_size``; ``batch_size``
@@ -178,17 +186,16 @@ def heldout_phase(ctx: PairContext, run: CalibrationRun, stats: CalibrationStati
         logger.warning("NaN/Inf in held-out activations: affected estimates will lose to the identity")
 
 
-def _keep_check_rows(ctx: PairContext, run: CalibrationRun, batch, output_b) -> None:
+def _keep_check_rows(ctx: PairContext, run: CalibrationRun, batch, output_b, output_a=None) -> None:
     """Keep the first held-out rows (as many as a mixed batch holds) and B's outputs on them (when
-    given) for the B′ ≡ B check."""
+    given) for the B′ ≡ B check, and A's (when given) for the quality figures."""
     if len(run.check_inputs) >= ctx.config.check_batches:
         return
     rows = max(1, run.config.batch_size // run.config.heldout_every)
     run.check_inputs.append({k: v[:rows] for k, v in batch.inputs.items()})
-    if output_b is None:
-        return
-    reference = select_primary(output_b, rows)
-    run.check_reference.append({k: v.detach().to("cpu", copy=True) for k, v in reference.items()})
+    for output, kept in ((output_b, run.check_reference), (output_a, run.check_reference_a)):
+        if output is not None:
+            kept.append({k: v.detach().to("cpu", copy=True) for k, v in select_primary(output, rows).items()})
 
 
 def layer_by_layer(ctx: PairContext) -> bool:
@@ -196,6 +203,32 @@ def layer_by_layer(ctx: PairContext) -> bool:
     one process on the models' own device."""
     home = next(ctx.model_a.parameters()).device
     return ctx.working_files.of(ctx.model_a) is not None and not ctx.dist.is_distributed and ctx.stats_device == home
+
+
+def keep_outputs(ctx: PairContext, run: CalibrationRun) -> OutputCapture | None:
+    """The capture of the parents' outputs that the one sweep reads (docs/design.md §5.7), into a
+    temporary file beside the offloaded models' (else the system's temporary directory), or None
+    where they would not fit in :data:`raot_hf.calibration.kept.DISK_SHARE` of its free space
+    (the sweep then runs the parents' layers again)."""
+    from raot_hf.gate.fidelity import layer_module_names
+
+    cfg, schema = ctx.config, ctx.schema
+    names = layer_module_names(ctx.model_a, schema)
+    params = dict(ctx.model_a.named_parameters())
+    sites = [
+        [m[len(name) + 1 :] for m in layer.linears if m.startswith(name + ".") and f"{m}.weight" in params]
+        for name, layer in zip(names, schema.layers, strict=True)
+    ]
+    plan = KeptPlan(names, sites, cfg.correction.examples, cfg.gate.examples)
+    store = KeptOutputs(ctx.working_files.directory)
+    per_token = 2 * site_bytes(ctx.model_a, plan)
+    if detect_modality(ctx.preprocessor) == "text":  # images: the store's own budget stops it
+        planned = per_token * plan.fit_examples * run.config.max_length
+        if planned > store.budget:
+            gib = (planned / 2**30, store.budget / 2**30)
+            store.drop("{:.1f} GiB would exceed {:.1f} GiB of the temporary directory".format(*gib))
+            return None
+    return OutputCapture({"a": ctx.model_a, "b": ctx.model_b}, plan, store)
 
 
 def _solves_early(ctx: PairContext) -> bool:
@@ -233,25 +266,46 @@ def _fold_batches(
     (then the held-out phase keeps only the check's inputs)."""
     batches = run.batches(ctx.preprocessor, **shard)
     progress = {"desc": f"calibration ({phase})", "disable": not ctx.dist.is_main}
+    capture = run.kept
+
+    def entering(batch):  # what of this batch the sweep reads later (docs/design.md §5.7)
+        return None if capture is None else capture.enter(phase, len(batch), batch.token_mask)
+
     if layer_by_layer(ctx):
         from raot_hf.calibration.sequential import observe_layer_by_layer
         from raot_hf.gate.fidelity import layer_module_names
 
-        kept = list(batches)
+        held = list(batches)
         solver = _early_solver(ctx, collector.stats, solved) if phase == "fit" else None
         names = layer_module_names(ctx.model_a, ctx.schema)
-        observe_layer_by_layer(collector, kept, names, on_layer=solver, progress=not progress["disable"],
-                               desc=progress["desc"])  # fmt: skip
+        observe_layer_by_layer(collector, held, names, on_layer=solver, progress=not progress["disable"],
+                               desc=progress["desc"], capture=capture, entering=entering)  # fmt: skip
         if phase == "heldout":
-            for batch in kept:
+            for batch in held:
                 if bool(batch.heldout.any()):
                     _keep_check_rows(ctx, run, batch, None)
         return
-    for batch in tqdm(batches, total=total, **progress):
-        output_b = collector.update(batch)
-        if phase == "heldout" and output_b is not None:
-            _keep_check_rows(ctx, run, batch, output_b)
-        trim_heap()  # the batch's activations, freed into the C heap: back to the OS (§7.2)
+    try:
+        for batch in tqdm(batches, total=total, **progress):
+            if capture is not None:
+                capture.observing(entering(batch))
+            checking = phase == "heldout" and len(run.check_inputs) < ctx.config.check_batches
+            output_a = output_b = None
+            if run.predictions is not None or checking:  # A's output is read too
+                outputs = collector.update(batch, both=True)
+                if outputs is not None:
+                    output_a, output_b = outputs
+                    if run.predictions is not None:
+                        run.predictions.add(phase, batch, output_a, output_b)
+            else:
+                output_b = collector.update(batch)
+            if phase == "heldout" and output_b is not None:
+                _keep_check_rows(ctx, run, batch, output_b, output_a)
+            del output_a, output_b
+            trim_heap()  # the batch's activations, freed into the C heap: back to the OS (§7.2)
+    finally:
+        if capture is not None:
+            capture.observing(None)
 
 
 def run_phase(
@@ -273,7 +327,7 @@ def run_phase(
     shard = {"rank": ctx.dist.rank, "world_size": world, "split": phase}
     total = count_calibration_batches(run.dataset, run.config, **shard) if forward else 0
     if phase == "heldout":
-        run.check_inputs, run.check_reference = [], []
+        run.check_inputs, run.check_reference, run.check_reference_a = [], [], []
     if phase == "fit" and forward and solved is not None and _solves_early(ctx):
         collector_options["defer_mlp"] = True  # each layer's f × f sum lives only while its layer runs
     try:

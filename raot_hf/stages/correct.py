@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch.func import functional_call
 
 from raot_hf.adapters.schema import ModelSchema
-from raot_hf.correction import CorrectionRequest, LayerPass, Site, capture, get_correction, linear_out
+from raot_hf.correction import CorrectionRequest, KeptParents, LayerPass, Site, capture, get_correction, linear_out
 from raot_hf.correction.builtin import stored_in_out
 from raot_hf.errors import RaotError
 from raot_hf.gate import PairedTest, paired_test
@@ -280,11 +280,13 @@ class CorrectionPass:
         self.stash = ParameterStash(True, "raot-rule-") if held is not None else None
         self.names = layer_module_names(ctx.model_a, ctx.schema)
 
-    def layer(self, i: int, rule: dict, parent_outs: dict | None = None) -> dict:
+    def layer(self, i: int, rule: dict, parent_outs: dict | None = None, kept: KeptParents | None = None) -> dict:
         """Layer ``i``'s parameters to write (the correction's or the rule's ``rule``); every path
-        moves on. ``parent_outs``: the parents' held-out outputs, when computed already."""
+        moves on. ``parent_outs``: the parents' held-out outputs, when computed already; ``kept``:
+        their outputs on the fit examples, kept from the calibration pass (docs/design.md §5.7)."""
         ctx, name = self.ctx, self.names[i]
-        layer = LayerPass(self.chunks, name, {side: m.get_submodule(name) for side, m in self.parents.items()})
+        modules = {side: m.get_submodule(name) for side, m in self.parents.items()}
+        layer = LayerPass(self.chunks, name, modules, kept=kept)
         request = CorrectionRequest(
             layer, rule, i, name, self.mix, ctx.model_a, ctx.schema, ctx.config.correction, self.memo, self.skipped
         )
@@ -335,6 +337,7 @@ class CorrectionPass:
         record = {
             "method": self.method,
             "examples": int(sum(c.mask.shape[0] for c in self.chunks)),
+            "examples_per_forward": max((int(c.mask.shape[0]) for c in self.chunks), default=0),
             "tokens": tokens,
             "layers": self.layers,
             "skipped": self.skipped,
@@ -355,13 +358,17 @@ class CorrectionPass:
         return rest, record
 
 
-def fit_chunks(ctx: PairContext, run, parents: dict, rest: dict, parent_params: dict | None = None) -> list:
+def fit_chunks(
+    ctx: PairContext, run, parents: dict, rest: dict, parent_params: dict | None = None, parents_run: bool = True
+) -> list:
     """The correction's fit examples: every parent (computing with ``parent_params[side]`` where
-    given) and M (A's module with the merged non-layer trunk ``rest``) captured at layer 0."""
+    given; none when ``parents_run`` is False, their outputs kept from the calibration pass) and M
+    (A's module with the merged non-layer trunk ``rest``) captured at layer 0."""
     cfg = ctx.config.correction
-    batches = run.batches(ctx.preprocessor, batch_size=cfg.batch_size, split="fit")
+    batch_size = cfg.examples_per_forward(len(ctx.working_files) > 0)
+    batches = run.batches(ctx.preprocessor, batch_size=batch_size, split="fit")
     names = layer_module_names(ctx.model_a, ctx.schema)
-    return capture(parents, names, batches, rest, cfg.examples, parent_params)
+    return capture(parents, names, batches, rest, cfg.examples, parent_params, parents_run)
 
 
 def _corrected(
@@ -383,7 +390,8 @@ def _corrected(
     chunks = fit_chunks(ctx, run, parents, rest)
     held = None
     if cfg.gate.enabled and cfg.correction.compete:
-        heldout = run.batches(ctx.preprocessor, batch_size=cfg.correction.batch_size, split="heldout")
+        batch_size = cfg.correction.examples_per_forward(len(ctx.working_files) > 0)
+        heldout = run.batches(ctx.preprocessor, batch_size=batch_size, split="heldout")
         held = HeldoutPaths.captured(parents, names, heldout, rest, cfg.gate.examples, mix, cfg.correction.z)
         if sum(c.mask.shape[0] for c in held.chunks) < MIN_GATE_EXAMPLES:
             logger.warning("correction: fewer than %d held-out examples; every layer's correction is kept untested",

@@ -25,9 +25,9 @@ from raot_hf.stages.apply import apply_and_check
 from raot_hf.stages.calibrate import CalibrationRun, open_calibration
 from raot_hf.stages.context import PairContext
 from raot_hf.stages.decide import alignment_decisions, decide
-from raot_hf.stages.quality import merge_quality, quality_inputs, reference_outputs
+from raot_hf.stages.quality import ParentOutputs, merge_quality, quality_inputs, reference_outputs
 from raot_hf.stages.refine import refine_and_check
-from raot_hf.stages.sweep import PendingGate, sweep_applies
+from raot_hf.stages.sweep import PendingGate, keeps_parents, sweep_applies
 from raot_hf.symmetry import fold_model, norm_affines
 
 logger = logging.getLogger("raot_hf.stages.members")
@@ -80,15 +80,21 @@ def check_models(config, n: int, distributed: bool = False) -> None:
         raise RaotError(f"a merge of {n} models runs in one process; run it without accelerate launch")
 
 
-def align_member(ctx: PairContext, calibration, early, like=None, alone: bool = False) -> AlignedModel:
+def align_member(ctx: PairContext, calibration, early, like=None, alone: bool = False, predict=None) -> AlignedModel:
     """Align one model to the reference, nothing merged; ``like``: an earlier member's calibration
     run; ``alone``: the only model besides the reference, whose gate may then run in the merge's
-    one sweep (:func:`raot_hf.stages.sweep.sweep_applies`) instead of here."""
+    one sweep (:func:`raot_hf.stages.sweep.sweep_applies`) instead of here, and whose predictions
+    the calibration pass may keep for the refit (``predict``, :func:`calibrate_and_solve`)."""
     norms = (norm_affines(ctx.model_a, ctx.schema), norm_affines(ctx.model_b, ctx.schema)) if ctx.plan.grams else None
-    stats, run, parts, logs = calibrate_and_solve(ctx, calibration, early, like)
+    keep = alone and keeps_parents(ctx)  # the pass keeps what the sweep would run the parents for (§5.7)
+    stats, run, parts, logs = calibrate_and_solve(ctx, calibration, early, like, keep=keep,
+                                                  predict=predict if alone else None)  # fmt: skip
     rows = alignment_decisions(ctx, parts, stats) if stats is not None else []
     if sweep_applies(ctx, parts, rows, stats, run, alone):
         return AlignedModel(ctx, None, None, run, [], norms, pending=PendingGate(parts, logs, rows, stats))
+    if run is not None and run.kept is not None:  # what the pass kept for the sweep: nothing reads it
+        run.kept.store.close()
+        run.kept = None
     alignment = decide(ctx, parts, logs, stats, run)
     release_freed_memory(ctx.working_files)  # the gate's captured layer calls
     if not ctx.plan.grams:
@@ -102,7 +108,7 @@ def align_member(ctx: PairContext, calibration, early, like=None, alone: bool = 
     return AlignedModel(ctx, alignment, stats, run, checks, norms)
 
 
-def align_all(pairs: list[PairContext], calibration, early, like=None) -> list[AlignedModel]:
+def align_all(pairs: list[PairContext], calibration, early, like=None, predict=None) -> list[AlignedModel]:
     """Align every model to the reference in turn, on one calibration sample read once. Once an
     alignment has folded the reference's norms (§3.3), each later model is folded before its own pass,
     so its gate compares merges of one parametrisation; at the end, if any folded, every model is."""
@@ -112,7 +118,7 @@ def align_all(pairs: list[PairContext], calibration, early, like=None) -> list[A
             logger.info("aligning model %d of %d to the reference", i, len(pairs) + 1, extra=_STAGE)
         if members_folded(members):
             fold_model(ctx.model_b, ctx.schema, working_files=ctx.working_files)
-        members.append(align_member(ctx, calibration, early, like, alone=len(pairs) == 1))
+        members.append(align_member(ctx, calibration, early, like, alone=len(pairs) == 1, predict=predict))
         like = like or members[-1].run
     if members_folded(members):
         for m in members:
@@ -132,9 +138,17 @@ def member_models(members: list[AlignedModel]) -> list[torch.nn.Module]:
 
 
 def parents_before_merge(members: list[AlignedModel]) -> tuple[list, list]:
-    """Each pair's check rows and the reference's outputs on them (before the merge writes into it)."""
+    """Each pair's check rows and the reference's outputs on them (before the merge writes into it):
+    those the calibration pass kept, where it kept them for these rows, else run now."""
     sets = [quality_inputs(m.ctx, m.run) for m in members]
-    return sets, [reference_outputs(m.ctx, x) for m, x in zip(members, sets, strict=True)]
+    outputs = []
+    for m, x in zip(members, sets, strict=True):
+        kept = m.run.check_reference_a if m.run is not None else []
+        if x and len(kept) == len(x) and not m.ctx.schema.expert_layers:  # a dense model routes nothing
+            outputs.append(ParentOutputs(list(kept), [{} for _ in kept]))
+        else:
+            outputs.append(reference_outputs(m.ctx, x))
+    return sets, outputs
 
 
 def merged_quality(members: list[AlignedModel], sets: list, parents: list) -> list[dict | None]:

@@ -13,10 +13,13 @@ examples stop the descent early; on the other half the refit competes with the m
 from __future__ import annotations
 
 import logging
+import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from huggingface_hub.utils import tqdm
 from torch.func import functional_call
 from transformers.pytorch_utils import Conv1D
 
@@ -34,6 +37,7 @@ from raot_hf.stages.correct import target_mix
 from raot_hf.stages.members import AlignedModel, member_models, model_weights
 
 logger = logging.getLogger("raot_hf.stages.refit")
+_STAGE = {"stage": True}  # a line the CLI shows by default (raot_hf.cli.verbosity)
 
 _OFFLOADED = (
     "refit mode 'on' runs the merged model forward and backward in memory, but the models were offloaded "
@@ -126,7 +130,7 @@ def refit_decision(members: list[AlignedModel]) -> tuple[bool, str]:
     their rule's merge)."""
     ctx = members[0].ctx
     cfg: RefitOptions = ctx.config.refit
-    if cfg.mode == "off" or not cfg.steps:
+    if not cfg.enabled:
         return False, "off"
     if cfg.mode == "on":
         return True, "requested"
@@ -182,6 +186,7 @@ class RefitTargets:
     stop: list[RefitChunk]
     judge: list[RefitChunk]
     last_layer: str
+    source: str = "parents run again"  # or "calibration pass": made from its forwards (§5.7)
 
 
 def _last_output(model: torch.nn.Module, last: str, inputs: dict, params: dict | None = None) -> torch.Tensor:
@@ -212,25 +217,82 @@ def _chunks(ctx: PairContext, run, split: str, count: int, parents: list, mix: l
     parent at a time; or the confident teacher's (:func:`confident_mix`), which holds every
     parent's distributions of one batch at once."""
     target_kind, out = ctx.config.refit.target, []
+    for example in calibration_examples(ctx, run, split, count):
+        outputs = (_output(m, target_kind, last, example["inputs"]) for m in parents)
+        target = teacher_target(outputs, mix, target_kind, ctx.config.refit.teacher)
+        out.append(_refit_chunk(example["inputs"], example["mask"], target))
+    return out
 
-    def parent_output(model, inputs) -> torch.Tensor:
-        y = _output(model, target_kind, last, inputs)
+
+def teacher_target(outputs, mix: list[float], target_kind: str = "output", teacher: str = "mix") -> torch.Tensor:
+    """The refit's target from the parents' ``outputs`` (in the order of ``mix``, an iterable read
+    one at a time for the plain mix): of their last layer's streams ``Σ w_p·y_p`` (``"hidden"``),
+    or of their predicted distributions ``Σ w_p·softmax(z_p)`` (``"output"``), or the confident
+    teacher's (:func:`confident_mix`), which holds every parent's distributions at once."""
+
+    def prepared(y: torch.Tensor) -> torch.Tensor:
         y = y.to(torch.promote_types(y.dtype, torch.float32))  # the mix in float32 at least
         return y.softmax(dim=-1) if target_kind == "output" else y
 
-    for example in calibration_examples(ctx, run, split, count):
-        target = None
-        if ctx.config.refit.teacher == "confident":  # the output target's only (RefitOptions)
-            target = confident_mix([parent_output(m, example["inputs"]) for m in parents], mix)
-        else:
-            for model, w in zip(parents, mix, strict=True):
-                y = parent_output(model, example["inputs"])
-                target = w * y if target is None else target.add_(y, alpha=w)
-        mask = example["mask"]
-        if mask is None or target.dim() == 2:  # every token counts; a classifier's example is one token
-            mask = torch.ones(target.shape[:2] if target.dim() == 3 else (target.shape[0], 1), dtype=torch.bool)
-        out.append(RefitChunk(example["inputs"], mask.to(target.device), target))
-    return out
+    if teacher == "confident":  # the output target's only (RefitOptions)
+        return confident_mix([prepared(y) for y in outputs], mix)
+    target = None
+    for y, w in zip(outputs, mix, strict=True):
+        y = prepared(y)
+        target = w * y if target is None else target.add_(y, alpha=w)
+    return target
+
+
+def _refit_chunk(inputs: dict, mask: torch.Tensor | None, target: torch.Tensor) -> RefitChunk:
+    if mask is None or target.dim() == 2:  # every token counts; a classifier's example is one token
+        mask = torch.ones(target.shape[:2] if target.dim() == 3 else (target.shape[0], 1), dtype=torch.bool)
+    return RefitChunk(inputs, mask.to(target.device), target)
+
+
+class PredictionCapture:
+    """The output target made from the calibration pass's own forwards of A and B (each parent's
+    layer runs once per calibration token over the merge, docs/design.md §5.7): the first
+    ``refit.examples`` examples of each split, batched as the calibration batches them — the
+    batches :func:`refit_targets` would run the parents on again, so the targets are the same. B's
+    predictions are B′'s: they do not depend on its basis."""
+
+    def __init__(self, ctx: PairContext):
+        self.count, self.teacher = ctx.config.refit.examples, ctx.config.refit.teacher
+        self.mix = target_mix(model_weights(ctx.config, 2))
+        self.chunks: dict[str, list[RefitChunk]] = {"fit": [], "heldout": []}
+        self.taken = {"fit": 0, "heldout": 0}
+
+    def add(self, phase: str, batch, output_a, output_b) -> None:
+        """A calibration batch of ``phase`` and both parents' outputs on it."""
+        keep = min(self.count - self.taken[phase], len(batch))
+        if keep <= 0:
+            return
+        scores = [_scores(o)[:keep] for o in (output_a, output_b)]
+        inputs = {k: v[:keep] for k, v in batch.inputs.items()}
+        mask = batch.token_mask[:keep].bool() if batch.token_mask is not None else None
+        self.chunks[phase].append(_refit_chunk(inputs, mask, teacher_target(scores, self.mix, teacher=self.teacher)))
+        self.taken[phase] += keep
+
+
+def _scores(out) -> torch.Tensor:
+    """A model output's scores, as :func:`_model_logits` reads them."""
+    return out.logits if hasattr(out, "logits") else first_tensor(out)
+
+
+def prediction_capture(ctx: PairContext) -> PredictionCapture | None:
+    """The capture of the refit's output target during the calibration pass, where a refit of this
+    pair may run on it (:func:`refit_decision`'s conditions that the models and options decide
+    before any data is read), else None."""
+    cfg = ctx.config.refit
+    if not cfg.enabled or cfg.target != "output":
+        return None
+    if len(ctx.working_files) or ctx.dist.is_distributed or ctx.base is not None:
+        return None
+    if merge_rule_spec(ctx.config.merge_rule).needs_base or _output_target_problem([ctx]) is not None:
+        return None
+    if cfg.mode == "auto" and sum(p.numel() for p in ctx.model_a.parameters()) > AUTO_MAX_PARAMETERS:
+        return None
+    return PredictionCapture(ctx)
 
 
 def confident_mix(distributions: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
@@ -261,15 +323,20 @@ def refit_targets(members: list[AlignedModel], calibration=None, early=None) -> 
     parents = member_models(members)  # the reference before the merge, then every model (aligned, or B itself)
     mix = target_mix(model_weights(ctx.config, len(parents)))  # the correction's target weights (§6.7)
     last = layer_module_names(ctx.model_a, ctx.schema)[-1]
-    with ctx.timer.stage("refit"):
-        fit = _chunks(ctx, run, "fit", cfg.examples, parents, mix, last)
-        heldout = _chunks(ctx, run, "heldout", cfg.examples, parents, mix, last)
+    captured = run.predictions if len(members) == 1 and cfg.target == "output" else None
+    run.predictions = None
+    with ctx.timer.stage("refit"):  # from the calibration pass where it made them, else the parents run again
+        fit = captured.chunks["fit"] if captured is not None and captured.chunks["fit"] else None
+        heldout = captured.chunks["heldout"] if captured is not None and captured.chunks["heldout"] else None
+        source = "calibration pass" if fit and heldout else "parents run again"
+        fit = fit or _chunks(ctx, run, "fit", cfg.examples, parents, mix, last)
+        heldout = heldout or _chunks(ctx, run, "heldout", cfg.examples, parents, mix, last)
     if not fit:
         raise RaotError("the refit found no fit examples in the calibration data; give more or set refit steps 0")
     # the held-out examples alternate between the halves, so a batch of one example only stops
     stop = [c.rows(0) for c in heldout]
     judge = [j for j in (c.rows(1) for c in heldout) if j.mask.shape[0]]
-    return RefitTargets(fit, stop, judge, last)
+    return RefitTargets(fit, stop, judge, last, source)
 
 
 def refit_parameter_names(model: torch.nn.Module, head: set[str], parameters: str = "norms_biases") -> list[str]:
@@ -349,14 +416,74 @@ class _Refit:
                 p.copy_(self.masters[n].to(p.dtype))
 
 
-def _descend(refit: _Refit, targets: RefitTargets, cfg, best_loss: float) -> tuple[dict, int, list, int]:
+@dataclass
+class RefitBudget:
+    """How many Adam steps the descent takes (docs/design.md §6.11): the number ``refit.steps``
+    gives, or, for ``auto``, the most that take at most ``seconds`` — ``refit.budget`` × ``rest``,
+    the time the rest of the merge took on this host — at the measured time of a step (``step_s``)
+    and of a held-out score (``score_s``, one every ``refit.eval_every`` steps and one at the last),
+    rounded down to ``eval_every`` × a power of two (at most ``limit``,
+    :data:`raot_hf.config.refit.AUTO_MAX_STEPS`): repeated merges on one host plan alike unless
+    the budget lies at such a boundary. ``planned``: the steps planned (``limit`` until a time is
+    known)."""
+
+    limit: int
+    seconds: float | None = None
+    rest: float | None = None
+    planned: int = 0
+    step_s: float | None = None
+    score_s: float | None = None
+
+    def __post_init__(self):
+        self.planned = self.limit
+
+    def plan(self, step_s: float, score_s: float, eval_every: int) -> int:
+        """Steps whose time, with their held-out scores, fits in ``seconds`` (at least ``eval_every``)."""
+        self.step_s, self.score_s = step_s, score_s
+        if self.seconds is None:
+            return self.planned
+
+        def cost(n: int) -> float:
+            return n * step_s + math.ceil(n / eval_every) * score_s
+
+        if cost(self.limit) <= self.seconds:
+            self.planned = self.limit
+            return self.planned
+        n = eval_every
+        while 2 * n < self.limit and cost(2 * n) <= self.seconds:
+            n *= 2
+        self.planned = n
+        return n
+
+    def affords(self, eval_every: int) -> bool:
+        """Whether the plan holds :data:`MIN_AUTO_SCORES` held-out scores' steps at least."""
+        return self.seconds is None or self.cost(MIN_AUTO_SCORES * eval_every, eval_every) <= self.seconds
+
+    def cost(self, steps: int, eval_every: int) -> float:
+        """The time ``steps`` steps take with their held-out scores, at the measured times."""
+        return steps * (self.step_s or 0.0) + math.ceil(steps / eval_every) * (self.score_s or 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        steps = "auto" if self.seconds is not None else self.limit
+        times = {"seconds": self.seconds, "rest_s": self.rest, "step_s": self.step_s, "score_s": self.score_s}
+        return {"steps": steps, "planned": self.planned, **times}
+
+
+def _descend(
+    refit: _Refit, targets: RefitTargets, cfg, best_loss: float, budget: RefitBudget, progress: bool = False
+) -> tuple[dict, int, list, int]:
     """Adam on the fit chunks (one per step, in turn), scored on the held-out ``stop`` half every
-    ``eval_every`` steps against the merge's loss there ``best_loss``; returns the best values,
-    their step (0: none beat the merge), the curve and the steps run."""
+    ``eval_every`` steps (and at the last) against the merge's loss there ``best_loss``, for the
+    steps ``budget`` plans — from the first step's time, then again from the first ``eval_every``
+    steps' and their score's; returns the best values, their step (0: none beat the merge), the
+    curve and the steps run."""
     leaves = list(refit.masters.values())
     optimizer = torch.optim.Adam(leaves, lr=cfg.lr)
     best, best_step, curve, waited, step = refit.snapshot(), 0, [], 0, 0
-    while step < cfg.steps:
+    bar = tqdm(total=budget.planned, desc="refit", disable=not progress)
+    start = time.perf_counter()
+    score_s = budget.score_s or 0.0
+    while step < budget.planned:
         loss = refit.errors([targets.fit[step % len(targets.fit)]]).mean()
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)  # no weight matrix's gradient is made
         if not step:
@@ -365,18 +492,63 @@ def _descend(refit: _Refit, targets: RefitTargets, cfg, best_loss: float) -> tup
             leaf.grad = g  # None for a parameter the final hidden state does not read: Adam leaves it
         optimizer.step()
         step += 1
-        if step % cfg.eval_every and step < cfg.steps:
+        bar.update(1)
+        if step == 1:  # the first step's measured time: the plan, held from here on
+            steps = budget.plan(time.perf_counter() - start, score_s, cfg.eval_every)
+            _planned(budget, max(steps, 1), bar, cfg.eval_every)
+        if step % cfg.eval_every and step < budget.planned:
             continue
         with torch.no_grad():
             value = float(refit.errors(targets.stop).mean())
         curve.append({"step": step, "train": float(loss.detach()), "heldout": value})
+        bar.set_postfix(heldout=f"{value:.4g}", refresh=False)
         if value < best_loss:
             best, best_step, best_loss, waited = refit.snapshot(), step, value, 0
         else:
             waited += 1
             if waited >= cfg.patience:
                 break
+    bar.close()
     return best, best_step, curve, step
+
+
+def _planned(budget: RefitBudget, steps: int, bar, eval_every: int) -> None:
+    """Tell the progress bar and the log how many steps the budget plans, about how long they will
+    take, and why."""
+    if bar.total != steps:
+        bar.total = steps
+        bar.refresh()
+    if budget.seconds is None:
+        why = "refit steps"
+    else:
+        why = (
+            f"at most {budget.seconds / max(budget.rest, 1e-9):g} × the {budget.rest:.1f} s the rest of the merge took"
+        )
+    logger.info("refit: %d Adam steps at most, about %.1f s (%.3g s a step; %s)", steps,
+                budget.cost(steps, eval_every), budget.step_s, why, extra=_STAGE)  # fmt: skip
+
+
+#: A step's cost in forwards of its examples: the forward, and the backward at about twice it.
+STEP_FORWARDS = 3.0
+#: The fewest held-out scores (of ``refit.eval_every`` steps each) an ``auto`` budget must afford
+#: for the descent to run: fewer steps rarely move the merge, and would cost their time for nothing.
+MIN_AUTO_SCORES = 2
+
+
+def _budget(ctx: PairContext, targets: RefitTargets, cfg, score_s: float) -> RefitBudget:
+    """The descent's :class:`RefitBudget`: ``refit.steps`` given, or ``auto`` — ``refit.budget`` ×
+    the time every other stage of the merge has taken so far, planned first from the held-out
+    score's measured time (a step: :data:`STEP_FORWARDS` forwards of a fit chunk's examples)."""
+    if cfg.steps != "auto":
+        budget = RefitBudget(int(cfg.steps))
+        budget.score_s = score_s
+        return budget
+    rest = sum(t for name, t in ctx.timer.times.items() if name != "refit")
+    budget = RefitBudget(cfg.max_steps, cfg.budget * rest, rest)
+    scored = max(1, sum(int(c.mask.shape[0]) for c in targets.stop))
+    per_step = max(int(c.mask.shape[0]) for c in targets.fit)
+    budget.plan(STEP_FORWARDS * score_s * per_step / scored, score_s, cfg.eval_every)  # before a step is run
+    return budget
 
 
 def refit_merged(members: list[AlignedModel], targets: RefitTargets | None) -> dict[str, Any] | None:
@@ -386,24 +558,32 @@ def refit_merged(members: list[AlignedModel], targets: RefitTargets | None) -> d
     it ran and why when ``auto`` chose not to)."""
     ctx = members[0].ctx
     cfg: RefitOptions = ctx.config.refit
-    if cfg.mode == "off" or not cfg.steps:
+    if not cfg.enabled:
         return None
     run, why = refit_decision(members)
     if targets is None or not run:
         return {"ran": False, "kept": False, "reason": why, "mode": cfg.mode}
     with ctx.timer.stage("refit"), torch.enable_grad():
         refit = _Refit(ctx, targets)
+        budget = None
         with torch.no_grad():
             before = refit.errors(targets.judge, merged=True)
-            before_stop = refit.errors(targets.stop, merged=True)
+            scored = time.perf_counter()
+            before_stop = refit.errors(targets.stop, merged=True)  # timed: a held-out score's cost
+            score_s = time.perf_counter() - scored
         few = before.numel() < MIN_GATE_EXAMPLES
         followed = float(before_stop.mean()) <= FOLLOWED if before_stop.numel() else False
         if few:  # nothing to compete on: the refit could not be kept
             logger.warning("refit: fewer than %d held-out examples to judge it; not run", MIN_GATE_EXAMPLES)
-        if few or followed:
+        short = False
+        if not (few or followed):
+            budget = _budget(ctx, targets, cfg, score_s)
+            short = not budget.affords(cfg.eval_every)
+        if few or followed or short:
             best, best_step, curve, steps = {}, 0, [], 0
         else:
-            best, best_step, curve, steps = _descend(refit, targets, cfg, float(before_stop.mean()))
+            progress = ctx.dist.is_main
+            best, best_step, curve, steps = _descend(refit, targets, cfg, float(before_stop.mean()), budget, progress)
         after, test = before, None
         if best_step:
             refit.restore(best)
@@ -421,6 +601,12 @@ def refit_merged(members: list[AlignedModel], targets: RefitTargets | None) -> d
         reason = f"fewer than {MIN_GATE_EXAMPLES} held-out examples"
     elif followed:
         reason = f"the merge already follows its parents (held-out loss ≤ {FOLLOWED:g}); not run"
+    elif short:
+        reason = (
+            f"the budget affords fewer than {MIN_AUTO_SCORES * cfg.eval_every} steps (the record's budget); not run "
+            "(refit steps sets a number)"
+        )
+        logger.info("refit: %s", reason, extra=_STAGE)
     else:
         reason = "no held-out score beat the merge without the refit"
     loss = lambda errors: float(errors.mean()) if errors.numel() else None  # noqa: E731
@@ -431,6 +617,7 @@ def refit_merged(members: list[AlignedModel], targets: RefitTargets | None) -> d
         "kept": kept,
         "reason": reason,
         "target": cfg.target,
+        "targets_from": targets.source,
         **({"teacher": cfg.teacher} if cfg.target == "output" else {}),
         "steps": steps,
         "best_step": best_step,
@@ -444,6 +631,7 @@ def refit_merged(members: list[AlignedModel], targets: RefitTargets | None) -> d
         "heldout_gain": test.mean if test is not None else None,
         "heldout_stderr": test.stderr if test is not None else None,
         "curve": curve,
+        **({"budget": budget.to_dict()} if budget is not None else {}),
     }
     logger.info("refit: held-out loss %s → %s after %d steps (best %d): %s (%s)", record["heldout_loss_before"],
                 record["heldout_loss_after"], steps, best_step, "kept" if kept else "dropped", reason)  # fmt: skip

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from huggingface_hub.utils import tqdm
 
-from raot_hf.correction import Carried
+from raot_hf.correction import Carried, KeptParents
+from raot_hf.correction.builtin import stored_in_out
 from raot_hf.correction.carry import layer_calls
 from raot_hf.estimators import estimator_spec
 from raot_hf.gate import GateDecision
@@ -54,7 +55,17 @@ from raot_hf.stages.apply import check_inputs, equivalence_check
 from raot_hf.stages.context import PairContext
 from raot_hf.stages.correct import CorrectionPass, HeldoutPaths, ParameterStash, fit_chunks
 from raot_hf.stages.decide import applied_transforms
-from raot_hf.symmetry import Transform, TransformSequence, is_exact, load_state, model_state, norm_affines, storage_of
+from raot_hf.symmetry import (
+    Transform,
+    TransformSequence,
+    is_exact,
+    load_state,
+    map_output_rows,
+    model_state,
+    norm_affines,
+    output_map,
+    storage_of,
+)
 
 logger = logging.getLogger("raot_hf.stages.sweep")
 
@@ -70,25 +81,33 @@ class PendingGate:
     stats: Any
 
 
+def sweep_may_apply(ctx: PairContext) -> bool:
+    """What of :func:`sweep_applies` the options and the models decide before any data is read: a
+    per-tensor rule without a base, the merge gate on with a post-merge correction that competes,
+    one process, and no step that reads B′ whole between the gate and the merge (the learned
+    alignment, the refit towards the last stream)."""
+    cfg = ctx.config
+    gate, correction = cfg.gate, cfg.correction
+    if not (gate.sweep and gate.enabled and gate.objective == "merge"):
+        return False
+    if cfg.alignment == "none" or not cfg.scope or not estimator_spec(cfg.alignment).gated:
+        return False
+    if ctx.dist.is_distributed or ctx.base is not None:
+        return False
+    spec = merge_rule_spec(cfg.merge_rule)
+    if not spec.per_tensor or spec.needs_base or spec.needs_grams or spec.needs_fisher:
+        return False
+    return not (correction.method == "none" or not correction.compete or cfg.refit.reads_aligned or cfg.refine.steps)
+
+
 def sweep_applies(ctx: PairContext, parts: list[Transform], rows: list[GateDecision], stats, run, alone: bool) -> bool:
     """Whether the one sweep serves this merge: two models (in memory or layer by layer) merged by a per-tensor rule
     without a base, the merge gate on with a post-merge correction that competes, data, and no
     step that reads B′ whole between the gate and the merge (the learned alignment, the refit).
     Fine-tuned siblings keep the identity without a sweep (§5.4)."""
-    cfg = ctx.config
-    gate, correction = cfg.gate, cfg.correction
-    if not (alone and gate.sweep and gate.enabled and gate.objective == "merge"):
+    if not (alone and sweep_may_apply(ctx)) or stats is None or run is None:
         return False
-    if cfg.alignment == "none" or not cfg.scope or not estimator_spec(cfg.alignment).gated:
-        return False
-    if stats is None or run is None or ctx.dist.is_distributed or ctx.base is not None:
-        return False
-    spec = merge_rule_spec(cfg.merge_rule)
-    if not spec.per_tensor or spec.needs_base or spec.needs_grams or spec.needs_fisher:
-        return False
-    if correction.method == "none" or not correction.compete or cfg.refit.reads_aligned or cfg.refine.steps:
-        return False
-    if gate.sibling_check and detect_siblings(parts).siblings:
+    if ctx.config.gate.sibling_check and detect_siblings(parts).siblings:
         return False
     return any(gate_eligible(d) for d in rows)
 
@@ -138,8 +157,14 @@ def sweep_merge(
     rows = {(d.transform, d.layer): d for d in pending.rows}
     residual = residual_candidate(pending.parts, rows)
     alpha = weights[1] / sum(weights)
-    chunks = gate_chunks(model_a, model_b, names, run.batches(ctx.preprocessor, split="heldout"), cfg.gate.examples)
+    store = run.kept.store if run.kept is not None and run.kept.store.usable else None
+    heldout = run.batches(ctx.preprocessor, split="heldout")
+    chunks = gate_chunks(model_a, model_b, names, heldout, cfg.gate.examples, kept=store)
+    if store is not None and not _gate_kept(chunks, len(names)):  # the pass kept another gate set: run the parents
+        store = _drop(run, "the gate's examples are not those the calibration kept")
+        chunks = gate_chunks(model_a, model_b, names, run.batches(ctx.preprocessor, split="heldout"), cfg.gate.examples)
     if sum(int(c.mask.shape[0]) for c in chunks) < MIN_GATE_EXAMPLES:
+        _drop(run)
         return None
     merged = MergedParameters(model_a, model_b, schema, names, residual, alpha)
     gate = LayerGate(model_a, names, merged, chunks, alpha, cfg.gate.z, cfg.gate.min_gain)
@@ -177,7 +202,12 @@ def sweep_merge(
     rest, log = apply_rule(spec, [{k: s[k] for k in trunk} for s in (outside_a, outside_b)], weights, **inputs)
     mix = {"a": 1 - alpha, "b": alpha}
     held = _heldout_paths(ctx, chunks, rest, gate.stream, mix)
-    correction = CorrectionPass(ctx, method, parents, mix, fit_chunks(ctx, run, parents, rest, outside), held)
+    fit = fit_chunks(ctx, run, parents, rest, outside, parents_run=store is None)
+    if store is not None and not _fit_kept(store, fit, run.kept.plan):  # another fit set: run the parents
+        store = _drop(run, "the correction's examples are not those the calibration kept")
+        fit = fit_chunks(ctx, run, parents, rest, outside)
+    kept_bytes = 0 if store is None else store.nbytes
+    correction = CorrectionPass(ctx, method, parents, mix, fit, held)
     # not held through the layers: made again after the last one (a mapped embedding table each)
     del outside_a, outside_b, outside
     # the parents' own non-layer parameters are read again only after the last layer: a loaded
@@ -203,7 +233,11 @@ def sweep_merge(
         # B′'s layer lives in B's module now (an offloaded one: in its working file), A's in A's
         del layer_a, layer_b
         log.add(part)
-        write("a", correction.layer(i, rule, outs))
+        kept = None
+        if store is not None:  # the parents' outputs on the fit examples, from the calibration pass
+            on_b = [t for t in pending.parts if t is residual or id(t) in taken]
+            kept = _kept_parents(ctx, store, fit, i, on_b, merged.scoring, gate.stream)
+        write("a", correction.layer(i, rule, outs, kept))
         worst.append(_worst_token(held, outs, alpha))
         for c in chunks:
             c.advance()
@@ -226,16 +260,112 @@ def sweep_merge(
         applied = TransformSequence([])
     else:
         write("a", rest)
+        # where the parents' outputs came from: the calibration pass (each parent layer once per
+        # token over the merge), or their layers run again (docs/design.md §5.7)
+        record["parent_outputs"] = "calibration pass" if kept_bytes else "parents run again"
+        if kept_bytes:
+            record["kept_bytes"] = kept_bytes
         log.correction = record
         applied = applied_transforms(pending.parts, gate_decided.decisions)
     for stash in stashes.values():
         stash.drop()
+    _drop(run)
     files.release_all()
     alignment = Alignment(gate_decided.decisions, applied, is_exact(applied, schema), pending.logs,
                           gate_decided.verdict, gate_decided.model_fidelity)  # fmt: skip
     logger.info("merge gate (one sweep): %s", alignment.verdict)
     checks = [equivalence_check(ctx, alignment, check_rows, check_reference)]
     return SweepResult(alignment, checks, log, vetoed=not passed)
+
+
+#: The corrections whose parents' outputs the calibration pass keeps: every site they read is a
+#: Linear of the layer (custom corrections may read others, and run the parents' layers).
+KEPT_CORRECTIONS = ("auto", "lsq", "repair")
+
+
+def keeps_parents(ctx: PairContext) -> bool:
+    """Whether the calibration pass keeps the parents' outputs for the one sweep (docs/design.md §5.7)."""
+    return sweep_may_apply(ctx) and ctx.config.correction.method in KEPT_CORRECTIONS
+
+
+def _drop(run, why: str | None = None) -> None:
+    """Free what the calibration pass kept for the sweep (``why``: logged, the sweep runs the
+    parents instead; None: it has read them); returns None."""
+    if run.kept is not None:
+        run.kept.store.drop(why) if why is not None else run.kept.store.close()
+        run.kept = None
+
+
+def _gate_kept(chunks, layers: int) -> bool:
+    """Whether the pass kept every gate chunk's parent outputs, each shaped as the chunk's states."""
+    try:
+        for c in chunks:
+            for path in (c.a, c.b):
+                if path.kept is None or tuple(path.kept(0).shape) != tuple(path.start.shape):
+                    return False
+                path.kept(layers - 1)
+    except KeyError:
+        return False
+    return True
+
+
+def _fit_kept(store, chunks, plan) -> bool:
+    """Whether the pass kept the parents' outputs on exactly the correction's fit tokens."""
+    tokens = sum(int(c.mask.sum()) for c in chunks)
+    for side in ("a", "b"):
+        if not store.has(("final", side)):
+            return False
+        if sum(p.shape[0] for p in store.index[("final", side)]) != tokens:
+            return False
+        for i, sites in enumerate(plan.sites):
+            if not all(store.has(("site", side, i, n)) or not _per_token_site(store, i, n) for n in sites):
+                return False
+    return True
+
+
+def _per_token_site(store, layer: int, name: str) -> bool:
+    """A site missing from the store for one parent only is missing by accident (not one row per position)."""
+    return store.has(("site", "a", layer, name)) or store.has(("site", "b", layer, name))
+
+
+def _kept_parents(ctx, store, chunks, i: int, on_b: list[Transform], precision, stream) -> KeptParents:
+    """Layer ``i``'s parents' outputs on the fit chunks, read from ``store``: A's as kept, B's mapped
+    into B′'s basis (``on_b``: the residual candidate and the layer's accepted transforms; every
+    Linear's outputs move by the action on its output axis, :func:`raot_hf.symmetry.output_map`),
+    the last layer's states by the stream map ``stream``."""
+    schema, model_a = ctx.schema, ctx.model_a
+    name = layer_module_names(model_a, schema)[i]
+    last = i == schema.num_layers - 1
+    actions = dict(TransformSequence(list(on_b)).space_actions(schema)) if on_b else {}
+    offsets = [0]
+    for c in chunks:
+        offsets.append(offsets[-1] + int(c.mask.sum()))
+    maps: dict[str, list] = {}
+
+    def rows(side: str, chunk: int, site: str):
+        key = ("site", side, i, site)
+        if not store.has(key):
+            return None
+        y = store.rows(key, offsets[chunk], offsets[chunk + 1])
+        if side != "b" or not actions:
+            return y
+        if site not in maps:
+            full = f"{name}.{site}"
+            maps[site] = output_map(schema, actions, f"{full}.weight", 1 if stored_in_out(model_a, full) else 0)
+        return map_output_rows(y, maps[site], precision)
+
+    def states(side: str, chunk: int):
+        if not last:
+            return None
+        y = store.rows(("final", side), offsets[chunk], offsets[chunk + 1])
+        if side == "b":
+            y = _mapped(y, stream)
+        mask = chunks[chunk].mask
+        out = y.new_zeros(*mask.shape, y.shape[-1])
+        out[mask.to(out.device)] = y
+        return out
+
+    return KeptParents(rows, states)
 
 
 def _worst_token(held: HeldoutPaths, outs: dict, alpha: float) -> float:

@@ -112,6 +112,32 @@ def apply_transform(
     return state
 
 
+def output_map(
+    schema: ModelSchema, actions: Mapping[str, SpaceAction], weight: str, out_axis: int
+) -> list[tuple[Member, SpaceAction]]:
+    """How ``actions`` (space → action, e.g. ``dict(transform.space_actions(schema))``) move the
+    outputs of the Linear whose weight is ``weight`` (its output axis ``out_axis``: 0, or 1 for
+    GPT-2's ``Conv1D``): each space that axis indexes, with the action its output features take
+    (M for a covariant axis, M⁻ᵀ for a contravariant one, as the weight's own contraction).
+    Every symmetry is exact there (§3): the transformed Linear computes, on the transformed
+    input, its old output under this map (:func:`map_output_rows`)."""
+    found = []
+    for space_name, action in actions.items():
+        for member in schema.space(space_name).members:
+            if member.name == weight and member.axis == out_axis and member.role != "norm":
+                act = action if member.covariant else action.inverse_transpose()
+                found.append((Member(member.name, -1, member.covariant, member.role, member.index), act))
+    return found
+
+
+def map_output_rows(rows: torch.Tensor, mapping: list[tuple[Member, SpaceAction]], precision: torch.dtype = _F64):
+    """A Linear's output ``rows`` (…, out) under its :func:`output_map`, matrices applied in
+    ``precision`` and the result in the rows' dtype (a permutation only moves entries)."""
+    for member, action in mapping:
+        rows = _contract(rows, member, action, precision)
+    return rows
+
+
 def stream_actions(transform: Transform, schema: ModelSchema) -> dict[str, SpaceAction]:
     """``transform``'s action on the residual stream alone, as a one-entry actions dict (empty if
     it does not move the stream), without composing every head space."""

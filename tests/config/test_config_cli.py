@@ -121,6 +121,8 @@ VALUE_FOR_FLAG = {
     "--epsilon": ("0.1", 0.1),
     "--gamma": ("0.02", 0.02),
     "--task-scale": ("1.5", 1.5),
+    "--refit-steps": ("50", 50),  # auto, or a number
+    "--correction-batch-size": ("16", 16),  # auto, or a number
 }
 
 

@@ -50,7 +50,8 @@ def _pair(model_type, seed=1):
 
 def _merge(a, b, pre, data, tmp_path, offload: bool):
     """The merge in memory or layer by layer, the refit off (``auto`` refits in memory only,
-    docs/design.md §6.11: the layer-wise merge is the in-memory merge without it)."""
+    docs/design.md §6.11: the layer-wise merge is the in-memory merge without it), the correction
+    in the chunks a layer-wise merge fits it in by default."""
     a, b = clone(a), clone(b)
     files = None
     if offload:
@@ -58,9 +59,9 @@ def _merge(a, b, pre, data, tmp_path, offload: bool):
 
         files = offload_models([a, b], ["A", "B"], schema_for(a), tmp_path)
         assert files.of(a) is not None and files.of(b) is not None
-    return RaotMerger.from_models(a, b, preprocessor=pre, working_files=files, refit={"mode": "off"}).merge(
-        calibration=data
-    )
+    # the correction in chunks of 16 examples in both (layer by layer its default, §6.7)
+    options = {"refit": {"mode": "off"}, "correction": {"batch_size": 16}}
+    return RaotMerger.from_models(a, b, preprocessor=pre, working_files=files, **options).merge(calibration=data)
 
 
 @pytest.mark.parametrize("model_type", architectures(experts=None))  # mixtures of experts too (§10)
@@ -442,3 +443,18 @@ def test_release_mapped_hands_back_a_checkpoints_pages_and_keeps_its_values(tmp_
     release_mapped([table, heap])
     assert resident - _status_kib("RssFile") > 3 * table.numel() * 4 // 1024 // 4  # most of its 4 MiB
     assert torch.equal(table, original) and torch.equal(heap, heap_before)
+
+
+def test_layer_by_layer_the_correction_fits_in_chunks_by_default(tmp_path):
+    """``correction.batch_size="auto"``: 64 examples per forward in memory (M's layer once per
+    layer), 16 layer by layer, where memory is what the merge is short of (docs/design.md §6.7)."""
+    a, b, pre, data = _pair("llama")
+    off = {"refit": {"mode": "off"}}
+    memory = RaotMerger.from_models(clone(a), clone(b), preprocessor=pre, **off).merge(calibration=data)
+    a2, b2 = clone(a), clone(b)
+    from raot_hf.adapters import schema_for
+
+    files = offload_models([a2, b2], ["A", "B"], schema_for(a2), tmp_path)
+    layerwise = RaotMerger.from_models(a2, b2, preprocessor=pre, working_files=files, **off).merge(calibration=data)
+    per_forward = [r.report["merge"]["correction"]["examples_per_forward"] for r in (memory, layerwise)]
+    assert per_forward == [min(64, memory.report["merge"]["correction"]["examples"]), 16]

@@ -3,11 +3,14 @@ B (in memory, a model with scores, at most 50 M parameters), towards the parents
 distributions or their last stream, early-stopped on half the held-out examples and kept only when
 it beats the merge without it on the other half."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import raot_hf.merger as merger_module
 from raot_hf import RaotConfig, RaotError, RaotMerger, schema_for, scramble
 from raot_hf.outputs import model_card_context
 from raot_hf.stages import refit as refit_stage
@@ -52,11 +55,12 @@ def test_refit_off_changes_nothing():
 def test_by_default_a_pair_that_differs_is_refitted_towards_its_parents_predictions():
     """The default (``auto``, output target, every trunk parameter): the gate moved B, so the merge is
     refitted; the judged loss — the KL divergence from the parents' mixed distribution — falls, the
-    refit is kept and written (the weights differ from the merge without it), the head is not moved."""
+    refit is kept and written (the weights differ from the merge without it), the head is not moved.
+    (300 steps: this tiny merge takes a fraction of a second, whose budget affords too few.)"""
     a = _bert()
     b = scrambled_near_copy(a, seed=1, noise=0.3)
     plain = _merge(clone(a), clone(b), refit={"mode": "off"})
-    refit = _merge(clone(a), clone(b))
+    refit = _merge(clone(a), clone(b), refit={"steps": 300})
     record = refit.report["refit"]
     assert record["ran"] and record["mode"] == "auto" and record["target"] == "output"
     assert record["decision"].startswith("auto: the gate moved B")
@@ -77,7 +81,8 @@ def test_refit_of_a_pair_that_differs_lowers_the_heldout_loss_and_is_reported():
     and the report records the run."""
     a = _bert()
     b = scrambled_near_copy(a, seed=1, noise=0.3)
-    plain = _merge(clone(a), clone(b), refit={"mode": "off"})
+    # the last-stream target reads B′ whole: its merge runs the three stages, as the plain one here
+    plain = _merge(clone(a), clone(b), refit={"mode": "off"}, gate={"sweep": False})
     refit = _merge(clone(a), clone(b), refit={"steps": 60, "lr": 0.01, "eval_every": 10, **NORMS_HIDDEN})
     record = refit.report["refit"]
     assert record["kept"], record["reason"]
@@ -97,7 +102,7 @@ def test_a_refit_of_every_trunk_parameter_moves_weight_matrices_too():
     task head still not); the held-out loss falls and the refit is kept."""
     a = _bert()
     b = scrambled_near_copy(a, seed=1, noise=0.3)
-    plain = _merge(clone(a), clone(b), refit={"mode": "off"})
+    plain = _merge(clone(a), clone(b), refit={"mode": "off"}, gate={"sweep": False})  # as the last-stream target's
     refit = _merge(clone(a), clone(b), refit={"steps": 40, "lr": 1e-3, "eval_every": 10, "parameters": "all",
                                               "target": "hidden", "mode": "on"})  # fmt: skip
     record = refit.report["refit"]
@@ -308,3 +313,77 @@ def test_a_refit_with_the_confident_teacher_runs_is_judged_and_names_its_teacher
     assert "weighted per token by its confidence" in model_card_context(confident.report)["merge_rule"]
     hidden = _merge(clone(a), clone(b), refit={"steps": 5, "mode": "on", "target": "hidden"})
     assert "teacher" not in hidden.report["refit"]
+
+
+def test_the_targets_made_from_the_calibration_pass_are_those_the_parents_give_again(monkeypatch):
+    """The output target is made from the calibration pass's own forwards of A and B (each parent
+    layer runs once per token, docs/design.md §5.7): the same batches the refit would run the
+    parents on again, so the same targets — the refit and the merge are those of targets made
+    afresh, bit for bit."""
+    a = _bert()
+    b = scrambled_near_copy(a, seed=1, noise=0.3)
+    options = {"steps": 30, "mode": "on", "eval_every": 5}
+    captured = _merge(clone(a), clone(b), refit=options)
+    monkeypatch.setattr(merger_module, "prediction_capture", lambda ctx: None)
+    again = _merge(clone(a), clone(b), refit=options)
+    one, two = captured.report["refit"], again.report["refit"]
+    assert one["targets_from"] == "calibration pass" and two["targets_from"] == "parents run again"
+    assert one["heldout_loss_before"] == two["heldout_loss_before"] and one["curve"] == two["curve"]
+    assert _equal_states(captured.model, again.model)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seconds=st.floats(0.01, 1000.0),
+    step_s=st.floats(1e-4, 10.0),
+    score_s=st.floats(0.0, 10.0),
+    eval_every=st.integers(1, 50),
+    limit=st.integers(1, 2000),
+)
+def test_the_budget_plans_the_most_steps_whose_time_fits(seconds, step_s, score_s, eval_every, limit):
+    """``refit.steps="auto"``: the steps planned are ``eval_every`` × a power of two (or the limit):
+    the most such whose time, with a held-out score every ``eval_every`` of them and one at the
+    last, fits in the budget's seconds — at least ``eval_every`` — or the limit when all fit."""
+    budget = refit_stage.RefitBudget(limit, seconds, seconds)
+    n = budget.plan(step_s, score_s, eval_every)
+
+    def cost(steps: int) -> float:
+        return steps * step_s + math.ceil(steps / eval_every) * score_s
+
+    if cost(limit) <= seconds:
+        assert n == limit
+        return
+    k = n // eval_every
+    assert n % eval_every == 0 and k & (k - 1) == 0 and n < limit or n == eval_every
+    assert n == eval_every or cost(n) <= seconds
+    assert 2 * n >= limit or cost(2 * n) > seconds
+
+
+def test_the_default_refit_descends_for_the_steps_its_budget_plans_and_reports_them():
+    """The default (``refit.steps="auto"``): the descent's steps come from the measured time of a
+    step and of a held-out score against the rest of the merge's, and the report says so; a
+    number given runs that many steps at most, whatever the time."""
+    a = _bert()
+    b = scrambled_near_copy(a, seed=1, noise=0.3)
+    auto = _merge(clone(a), clone(b), refit={"mode": "on", "eval_every": 5, "budget": 200.0})
+    record = auto.report["refit"]
+    budget = record["budget"]
+    assert budget["steps"] == "auto" and budget["rest_s"] > 0
+    assert budget["seconds"] == pytest.approx(200 * budget["rest_s"])
+    assert 10 <= record["steps"] <= budget["planned"] <= 1000 and budget["step_s"] > 0
+    given = _merge(clone(a), clone(b), refit={"mode": "on", "steps": 7, "eval_every": 5})
+    assert given.report["refit"]["budget"]["steps"] == given.report["refit"]["budget"]["planned"] == 7
+    assert given.report["refit"]["steps"] <= 7
+
+
+def test_a_budget_that_affords_fewer_than_two_scores_does_not_descend():
+    """A tiny merge's budget (a fraction of a second) affords fewer steps than two held-out scores
+    take: the descent does not run, the merge is the one without the refit, and the report says why."""
+    a = _bert()
+    b = scrambled_near_copy(a, seed=1, noise=0.3)
+    plain = _merge(clone(a), clone(b), refit={"mode": "off"})
+    short = _merge(clone(a), clone(b), refit={"mode": "on", "budget": 1e-3})
+    record = short.report["refit"]
+    assert record["ran"] and record["steps"] == 0 and not record["kept"]
+    assert "the budget affords fewer than" in record["reason"]
+    assert _equal_states(plain.model, short.model)
