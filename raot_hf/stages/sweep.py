@@ -285,7 +285,9 @@ KEPT_CORRECTIONS = ("auto", "lsq", "repair")
 
 def keeps_parents(ctx: PairContext) -> bool:
     """Whether the calibration pass keeps the parents' outputs for the one sweep (docs/design.md §5.7)."""
-    return sweep_may_apply(ctx) and ctx.config.correction.method in KEPT_CORRECTIONS
+    # a mixture of experts' sites (the router, the experts' fused weights) are read from a run of the
+    # parents: the kept outputs are a dense layer's Linears
+    return sweep_may_apply(ctx) and ctx.config.correction.method in KEPT_CORRECTIONS and not ctx.schema.expert_layers
 
 
 def _drop(run, why: str | None = None) -> None:

@@ -71,3 +71,13 @@ def test_router_recalibration_leaves_an_exact_recovery_exact():
     result = _merge(clone(a), b, correction="router", refit={"mode": "off"})
     assert not any(layer["kept"] for layer in result.report["merge"]["correction"]["layers"])
     assert output_deviation(a, result.model, example_inputs(a), relative=True) <= 1e-4
+
+
+def test_two_mixtures_of_experts_merge_with_the_default_correction():
+    # the default correction refits every Linear after the sweep; the router and the experts' fused
+    # weights are read from a run of the parents, not from the outputs a dense layer's pass keeps
+    a, b = _moe(seed=0), _moe(seed=7)
+    result = _merge(a, b, refit={"mode": "off"})
+    record = result.report["merge"]["correction"]
+    assert record["method"] in ("lsq", "repair") and record["layers"]
+    assert all(torch.isfinite(p).all() for p in result.model.parameters())
