@@ -141,6 +141,53 @@ class BaseRecord:
 
 
 @dataclass(frozen=True)
+class RefitRecord:
+    """What the refit of the merged model did (docs/design.md §6.11): whether it ran and was kept, and
+    why; when it ran, its target, steps, the examples it read, the held-out losses before and after
+    and the paired test's gain, its curve and its budget's plan."""
+
+    ran: bool
+    kept: bool
+    reason: str
+    mode: str
+    decision: str | None = None
+    target: str | None = None
+    targets_from: str | None = None
+    teacher: str | None = None  # the output target's only
+    steps: int = 0
+    best_step: int = 0
+    parameters: int = 0
+    values: int = 0
+    examples: int = 0
+    stop_examples: int = 0
+    heldout_examples: int = 0
+    heldout_loss_before: float | None = None
+    heldout_loss_after: float | None = None
+    heldout_gain: float | None = None
+    heldout_stderr: float | None = None
+    curve: tuple[dict[str, Any], ...] = ()
+    budget: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        if not self.ran:
+            return {"ran": False, "kept": self.kept, "reason": self.reason, "mode": self.mode}
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["curve"] = list(self.curve)
+        if self.target != "output":
+            del out["teacher"]
+        if self.budget is None:
+            del out["budget"]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RefitRecord:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["curve"] = tuple(values.get("curve") or ())
+        return cls(**values)
+
+
+@dataclass(frozen=True)
 class TowersRecord:
     """A two-tower merge's own part (docs/design.md §11): the model (``name``), the joint map's
     gate decision and exact group, each tower's report by modality, the merged scalars and the
@@ -194,7 +241,7 @@ class MergeReport(Mapping):
     residual_exact_group: str | None = None
     base: BaseRecord | None = None
     reference: dict[str, Any] | None = None
-    refit: dict[str, Any] | None = None
+    refit: RefitRecord | None = None
     estimator_logs: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     command: str | None = None
@@ -232,7 +279,7 @@ class MergeReport(Mapping):
             "settings": self.settings.to_dict(),
             "execution": self.execution,
             "merge": self.merge.to_dict() if self.merge is not None else None,
-            "refit": self.refit,
+            "refit": self.refit.to_dict() if self.refit is not None else None,
             "estimator_logs": self.estimator_logs,
             "timings": dict(self.timings),
             "versions": self.versions,
@@ -293,7 +340,8 @@ class MergeReport(Mapping):
         return cls(
             models, RaotConfig.from_dict(dict(data.get("settings") or {})), data.get("execution", "in memory"),
             RuleLog.from_dict(merge) if merge else None, data.get("model_type"), data.get("norm"),
-            data.get("residual_exact_group"), base, data.get("reference"), data.get("refit"),
+            data.get("residual_exact_group"), base, data.get("reference"),
+            RefitRecord.from_dict(data["refit"]) if data.get("refit") else None,
             dict(data.get("estimator_logs") or {}), dict(data.get("timings") or {}), data.get("command"),
             data.get("merge_file"), TowersRecord.from_dict(data) if data.get("dual_encoder") else None,
             verdict, summary,

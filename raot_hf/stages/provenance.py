@@ -3,13 +3,11 @@ the stages returned (:class:`~raot_hf.outputs.record.MergeReport`)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from raot_hf.io.loading import ModelSource
 from raot_hf.merging import RuleLog
 from raot_hf.outputs import hash_checkpoint_files
 from raot_hf.outputs.card import alignment_summary
-from raot_hf.outputs.record import AlignmentRecord, BaseRecord, CheckpointRecord, MergeReport, ModelRecord
+from raot_hf.outputs.record import AlignmentRecord, BaseRecord, CheckpointRecord, MergeReport, ModelRecord, RefitRecord
 from raot_hf.symmetry.io import TRANSFORM_NAME
 
 
@@ -46,7 +44,7 @@ def alignment_record(index: int, member, quality: dict | None) -> AlignmentRecor
 
 def build_report(
     members: list, sources: list[ModelSource], merge_log: RuleLog | None, quality: list[dict | None], *,
-    reference_log: dict | None = None, refit: dict[str, Any] | None = None, command: str | None = None,
+    reference_log: dict | None = None, refit: RefitRecord | None = None, command: str | None = None,
 ) -> MergeReport:  # fmt: skip
     """The report of a merge of the reference and its aligned ``members``
     (:class:`~raot_hf.stages.members.AlignedModel`), built once."""

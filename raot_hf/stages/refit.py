@@ -30,6 +30,7 @@ from raot_hf.gate.fidelity import layer_module_names
 from raot_hf.gate.merge import MIN_GATE_EXAMPLES
 from raot_hf.hooks import capture_calls, first_tensor, without_cache
 from raot_hf.merging import merge_rule_spec
+from raot_hf.outputs.record import RefitRecord
 from raot_hf.refine import calibration_examples
 from raot_hf.stages.calibrate import open_calibration
 from raot_hf.stages.context import PairContext, on_device_of
@@ -551,7 +552,7 @@ def _budget(ctx: PairContext, targets: RefitTargets, cfg, score_s: float) -> Ref
     return budget
 
 
-def refit_merged(members: list[AlignedModel], targets: RefitTargets | None) -> dict[str, Any] | None:
+def refit_merged(members: list[AlignedModel], targets: RefitTargets | None) -> RefitRecord | None:
     """Refit the merged model (the reference's module, after the merge) to ``targets``; keep the refit
     iff it beats the merge without it on the judged half of the held-out examples, else leave every
     parameter as it was. Returns the report's ``refit`` record (None when the refit is off; whether
@@ -562,7 +563,7 @@ def refit_merged(members: list[AlignedModel], targets: RefitTargets | None) -> d
         return None
     run, why = refit_decision(members)
     if targets is None or not run:
-        return {"ran": False, "kept": False, "reason": why, "mode": cfg.mode}
+        return RefitRecord(ran=False, kept=False, reason=why, mode=cfg.mode)
     with ctx.timer.stage("refit"), torch.enable_grad():
         refit = _Refit(ctx, targets)
         budget = None
@@ -610,29 +611,16 @@ def refit_merged(members: list[AlignedModel], targets: RefitTargets | None) -> d
     else:
         reason = "no held-out score beat the merge without the refit"
     loss = lambda errors: float(errors.mean()) if errors.numel() else None  # noqa: E731
-    record = {
-        "ran": True,
-        "mode": cfg.mode,
-        "decision": why,
-        "kept": kept,
-        "reason": reason,
-        "target": cfg.target,
-        "targets_from": targets.source,
-        **({"teacher": cfg.teacher} if cfg.target == "output" else {}),
-        "steps": steps,
-        "best_step": best_step,
-        "parameters": len(refit.read),
-        "values": int(sum(refit.params[n].numel() for n in refit.read)),
-        "examples": int(sum(c.mask.shape[0] for c in targets.fit)),
-        "stop_examples": int(sum(c.mask.shape[0] for c in targets.stop)),
-        "heldout_examples": int(before.numel()),
-        "heldout_loss_before": loss(before),
-        "heldout_loss_after": loss(after),
-        "heldout_gain": test.mean if test is not None else None,
-        "heldout_stderr": test.stderr if test is not None else None,
-        "curve": curve,
-        **({"budget": budget.to_dict()} if budget is not None else {}),
-    }
-    logger.info("refit: held-out loss %s → %s after %d steps (best %d): %s (%s)", record["heldout_loss_before"],
-                record["heldout_loss_after"], steps, best_step, "kept" if kept else "dropped", reason)  # fmt: skip
+    record = RefitRecord(
+        ran=True, kept=kept, reason=reason, mode=cfg.mode, decision=why, target=cfg.target,
+        targets_from=targets.source, teacher=cfg.teacher if cfg.target == "output" else None, steps=steps,
+        best_step=best_step, parameters=len(refit.read), values=int(sum(refit.params[n].numel() for n in refit.read)),
+        examples=int(sum(c.mask.shape[0] for c in targets.fit)),
+        stop_examples=int(sum(c.mask.shape[0] for c in targets.stop)), heldout_examples=int(before.numel()),
+        heldout_loss_before=loss(before), heldout_loss_after=loss(after),
+        heldout_gain=test.mean if test is not None else None, heldout_stderr=test.stderr if test is not None else None,
+        curve=tuple(curve), budget=budget.to_dict() if budget is not None else None,
+    )  # fmt: skip
+    logger.info("refit: held-out loss %s → %s after %d steps (best %d): %s (%s)", record.heldout_loss_before,
+                record.heldout_loss_after, steps, best_step, "kept" if kept else "dropped", reason)  # fmt: skip
     return record

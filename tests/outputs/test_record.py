@@ -63,3 +63,16 @@ def test_reports_of_earlier_versions_still_load(name):
         assert json.loads(json.dumps(report[key], default=str)) == earlier[key], key
     assert report.settings.to_dict()["task_vectors"]["density"] == earlier["settings"]["base_rules"]["density"]
     assert MergeReport.from_dict(json.loads(report_to_json(report))) == report
+
+
+def test_the_refit_record_round_trips_and_says_what_it_ran():
+    from raot_hf.outputs.record import RefitRecord
+
+    skipped = RefitRecord(ran=False, kept=False, reason="off by the rule", mode="auto")
+    assert skipped.to_dict() == {"ran": False, "kept": False, "reason": "off by the rule", "mode": "auto"}
+    ran = RefitRecord(ran=True, kept=True, reason="gain", mode="auto", target="hidden", teacher=None, steps=40,
+                      curve=({"step": 20, "loss": 0.5},), budget={"steps": 40})  # fmt: skip
+    data = ran.to_dict()
+    assert "teacher" not in data and data["budget"] == {"steps": 40} and data["curve"] == [{"step": 20, "loss": 0.5}]
+    assert RefitRecord.from_dict(data) == ran
+    assert RefitRecord.from_dict(skipped.to_dict()) == skipped
