@@ -22,6 +22,7 @@ from raot_hf.errors import RaotError
 from raot_hf.io.loading import ModelSource, check_compatible
 from raot_hf.io.offload import WorkingFiles
 from raot_hf.plan import plan_for
+from raot_hf.registry import Registry, registry
 from raot_hf.results import Alignment, MergeResult
 from raot_hf.stages.align import calibrate_and_solve, calibrate_solve_decide
 from raot_hf.stages.calibrate import CalibrationRun, fit_phase, heldout_phase, open_calibration
@@ -141,7 +142,9 @@ class RaotMerger:
             if more:
                 raise RaotError("two-tower models merge two at a time; pass two models")
             config = prepare_config(_with_options(config, options), 2, base is not None)
-            return _TWO_TOWERS[0].from_pretrained(a, b, config=config, base=base, allow_pickle=allow_pickle)
+            return _TWO_TOWERS.get("two towers").from_pretrained(
+                a, b, config=config, base=base, allow_pickle=allow_pickle
+            )
         config = prepare_config(_with_options(config, options), 2 + len(more), base is not None)
         access = dict(token=token, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
         loaded = load_pair(a, b, config, *more, revision=revision, revision_b=revision_b, base=base,
@@ -168,7 +171,9 @@ class RaotMerger:
         if is_dual_encoder(getattr(getattr(model_a, "config", None), "model_type", "")):  # docs/design.md §11
             if more_models:
                 raise RaotError("two-tower models merge two at a time; pass two models")
-            return _TWO_TOWERS[0](model_a, model_b, config=config, processor=preprocessor, base_model=base_model)
+            return _TWO_TOWERS.get("two towers")(
+                model_a, model_b, config=config, processor=preprocessor, base_model=base_model
+            )
         models = (model_a, model_b, *more_models)
         return cls(
             *models, config=config, preprocessor=preprocessor, base_model=base_model, working_files=working_files
@@ -247,13 +252,14 @@ class RaotMerger:
 
 #: The merger of two-tower models (:class:`raot_hf.dual.DualEncoderMerger`, which registers itself on
 #: import with :func:`register_two_tower_merger`): ``RaotMerger`` hands such a pair to it.
-_TWO_TOWERS: list[type] = []
+_TWO_TOWERS: Registry[type] = registry("two-tower merger")
 
 
 def register_two_tower_merger(cls: type) -> type:
-    """Register the class that merges two-tower models (docs/design.md §11)."""
-    _TWO_TOWERS[:] = [cls]
-    return cls
+    """Register the class that merges two-tower models (docs/design.md §11); it replaces the one there."""
+    if "two towers" in _TWO_TOWERS:
+        _TWO_TOWERS.unregister("two towers")
+    return _TWO_TOWERS.register("two towers", cls)
 
 
 def _dual_encoder_type(source, revision=None, token=None) -> bool:
