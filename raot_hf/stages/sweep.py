@@ -285,9 +285,12 @@ KEPT_CORRECTIONS = ("auto", "lsq", "repair")
 
 def keeps_parents(ctx: PairContext) -> bool:
     """Whether the calibration pass keeps the parents' outputs for the one sweep (docs/design.md §5.7)."""
-    # a mixture of experts' sites (the router, the experts' fused weights) are read from a run of the
-    # parents: the kept outputs are a dense layer's Linears
-    return sweep_may_apply(ctx) and ctx.config.correction.method in KEPT_CORRECTIONS and not ctx.schema.expert_layers
+    # the kept outputs are a dense layer's Linears, mapped by the action on their output axis: a
+    # mixture of experts' sites (the router, the fused experts) and a writer that a LayerScale folds
+    # into (§9.8: its outputs scaled by λ) are read from a run of the parents instead
+    schema = ctx.schema
+    kept = not schema.expert_layers and not any(fold.writers for fold in schema.folds)
+    return kept and sweep_may_apply(ctx) and ctx.config.correction.method in KEPT_CORRECTIONS
 
 
 def _drop(run, why: str | None = None) -> None:

@@ -26,9 +26,9 @@ FAMILIES = {
     "gemma2": lambda: (transformers.Gemma2Config(**_COMMON, head_dim=4), transformers.Gemma2ForCausalLM),
     "phi3": lambda: (transformers.Phi3Config(**_COMMON, pad_token_id=0), transformers.Phi3ForCausalLM),
     "starcoder2": lambda: (transformers.Starcoder2Config(**_COMMON), transformers.Starcoder2ForCausalLM),
-    "mixtral": lambda: (
-        transformers.MixtralConfig(**_COMMON, num_local_experts=2, num_experts_per_tok=1),
-        transformers.MixtralForCausalLM,
+    "phimoe": lambda: (  # a mixture of experts without an adapter
+        transformers.PhimoeConfig(**_COMMON, num_local_experts=2, num_experts_per_tok=1),
+        transformers.PhimoeForCausalLM,
     ),
     "distilbert": lambda: (
         transformers.DistilBertConfig(vocab_size=64, dim=16, hidden_dim=24, n_layers=3, n_heads=4),
@@ -125,9 +125,9 @@ def test_every_plain_rule_runs_on_every_family(families, tmp_path, family, rule)
 
 
 def test_layer_gradients_read_the_layer_from_the_tensor_names(families, tmp_path):
-    """SLERP with t = [0, 1] over DistilBERT's ``transformer.layer.N`` and Mixtral's experts: the
+    """SLERP with t = [0, 1] over DistilBERT's ``transformer.layer.N`` and PhiMoE's experts: the
     first layer is A's, the last B's."""
-    for family in ("distilbert", "mixtral"):
+    for family in ("distilbert", "phimoe"):
         _, (_, a, b) = families[family]
         out, _ = merge_checkpoints(a, b, out=tmp_path / family, alignment="none", merge_rule="slerp",
                                    mergekit={"t": [0.0, 1.0]})  # fmt: skip
@@ -151,7 +151,7 @@ def test_a_merge_file_of_a_family_without_an_adapter_runs_with_its_gradients(fam
     _loads(cls, tmp_path / "o")
 
 
-@pytest.mark.parametrize("family", ["starcoder2", "mixtral"])
+@pytest.mark.parametrize("family", ["starcoder2", "phimoe"])
 def test_an_aligned_merge_of_a_family_without_an_adapter_is_refused_in_one_line(families, tmp_path, family):
     _, (_, a, b) = families[family]
     res = CliRunner().invoke(main, ["merge", str(a), str(b), "--calibration", "cal.csv", "--out", str(tmp_path / "o")])
