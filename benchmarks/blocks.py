@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.report import _fmt  # mean ± sample std, as every results file writes it
+
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 
@@ -42,16 +44,6 @@ class Block:
 
 def _load(rel: str) -> dict:
     return json.loads((BENCH / rel).read_text(encoding="utf-8"))
-
-
-def _fmt(values: list[float], digits: int = 3) -> str:
-    """Mean ± sample std (the mean alone for one value; – for none)."""
-    if not values:
-        return "–"
-    mean = float(np.mean(values))
-    if len(values) == 1:
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ± {float(np.std(values, ddof=1)):.{digits}f}"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:

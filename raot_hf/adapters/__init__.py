@@ -44,13 +44,18 @@ def register_adapter(adapter: FamilySpec, *, overwrite: bool = False) -> FamilyS
     if not isinstance(adapter, FamilySpec):
         raise TypeError(f"register_adapter expects a FamilySpec, got {type(adapter).__name__}")
     adapter.validate()
-    for model_type in adapter.model_types:
-        if model_type in _REGISTRY and overwrite:
-            _REGISTRY.unregister(model_type)
-        _REGISTRY.check_free(model_type)
-    for model_type in adapter.model_types:
-        _REGISTRY.register(model_type, adapter)
-    return adapter
+    return _register_types(_REGISTRY, adapter, overwrite)
+
+
+def _register_types(where: Registry, entry, overwrite: bool):
+    """Register ``entry`` in ``where`` for each of its ``model_types``: all checked before any is added."""
+    for model_type in entry.model_types:
+        if model_type in where and overwrite:
+            where.unregister(model_type)
+        where.check_free(model_type)
+    for model_type in entry.model_types:
+        where.register(model_type, entry)
+    return entry
 
 
 def load_family(data: dict, known: dict[str, dict] | None = None) -> FamilySpec:
@@ -142,13 +147,7 @@ def register_dual_encoder(spec: DualEncoderSpec, *, overwrite: bool = False) -> 
     missing = [t.family for t in spec.validate().towers if t.family not in families]
     if missing:
         raise ValueError(f"dual encoder {spec.name!r}: tower families {missing} are not registered")
-    for model_type in spec.model_types:
-        if model_type in _DUAL and overwrite:
-            _DUAL.unregister(model_type)
-        _DUAL.check_free(model_type)
-    for model_type in spec.model_types:
-        _DUAL.register(model_type, spec)
-    return spec
+    return _register_types(_DUAL, spec, overwrite)
 
 
 def is_dual_encoder(model_type: str) -> bool:
