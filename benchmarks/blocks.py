@@ -82,6 +82,7 @@ SUMMARY_METHODS = (
     ("RaOT", "raot"),
     ("RaOT + RegMean", "raot+regmean"),
     ("**default**", "default"),
+    ("default, 1,000 refit steps", "default+refit-1000"),
 )
 #: The summary's encoder rows: (title, pair); accuracy with A's head.
 SUMMARY_ENCODERS = (
@@ -201,7 +202,8 @@ ENCODER_ROWS = (
 ENCODER_COLUMNS = (
     ("average", "average"), ("wm-rot (paper)", "wm-rot"), ("act-perm", "act-perm"), ("RaOT", "raot"),
     ("RaOT + RegMean", "raot+regmean"), ("RaOT + least squares", "raot+lsq"), ("default, no refit", "default-norefit"),
-    ("**default**", "default"), ("default, confident teacher", "default+refit-confident"),
+    ("**default**", "default"), ("default, 1,000 refit steps", "default+refit-1000"),
+    ("default, confident teacher", "default+refit-confident"),
 )  # fmt: skip
 
 
@@ -220,7 +222,7 @@ DECODER_ROWS = (
 DECODER_COLUMNS = (
     ("average", "average"), ("act-perm", "act-perm"), ("RaOT", "raot"), ("RaOT + RegMean", "raot+regmean"),
     ("RaOT + learned alignment", "raot+refine"), ("RaOT + least squares", "raot+lsq"), ("**default**", "default"),
-    ("default, confident teacher", "default+refit-confident"),
+    ("default, 1,000 refit steps", "default+refit-1000"), ("default, confident teacher", "default+refit-confident"),
 )  # fmt: skip
 
 

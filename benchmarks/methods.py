@@ -284,6 +284,13 @@ METHODS = (
         "rules",
     ),
     Method(
+        "default+refit-1000",
+        "the product's defaults with the refit's steps fixed at 1,000 instead of its time budget (1 × the rest of "
+        "the merge)",
+        {"refit": {"steps": 1000}},
+        "rules",
+    ),
+    Method(
         "default+refit-confident",
         "the product's defaults with the refit's confident teacher (per token, each parent's prediction weighted "
         "by exp(−entropy))",

@@ -21,6 +21,7 @@ CORRECTED = (
     "default-norefit",
     "default+refit-hidden",
     "default+refit-confident",
+    "default+refit-1000",
     "default",
 )
 BASELINES = ("raot", "raot+regmean")
