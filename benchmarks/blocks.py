@@ -121,7 +121,12 @@ def results_summary() -> str:
 #: The cost table's rows: (title, record under ``benchmarks/perf/``, the shape's key in its runs).
 COST_ROWS = (
     ("BERT-base, 512 × 128, in memory", "results_bertbase.json", "bert-base"),
-    ("135 M-parameter Llama shape, 64 short texts", "results_llama135m.json", "llama-135m-like"),
+    (
+        "135 M-parameter LLM shape (49,152-token tied head), 64 texts of 16–128 tokens",
+        "results_llama135m.json",
+        "llama-135m-lm",
+    ),
+    ("6-layer d = 384 classifier, 256 × 128, refit included", "results_bert6l.json", "bert-6l-sequence"),
     ("0.49 B Llama, 64 × 128, layer by layer", "results_layerwise_0.5b.json", "llama-0.5b-fp32, offload always"),
 )
 

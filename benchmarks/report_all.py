@@ -85,6 +85,14 @@ def _real_pair(name: str) -> Callable[[], str]:
     return render_pair
 
 
+def _experts() -> str:
+    from benchmarks.experts.report import render
+    from benchmarks.experts.run import RESULTS
+    from benchmarks.records import read_history
+
+    return render(read_history(RESULTS))
+
+
 def _decisions(name: str) -> Callable[[], str]:
     def render_change() -> str:
         from benchmarks.records import read_history
@@ -102,6 +110,7 @@ def _if_present(record: str) -> tuple[str, ...]:
 
 _PERF = (
     "results",
+    "results_bert6l",
     "results_bertbase",
     "results_corrections",
     "results_layerwise",
@@ -146,6 +155,7 @@ GENERATED: tuple[Generated, ...] = (
         _decisions("hidden_token_cap"),
     ),
     Generated("decoders/results/RESULTS.md", ("decoders/results/results.json",), _decoders),
+    Generated("experts/results/RESULTS.md", ("experts/results/results.json",), _experts),
     Generated("perf/results_recovery_real.md", ("perf/results_recovery_real.json",), _recovery_real),
     *(Generated(f"perf/{name}.md", (f"perf/{name}.json",), _perf(f"perf/{name}.json")) for name in _PERF),
 )
