@@ -19,7 +19,7 @@ from raot_hf.io.loading import adopt_head
 from raot_hf.merging import MergeRuleSpec, RuleLog, apply_rule, merge_heads, merge_rule_spec, rule_options
 from raot_hf.merging.grams import aligned_grams, transposed_weights
 from raot_hf.stages.apply import apply_and_check
-from raot_hf.stages.context import PairContext, one_thread
+from raot_hf.stages.context import PairContext
 from raot_hf.stages.correct import corrected_merge
 from raot_hf.stages.decide import decide
 from raot_hf.stages.members import AlignedModel, member_models, model_weights
@@ -189,11 +189,7 @@ def _swept(members: list[AlignedModel], spec: MergeRuleSpec, weights: list[float
         trunk = set(model_state(ctx.model_a)) - set(ctx.schema.head_params)
         inputs = rule_options(spec, ctx.config, 2, names=trunk)
         method = "lsq" if requested == "auto" else requested  # while the gate may still move B
-        # one intra-op thread, as the solve: thousands of small operations per layer (a few gate
-        # examples, per-head and per-site work) each wait for the slowest thread, and on a shared
-        # host the second one is often not running (docs/design.md §5.7)
-        with one_thread():
-            swept = sweep_merge(ctx, pending, member.run, spec, weights, inputs, method)
+        swept = sweep_merge(ctx, pending, member.run, spec, weights, inputs, method)
     if swept is None:
         alignment = decide(ctx, pending.parts, pending.logs, pending.stats, member.run)
         checks = apply_and_check(ctx, alignment, member.run)
