@@ -122,6 +122,7 @@ _PERF = (
     "results_recovery",
     "results_rules",
     "results_stream",
+    "results_sweep_threads",
 )
 
 GENERATED: tuple[Generated, ...] = (
