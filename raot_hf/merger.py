@@ -329,7 +329,7 @@ def _merge(
     parse_size(max_shard_size)
     sources, base_source = model_sources(models, base, *revisions, access)
     (configs, _), preprocessor, _ = check_before_weights(config, sources, base_source, adapter=False, early=False)
-    if _dual_encoder_type(models[0], revisions[0], access[0]):  # tower by tower, in memory (docs/design.md §11)
+    if is_dual_encoder(configs[0].model_type):  # tower by tower, in memory (docs/design.md §11)
         if DistributedContext.detect().is_distributed:
             raise RaotError("a two-tower merge runs in one process; run it without accelerate launch")
         merger = RaotMerger.from_pretrained(*models, config=config, allow_pickle=access[2],

@@ -59,17 +59,22 @@ def repair_sites(model, schema: ModelSchema, index: int, prefix: str) -> tuple[l
     return sites, skipped
 
 
-def least_squares(request: CorrectionRequest):
-    """``lsq``: each Linear of the layer, in call order, refitted to the parents' mix on M's own
-    inputs. Layers of one class call their sites in one order, found once (``memo["shared_inputs"]``)."""
-    sites = linear_sites(request.model, request.schema, request.index, request.name)
-    shared = request.memo.setdefault("shared_inputs", {})
+def _refit_sites(request: CorrectionRequest, sites: list, memo_key: str):
+    """Refit ``sites`` of the layer, in call order, to the parents' mix on M's own inputs; layers of
+    one class call their sites in one order, found once (``memo[memo_key]``)."""
+    shared = request.memo.setdefault(memo_key, {})
     key = (type(request.layer.module_a), tuple(s.module for s in sites))
     if key not in shared:
         shared[key] = shared_input_sites(request.layer, request.rule, [s.module for s in sites])
     return least_squares_layer(
         request.layer, request.rule, sites, mix=request.mix, shrink=request.options.shrink, shared=shared[key]
     )
+
+
+def least_squares(request: CorrectionRequest):
+    """``lsq``: each Linear of the layer, in call order, refitted to the parents' mix on M's own inputs."""
+    sites = linear_sites(request.model, request.schema, request.index, request.name)
+    return _refit_sites(request, sites, "shared_inputs")
 
 
 def router_recalibration(request: CorrectionRequest):
@@ -79,13 +84,7 @@ def router_recalibration(request: CorrectionRequest):
     block = request.schema.layers[request.index].experts
     router = None if block is None else f"{block.router}.weight"
     sites = [s for s in linear_sites(request.model, request.schema, request.index, request.name) if s.weight == router]
-    shared = request.memo.setdefault("router_inputs", {})
-    key = (type(request.layer.module_a), tuple(s.module for s in sites))
-    if key not in shared:
-        shared[key] = shared_input_sites(request.layer, request.rule, [s.module for s in sites])
-    return least_squares_layer(
-        request.layer, request.rule, sites, mix=request.mix, shrink=request.options.shrink, shared=shared[key]
-    )
+    return _refit_sites(request, sites, "router_inputs")
 
 
 def least_squares_final(chunks, norms, rest, sites, *, mix, options):
