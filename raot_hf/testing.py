@@ -652,6 +652,16 @@ def clone(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
 
 
+@torch.no_grad()
+def drift(model: torch.nn.Module, noise: float, seed: int) -> torch.nn.Module:
+    """Move every parameter of ``model`` in place by ``noise`` times its mean magnitude (Gaussian,
+    drawn from ``seed``): a sibling that shares the basis and differs a little in function."""
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.add_(noise * p.abs().mean() * torch.randn(p.shape, generator=g))
+    return model
+
+
 def scrambled_near_copy(model: torch.nn.Module, seed: int, noise: float = 0.02) -> torch.nn.Module:
     """A copy of ``model`` under a random exact symmetry, every parameter then moved by ``noise``
     times its mean magnitude (Gaussian): a pair that differs in basis and a little in function."""
@@ -659,11 +669,7 @@ def scrambled_near_copy(model: torch.nn.Module, seed: int, noise: float = 0.02) 
 
     other = clone(model)
     scramble(other, seed=seed)
-    g = torch.Generator().manual_seed(seed + 10)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(noise * p.abs().mean() * torch.randn(p.shape, generator=g))
-    return other
+    return drift(other, noise, seed + 10)
 
 
 def fine_tune(model: torch.nn.Module, seed: int, steps: int = 30, num_labels: int = 3) -> torch.nn.Module:

@@ -12,7 +12,7 @@ from raot_hf.adapters import get_dual_encoder
 from raot_hf.dual import joint_schema, tower_models
 from raot_hf.symmetry import ResidualRotation, random_group_element, transform_model
 from raot_hf.symmetry.group import mean_fixing, random_orthogonal
-from raot_hf.testing import clone, tiny_dual_model, tiny_dual_processor, tiny_paired_dataset, trained_like
+from raot_hf.testing import clone, drift, tiny_dual_model, tiny_dual_processor, tiny_paired_dataset, trained_like
 
 DUALS = ["clip", "siglip"]
 
@@ -94,10 +94,7 @@ def _checkpoints(root, model_type):
     paths = []
     for i, name in enumerate(("base", "a", "b")):
         model = clone(base)
-        g = torch.Generator().manual_seed(i)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.05 * i * p.abs().mean() * torch.randn(p.shape, generator=g))
+        drift(model, 0.05 * i, seed=i)
         model.save_pretrained(root / name)
         processor.save_pretrained(root / name)
         paths.append(root / name)

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from raot_hf import merge_checkpoints
 from raot_hf.errors import RaotError
 from raot_hf.merging import available_merge_rules, merge_rule_spec
-from raot_hf.testing import clone, tiny_model, tiny_text_dataset, tiny_tokenizer
+from raot_hf.testing import clone, drift, tiny_model, tiny_text_dataset, tiny_tokenizer
 
 
 def _family(root, *, fused: bool):
@@ -20,10 +20,7 @@ def _family(root, *, fused: bool):
     paths = []
     for i, name in enumerate(("base", "a", "b")):
         model = clone(base)
-        g = torch.Generator().manual_seed(i)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.05 * i * p.abs().mean() * torch.randn(p.shape, generator=g))
+        drift(model, 0.05 * i, seed=i)
         if fused:  # the in-memory names and 3-D expert tensors, as some tools write them
             (root / name).mkdir()
             model.config.architectures = [type(model).__name__]

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from raot_hf import merge_checkpoints
 from raot_hf.cli import main
-from raot_hf.testing import tiny_tokenizer
+from raot_hf.testing import drift, tiny_tokenizer
 
 _COMMON = dict(
     vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
@@ -50,10 +50,7 @@ def families(tmp_path_factory):
         for i, name in enumerate(("base", "a", "b")):
             model = cls(config)
             model.load_state_dict(base.state_dict())
-            g = torch.Generator().manual_seed(i)
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(0.05 * i * p.abs().mean() * torch.randn(p.shape, generator=g))
+            drift(model, 0.05 * i, seed=i)
             model.save_pretrained(root / family / name)
             tiny_tokenizer(64).save_pretrained(root / family / name)
             paths.append(root / family / name)
