@@ -108,3 +108,40 @@ def test_moe_siblings_share_a_basis(model_type):
     assert any(d.transform == "experts" for d in result.alignment.decisions)
     assert not any(d.applied for d in result.alignment.decisions)
     assert result.alignment.shares_basis and "already shares a basis" in result.report["summary"]
+
+
+@torch.no_grad()
+def _experts_permuted_by_hand(model, seed):
+    """B from the block's equations, not from raot_hf's transforms: a layer computes
+    y = Σ_{e ∈ top-k(router(x))} g_e(x) · down_e(act(gate_e x) ⊙ up_e x), so permuting the experts
+    together with the router's rows (e ↦ σ(e)), and inside each expert its units j (rows j and f + j
+    of ``gate_up_proj``, column j of ``down_proj``), leaves y as it was."""
+    g = torch.Generator().manual_seed(seed)
+    for layer in model.model.layers:
+        router, experts = layer.mlp.gate, layer.mlp.experts
+        sigma = torch.randperm(router.weight.shape[0], generator=g)
+        router.weight.copy_(router.weight[sigma])
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        gate_up.copy_(gate_up[sigma])
+        down.copy_(down[sigma])
+        f = down.shape[2]
+        for e in range(down.shape[0]):
+            pi = torch.randperm(f, generator=g)
+            gate_up[e].copy_(torch.cat([gate_up[e][:f][pi], gate_up[e][f:][pi]]))
+            down[e].copy_(down[e][:, pi])
+    return model
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "olmoe"])
+def test_experts_permuted_by_hand_are_recovered(model_type, precision):
+    a = _moe(model_type, 64)
+    b = _experts_permuted_by_hand(clone(a), seed=3)
+    inputs = _check_inputs()
+    assert output_deviation(a, b, inputs, relative=True) <= 1e-5  # the same function
+    assert not torch.equal(a.model.layers[0].mlp.gate.weight, b.model.layers[0].mlp.gate.weight)
+    reference = clone(a)
+    options = {"calibration": {"moment_precision": precision}}
+    result = RaotMerger.from_models(a, b, preprocessor=tiny_tokenizer(VOCAB), **options).merge(calibration=_texts(160))
+    assert sum(d.transform == "experts" and d.applied for d in result.alignment.decisions) == 4
+    assert output_deviation(reference, result.model, inputs, relative=True) <= 1e-4
