@@ -323,15 +323,26 @@ class PairedDiagonal:
             return
         self.n += a.shape[0]
         same = t is b  # no candidate at this site: t's sums are b's, summed once
-        for block in row_blocks(a.shape[0], a.shape[1]):
+        blocks = row_blocks(a.shape[0], a.shape[1])
+        # four float64 blocks made once per call, not per block; the squares and products written
+        # into one of them, not into a temporary each (the same bits)
+        buffers = [torch.empty(blocks[0].stop, a.shape[1], dtype=_F64, device=a.device) for _ in range(4)]
+        for block in blocks:
             # O(n·k) sums whose differences the gains take: float64, a block of rows at a time
-            a64, b64 = a[block].to(_F64), b[block].to(_F64)
-            sums = [a64.sum(0), (a64 * a64).sum(0), b64.sum(0), (b64 * b64).sum(0), (a64 * b64).sum(0)]
+            rows = block.stop - block.start
+            a64, b64, t64, product = (buffer[:rows] for buffer in buffers)
+            a64.copy_(a[block])
+            b64.copy_(b[block])
+
+            def dot(x, y, product=product):
+                return torch.mul(x, y, out=product).sum(0)
+
+            sums = [a64.sum(0), dot(a64, a64), b64.sum(0), dot(b64, b64), dot(a64, b64)]
             if same:
                 sums += sums[2:]
             else:
-                t64 = t[block].to(_F64)
-                sums += [t64.sum(0), (t64 * t64).sum(0), (a64 * t64).sum(0)]
+                t64.copy_(t[block])
+                sums += [t64.sum(0), dot(t64, t64), dot(a64, t64)]
             for total, value in zip(
                 (self.sum_a, self.sq_a, self.sum_b, self.sq_b, self.dot, self.sum_t, self.sq_t, self.dot_t), sums
             ):

@@ -236,6 +236,7 @@ class _Targets:
     def _load(self, key: tuple[int, str]) -> None:
         if self.lazy and key not in self.mixed:
             i, name = key
+            self.sums.pop(key, None)  # made again: its energy with it, not added twice
             for side in self.mix:
                 y = self.layer.kept.rows(side, i, name)
                 if y is not None:
@@ -328,41 +329,63 @@ def least_squares_layer(
         return params, outputs, {name: log[name] for name in by_module if name in log}  # in call order
     for readers in shared.readers:  # one forward of M over every chunk per input, its readers refitted after it
         normals = {name: _Normal() for name in readers}
-        # the readers of one input (q, k, v; gate, up) share x̃ and its Gram: made once per chunk and
-        # summed once, in place (the same additions, in the same order, as one sum per reader)
-        inputs: dict[tuple[int, bool], torch.Tensor] = {}  # (chunk, bias) → x̃, this chunk's only
+        # whether a reader's products are made in this forward: decided on the first chunk from the
+        # rule's error there (from the rows), as the one-chunk path decides before making any —
+        # an exact merge, whose error stays at float rounding, makes none (docs/design.md §6.7)
+        now: dict[str, bool] = {}
         grams: dict[bool, torch.Tensor] = {}
+        inputs: dict[tuple[int, bool], torch.Tensor] = {}  # (chunk, bias) → x̃, this chunk's only
 
-        def merged(i, name, x, y, normals=normals, inputs=inputs, grams=grams):
+        def products(i, name, x, readers_grams, inputs, normals=normals):
+            """Add chunk ``i``'s x̃ᵀȳ to ``name``'s sums and, once per chunk for the readers of one
+            input, x̃ᵀx̃ (the same additions, in the same order, as one sum per reader)."""
             key, biased = (i, name), by_module[name].bias is not None
-            if not shared.once:  # a site called more than once per chunk: each call's own inputs
-                normals[name].add(_augment(x, biased), mixed[key], energy[key], y)
-                return
             if (i, biased) not in inputs:
                 if any(c != i for c, _ in inputs):  # a new chunk: the last one's inputs are not read again
                     inputs.clear()
                 augmented = _augment(x, biased).to(_product_dtype(x))
                 inputs[(i, biased)] = augmented
-                if biased in grams:  # the chunk's x̃ᵀx̃ added as computed: promoted exactly, no float64 copy
-                    grams[biased].add_(augmented.T @ augmented)
+                if biased in readers_grams:  # the chunk's x̃ᵀx̃ added as computed: promoted exactly, no float64 copy
+                    readers_grams[biased].add_(augmented.T @ augmented)
                 else:
-                    grams[biased] = _gram(augmented)
+                    readers_grams[biased] = _gram(augmented)
+            normals[name].add_cross(inputs[(i, biased)], mixed[key])
+
+        def merged(i, name, x, y, normals=normals, now=now, grams=grams, inputs=inputs):
+            key, biased = (i, name), by_module[name].bias is not None
+            if not shared.once:  # a site called more than once per chunk: each call's own inputs
+                normals[name].add(_augment(x, biased), mixed[key], energy[key], y)
+                return
             n = normals[name]
-            n.add_cross(inputs[(i, biased)], mixed[key])
             n.target += energy[key]
             n.tokens += x.shape[0]
             n.add_residual(y, mixed[key], energy[key])
+            if name not in now:
+                now[name] = n.residual > SCREEN_ABOVE * n.target
+            if now[name]:
+                products(i, name, x, grams, inputs)
             if mixed.lazy:  # read once per pass; made again (from the kept outputs) where asked for again
                 mixed.pop(key)
 
         layer.merged(params, readers, merged, stop=shared.once)
+        late = [name for name in readers if shared.once and not now.get(name, True) and not normals[name].kept]
+        late_grams: dict[bool, torch.Tensor] = {}
         inputs.clear()
+        if late:  # a small error on the first chunk, not on all: their products, from one more forward
+
+            def again(i, name, x, _y, late_grams=late_grams, inputs=inputs):
+                products(i, name, x, late_grams, inputs)
+                if mixed.lazy:
+                    mixed.pop((i, name))
+
+            layer.merged(params, late, again, stop=True)
         for name in readers:
             for i in range(len(layer.chunks)):  # the mixed outputs are not read again
                 mixed.pop((i, name), None)
             biased = by_module[name].bias is not None
-            if biased in grams:
-                normals[name].gram = grams[biased]
+            made = late_grams if name in late else grams
+            if biased in made:
+                normals[name].gram = made[biased]
         refit(readers, normals)
     outputs = layer.merged(params, [], lambda *_: None)
     return params, outputs, log

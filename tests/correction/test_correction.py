@@ -172,6 +172,41 @@ def test_screening_the_rules_error_on_a_few_rows_changes_no_decision_and_no_weig
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
 
 
+@pytest.mark.parametrize("pair", ["independent", "scrambled", "near"])
+def test_deciding_on_the_first_chunk_whether_to_make_products_changes_no_decision_and_no_weight(monkeypatch, pair):
+    """In several chunks a Linear's products are made in M's forward only where the rule's error on
+    the first chunk is above the screen's level; an exact merge makes none, and a Linear whose error
+    was small on the first chunk but not over all of them (a scrambled copy with 1 % noise, "near")
+    makes them in one more forward. Against products made for every Linear from the first chunk on:
+    the same Linears kept, the same logged errors and bitwise the same weights."""
+    from raot_hf.correction import fits
+
+    pre, data = _data("llama", 160)
+    runs = {}
+    for level in (-1.0, fits.SCREEN_ABOVE):  # products always made; made as the first chunk says
+        monkeypatch.setattr(fits, "SCREEN_ABOVE", level)
+        a, b = _independent_pair()
+        if pair in ("scrambled", "near"):
+            b = clone(a)
+            scramble(b, seed=1)
+        if pair == "near":
+            g = torch.Generator().manual_seed(0)
+            with torch.no_grad():
+                for p in b.parameters():
+                    p.add_(0.01 * p.abs().mean() * torch.randn(p.shape, generator=g))
+        correction = {"method": "lsq", "examples": 64, "batch_size": 16, "compete": False}  # four chunks
+        off = {"refit": {"mode": "off"}}
+        runs[level] = RaotMerger.from_models(a, b, preprocessor=pre, correction=correction, **off).merge(data)
+    layers = [r.report["merge"]["correction"]["layers"] for r in runs.values()]
+    sites = [[s for layer in run for s in layer["sites"].values()] for run in layers]
+    assert sites[0] == sites[1]
+    assert all(s.get("kept", False) for s in sites[0]) == (pair == "scrambled")
+    if pair == "near":  # refitted after a first chunk whose error stayed below the screen's level
+        assert any(not s.get("kept", False) and s["error_before"] < fits.SCREEN_ABOVE for s in sites[1])
+    states = [r.model.state_dict() for r in runs.values()]
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
 def test_repair_gives_each_unit_the_interpolated_statistics():
     """After REPAIR, layer 0's MLP pre-activations (gate and up, no bias: their RMS) of the merged
     model equal the α-interpolation of A's and B′'s on the correction examples."""
