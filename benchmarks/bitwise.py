@@ -20,8 +20,9 @@ moment precisions; three models; weight matching; RegMean; and the layer-wise me
 offloaded to working files. ``--trained`` adds pairs trained for a few hundred steps (a ViT on
 scikit-learn digits, a BERT classifier and GPT-2 / Llama language models on a synthetic corpus).
 Each record also holds a digest of every schema (architecture × head), so a difference can be
-traced to the description of a family before any merge runs. Everything runs single-threaded;
-records of one machine compare bit for bit, records of two machines need not.
+traced to the description of a family before any merge runs. Everything runs single-threaded,
+the refit's steps pinned (``REFIT_STEPS``); records of one machine compare bit for bit, records of
+two machines need not.
 """
 
 from __future__ import annotations
@@ -94,9 +95,15 @@ def _data(model_type: str):
     return tiny_data(model_type, 160, vocab_size=VOCAB) if decoder else tiny_data(model_type, 128)
 
 
+#: The refit's steps, pinned: by default (``auto``) they follow the time the rest of the merge took
+#: on the host, and two records of one machine would differ wherever the refit runs.
+REFIT_STEPS = 20
+
+
 def _merge(models, pre, data, **options):
     from raot_hf import RaotMerger
 
+    options.setdefault("refit", {"steps": REFIT_STEPS})
     return RaotMerger.from_models(*models, preprocessor=pre, **options).merge(calibration=data)
 
 

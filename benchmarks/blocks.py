@@ -126,7 +126,11 @@ COST_ROWS = (
         "results_llama135m.json",
         "llama-135m-lm",
     ),
-    ("6-layer d = 384 classifier, 256 × 128, refit included", "results_bert6l.json", "bert-6l-sequence"),
+    (
+        "6-layer d = 384 classifier, 256 × 128, the refit under its default budget",
+        "results_bert6l.json",
+        "bert-6l-sequence",
+    ),
     ("0.49 B Llama, 64 × 128, layer by layer", "results_layerwise_0.5b.json", "llama-0.5b-fp32, offload always"),
 )
 

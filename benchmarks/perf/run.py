@@ -65,6 +65,9 @@ SHAPES = {
 SHAPES["llama-0.5b-fp32"] = {**SHAPES["llama-0.5b"], "dtype": "float32"}
 # four of its layers: per-layer costs and memory of the 0.49 B shape in a fraction of the time
 SHAPES["llama-0.5b-fp32-4l"] = {**SHAPES["llama-0.5b-fp32"], "num_hidden_layers": 4}
+# the same with B a scrambled copy of A moved by 5 % noise: the merge is not A, so the correction
+# refits every Linear (an exact symmetry refits none) — what a merge of two different models costs
+SHAPES["llama-0.5b-fp32-4l-drift"] = {**SHAPES["llama-0.5b-fp32-4l"], "drift": 0.05}
 # a 24-layer Llama-shaped decoder that computes like a trained one (raot_hf.testing.trained_like):
 # unit-gain weights, peaked attention, and massive activations (~10³ on the first and last token
 # of every text, against a median stream entry of ~1); the merge must give A back

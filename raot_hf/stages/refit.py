@@ -604,7 +604,8 @@ def refit_merged(members: list[AlignedModel], targets: RefitTargets | None) -> R
         reason = f"the merge already follows its parents (held-out loss ≤ {FOLLOWED:g}); not run"
     elif short:
         reason = (
-            f"the budget affords fewer than {MIN_AUTO_SCORES * cfg.eval_every} steps (the record's budget); not run "
+            f"the budget affords fewer than {MIN_AUTO_SCORES * cfg.eval_every} steps ({budget.seconds:.1f} s = "
+            f"{cfg.budget:g} × the rest of the merge, {budget.step_s:.2f} s a step); not run "
             "(refit steps sets a number)"
         )
         logger.info("refit: %s", reason, extra=_STAGE)
