@@ -115,6 +115,7 @@ _PERF = (
     "results_corrections",
     "results_layerwise",
     "results_layerwise_0.5b",
+    "results_layerwise_4l",
     "results_llama",
     "results_llama135m",
     "results_llama16",
