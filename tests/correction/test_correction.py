@@ -501,7 +501,8 @@ def test_the_least_squares_solve_meets_its_shrunk_normal_equations(seed, k, shri
     """``_solve`` returns the W of (s·G + (1 − s)·D)·W = s·C + (1 − s)·D·W_prior, D the clamped
     diagonal of G (docs/design.md §6.7) — also when G is singular (a dead input, two equal inputs),
     where the Cholesky factor fails at s = 1 and the ridge-and-lstsq fallback answers; the matrix is
-    shrunk in one buffer, so G itself is left as it was."""
+    shrunk in one buffer, so G itself is left as it was. Where it solved those equations, the fit's
+    error read from them equals the objective computed with G."""
     from raot_hf.correction import fits
 
     g = torch.Generator().manual_seed(seed)
@@ -512,9 +513,11 @@ def test_the_least_squares_solve_meets_its_shrunk_normal_equations(seed, k, shri
     y = torch.randn(3 * k, 5, generator=g, dtype=torch.float64)
     prior = torch.randn(k, 5, generator=g, dtype=torch.float64)
     gram = x.T @ x
-    normal = fits._Normal(gram=gram.clone(), cross=x.T @ y)
-    w = fits._solve(normal, prior, shrink)
+    normal = fits._Normal(gram=gram.clone(), cross=x.T @ y, target=float(y.pow(2).sum()))
+    w, exact = fits._solve(normal, prior, shrink)
     assert torch.equal(normal.gram, gram)
+    if exact:  # the logged error at the solution, from the normal equations, is the objective's
+        assert fits._solved_objective(w, normal, prior, shrink) == pytest.approx(fits._objective(w, normal), abs=1e-9)
     d = gram.diagonal().clamp_min(1e-12 * float(gram.diagonal().max()))
     lhs = shrink * gram + (1 - shrink) * torch.diag(d)
     rhs = shrink * (x.T @ y) + (1 - shrink) * d[:, None] * prior
