@@ -126,6 +126,21 @@ def test_least_squares_fits_every_linear_better_and_the_merge_follows_its_parent
     assert corrected["kl_a"] + corrected["kl_b"] < plain["kl_a"] + plain["kl_b"]
 
 
+def _pair_of_kind(kind: str):
+    """Two seeds ("independent"), A and its exact scramble ("scrambled"), or that scramble moved by
+    1 % noise ("near")."""
+    a, b = _independent_pair()
+    if kind in ("scrambled", "near"):
+        b = clone(a)
+        scramble(b, seed=1)
+    if kind == "near":
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in b.parameters():
+                p.add_(0.01 * p.abs().mean() * torch.randn(p.shape, generator=g))
+    return a, b
+
+
 @pytest.mark.parametrize("pair", ["independent", "scrambled", "near"])
 def test_screening_the_rules_error_on_a_few_rows_changes_no_decision_and_no_weight(monkeypatch, pair):
     """The rule's error at each Linear is screened on a few evenly spaced rows; only where it is
@@ -140,15 +155,7 @@ def test_screening_the_rules_error_on_a_few_rows_changes_no_decision_and_no_weig
     runs = {}
     for rows in (10**9, 16):  # never screened; screened on 16 rows
         monkeypatch.setattr(fits, "SCREEN_ROWS", rows)
-        a, b = _independent_pair()
-        if pair in ("scrambled", "near"):
-            b = clone(a)
-            scramble(b, seed=1)
-        if pair == "near":
-            g = torch.Generator().manual_seed(0)
-            with torch.no_grad():
-                for p in b.parameters():
-                    p.add_(0.01 * p.abs().mean() * torch.randn(p.shape, generator=g))
+        a, b = _pair_of_kind(pair)
         correction = {
             "method": "lsq",
             "examples": 64,
@@ -185,15 +192,7 @@ def test_deciding_on_the_first_chunk_whether_to_make_products_changes_no_decisio
     runs = {}
     for level in (-1.0, fits.SCREEN_ABOVE):  # products always made; made as the first chunk says
         monkeypatch.setattr(fits, "SCREEN_ABOVE", level)
-        a, b = _independent_pair()
-        if pair in ("scrambled", "near"):
-            b = clone(a)
-            scramble(b, seed=1)
-        if pair == "near":
-            g = torch.Generator().manual_seed(0)
-            with torch.no_grad():
-                for p in b.parameters():
-                    p.add_(0.01 * p.abs().mean() * torch.randn(p.shape, generator=g))
+        a, b = _pair_of_kind(pair)
         correction = {"method": "lsq", "examples": 64, "batch_size": 16, "compete": False}  # four chunks
         off = {"refit": {"mode": "off"}}
         runs[level] = RaotMerger.from_models(a, b, preprocessor=pre, correction=correction, **off).merge(data)
