@@ -170,7 +170,8 @@ def cost_summary(links: str = "benchmarks/perf/") -> str:
             f"{run['machine']}, {run['threads']} threads",
             f"{run['commit']}, [`{record}`]({links}{record.replace('.json', '.md')})",
         ])  # fmt: skip
-    return _table(["shape (B = an exact symmetry of A unless said)", "time ÷ floor", "peak RSS ÷ (A + B)", "host", "record"], rows)
+    header = ["shape (B = an exact symmetry of A unless said)", "time ÷ floor", "peak RSS ÷ (A + B)", "host", "record"]
+    return _table(header, rows)
 
 
 def pairs_table() -> str:
