@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import shutil
 import tempfile
 import threading
@@ -77,11 +76,9 @@ class KeptOutputs:
     and :attr:`usable` turns False. Thread-safe: the calibration runs A's forward in a helper thread.
 
     Written once and read once, the file bypasses the page cache where the system allows
-    (``O_DIRECT``, through staging buffers aligned to :data:`ALIGN`): on the measuring host
+    (``O_DIRECT``, through one staging buffer aligned to :data:`ALIGN`): on the measuring host
     buffered writes of 2.4 GB ran at 0.2 GB/s once the kernel throttled its dirty pages, direct
-    ones at 1.0 GB/s — and the cache would hold them beside the merge for nothing. A direct write
-    returns once the data is on the device, so a thread of the store's own makes them
-    (:class:`_DirectWriter`) while the forwards go on."""
+    ones at 1.0 GB/s — and the cache would hold them beside the merge for nothing."""
 
     def __init__(self, directory: str | Path | None = None, budget: int | None = None):
         directory = Path(directory or tempfile.gettempdir())
@@ -96,8 +93,8 @@ class KeptOutputs:
         self.usable = True
         self.why: str | None = None
         self._lock = threading.Lock()
-        self._io = threading.Lock()  # the staging buffers'
-        self._writer = _DirectWriter(self.direct) if self.direct is not None else None
+        self._io = threading.Lock()  # the staging buffer's
+        self._staged = _aligned(REQUEST) if self.direct is not None else None
 
     @property
     def nbytes(self) -> int:
@@ -113,9 +110,6 @@ class KeptOutputs:
             self._close()
 
     def _close(self) -> None:
-        if self._writer is not None:  # its pending writes first: they use the descriptor
-            self._writer.close()
-            self._writer = None
         for fd in (self.fd, self.direct):
             if fd is not None:
                 os.close(fd)
@@ -144,8 +138,13 @@ class KeptOutputs:
         if direct is None:
             _write_all(fd, memoryview(flat.numpy()), offset)
             return
-        with self._io:
-            self._writer.write(flat, piece_bytes, span, offset)
+        with self._io:  # through the one aligned buffer, a request at a time
+            for at in range(0, span, REQUEST):
+                n = min(REQUEST, span - at)
+                real = max(0, min(n, piece_bytes - at))
+                self._staged[:real].copy_(flat[at : at + real])
+                self._staged[real:n].zero_()
+                _write_all(direct, memoryview(self._staged[:n].numpy()), offset + at)
 
     def has(self, key: tuple) -> bool:
         return self.usable and key in self.index
@@ -165,18 +164,17 @@ class KeptOutputs:
             if lo < hi:
                 nbytes = (hi - lo) * row_bytes
                 offset = p.offset + (lo - first) * row_bytes
-                if self.direct is not None:  # the aligned span around the rows, a staging buffer at a time
+                if self.direct is not None:  # the aligned span around the rows, a request at a time
                     begin = offset // ALIGN * ALIGN
                     span = -(-(offset + nbytes - begin) // ALIGN) * ALIGN
-                    with self._io, self._writer.buffer() as staged:  # every write made first
-                        step = staged.numel()
-                        for at in range(0, span, step):
-                            n = min(step, span - at)
-                            _read_all(self.direct, memoryview(staged[:n].numpy()), begin + at)
+                    with self._io:
+                        for at in range(0, span, REQUEST):
+                            n = min(REQUEST, span - at)
+                            _read_all(self.direct, memoryview(self._staged[:n].numpy()), begin + at)
                             lo_b, hi_b = max(begin + at, offset), min(begin + at + n, offset + nbytes)
                             if lo_b < hi_b:
                                 dst = done + lo_b - offset
-                                flat[dst : dst + hi_b - lo_b].copy_(staged[lo_b - begin - at : hi_b - begin - at])
+                                flat[dst : dst + hi_b - lo_b].copy_(self._staged[lo_b - begin - at : hi_b - begin - at])
                 else:
                     _read_all(self.fd, memoryview(flat[done : done + nbytes].numpy()), offset)
                 done += nbytes
@@ -194,69 +192,6 @@ class KeptOutputs:
 
 #: Bytes per direct request (a multiple of :data:`ALIGN`), through one staging buffer of that size.
 REQUEST = 1 << 25
-
-
-class _DirectWriter:
-    """Direct writes to ``fd`` made by a thread of their own, through ``buffers`` staging buffers of
-    ``size`` bytes aligned to :data:`ALIGN` (the memory one buffer of :data:`REQUEST` bytes took):
-    :meth:`write` copies a piece into a free buffer and returns while the device writes it. A
-    failed write is raised by the next :meth:`write` or :meth:`buffer`."""
-
-    def __init__(self, fd: int, buffers: int = 2, size: int = REQUEST // 2):
-        self.fd, self.size, self.error = fd, size, None
-        self.free: queue.Queue = queue.Queue()
-        for _ in range(buffers):
-            self.free.put(_aligned(size))
-        self.jobs: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._run, name="raot-kept-writer", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                self.jobs.task_done()
-                return
-            staged, n, offset = job
-            try:
-                if self.error is None:
-                    _write_all(self.fd, memoryview(staged[:n].numpy()), offset)
-            except OSError as exc:
-                self.error = exc
-            finally:
-                self.free.put(staged)
-                self.jobs.task_done()
-
-    def _raise(self) -> None:
-        if self.error is not None:
-            raise OSError(f"writing the kept outputs failed: {self.error}") from self.error
-
-    def write(self, flat: torch.Tensor, nbytes: int, span: int, offset: int) -> None:
-        """Write the first ``nbytes`` of ``flat`` (uint8) at ``offset``, zero-padded to ``span`` bytes."""
-        self._raise()
-        for at in range(0, span, self.size):
-            staged = self.free.get()
-            n = min(self.size, span - at)
-            real = max(0, min(n, nbytes - at))
-            staged[:real].copy_(flat[at : at + real])
-            staged[real:n].zero_()
-            self.jobs.put((staged, n, offset + at))
-
-    @contextlib.contextmanager
-    def buffer(self):
-        """A staging buffer, once every write has been made (for reading back through it)."""
-        self.jobs.join()
-        self._raise()
-        staged = self.free.get()
-        try:
-            yield staged
-        finally:
-            self.free.put(staged)
-
-    def close(self) -> None:
-        """Make the pending writes and stop the thread."""
-        self.jobs.put(None)
-        self.thread.join()
 
 
 def _write_all(fd: int, view: memoryview, offset: int) -> None:

@@ -1,33 +1,26 @@
 """The parents' outputs kept from the calibration pass for the one sweep (docs/design.md §5.7):
 the temporary store reads back exactly what was put, row ranges across pieces included, with
-direct I/O (written by a thread of its own, through staging buffers smaller than a piece too) and
-without, and gives up (keeping nothing) past its budget."""
+direct I/O and without, and gives up (keeping nothing) past its budget."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raot_hf.calibration.kept import ALIGN, KeptOutputs, _DirectWriter
+from raot_hf.calibration.kept import ALIGN, KeptOutputs
 
 
-def _store(tmp_path, direct: bool | str, budget=None) -> KeptOutputs:
+def _store(tmp_path, direct: bool, budget=None) -> KeptOutputs:
     store = KeptOutputs(tmp_path, budget=budget)
-    if store.direct is None:
-        return store
-    if not direct:  # the buffered path, as where the system has no O_DIRECT
+    if not direct and store.direct is not None:  # the buffered path, as where the system has no O_DIRECT
         import os
 
-        store._writer.close()
         os.close(store.direct)
-        store.direct = store._writer = None
-    elif direct == "small buffers":  # a piece spans several staging buffers, written while others wait
-        store._writer.close()
-        store._writer = _DirectWriter(store.direct, buffers=2, size=2 * ALIGN)
+        store.direct = store._staged = None
     return store
 
 
-@pytest.mark.parametrize("direct", [True, "small buffers", False])
+@pytest.mark.parametrize("direct", [True, False])
 @settings(max_examples=20, deadline=None)
 @given(
     pieces=st.lists(st.integers(0, 700), min_size=1, max_size=6),
