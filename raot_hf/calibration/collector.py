@@ -114,10 +114,10 @@ def stream_samples(x: torch.Tensor, centered: bool) -> torch.Tensor:
     """Stream rows as the next norm reads them (docs/design.md §4.2): the mean axis projected out
     for LayerNorm streams (RMSNorm streams keep it, §8), then each token scaled to unit RMS so that
     massive-activation tokens do not dominate. Both steps commute with the stream's exact maps."""
-    if centered:  # a tensor of its own: scaled in place
+    if centered:
         x = x - x.mean(-1, keepdim=True)
-        return x.div_(x.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(torch.finfo(x.dtype).tiny))
-    return x / x.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(torch.finfo(x.dtype).tiny)
+    scale = x.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(torch.finfo(x.dtype).tiny)
+    return x.div_(scale) if centered else x / scale  # centred rows are a tensor of their own
 
 
 class _Aborted(Exception):

@@ -387,7 +387,7 @@ def least_squares_layer(
                 mixed.pop(key)
 
         layer.merged(params, readers, merged, stop=shared.once)
-        late = [name for name in readers if shared.once and not now.get(name, True) and not normals[name].kept]
+        late = [name for name in readers if not now.get(name, True) and not normals[name].kept]  # now: once only
         late_grams: dict[bool, torch.Tensor] = {}
         inputs.clear()
         if late:  # a small error on the first chunk, not on all: their products, from one more forward
