@@ -133,12 +133,7 @@ COST_ROWS = (
     ),
     ("0.49 B Llama, 64 × 128, layer by layer", "results_layerwise_0.5b.json", "llama-0.5b-fp32, offload always"),
     (
-        "4 of the 0.49 B Llama's layers, 64 × 128, layer by layer",
-        "results_layerwise_4l.json",
-        "llama-0.5b-fp32-4l, offload always",
-    ),
-    (
-        "the same, B moved by 5 % noise (every Linear refitted)",
+        "4 of the 0.49 B Llama's layers, 64 × 128, layer by layer, B moved by 5 % noise (every Linear refitted)",
         "results_layerwise_4l.json",
         "llama-0.5b-fp32-4l-drift, offload always",
     ),
