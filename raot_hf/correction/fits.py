@@ -346,54 +346,83 @@ def least_squares_layer(
 
         outputs = layer.merged_fitting(params, shared.readers, fit, check)
         return params, outputs, {name: log[name] for name in by_module if name in log}  # in call order
-    for readers in shared.readers:  # one forward of M over every chunk per input, its readers refitted after it
-        normals = {name: _Normal() for name in readers}
-        # whether a reader's products are made in this forward: decided on the first chunk from the
-        # rule's error there (from the rows), as the one-chunk path decides before making any —
-        # an exact merge, whose error stays at float rounding, makes none (docs/design.md §6.7)
-        now: dict[str, bool] = {}
-        grams: dict[bool, torch.Tensor] = {}
-        inputs: dict[tuple[int, bool], torch.Tensor] = {}  # (chunk, bias) → x̃, this chunk's only
+    # Several chunks: an input's readers are refitted once M's forward has run over every chunk.
+    # Whether a reader's products are made in a forward is decided on the first chunk from the
+    # rule's error there (from the rows), as the one-chunk path decides before making any — an
+    # exact merge, whose error stays at float rounding, makes none. The first forward reads every
+    # input's readers while their error on the first chunk stays at the keep level, and stops after
+    # the first input with a reader above it, which a refit will likely change: where none is (an
+    # exact merge), that one forward serves every input and gives M's outputs; each input after a
+    # refitted one takes a forward of its own, as its rows then change (docs/design.md §6.7).
+    groups = shared.readers
+    group_of = {name: g for g, readers in enumerate(groups) for name in readers}
+    normals = {name: _Normal() for name in group_of}
+    now: dict[str, bool] = {}
+    above_keep: dict[str, bool] = {}  # on the first chunk
+    grams: dict[int, dict[bool, torch.Tensor]] = {}  # input → bias → the summed x̃ᵀx̃
+    inputs: dict[tuple[int, bool], torch.Tensor] = {}  # (chunk, bias) → x̃, this chunk's only
 
-        def products(i, name, x, readers_grams, inputs, normals=normals):
-            """Add chunk ``i``'s x̃ᵀȳ to ``name``'s sums and, once per chunk for the readers of one
-            input, x̃ᵀx̃ (the same additions, in the same order, as one sum per reader)."""
-            key, biased = (i, name), by_module[name].bias is not None
-            if (i, biased) not in inputs:
-                if any(c != i for c, _ in inputs):  # a new chunk: the last one's inputs are not read again
-                    inputs.clear()
-                augmented = _augment(x, biased).to(_product_dtype(x))
-                inputs[(i, biased)] = augmented
-                if biased in readers_grams:  # the chunk's x̃ᵀx̃ added as computed: promoted exactly, no float64 copy
-                    readers_grams[biased].add_(augmented.T @ augmented)
-                else:
-                    readers_grams[biased] = _gram(augmented)
-            normals[name].add_cross(inputs[(i, biased)], mixed[key])
+    def products(i, name, x, readers_grams):
+        """Add chunk ``i``'s x̃ᵀȳ to ``name``'s sums and, once per chunk for the readers of one
+        input, x̃ᵀx̃ (the same additions, in the same order, as one sum per reader)."""
+        key, biased = (i, name), by_module[name].bias is not None
+        if (i, biased) not in inputs:
+            if any(c != i for c, _ in inputs):  # a new chunk: the last one's inputs are not read again
+                inputs.clear()
+            augmented = _augment(x, biased).to(_product_dtype(x))
+            inputs[(i, biased)] = augmented
+            if biased in readers_grams:  # the chunk's x̃ᵀx̃ added as computed: promoted exactly, no float64 copy
+                readers_grams[biased].add_(augmented.T @ augmented)
+            else:
+                readers_grams[biased] = _gram(augmented)
+        normals[name].add_cross(inputs[(i, biased)], mixed[key])
 
-        def merged(i, name, x, y, normals=normals, now=now, grams=grams, inputs=inputs):
-            key, biased = (i, name), by_module[name].bias is not None
-            if not shared.once:  # a site called more than once per chunk: each call's own inputs
-                normals[name].add(_augment(x, biased), mixed[key], energy[key], y)
-                return
-            n = normals[name]
-            n.target += energy[key]
-            n.tokens += x.shape[0]
-            n.add_residual(y, mixed[key], energy[key])
-            if name not in now:
-                now[name] = n.residual > SCREEN_ABOVE * n.target
-            if now[name]:
-                products(i, name, x, grams, inputs)
-            if mixed.lazy:  # read once per pass; made again (from the kept outputs) where asked for again
-                mixed.pop(key)
+    def merged(i, name, x, y):
+        key, biased = (i, name), by_module[name].bias is not None
+        if not shared.once:  # a site called more than once per chunk: each call's own inputs
+            normals[name].add(_augment(x, biased), mixed[key], energy[key], y)
+            return
+        n = normals[name]
+        n.target += energy[key]
+        n.tokens += x.shape[0]
+        n.add_residual(y, mixed[key], energy[key])
+        if name not in now:
+            now[name] = n.residual > SCREEN_ABOVE * n.target
+            above_keep[name] = n.residual > KEEP_BELOW * n.target
+        if now[name]:
+            products(i, name, x, grams.setdefault(group_of[name], {}))
+        if mixed.lazy:  # read once per pass; made again (from the kept outputs) where asked for again
+            mixed.pop(key)
 
-        layer.merged(params, readers, merged, stop=shared.once)
+    def refitting(g: int) -> bool:  # likely: an error above the keep level on the first chunk
+        return any(above_keep.get(name, False) for name in groups[g])
+
+    read = -1  # the inputs whose readers the first forward read on every chunk
+    first_outputs = None
+    if shared.once:
+
+        def past(name: str) -> bool:  # after an input's last reader: stop where a refit is likely
+            g = group_of[name]
+            return name == groups[g][-1] and refitting(g)
+
+        first_outputs = layer.merged(params, list(group_of), merged, stop_after=past)
+        read = next((g for g in range(len(groups)) if refitting(g)), len(groups) - 1)
+    changed = False  # whether a refit wrote a reader's weight: the inputs after it change
+    for g, readers in enumerate(groups):
+        if changed or g > read:  # this input's rows are not those the first forward read
+            for name in readers:
+                normals[name] = _Normal()
+                now.pop(name, None)
+            grams.pop(g, None)
+            inputs.clear()
+            layer.merged(params, readers, merged, stop=shared.once)
         late = [name for name in readers if not now.get(name, True) and not normals[name].kept]  # now: once only
         late_grams: dict[bool, torch.Tensor] = {}
         inputs.clear()
         if late:  # a small error on the first chunk, not on all: their products, from one more forward
 
-            def again(i, name, x, _y, late_grams=late_grams, inputs=inputs):
-                products(i, name, x, late_grams, inputs)
+            def again(i, name, x, _y, late_grams=late_grams):
+                products(i, name, x, late_grams)
                 if mixed.lazy:
                     mixed.pop((i, name))
 
@@ -402,12 +431,16 @@ def least_squares_layer(
             for i in range(len(layer.chunks)):  # the mixed outputs are not read again
                 mixed.pop((i, name), None)
             biased = by_module[name].bias is not None
-            made = late_grams if name in late else grams
+            made = late_grams if name in late else grams.get(g, {})
             if biased in made:
                 normals[name].gram = made[biased]
+        before = [params[by_module[name].weight] for name in readers]
         refit(readers, normals)
-    outputs = layer.merged(params, [], lambda *_: None)
-    return params, outputs, log
+        changed |= any(params[by_module[name].weight] is not w for name, w in zip(readers, before, strict=True))
+        grams.pop(g, None)
+    if changed or first_outputs is None or any(out is None for out in first_outputs):
+        first_outputs = layer.merged(params, [], lambda *_: None)
+    return params, first_outputs, log
 
 
 def least_squares_readers(

@@ -88,11 +88,18 @@ class LayerPass:
                     out.append(c.calls[side](module, c.hidden[side]))
 
     def merged(
-        self, params: dict[str, torch.Tensor], sites: list[str], on_site: SiteCallback, *, stop: bool = False
+        self,
+        params: dict[str, torch.Tensor],
+        sites: list[str],
+        on_site: SiteCallback,
+        *,
+        stop: bool = False,
+        stop_after: Callable[[str], bool] | None = None,
     ) -> list[torch.Tensor | None]:
         """Run M's layer (A's module with the merged ``params``, full names) on every chunk; returns
         its outputs (``on_site(chunk, site, x, y)``: rows in the model's precision). ``stop``: skip
-        the rest of the layer once every site has reported (the outputs are then None)."""
+        the rest of the layer once every site has reported; ``stop_after(site)``: skip it once that
+        site has reported and this says so (the chunk's output is then None)."""
         rel, outs = _relative(params, self.prefix), []
         for i, c in enumerate(self.chunks):
             pending = set(sites)
@@ -101,7 +108,7 @@ class LayerPass:
                 if _per_token(x, c):
                     on_site(i, name, rows(x, c.mask), rows(y, c.mask))
                     pending.discard(name)
-                    if stop and not pending:
+                    if (stop and not pending) or (stop_after is not None and stop_after(name)):
                         raise _SitesDone
 
             try:

@@ -179,23 +179,45 @@ def test_screening_the_rules_error_on_a_few_rows_changes_no_decision_and_no_weig
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
 
 
+def _counting(method, calls: list):
+    """``method``, noting each call's sites in ``calls``."""
+
+    def counted(self, params, sites, *args, **kwargs):
+        calls.append(list(sites))
+        return method(self, params, sites, *args, **kwargs)
+
+    return counted
+
+
 @pytest.mark.parametrize("pair", ["independent", "scrambled", "near"])
 def test_deciding_on_the_first_chunk_whether_to_make_products_changes_no_decision_and_no_weight(monkeypatch, pair):
     """In several chunks a Linear's products are made in M's forward only where the rule's error on
     the first chunk is above the screen's level; an exact merge makes none, and a Linear whose error
     was small on the first chunk but not over all of them (a scrambled copy with 1 % noise, "near")
     makes them in one more forward. Against products made for every Linear from the first chunk on:
-    the same Linears kept, the same logged errors and bitwise the same weights."""
+    the same Linears kept, the same logged errors and bitwise the same weights. An exact merge runs
+    M's layer once per layer either way; a pair with a refit runs an input's readers after a
+    refitted input in a forward of their own."""
     from raot_hf.correction import fits
+    from raot_hf.correction.layer import LayerPass
 
     pre, data = _data("llama", 160)
-    runs = {}
+    runs, forwards = {}, {}
     for level in (-1.0, fits.SCREEN_ABOVE):  # products always made; made as the first chunk says
         monkeypatch.setattr(fits, "SCREEN_ABOVE", level)
+        counted = forwards[level] = []
+        monkeypatch.setattr(LayerPass, "merged", _counting(LayerPass.merged, counted))
         a, b = _pair_of_kind(pair)
         correction = {"method": "lsq", "examples": 64, "batch_size": 16, "compete": False}  # four chunks
         off = {"refit": {"mode": "off"}}
         runs[level] = RaotMerger.from_models(a, b, preprocessor=pre, correction=correction, **off).merge(data)
+        monkeypatch.undo()
+    layers = a.config.num_hidden_layers
+    for counted in forwards.values():
+        if pair == "scrambled":
+            assert len(counted) == layers
+        else:  # q, k, v; o; gate, up; down; M's outputs (and, "near", the late products)
+            assert len(counted) >= 5 * layers
     layers = [r.report["merge"]["correction"]["layers"] for r in runs.values()]
     sites = [[s for layer in run for s in layer["sites"].values()] for run in layers]
     assert sites[0] == sites[1]
