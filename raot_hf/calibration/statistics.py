@@ -251,12 +251,14 @@ class Moments:
     def correlation(self, eps: float = 1e-12) -> torch.Tensor:
         """Pearson correlation of every (a_i, b_j) pair; constant units correlate 0."""
         _, sa, _, sb = self.unit_statistics()
-        # k×k work in place: three k×k buffers, not seven; C may hold fewer rows (a budget)
+        # k×k work in place, C's float64 copy the only k×k buffer (the denominator and the mask a
+        # block of rows at a time: the same values entry by entry); C may hold fewer rows (a budget)
         corr = self.comoment.to(_F64, copy=True).div_(self.n_cross.clamp_min(1))
-        denom = torch.outer(sa, sb)
-        constant = denom <= eps
-        corr.div_(denom.clamp_min_(eps))
-        return corr.masked_fill_(constant, 0.0)
+        for rows in row_blocks(corr.shape[0], corr.shape[1]):
+            denom = torch.outer(sa[rows], sb)
+            constant = denom <= eps
+            corr[rows].div_(denom.clamp_min_(eps)).masked_fill_(constant, 0.0)
+        return corr
 
 
 @dataclass

@@ -235,11 +235,17 @@ class _Targets:
         self.sums: dict[tuple[int, str], float] = {}
         self.layer, self.mix = layer, mix
         self.lazy = layer.kept is not None
-        self.energy = _Energy(self)
         if self.lazy:
             layer.parents([], lambda *_: None)  # only the states something reads move on
         else:
             layer.parents(sites, self.add)
+
+    @property
+    def energy(self) -> _Energy:
+        """Σ_p w_p‖y_p‖² by ``[key]`` (made when asked for, not held: a reference back to the targets
+        would make a cycle, which only the cyclic collector frees — the layer's parents' outputs and
+        their maps with it, layer after layer)."""
+        return _Energy(self)
 
     def add(self, side: str, i: int, name: str, y: torch.Tensor, fresh: bool = False) -> None:
         """Add parent ``side``'s output rows ``y`` at (chunk ``i``, site ``name``); ``fresh``: ``y`` is

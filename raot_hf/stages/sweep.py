@@ -241,6 +241,9 @@ def sweep_merge(
         worst.append(_worst_token(held, outs, alpha))
         for c in chunks:
             c.advance()
+        for key in (("heads", i), ("mlp", i), ("experts", i)):
+            for t in per_layer.get(key, []):
+                t.forget()  # the layer's actions are not asked for again: made again if they are
         files.release_all()  # the layer's offloaded pages, read and written (§7.4)
     outside_a, outside_b = outside_layers()
     for side, state in {"b": outside_b, **({"a": outside_a} if merged.fold else {})}.items():

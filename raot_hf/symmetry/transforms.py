@@ -273,6 +273,11 @@ class Transform:
             return None
         return self.actions(schema).get(name)
 
+    def forget(self) -> None:
+        """Drop the actions this transform made and kept (a head alignment's dense maps: two d × d
+        float64 matrices per layer); asked for again, they are made again."""
+        self.__dict__.pop("_made", None)
+
     def may_touch(self, schema: ModelSchema, name: str) -> bool:
         """False when this transform surely leaves the space ``name`` alone, known without making
         its actions (a layer's transform and the residual stream); True when it may act on it."""

@@ -165,3 +165,26 @@ def test_moment_sums_are_exact_where_the_arithmetic_is(rows, cols, block_rows, q
     assert torch.equal(moments.sum_a, a.sum(0).double()) and torch.equal(moments.sum_b, b.sum(0).double())
     assert torch.equal(moments.sq_a, (a * a).sum(0).double()) and torch.equal(moments.sq_b, (b * b).sum(0).double())
     assert torch.equal(moments.comoment.double(), expected)
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**16), dead=st.integers(0, 3))
+def test_the_correlation_block_by_block_is_the_whole_matrix_formula(seed, dead):
+    """The correlation divides C by the outer product of the spreads a block of rows at a time:
+    the same value in every entry as the formula over the whole k × k matrix, constant units 0."""
+    from raot_hf.calibration.statistics import Moments, row_blocks
+
+    g = torch.Generator().manual_seed(seed)
+    k = 1500  # several blocks of rows
+    a, b = torch.randn(64, k, generator=g), torch.randn(64, k, generator=g)
+    a[:, :dead] = 1.0  # constant units
+    moments = Moments.zeros(k)
+    moments.update(a, b)
+    assert len(row_blocks(k, k)) > 1
+    _, sa, _, sb = moments.unit_statistics()
+    corr = moments.comoment.to(torch.float64) / moments.n_cross.clamp_min(1)
+    denom = torch.outer(sa, sb)
+    expected = (corr / denom.clamp_min(1e-12)).masked_fill(denom <= 1e-12, 0.0)
+    got = moments.correlation()
+    assert torch.equal(got, expected)
+    assert bool((got[:dead] == 0).all())

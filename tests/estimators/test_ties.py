@@ -121,3 +121,20 @@ def test_a_match_with_no_rival_within_the_band_never_moves():
     resolved, info = resolve_near_ties(score, perm, 1e-2, lambda r, c: torch.ones(len(r), dtype=torch.float64))
     assert torch.equal(resolved, perm) and info.near_tied == 0 and info.changed == 0
     assert match_margins(score, perm).min() == pytest.approx(0.5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 60), levels=st.integers(2, 50))
+def test_the_assignment_is_the_solvers_maximum_and_leaves_the_scores_as_they_were(seed, n, levels):
+    """``assign`` negates the scores in place for the solver and back: the solver's own maximising
+    assignment (ties included: scores from a few levels), and the scores bit for bit as before."""
+    import numpy
+    from scipy.optimize import linear_sum_assignment
+
+    g = torch.Generator().manual_seed(seed)
+    score = torch.randint(0, levels, (n, n), generator=g).to(torch.float64) / levels - 0.5
+    before = score.clone()
+    rows, cols = linear_sum_assignment(numpy.array(score.numpy()), maximize=True)
+    perm = assign(score)
+    assert torch.equal(score, before)
+    assert perm[torch.as_tensor(rows)].tolist() == cols.tolist()
