@@ -360,9 +360,9 @@ def least_squares_layer(
     # the first input with a reader above it, which a refit will likely change: where none is (an
     # exact merge), that one forward serves every input and gives M's outputs; each input after a
     # refitted one takes a forward of its own, as its rows then change (docs/design.md §6.7).
-    groups = shared.readers
-    group_of = {name: g for g, readers in enumerate(groups) for name in readers}
-    normals = {name: _Normal() for name in group_of}
+    readers_by_input = shared.readers
+    input_of = {name: g for g, readers in enumerate(readers_by_input) for name in readers}
+    normals = {name: _Normal() for name in input_of}
     now: dict[str, bool] = {}
     above_keep: dict[str, bool] = {}  # on the first chunk
     grams: dict[int, dict[bool, torch.Tensor]] = {}  # input → bias → the summed x̃ᵀx̃
@@ -396,25 +396,25 @@ def least_squares_layer(
             now[name] = n.residual > SCREEN_ABOVE * n.target
             above_keep[name] = n.residual > KEEP_BELOW * n.target
         if now[name]:
-            products(i, name, x, grams.setdefault(group_of[name], {}))
+            products(i, name, x, grams.setdefault(input_of[name], {}))
         if mixed.lazy:  # read once per pass; made again (from the kept outputs) where asked for again
             mixed.pop(key)
 
     def refitting(g: int) -> bool:  # likely: an error above the keep level on the first chunk
-        return any(above_keep.get(name, False) for name in groups[g])
+        return any(above_keep.get(name, False) for name in readers_by_input[g])
 
     read = -1  # the inputs whose readers the first forward read on every chunk
     first_outputs = None
     if shared.once:
 
         def past(name: str) -> bool:  # after an input's last reader: stop where a refit is likely
-            g = group_of[name]
-            return name == groups[g][-1] and refitting(g)
+            g = input_of[name]
+            return name == readers_by_input[g][-1] and refitting(g)
 
-        first_outputs = layer.merged(params, list(group_of), merged, stop_after=past)
-        read = next((g for g in range(len(groups)) if refitting(g)), len(groups) - 1)
+        first_outputs = layer.merged(params, list(input_of), merged, stop_after=past)
+        read = next((g for g in range(len(readers_by_input)) if refitting(g)), len(readers_by_input) - 1)
     changed = False  # whether a refit wrote a reader's weight: the inputs after it change
-    for g, readers in enumerate(groups):
+    for g, readers in enumerate(readers_by_input):
         if changed or g > read:  # this input's rows are not those the first forward read
             for name in readers:
                 normals[name] = _Normal()
