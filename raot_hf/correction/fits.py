@@ -225,8 +225,8 @@ def _rule_error(x: torch.Tensor, site: Site, weights: tuple, y_mix: torch.Tensor
 
 
 class _Targets:
-    """The parents' mixed outputs ȳ = Σ_p w_p·y_p (float32) at each (chunk, site) and their
-    Σ_p w_p‖y_p‖² (:attr:`energy`), by ``[key]``: made all at once from a run of the parents'
+    """The parents' mixed outputs ȳ = Σ_p w_p·y_p (float32) at each (chunk, site), by ``[key]``, and
+    their Σ_p w_p‖y_p‖² (:meth:`energy`): made all at once from a run of the parents'
     layer, or — from the outputs the calibration pass kept (docs/design.md §5.7) — each when it is
     first read, so that only one input's readers' targets are held at a time. ``pop`` lets one go."""
 
@@ -240,12 +240,10 @@ class _Targets:
         else:
             layer.parents(sites, self.add)
 
-    @property
-    def energy(self) -> _Energy:
-        """Σ_p w_p‖y_p‖² by ``[key]`` (made when asked for, not held: a reference back to the targets
-        would make a cycle, which only the cyclic collector frees — the layer's parents' outputs and
-        their maps with it, layer after layer)."""
-        return _Energy(self)
+    def energy(self, key: tuple[int, str]) -> float:
+        """Σ_p w_p‖y_p‖² at a (chunk, site), made with its mix."""
+        self._load(key)
+        return self.sums[key]
 
     def add(self, side: str, i: int, name: str, y: torch.Tensor, fresh: bool = False) -> None:
         """Add parent ``side``'s output rows ``y`` at (chunk ``i``, site ``name``); ``fresh``: ``y`` is
@@ -280,17 +278,6 @@ class _Targets:
 
     def pop(self, key, default=None):
         return self.mixed.pop(key, default)
-
-
-class _Energy:
-    """:attr:`_Targets.energy`: Σ_p w_p‖y_p‖² at a (chunk, site), made with its mix."""
-
-    def __init__(self, targets: _Targets):
-        self.targets = targets
-
-    def __getitem__(self, key: tuple[int, str]) -> float:
-        self.targets._load(key)
-        return self.targets.sums[key]
 
 
 def least_squares_layer(
@@ -329,8 +316,8 @@ def least_squares_layer(
             normals, inputs, now = {}, {}, []
             for name in readers:
                 site, key = by_module[name], (0, name)
-                n = normals[name] = _Normal(target=energy[key], tokens=x.shape[0])
-                if _rule_error(x, site, _weights(params, site), mixed[key], energy[key], n):
+                n = normals[name] = _Normal(target=energy(key), tokens=x.shape[0])
+                if _rule_error(x, site, _weights(params, site), mixed[key], energy(key), n):
                     waiting[name] = n, inputs
                     continue
                 now.append(name)
@@ -343,7 +330,7 @@ def least_squares_layer(
             """A waiting reader, from M's outputs ``y`` with the rule's weight: kept, or refitted
             (then M's forward computes it again with the new weight)."""
             n, inputs = waiting.pop(name)
-            n.add_residual(y, mixed[(0, name)], energy[(0, name)])
+            n.add_residual(y, mixed[(0, name)], energy((0, name)))
             if not n.kept:
                 add_products(name, n, x, inputs)
             refit([name], {name: n})
@@ -386,12 +373,12 @@ def least_squares_layer(
     def merged(i, name, x, y):
         key, biased = (i, name), by_module[name].bias is not None
         if not shared.once:  # a site called more than once per chunk: each call's own inputs
-            normals[name].add(_augment(x, biased), mixed[key], energy[key], y)
+            normals[name].add(_augment(x, biased), mixed[key], energy(key), y)
             return
         n = normals[name]
-        n.target += energy[key]
+        n.target += energy(key)
         n.tokens += x.shape[0]
-        n.add_residual(y, mixed[key], energy[key])
+        n.add_residual(y, mixed[key], energy(key))
         if name not in now:
             now[name] = n.residual > SCREEN_ABOVE * n.target
             above_keep[name] = n.residual > KEEP_BELOW * n.target

@@ -220,7 +220,7 @@ def sweep_merge(
     worst: list[float] = []
     for i in tqdm(range(len(names)), desc=f"sweep ({method})", disable=not ctx.dist.is_main):
         outs = {"a": [c.a.at(i).output for c in chunks], "b": [_mapped(c.b.at(i).output, gate.stream) for c in chunks]}
-        layer_decisions, chosen, _ = gate.decide_at(i, rows, per_layer)
+        layer_decisions, chosen, estimates = gate.decide_at(i, rows, per_layer)
         decided.update(layer_decisions)
         identity.advance(merged.merged(i, aligned=False))
         merged.forget()  # the layer's scored parameters are not read again
@@ -241,9 +241,8 @@ def sweep_merge(
         worst.append(_worst_token(held, outs, alpha))
         for c in chunks:
             c.advance()
-        for key in (("heads", i), ("mlp", i), ("experts", i)):
-            for t in per_layer.get(key, []):
-                t.forget()  # the layer's actions are not asked for again: made again if they are
+        for t in estimates:
+            t.forget()  # the layer's actions are not asked for again: made again if they are
         files.release_all()  # the layer's offloaded pages, read and written (§7.4)
     outside_a, outside_b = outside_layers()
     for side, state in {"b": outside_b, **({"a": outside_a} if merged.fold else {})}.items():

@@ -274,9 +274,7 @@ class Transform:
         return self.actions(schema).get(name)
 
     def forget(self) -> None:
-        """Drop the actions this transform made and kept (a head alignment's dense maps: two d × d
-        float64 matrices per layer); asked for again, they are made again."""
-        self.__dict__.pop("_made", None)
+        """Drop what this transform made and kept to act again (nothing, unless it says so)."""
 
     def may_touch(self, schema: ModelSchema, name: str) -> bool:
         """False when this transform surely leaves the space ``name`` alone, known without making
@@ -373,6 +371,11 @@ class HeadAlignment(Transform):
         if made is None or made[0] != key:
             made = self.__dict__["_made"] = (key, self._actions(schema))
         return dict(made[1])
+
+    def forget(self) -> None:
+        """Drop the kept actions (two dense d × d float64 maps a layer); asked for again, they are
+        made again."""
+        self.__dict__.pop("_made", None)
 
     def _actions(self, schema):
         H, h = schema.num_heads, schema.head_size
