@@ -1,13 +1,18 @@
 """Observing A and B: hooks, the lockstep of the two forwards, and the collector that folds
 each phase's activations into the sums of :mod:`raot_hf.calibration.statistics` (docs/design.md §4–5).
 
-A runs in a helper thread and B in the caller's, strictly alternating at every hooked module, so
-only one activation of A waits at a time and the forwards never compete for cores. An optional
+A whole-model forward runs A in a helper thread and B in the caller's, strictly alternating at
+every hooked module (:meth:`StatisticsCollector.observe`), so only one activation of A waits at a
+time and the forwards never compete for cores. One layer's forward (a layer-by-layer pass) runs A
+and then B in the caller's thread, A's activations of the layer held until B's reach them
+(:meth:`StatisticsCollector.observe_in_turn`): no second thread, whose own C-heap arena would
+fragment with each layer's transient activations (docs/design.md §7.4). An optional
 token stride s (``moment_stride``) divides the fit moments' k×k cost by s (1/√s more noise).
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable, Iterable
 
@@ -125,6 +130,7 @@ class _Aborted(Exception):
 
 
 _DONE, _ERROR = object(), object()
+_SAME_CLASS = "load both models with the same class and config"
 
 
 class _Lockstep:
@@ -155,7 +161,7 @@ class _Lockstep:
         if got is not key and got != key:
             raise RuntimeError(
                 f"A and B produced different activations ({got if got is not _DONE else 'end of A'} vs {key}); "
-                "load both models with the same class and config"
+                + _SAME_CLASS
             )
         self._slot = (None, None)
         self.consume(key, x, y)
@@ -192,6 +198,47 @@ class _Lockstep:
                 self._abort = True
                 self._a_turn.release()
             thread.join()
+
+
+def _version(x) -> int | None:
+    """``x``'s version counter (bumped by every in-place write), or None: not a tensor, or an
+    inference tensor (which keeps none)."""
+    if not isinstance(x, torch.Tensor) or x.is_inference():
+        return None
+    return x._version
+
+
+class _InTurn:
+    """Runs A's computation to its end, holding each activation it observes, then B's, pairing each
+    of B's activations with A's held one in order, in the caller's thread. A held activation that A's
+    computation wrote in place after it was observed (its version counter moved) is refused: the
+    lockstep would have read it before the write."""
+
+    def __init__(self, consume: Callable[[tuple, torch.Tensor, torch.Tensor], None]):
+        self.consume = consume
+        self.held: collections.deque = collections.deque()
+
+    def hold(self, key: tuple, x: torch.Tensor) -> None:
+        self.held.append((key, x, _version(x)))
+
+    def take(self, key: tuple, y: torch.Tensor) -> None:
+        if not self.held:
+            raise RuntimeError(f"model B produced an activation ({key}) that model A did not; {_SAME_CLASS}")
+        got, x, version = self.held.popleft()
+        if got != key:
+            raise RuntimeError(f"A and B produced different activations ({got} vs {key}); {_SAME_CLASS}")
+        if version != _version(x):
+            raise RuntimeError(
+                f"model A's layer wrote its observed activation {key} in place after the hook read it; "
+                "calibrate batch by batch (offload='never') for this architecture"
+            )
+        self.consume(key, x, y)
+
+    def run(self, forward_a: Callable[[], None], forward_b: Callable[[], None]) -> None:
+        forward_a()
+        forward_b()
+        if self.held:
+            raise RuntimeError(f"model A produced an activation ({self.held[0][0]}) that model B did not")
 
 
 class _TokenBudget:
@@ -369,6 +416,24 @@ class StatisticsCollector:
                 self._obs_b.stop()
 
         lockstep.run(forward_a, forward_b)
+
+    def observe_in_turn(self, run_a: Callable[[], None], run_b: Callable[[], None]) -> None:
+        """Run ``run_a`` (A's computation of one layer) and then ``run_b`` (B's) in the caller's
+        thread, folding what they observe: the pairs and their order are :meth:`observe`'s, with
+        A's observed activations of the computation held until B's reach them."""
+        in_turn = _InTurn(self._consume)
+
+        def observed(observer: _Observer, emit, run):
+            def forward():
+                observer.start(emit)
+                try:
+                    run()
+                finally:
+                    observer.stop()
+
+            return forward
+
+        in_turn.run(observed(self._obs_a, in_turn.hold, run_a), observed(self._obs_b, in_turn.take, run_b))
 
     def finish(self, batch: CalibrationBatch) -> None:
         """Count ``batch``'s examples and tokens once its whole forward has been observed."""

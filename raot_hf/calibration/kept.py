@@ -73,7 +73,7 @@ def _open_direct(path: str) -> int | None:
 class KeptOutputs:
     """Tensors appended under keys to one unlinked temporary file (each key's pieces are read back
     concatenated along their first axis), at most ``budget`` bytes: past it nothing more is kept
-    and :attr:`usable` turns False. Thread-safe: the calibration runs A's forward in a helper thread.
+    and :attr:`usable` turns False. Thread-safe: a batch-by-batch calibration runs A's forward in a helper thread.
 
     Written once and read once, the file bypasses the page cache where the system allows
     (``O_DIRECT``, through one staging buffer aligned to :data:`ALIGN`): on the measuring host

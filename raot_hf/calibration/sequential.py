@@ -2,7 +2,8 @@
 B, then every batch through layer 1, and so on, on hidden states carried from the layer before.
 
 Offloaded layers are read once per phase, and a layer's fit moments are complete once the last
-batch has left it (``on_layer(i)`` may solve and free them). The activations folded are the
+batch has left it (``on_layer(i)`` may solve and free them). A's layer and then B's run in the
+caller's thread (:meth:`StatisticsCollector.observe_in_turn`). The activations folded are the
 batch-by-batch pass's, in the same order per site; only the residual stream's moment adds its
 terms in another order (float64 rounding). Each layer's call (masks, rotary embeddings, DeBERTa's
 relative embeddings) is captured once per batch from a forward that reads no layer's weights.
@@ -19,6 +20,7 @@ from huggingface_hub.utils import tqdm
 from raot_hf.calibration.batches import CalibrationBatch
 from raot_hf.calibration.collector import StatisticsCollector
 from raot_hf.correction.carry import LayerCall, layer0_call, layer_calls
+from raot_hf.io.offload import trim_heap
 from raot_hf.stages.context import on_device_of
 
 
@@ -55,7 +57,7 @@ def _enter(
             model = models[side]
             hidden[side] = layer0_call(model, names[0], on_device_of(model, batch.inputs))[1]
 
-        collector.observe(lambda run=run: run("a"), lambda run=run: run("b"))
+        collector.observe_in_turn(lambda run=run: run("a"), lambda run=run: run("b"))
         kept = entering(batch) if entering is not None else None
         carried.append(_Batch(batch, collector.rows_state(), calls, hidden, kept))
     return carried
@@ -92,11 +94,15 @@ def observe_layer_by_layer(
 
                 if capture is not None:
                     capture.observing(item.kept)
-                collector.observe(lambda run=run, m=module_a: run("a", m), lambda run=run, m=module_b: run("b", m))
+                run_a, run_b = (lambda run=run, m=module_a: run("a", m)), (lambda run=run, m=module_b: run("b", m))
+                collector.observe_in_turn(run_a, run_b)
                 item.hidden, item.rows = out, collector.rows_state()
             if capture is not None:
                 capture.observing(None)
             if on_layer is not None:
+                # the layer's activations, freed into the C heap, go back to the OS before the solve:
+                # its k × k sums lie above glibc's mmap threshold and cannot reuse free heap chunks
+                trim_heap()
                 on_layer(i)
     finally:
         if capture is not None:
