@@ -104,12 +104,13 @@ class _Observer:
         for name in gram_modules:
             add(name, "in", in_hook(("gram", name)))
 
-    def start(self, emit: Callable[[tuple, torch.Tensor], None]) -> None:
-        """Report this thread's next forward pass to ``emit``."""
+    def observing(self, emit: Callable[[tuple, torch.Tensor], None], run: Callable[[], None]) -> None:
+        """Run ``run`` in this thread, reporting its observed activations to ``emit``."""
         self.emit, self.thread, self.seen = emit, threading.get_ident(), set()
-
-    def stop(self) -> None:
-        self.emit = self.thread = None
+        try:
+            run()
+        finally:
+            self.emit = self.thread = None
 
     def remove(self) -> None:
         self.hooks.remove()
@@ -402,38 +403,18 @@ class StatisticsCollector:
         def forward_a():  # runs in the helper thread, whose current CUDA device is not inherited
             if dev_a.type == "cuda":
                 torch.cuda.set_device(dev_a)
-            self._obs_a.start(lockstep.offer)
-            try:
-                run_a()
-            finally:
-                self._obs_a.stop()
+            self._obs_a.observing(lockstep.offer, run_a)
 
-        def forward_b():
-            self._obs_b.start(lockstep.take)
-            try:
-                run_b()
-            finally:
-                self._obs_b.stop()
-
-        lockstep.run(forward_a, forward_b)
+        lockstep.run(forward_a, lambda: self._obs_b.observing(lockstep.take, run_b))
 
     def observe_in_turn(self, run_a: Callable[[], None], run_b: Callable[[], None]) -> None:
         """Run ``run_a`` (A's computation of one layer) and then ``run_b`` (B's) in the caller's
         thread, folding what they observe: the pairs and their order are :meth:`observe`'s, with
         A's observed activations of the computation held until B's reach them."""
         in_turn = _InTurn(self._consume)
-
-        def observed(observer: _Observer, emit, run):
-            def forward():
-                observer.start(emit)
-                try:
-                    run()
-                finally:
-                    observer.stop()
-
-            return forward
-
-        in_turn.run(observed(self._obs_a, in_turn.hold, run_a), observed(self._obs_b, in_turn.take, run_b))
+        in_turn.run(
+            lambda: self._obs_a.observing(in_turn.hold, run_a), lambda: self._obs_b.observing(in_turn.take, run_b)
+        )
 
     def finish(self, batch: CalibrationBatch) -> None:
         """Count ``batch``'s examples and tokens once its whole forward has been observed."""

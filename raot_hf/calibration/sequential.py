@@ -20,7 +20,6 @@ from huggingface_hub.utils import tqdm
 from raot_hf.calibration.batches import CalibrationBatch
 from raot_hf.calibration.collector import StatisticsCollector
 from raot_hf.correction.carry import LayerCall, layer0_call, layer_calls
-from raot_hf.io.offload import trim_heap
 from raot_hf.stages.context import on_device_of
 
 
@@ -100,9 +99,6 @@ def observe_layer_by_layer(
             if capture is not None:
                 capture.observing(None)
             if on_layer is not None:
-                # the layer's activations, freed into the C heap, go back to the OS before the solve:
-                # its k × k sums lie above glibc's mmap threshold and cannot reuse free heap chunks
-                trim_heap()
                 on_layer(i)
     finally:
         if capture is not None:

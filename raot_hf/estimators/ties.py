@@ -83,16 +83,13 @@ def resolve_near_ties(score: torch.Tensor, perm: torch.Tensor, tolerance: float,
         return perm, TieResolution(0, 0, smallest, tolerance)
     rows, cols = band.nonzero(as_tuple=True)
     del band
-    penalty = 4 * tolerance * mismatch(rows, cols)
-    if score.dtype != _F64:
-        penalised = score.to(_F64, copy=True)
-        penalised[rows, cols] -= penalty
+    # the band penalised in the float64 scores themselves (``score``, or its float64 copy) and put
+    # back bit for bit: no k × k copy
+    penalised = score if score.dtype == _F64 else score.to(_F64)
+    unpenalised = penalised[rows, cols]
+    penalised[rows, cols] = unpenalised - 4 * tolerance * mismatch(rows, cols)
+    try:
         resolved = assign(penalised)
-    else:  # the band penalised in ``score`` itself and put back bit for bit: no k × k copy
-        unpenalised = score[rows, cols]
-        score[rows, cols] = unpenalised - penalty
-        try:
-            resolved = assign(score)
-        finally:
-            score[rows, cols] = unpenalised
+    finally:
+        penalised[rows, cols] = unpenalised
     return resolved, TieResolution(near, int((resolved != perm).sum()), smallest, tolerance)

@@ -253,6 +253,9 @@ def _early_solver(ctx: PairContext, stats: CalibrationStatistics, solved: dict |
         return None
 
     def solve(i: int) -> None:
+        # the layer's activations, freed into the C heap, go back to the OS first: the solve's k × k
+        # matrices lie above glibc's mmap threshold and cannot reuse free heap chunks (§7.4)
+        trim_heap()
         with ctx.timer.stage("solve"), one_thread():
             solve_layer_early(stats, ctx.schema, cfg, i, solved)
 
